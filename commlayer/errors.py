@@ -1,0 +1,39 @@
+"""Exceptions raised by commlayer; each subclasses the builtin a Horovod user expects."""
+
+from __future__ import annotations
+
+
+class CommlayerError(RuntimeError):
+    """Base class of commlayer's runtime errors (Horovod: HorovodInternalError)."""
+
+
+# Horovod users catch this name (elastic training, error handling).
+HorovodInternalError = CommlayerError
+
+
+class ConfigError(ValueError):
+    """A COMMLAYER_* environment variable or explicit setting has a bad value."""
+
+
+class NotInitializedError(ValueError):
+    """A collective was called before commlayer.init() or after shutdown()."""
+
+
+class DuplicateNameError(ValueError):
+    """Two in-flight operations on one rank share a name."""
+
+
+class TensorMismatchError(CommlayerError):
+    """Ranks submitted the same tensor name with different shape, dtype, op or root."""
+
+
+class StallError(CommlayerError):
+    """Some ranks of a process set never submitted a tensor the others are waiting on."""
+
+
+class ShutdownError(CommlayerError):
+    """The engine stopped (a rank shut down, died, or failed) before the operation completed."""
+
+
+class RankDiedError(ShutdownError):
+    """A peer process exited while the others still needed it."""

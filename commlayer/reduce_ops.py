@@ -1,0 +1,42 @@
+"""Reduction operators: the ReduceOp enum and its elementwise meaning on torch tensors."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction applied by allreduce and reducescatter (values match horovod.torch)."""
+
+    Average = 0
+    Sum = 1
+    Adasum = 2
+    Min = 3
+    Max = 4
+    Product = 5
+
+
+Average = ReduceOp.Average
+Sum = ReduceOp.Sum
+Adasum = ReduceOp.Adasum
+Min = ReduceOp.Min
+Max = ReduceOp.Max
+Product = ReduceOp.Product
+
+SUPPORTED_OPS = (Average, Sum, Min, Max, Product)
+
+
+def reduce_into(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
+    """acc <- acc (op) other, elementwise, in place. Average is reduced as Sum (scaled later)."""
+    if op in (ReduceOp.Sum, ReduceOp.Average):
+        acc.add_(other)
+    elif op == ReduceOp.Min:
+        torch.minimum(acc, other, out=acc)
+    elif op == ReduceOp.Max:
+        torch.maximum(acc, other, out=acc)
+    elif op == ReduceOp.Product:
+        acc.mul_(other)
+    else:
+        raise ValueError(f"reduce op {op!r} is not supported; allowed: {[o.name for o in SUPPORTED_OPS]}")
