@@ -1,0 +1,79 @@
+"""commlayer: communication middleware for distributed training in PyTorch.
+
+``import commlayer as hvd`` works for horovod.torch users: same names, arguments and semantics.
+"""
+
+from commlayer import config
+from commlayer.engine import Handle
+from commlayer.errors import (
+    CommlayerError,
+    ConfigError,
+    DuplicateNameError,
+    HorovodInternalError,
+    NotInitializedError,
+    RankDiedError,
+    ShutdownError,
+    StallError,
+    TensorMismatchError,
+)
+from commlayer.functions import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    broadcast_,
+    grouped_allreduce,
+    reducescatter,
+)
+from commlayer.ops import (
+    allgather_async,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall_async,
+    barrier,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    reducescatter_async,
+    synchronize,
+)
+from commlayer.process_sets import ProcessSet, global_process_set
+from commlayer.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from commlayer.runtime import (
+    add_process_set,
+    cross_rank,
+    cross_size,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+)
+
+__version__ = "0.1.0"
+
+
+def mpi_built() -> bool:
+    """commlayer always runs over MPI (mpi4py)."""
+    return True
+
+
+def mpi_enabled() -> bool:
+    return is_initialized()
+
+
+def mpi_threads_supported() -> bool:
+    """The engine makes every MPI call from one thread, so any thread level works."""
+    return True
+
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,277 @@
+"""MPI backend: mpi4py nonblocking collectives on torch tensors, zero-copy.
+
+Buffers are passed to MPI by address (``MPI.buffer.fromaddress``), so any dtype, bfloat16
+included, travels without a copy. float16 and bfloat16 reductions use user-defined MPI ops that
+reduce with torch (MPI has no 16-bit float types); every other dtype uses MPI's built-in ops.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import mpi4py
+
+# The engine finalizes MPI itself at exit, and skips it after a peer died (a pending request on
+# a dead peer would make MPI_Finalize hang).
+mpi4py.rc.finalize = False
+from mpi4py import MPI  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from commlayer.backends.base import COMPLETED, Request  # noqa: E402
+from commlayer.reduce_ops import ReduceOp  # noqa: E402
+
+_DTYPES: dict[torch.dtype, MPI.Datatype] = {
+    torch.float32: MPI.FLOAT,
+    torch.float64: MPI.DOUBLE,
+    torch.int64: MPI.INT64_T,
+    torch.int32: MPI.INT32_T,
+    torch.int16: MPI.INT16_T,
+    torch.int8: MPI.INT8_T,
+    torch.uint8: MPI.UINT8_T,
+    torch.bool: MPI.C_BOOL,
+    torch.float16: MPI.INT16_T,  # carried as 16-bit words, reduced by _HALF_OPS
+    torch.bfloat16: MPI.INT16_T,
+}
+
+_BUILTIN_OPS = {
+    ReduceOp.Sum: MPI.SUM,
+    ReduceOp.Average: MPI.SUM,
+    ReduceOp.Min: MPI.MIN,
+    ReduceOp.Max: MPI.MAX,
+    ReduceOp.Product: MPI.PROD,
+}
+
+
+def _make_half_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
+    from commlayer.reduce_ops import reduce_into
+
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        reduce_into(torch.frombuffer(inoutbuf, dtype=dtype), torch.frombuffer(inbuf, dtype=dtype), op)
+
+    return MPI.Op.Create(reduce, commute=True)
+
+
+_HALF_OPS: dict[tuple[torch.dtype, ReduceOp], MPI.Op] = {}
+
+
+def _mpi_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
+    if dtype in (torch.float16, torch.bfloat16):
+        key = (dtype, ReduceOp.Sum if op == ReduceOp.Average else op)
+        if key not in _HALF_OPS:
+            _HALF_OPS[key] = _make_half_op(*key)
+        return _HALF_OPS[key]
+    if dtype == torch.bool:
+        return {ReduceOp.Min: MPI.LAND, ReduceOp.Product: MPI.LAND}.get(op, MPI.LOR)
+    return _BUILTIN_OPS[op]
+
+
+def _spec(tensor: torch.Tensor, count: int | None = None) -> list[Any]:
+    """[buffer, count, datatype] for a contiguous CPU tensor, by address (zero-copy)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    buf = MPI.buffer.fromaddress(tensor.data_ptr() if nbytes else 0, nbytes)
+    return [buf, tensor.numel() if count is None else count, _DTYPES[tensor.dtype]]
+
+
+def _vspec(tensor: torch.Tensor, counts: Sequence[int]) -> list[Any]:
+    displs = np.concatenate(([0], np.cumsum(counts[:-1]))).astype(np.int64).tolist()
+    buf, _, dtype = _spec(tensor)
+    return [buf, (list(counts), displs), dtype]
+
+
+class _MPIRequest:
+    __slots__ = ("_req", "_keep")
+
+    def __init__(self, req: MPI.Request, *keep: Any) -> None:
+        self._req = req
+        self._keep = keep  # buffers MPI reads or writes until completion
+
+    def test(self) -> bool:
+        return bool(self._req.Test())
+
+
+class _GatherBytesRequest:
+    """Two-stage allgather of variable-length byte strings: lengths, then payloads."""
+
+    __slots__ = ("_comm", "_payload", "_lengths", "_req", "_data", "out")
+
+    def __init__(self, comm: MPI.Intracomm, payload: bytes, out: list[bytes]) -> None:
+        self._comm = comm
+        self._payload = np.frombuffer(payload, dtype=np.uint8) if payload else np.empty(0, np.uint8)
+        self._lengths = np.empty(comm.size, dtype=np.int64)
+        mine = np.array([len(payload)], dtype=np.int64)
+        self._req = comm.Iallgather([mine, MPI.INT64_T], [self._lengths, MPI.INT64_T])
+        self._data: np.ndarray | None = None
+        self.out = out
+
+    def test(self) -> bool:
+        if not self._req.Test():
+            return False
+        if self._data is None:
+            counts = self._lengths.tolist()
+            self._data = np.empty(sum(counts), dtype=np.uint8)
+            displs = np.concatenate(([0], np.cumsum(counts[:-1]))).astype(np.int64).tolist()
+            self._req = self._comm.Iallgatherv(
+                [self._payload, MPI.BYTE], [self._data, (counts, displs), MPI.BYTE]
+            )
+            return self.test()
+        offsets = np.concatenate(([0], np.cumsum(self._lengths))).tolist()
+        self.out[:] = [self._data[a:b].tobytes() for a, b in zip(offsets[:-1], offsets[1:])]
+        return True
+
+
+class MPIBackend:
+    """Backend over one MPI communicator."""
+
+    def __init__(self, comm: MPI.Intracomm | None = None) -> None:
+        self._comm: MPI.Intracomm = comm if comm is not None else MPI.COMM_WORLD.Dup()
+        self._rank = self._comm.rank
+        self._size = self._comm.size
+        me = (socket.gethostname(), os.getpid())
+        self._peers: list[tuple[str, int]] = self._comm.allgather(me)
+        shared = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+        leaders = self._comm.allgather(shared.allreduce(self._rank, op=MPI.MIN))
+        shared.Free()
+        order = sorted(set(leaders))
+        self._nodes = [order.index(leader) for leader in leaders]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        return self._comm
+
+    def iallreduce(self, send: torch.Tensor | None, recv: torch.Tensor, op: ReduceOp) -> Request:
+        if self._size == 1 or recv.numel() == 0:
+            if send is not None and send.data_ptr() != recv.data_ptr():
+                recv.copy_(send)
+            return COMPLETED
+        sendspec: Any = MPI.IN_PLACE if send is None else _spec(send)
+        req = self._comm.Iallreduce(sendspec, _spec(recv), _mpi_op(recv.dtype, op))
+        return _MPIRequest(req, send, recv)
+
+    def iallgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Request:
+        req = self._comm.Iallgatherv(_spec(send), _vspec(recv, counts))
+        return _MPIRequest(req, send, recv)
+
+    def ibcast(self, buf: torch.Tensor, root: int) -> Request:
+        if self._size == 1 or buf.numel() == 0:
+            return COMPLETED
+        return _MPIRequest(self._comm.Ibcast(_spec(buf), root=root), buf)
+
+    def ialltoallv(
+        self,
+        send: torch.Tensor,
+        send_counts: Sequence[int],
+        recv: torch.Tensor,
+        recv_counts: Sequence[int],
+    ) -> Request:
+        req = self._comm.Ialltoallv(_vspec(send, send_counts), _vspec(recv, recv_counts))
+        return _MPIRequest(req, send, recv)
+
+    def ireduce_scatter(
+        self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], op: ReduceOp
+    ) -> Request:
+        if self._size == 1:
+            recv.copy_(send[: recv.numel()])
+            return COMPLETED
+        req = self._comm.Ireduce_scatter(
+            _spec(send), _spec(recv), list(counts), _mpi_op(send.dtype, op)
+        )
+        return _MPIRequest(req, send, recv)
+
+    def ibarrier(self) -> Request:
+        return _MPIRequest(self._comm.Ibarrier())
+
+    def icontrol(self, words: np.ndarray) -> Request:
+        if self._size == 1:
+            return COMPLETED
+        return _MPIRequest(self._comm.Iallreduce(MPI.IN_PLACE, [words, MPI.UINT64_T], MPI.BAND), words)
+
+    def iallgather_bytes(self, payload: bytes) -> tuple[Request, list[bytes]]:
+        out: list[bytes] = []
+        if self._size == 1:
+            out.append(payload)
+            return COMPLETED, out
+        return _GatherBytesRequest(self._comm, payload, out), out
+
+    def split(self, ranks: Sequence[int]) -> MPIBackend | None:
+        member = self._rank in ranks
+        sub = self._comm.Split(0 if member else MPI.UNDEFINED, self._rank)
+        return MPIBackend(sub) if member else None
+
+    def nodes(self) -> list[int]:
+        return list(self._nodes)
+
+    def dead_peers(self) -> list[int]:
+        host = socket.gethostname()
+        return [
+            rank
+            for rank, (peer_host, pid) in enumerate(self._peers)
+            if rank != self._rank and peer_host == host and not _process_alive(pid)
+        ]
+
+    def close(self) -> None:
+        if self._comm != MPI.COMM_WORLD and self._comm != MPI.COMM_NULL:
+            self._comm.Free()
+
+
+def _process_alive(pid: int) -> bool:
+    """False when the process is gone or a zombie (exited, not yet reaped by mpiexec)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state not in (b"Z", b"X")
+
+
+def finalize() -> None:
+    """MPI_Finalize, if MPI is initialized and not yet finalized."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+
+
+def library_version() -> str:
+    """First line of the MPI library's version string (e.g. 'MPICH Version: 5.0.2')."""
+    return MPI.Get_library_version().splitlines()[0].strip()
+
+
+_finalize_skipped = False
+
+
+def skip_finalize() -> None:
+    """Do not call MPI_Finalize at exit (a peer died: it would wait for it forever)."""
+    global _finalize_skipped
+    _finalize_skipped = True
+
+
+def _finalize_at_exit() -> None:
+    if not _finalize_skipped:
+        finalize()
+
+
+atexit.register(_finalize_at_exit)
+
+
+def world_subset(ranks: Sequence[int]) -> MPI.Intracomm:
+    """A communicator over some of COMM_WORLD's ranks (collective over COMM_WORLD)."""
+    member = MPI.COMM_WORLD.rank in ranks
+    return MPI.COMM_WORLD.Split(0 if member else MPI.UNDEFINED, MPI.COMM_WORLD.rank)

@@ -1,0 +1,588 @@
+"""The background engine: negotiate -> fuse -> reduce -> complete, on one thread per process.
+
+The constraints it answers, and how:
+
+1. MPI wants every rank to call collectives in the same order, but backward produces gradients
+   in an order that can differ between ranks. -> Ranks negotiate (negotiation.py): an operation
+   runs only once every rank of its process set submitted it, in an order all ranks share.
+2. User threads must never block on communication until they call ``synchronize``. -> ``submit``
+   only enqueues and returns a Handle; one engine thread makes every backend call (MPI thread
+   level SERIALIZED would suffice).
+3. Many small tensors waste latency, one huge buffer delays the start. -> Ready allreduces of one
+   dtype and op are fused into buckets of at most ``fusion_threshold_bytes`` (fusion.py). A rank
+   with new work starts a cycle at once, so tensors that arrive while a collective runs are
+   batched into the next one: no fixed wait for company.
+4. On a small or oversubscribed machine a busy-polling progress loop halves training throughput
+   (shared/ANCHORS.md: Horovod 0.55x DDP busy-polling, 1.35x yielding). -> The engine waits on
+   collectives with Test + sched_yield (a yield keeps MPI progressing at full speed: 1 MiB
+   allreduce 572 us vs 554 us blocking, where sleeping between tests took 4,577 us), sleeps with
+   backoff when waiting on a negotiation a peer has not joined yet, and when idle sleeps on a
+   condition variable with a heartbeat of ``idle_cycle_time_ms``.
+5. Errors must reach every rank, named, within seconds, never a hang: mismatches become error
+   responses on every rank; stalls are reported and optionally failed; a shutting-down rank
+   tells the others in its last cycle; a peer that died is noticed within a second while
+   waiting (its pid is checked) and every pending operation fails with RankDiedError.
+"""
+
+from __future__ import annotations
+
+import _thread
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from commlayer import fusion
+from commlayer.backends.base import Backend, Request
+from commlayer.config import Config
+from commlayer.errors import (
+    CommlayerError,
+    DuplicateNameError,
+    RankDiedError,
+    ShutdownError,
+    TensorMismatchError,
+)
+from commlayer.negotiation import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    BARRIER,
+    BROADCAST,
+    REDUCESCATTER,
+    REGISTER,
+    Announce,
+    CycleResult,
+    Negotiator,
+    Response,
+)
+from commlayer.reduce_ops import ReduceOp
+from commlayer.timeline import NullTimeline, Timeline, open_timeline
+
+log = logging.getLogger("commlayer")
+
+_MIN_BACKOFF_S = 50e-6
+_CONTROL_SPIN_S = 50e-6  # yield-spin this long on a negotiation before sleeping
+_CONTROL_MAX_SLEEP_S = 250e-6  # bounds the extra latency when a peer posts late
+_PEER_CHECK_S = 1.0
+
+
+class Handle:
+    """Result of an asynchronous operation: ``poll`` it, ``wait`` for it (via synchronize)."""
+
+    __slots__ = ("name", "_latch", "_done", "_result", "_error")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # A held lock is the cheapest latch (0.1 us to create vs 4 us for threading.Event,
+        # which matters at 100s of operations per step).
+        self._latch = _thread.allocate_lock()
+        self._latch.acquire()
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        if not self._done:
+            if not self._latch.acquire(timeout=-1 if timeout_s is None else timeout_s):
+                raise TimeoutError(f"operation {self.name!r} did not complete in {timeout_s} s")
+            self._latch.release()  # let other waiters through
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _set(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done = True
+        self._latch.release()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<commlayer.Handle {self.name!r} {state}>"
+
+
+@dataclasses.dataclass
+class Operation:
+    """One submitted collective, as the engine keeps it until completion."""
+
+    announce: Announce
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    process_set_id: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+    finish: Callable[[Any], Any] | None = None  # maps the raw result to what the user gets
+    handle: Handle = dataclasses.field(default_factory=lambda: Handle(""))
+    remaining: int = 0
+    t_submit: float = 0.0
+    t_negotiate: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.announce.name
+
+
+@dataclasses.dataclass
+class _SetState:
+    ranks: tuple[int, ...]
+    backend: Backend
+    negotiator: Negotiator
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters for reports (the demo's communication summary, benchmarks)."""
+
+    operations: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0  # estimate: what a bandwidth-optimal algorithm sends per rank
+    collective_s: float = 0.0
+    cycles: int = 0
+
+
+class Engine:
+    """Owns a backend and the thread that makes every call on it."""
+
+    def __init__(self, backend: Backend, config: Config,
+                 timeline: Timeline | NullTimeline | None = None) -> None:
+        self.config = config
+        self.rank = backend.rank
+        self.size = backend.size
+        self.stats = Stats()
+        self._timeline = timeline or open_timeline(config.timeline_path, backend.rank)
+        self._tracing = not isinstance(self._timeline, NullTimeline)
+        self._sets: dict[int, _SetState] = {}
+        self._next_set_id = 0
+        self._cv = threading.Condition()
+        self._incoming: list[Operation] = []
+        self._inflight: set[tuple[int, str]] = set()
+        self._pool = fusion.BufferPool()
+        self._error: BaseException | None = None
+        self._stopped = threading.Event()
+        self._progress = False
+        self._backoff_s = _MIN_BACKOFF_S
+        self._join_handle: Handle | None = None
+        self._global = self._register(tuple(range(backend.size)), backend)
+        self._thread = threading.Thread(target=self._run, name="commlayer-engine", daemon=True)
+
+    # -- user-thread side --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
+        state = self._sets.get(set_id)
+        return state.ranks if state else None
+
+    def submit(self, op: Operation) -> Handle:
+        """Enqueue an operation; returns at once. Raises if the name is already in flight."""
+        op.handle = Handle(op.name)
+        op.t_submit = time.perf_counter()
+        key = (op.process_set_id, op.name)
+        with self._cv:
+            self._raise_if_stopped(op.name)
+            if key in self._inflight:
+                raise DuplicateNameError(
+                    f"rank {self.rank}: an operation named {op.name!r} is already in flight; "
+                    "names must be unique among outstanding operations"
+                )
+            self._inflight.add(key)
+            self._incoming.append(op)
+            self._cv.notify()
+        return op.handle
+
+    def join(self) -> Handle:
+        with self._cv:
+            self._raise_if_stopped("join")
+            if self._join_handle is None:
+                self._join_handle = Handle("join")
+                self._global.negotiator.joined = True
+                self._cv.notify()
+            return self._join_handle
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Tell the other ranks, stop the thread, fail what is still pending."""
+        with self._cv:
+            self._global.negotiator.shutting_down = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("commlayer rank %d: engine did not stop within %g s (a peer is not "
+                            "answering)", self.rank, timeout_s)
+        self._timeline.close()
+
+    @property
+    def peer_died(self) -> bool:
+        return isinstance(self._error, RankDiedError)
+
+    def _raise_if_stopped(self, what: str) -> None:
+        if self._stopped.is_set() or self._global.negotiator.shutting_down:
+            reason = f": {self._error}" if self._error else ""
+            raise ShutdownError(f"rank {self.rank}: cannot run {what!r}, commlayer has been "
+                                f"shut down{reason}")
+
+    # -- process sets ----------------------------------------------------------------------------
+    def _register(self, ranks: tuple[int, ...], backend: Backend | None) -> _SetState:
+        set_id = self._next_set_id
+        self._next_set_id += 1
+        cfg = self.config
+        negotiator = Negotiator(backend, cfg.cache_capacity, cfg.stall_check_time_s,
+                                cfg.stall_shutdown_time_s, self._wait_control) if backend else None
+        state = _SetState(ranks, backend, negotiator)  # type: ignore[arg-type]
+        self._sets[set_id] = state
+        return state
+
+    def register_process_set(self, ranks: Sequence[int]) -> tuple[int, Backend | None]:
+        """Collective over all ranks, before the thread starts: split off a process set."""
+        backend = self._global.backend.split(list(ranks))
+        set_id = self._next_set_id
+        self._register(tuple(ranks), backend)
+        return set_id, backend
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wait_for_work()
+                if self._cycle_all():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the users' handles
+            self._error = exc
+            if not isinstance(exc, ShutdownError):
+                log.error("commlayer rank %d: engine stopped: %s", self.rank, exc)
+        finally:
+            self._stop()
+
+    def _wait_for_work(self) -> None:
+        with self._cv:
+            pending = any(s.negotiator.has_work() for s in self._member_sets())
+            urgent = self._incoming or self._global.negotiator.shutting_down
+            if self._progress:
+                self._backoff_s = _MIN_BACKOFF_S
+            if urgent or (pending and self._progress):
+                return
+            if not pending:
+                self._cv.wait(self.config.idle_cycle_time_ms / 1e3)
+                return
+            # Pending but the last cycle made no progress: peers are behind. Back off so ranks
+            # that all wait on each other do not spin cycles; new local work wakes us at once.
+            self._cv.wait(self._backoff_s)
+            self._backoff_s = min(self._backoff_s * 2, self.config.cycle_time_ms / 1e3)
+
+    def _member_sets(self) -> list[_SetState]:
+        return [s for _, s in sorted(self._sets.items()) if s.negotiator is not None]
+
+    def _cycle_all(self) -> bool:
+        """One negotiation cycle on every process set this rank belongs to; True to stop."""
+        with self._cv:
+            incoming, self._incoming = self._incoming, []
+        now = time.perf_counter()
+        for op in incoming:
+            op.t_negotiate = now
+            self._sets[op.process_set_id].negotiator.add(op.announce, op)
+        self._progress = False
+        self.stats.cycles += 1
+        for set_id, state in sorted(self._sets.items()):
+            if state.negotiator is None:
+                continue
+            result = state.negotiator.cycle()
+            for op, error in result.failed:
+                self._complete(op, error=error)
+            self._execute(set_id, state, result)
+            if set_id == 0:
+                if result.all_joined_last is not None:
+                    self._finish_join(result.all_joined_last)
+                if result.shutdown_ranks:
+                    self._error = ShutdownError(
+                        f"rank {self.rank}: rank(s) {list(result.shutdown_ranks)} shut down; "
+                        "collectives that need them cannot complete")
+                    return True
+        return False
+
+    def _finish_join(self, last_rank: int) -> None:
+        with self._cv:
+            handle, self._join_handle = self._join_handle, None
+        if handle is not None:
+            handle._set(last_rank)
+
+    def _stop(self) -> None:
+        with self._cv:
+            self._stopped.set()
+            leftovers = list(self._incoming)
+            self._incoming.clear()
+            for state in self._sets.values():
+                if state.negotiator is not None:
+                    leftovers += state.negotiator.fail_all()
+            join, self._join_handle = self._join_handle, None
+        error = self._error if isinstance(self._error, CommlayerError) else ShutdownError(
+            f"rank {self.rank}: commlayer engine stopped: {self._error or 'shutdown'}")
+        for op in leftovers:
+            self._complete(op, error=error)
+        if join is not None:
+            join._set(error=error)
+
+    # -- waiting ---------------------------------------------------------------------------------
+    def _wait_control(self, request: Request) -> None:
+        self._wait(request, spin_s=_CONTROL_SPIN_S)
+
+    def _wait(self, request: Request, spin_s: float = math.inf) -> None:
+        """Wait without busy-polling: yield the CPU between tests, then sleep with backoff."""
+        if request.test():
+            return
+        start = time.perf_counter()
+        next_check = start + _PEER_CHECK_S
+        sleep_s = 20e-6
+        while not request.test():
+            now = time.perf_counter()
+            if now - start < spin_s:
+                os.sched_yield()
+            else:
+                time.sleep(sleep_s)
+                sleep_s = min(sleep_s * 2, _CONTROL_MAX_SLEEP_S)
+            if now >= next_check:
+                next_check = now + _PEER_CHECK_S
+                dead = self._global.backend.dead_peers()
+                if dead:
+                    raise RankDiedError(f"rank {self.rank}: rank(s) {dead} exited while this "
+                                        f"rank waited on them")
+
+    # -- execution -------------------------------------------------------------------------------
+    def _complete(self, op: Operation, result: Any = None, error: BaseException | None = None
+                  ) -> None:
+        with self._cv:
+            self._inflight.discard((op.process_set_id, op.name))
+        if error is None and op.finish is not None:
+            try:
+                result = op.finish(result)
+            except Exception as exc:  # noqa: BLE001 - surfaced to the caller through the handle
+                error = exc
+        op.handle._set(result, error)
+
+    def _execute(self, set_id: int, state: _SetState, result: CycleResult) -> None:
+        active = [r for r in range(state.backend.size) if r not in result.joined]
+        groups: dict[tuple[str, int], list[fusion.Entry]] = {}
+        others: list[tuple[Response, Operation | None]] = []
+        now = time.perf_counter()
+        for response, op in result.ready:
+            self._progress = True
+            if op is not None and self._tracing:
+                self._timeline.span(op.name, "QUEUED", op.t_submit, op.t_negotiate)
+                self._timeline.span(op.name, "NEGOTIATING", op.t_negotiate, now)
+            if response.error is not None:
+                if op is not None:
+                    self._complete(op, error=TensorMismatchError(
+                        f"rank {self.rank}: {response.error}"))
+            elif response.kind == ALLREDUCE:
+                entries = self._allreduce_entries(response, op, len(active))
+                groups.setdefault((response.dtype, response.op), []).extend(entries)
+            else:
+                others.append((response, op))
+        for (dtype, op_value), entries in groups.items():
+            self._run_allreduce(state.backend, getattr(torch, dtype), ReduceOp(op_value), entries)
+        for response, op in others:
+            try:
+                raw = self._run_other(state, response, op, active)
+            except CommlayerError as exc:
+                if op is not None:
+                    self._complete(op, error=exc)
+                continue
+            if op is not None:
+                self._complete(op, raw)
+
+    def _allreduce_entries(self, response: Response, op: Operation | None, n_active: int
+                           ) -> list[fusion.Entry]:
+        average = 1.0 / n_active if response.op == ReduceOp.Average else 1.0
+        entries = []
+        for index, shape in enumerate(response.shapes):
+            numel = math.prod(shape)
+            if op is None:
+                entries.append(fusion.Entry(None, None, numel))
+            else:
+                entries.append(fusion.Entry(op.inputs[index], op.outputs[index], numel,
+                                            op.prescale, op.postscale * average, op))
+        if op is not None:
+            op.remaining = len(entries)
+        return entries
+
+    def _run_allreduce(self, backend: Backend, dtype: torch.dtype, op: ReduceOp,
+                       entries: list[fusion.Entry]) -> None:
+        element = _element_size(dtype)
+        for bucket in fusion.plan_buckets(entries, element, self.config.fusion_threshold_bytes):
+            numel = sum(e.numel for e in bucket)
+            t0 = time.perf_counter()
+            direct = len(bucket) == 1 and bucket[0].output is not None
+            if direct:
+                entry = bucket[0]
+                assert entry.source is not None and entry.output is not None
+                send: torch.Tensor | None = entry.source
+                if entry.prescale != 1.0 or entry.source is entry.output:
+                    if entry.source is not entry.output:
+                        entry.output.view(-1).copy_(entry.source.reshape(-1))
+                    fusion.scale_(entry.output, entry.prescale)
+                    send = None
+                buf = entry.output.view(-1)
+                t1 = time.perf_counter()
+                self._wait(backend.iallreduce(None if send is None else send.reshape(-1), buf, op))
+                t2 = time.perf_counter()
+                fusion.scale_(entry.output, entry.postscale)
+            else:
+                buf = self._pool.get(dtype, numel)
+                fusion.pack(bucket, buf)
+                t1 = time.perf_counter()
+                self._wait(backend.iallreduce(None, buf, op))
+                t2 = time.perf_counter()
+                fusion.unpack(bucket, buf)
+            t3 = time.perf_counter()
+            self._account(numel * element, backend.size, t2 - t1, 2.0)
+            for entry in bucket:
+                owner = entry.owner
+                if owner is None:
+                    continue
+                if self._tracing:
+                    self._timeline.span(owner.name, "FUSION_PACK", t0, t1, bucket=len(bucket))
+                    self._timeline.span(owner.name, "COLLECTIVE", t1, t2, bytes=numel * element)
+                    self._timeline.span(owner.name, "FUSION_UNPACK", t2, t3)
+                owner.remaining -= 1
+                if owner.remaining == 0:
+                    self._complete(owner, owner.outputs)
+
+    def _account(self, nbytes: int, size: int, seconds: float, factor: float) -> None:
+        self.stats.operations += 1
+        self.stats.payload_bytes += nbytes
+        self.stats.wire_bytes += nbytes * factor * (size - 1) / max(size, 1)
+        self.stats.collective_s += seconds
+
+    def _run_other(self, state: _SetState, response: Response, op: Operation | None,
+                   active: list[int]) -> Any:
+        backend = state.backend
+        t0 = time.perf_counter()
+        kind = response.kind
+        if kind == BARRIER:
+            return None
+        if kind == REGISTER:
+            return self._register_from_response(state, response)
+        if len(active) < backend.size and kind in (BROADCAST, ALLTOALL) and (
+                kind == ALLTOALL or response.root not in active):
+            raise CommlayerError(f"rank {self.rank}: {kind} {response.name!r} cannot run while "
+                                 f"ranks {sorted(set(range(backend.size)) - set(active))} "
+                                 "have joined")
+        runner = {ALLGATHER: _allgather, BROADCAST: _broadcast, ALLTOALL: _alltoall,
+                  REDUCESCATTER: _reducescatter}[kind]
+        raw, request, nbytes, factor = runner(backend, response, op, active)
+        t1 = time.perf_counter()
+        self._wait(request)
+        t2 = time.perf_counter()
+        self._account(nbytes, backend.size, t2 - t1, factor)
+        if op is not None and self._tracing:
+            self._timeline.span(op.name, "COLLECTIVE", t1, t2, bytes=nbytes, kind=kind)
+            self._timeline.span(op.name, "FUSION_PACK", t0, t1)
+        return raw() if callable(raw) else raw
+
+    def _register_from_response(self, state: _SetState, response: Response) -> int:
+        """Add (shapes = (ranks,)) or remove (shapes = ((), (set_id,))) a process set."""
+        if len(response.shapes) == 2:
+            removed = self._sets.pop(response.shapes[1][0], None)
+            if removed is not None and removed.backend is not None:
+                removed.backend.close()
+            return -1
+        ranks = response.shapes[0]
+        backend = state.backend.split(list(ranks))
+        set_id = self._next_set_id
+        self._register(tuple(ranks), backend)
+        return set_id
+
+
+_ELEMENT_SIZES: dict[torch.dtype, int] = {}
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    size = _ELEMENT_SIZES.get(dtype)
+    if size is None:
+        size = _ELEMENT_SIZES[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
+
+
+# -- the non-fused collectives: each returns (result, request, payload bytes, wire factor) -------
+def _row_numel(response: Response) -> int:
+    return math.prod(response.shapes[0][1:]) if response.shapes and response.shapes[0] else 1
+
+
+def _allgather(backend: Backend, response: Response, op: Operation | None, active: list[int]
+               ) -> tuple[Any, Request, int, float]:
+    row = _row_numel(response)
+    dim0 = [response.dim0[r] if r in active else 0 for r in range(backend.size)]
+    rest = response.shapes[0][1:]
+    output = torch.empty((sum(dim0), *rest), dtype=response.torch_dtype)
+    send = op.inputs[0].reshape(-1) if op is not None else output.new_empty(0)
+    request = backend.iallgatherv(send, output.view(-1), [d * row for d in dim0])
+    return output, request, output.numel() * output.element_size(), 1.0
+
+
+def _broadcast(backend: Backend, response: Response, op: Operation | None, active: list[int]
+               ) -> tuple[Any, Request, int, float]:
+    if op is None:
+        buf = torch.empty(response.shapes[0], dtype=response.torch_dtype)
+    else:
+        buf = op.outputs[0]
+        if backend.rank == response.root and op.inputs[0] is not buf:
+            buf.copy_(op.inputs[0])
+    request = backend.ibcast(buf.view(-1), response.root)
+    return buf, request, buf.numel() * buf.element_size(), 1.0
+
+
+def _alltoall(backend: Backend, response: Response, op: Operation | None, active: list[int]
+              ) -> tuple[Any, Request, int, float]:
+    assert op is not None
+    me = backend.rank
+    row = _row_numel(response)
+    send_rows = list(response.splits[me])
+    recv_rows = [response.splits[q][me] for q in range(backend.size)]
+    rest = response.shapes[0][1:]
+    output = torch.empty((sum(recv_rows), *rest), dtype=response.torch_dtype)
+    request = backend.ialltoallv(op.inputs[0].reshape(-1), [r * row for r in send_rows],
+                                 output.view(-1), [r * row for r in recv_rows])
+    received = torch.tensor(recv_rows, dtype=torch.int32)
+    return (output, received), request, op.inputs[0].numel() * output.element_size(), 1.0
+
+
+def reducescatter_rows(dim0: int, size: int) -> list[int]:
+    """Rows of the first dimension each rank receives: the first dim0 % size ranks get one more."""
+    return [dim0 // size + (1 if r < dim0 % size else 0) for r in range(size)]
+
+
+def _reducescatter(backend: Backend, response: Response, op: Operation | None, active: list[int]
+                   ) -> tuple[Any, Request, int, float]:
+    shape = response.shapes[0]
+    row = _row_numel(response)
+    rows = reducescatter_rows(shape[0] if shape else 1, backend.size)
+    dtype = response.torch_dtype
+    if op is None:
+        send = torch.zeros(math.prod(shape), dtype=dtype)
+    else:
+        send = op.inputs[0].reshape(-1)
+        if op.prescale != 1.0:
+            send = send.clone()
+            fusion.scale_(send, op.prescale)
+    output = torch.empty((rows[backend.rank], *shape[1:]), dtype=dtype)
+    reduce_op = ReduceOp(response.op)
+    request = backend.ireduce_scatter(send, output.view(-1), [r * row for r in rows], reduce_op)
+    average = 1.0 / len(active) if reduce_op == ReduceOp.Average else 1.0
+    postscale = (op.postscale if op is not None else 1.0) * average
+
+    def finish() -> torch.Tensor:
+        fusion.scale_(output, postscale)
+        return output
+
+    return finish, request, send.numel() * send.element_size(), 1.0

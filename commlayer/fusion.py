@@ -1,0 +1,107 @@
+"""Tensor fusion: pack ready allreduce tensors of one dtype and op into reusable flat buffers.
+
+Many small gradients waste latency and one huge buffer delays the start, so ready tensors are
+packed in the order all ranks agreed on into buckets of at most ``fusion_threshold_bytes``. A
+tensor alone in its bucket is reduced where it lies (no copy). Scaling (prescale, postscale and
+Average's 1/n) is folded into the pack and unpack copies, so it costs no extra pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass
+class Entry:
+    """One tensor of a bucket: where it comes from, where the result goes, how to scale."""
+
+    source: torch.Tensor | None  # None: this rank joined and contributes zeros
+    output: torch.Tensor | None
+    numel: int
+    prescale: float = 1.0
+    postscale: float = 1.0
+    owner: Any = None  # engine bookkeeping (which operation this entry belongs to)
+
+
+def plan_buckets(entries: Iterable[Entry], element_size: int, threshold_bytes: int
+                 ) -> Iterator[list[Entry]]:
+    """Group entries, in order, into buckets of at most threshold_bytes (one entry may exceed)."""
+    bucket: list[Entry] = []
+    used = 0
+    for entry in entries:
+        size = entry.numel * element_size
+        if bucket and used + size > threshold_bytes:
+            yield bucket
+            bucket, used = [], 0
+        bucket.append(entry)
+        used += size
+    if bucket:
+        yield bucket
+
+
+def scale_(tensor: torch.Tensor, factor: float) -> None:
+    """tensor *= factor in place; integer tensors are scaled in float64 and truncated."""
+    if factor == 1.0:
+        return
+    if tensor.is_floating_point():
+        tensor.mul_(factor)
+    else:
+        tensor.copy_(tensor.double().mul_(factor).trunc_())
+
+
+class BufferPool:
+    """One growing flat buffer per dtype, reused across cycles (never freed while running)."""
+
+    __slots__ = ("_buffers",)
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            self._buffers[dtype] = buf
+        return buf[:numel]
+
+
+def pack(bucket: list[Entry], buf: torch.Tensor) -> None:
+    """Copy (and prescale) each entry's source into consecutive slices of buf."""
+    if all(e.source is not None and e.prescale == 1.0 for e in bucket):
+        torch.cat([e.source.reshape(-1) for e in bucket], out=buf)  # type: ignore[union-attr]
+        return
+    offset = 0
+    for entry in bucket:
+        piece = buf[offset: offset + entry.numel]
+        if entry.source is None:
+            piece.zero_()
+        elif entry.prescale != 1.0 and entry.source.is_floating_point():
+            torch.mul(entry.source.reshape(-1), entry.prescale, out=piece)
+        else:
+            piece.copy_(entry.source.reshape(-1))
+            scale_(piece, entry.prescale)
+        offset += entry.numel
+
+
+def unpack(bucket: list[Entry], buf: torch.Tensor) -> None:
+    """Copy (and postscale) consecutive slices of buf into each entry's output."""
+    pieces = buf.split([e.numel for e in bucket])
+    scales = {e.postscale for e in bucket}
+    if len(scales) == 1 and buf.is_floating_point():
+        factor = scales.pop()
+        if factor != 1.0:
+            buf.mul_(factor)
+        outs = [(e.output.view(-1), piece) for e, piece in zip(bucket, pieces)
+                if e.output is not None]
+        if outs:
+            torch._foreach_copy_([o for o, _ in outs], [p for _, p in outs])
+        return
+    for entry, piece in zip(bucket, pieces):
+        if entry.output is not None:
+            out = entry.output.view(-1)
+            out.copy_(piece)
+            scale_(out, entry.postscale)

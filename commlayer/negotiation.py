@@ -1,0 +1,401 @@
+"""Negotiation: agree, every cycle, on which named operations all ranks of a set have submitted.
+
+1. Every rank adds one bit vector to a bitwise-AND allreduce (``Backend.icontrol``): a "have"
+   bit per cached operation, its complement (so AND also yields "some rank has it", for stall
+   reports), OR-flags stored inverted (uncached news, shutdown, stall report), and one joined bit
+   and one shutdown bit per rank. Steady state (same names every step) costs only this
+   ~300-byte allreduce: no names cross the wire.
+2. A rank with operations not in the cache announces them once (name, kind, dtype, shapes, op,
+   root, splits); when any rank has news, all ranks allgather the announcements and update the
+   same table. Every rank therefore holds identical state and makes identical decisions.
+3. An operation is ready when every rank that has not joined submitted it. Ready operations are
+   validated (a mismatch becomes an error response on every rank), given a cache slot (LRU,
+   identical on all ranks) and returned in one order all ranks share: cached slots in slot order,
+   then new ones in announcement order.
+4. An operation some ranks have and others do not for ``stall_check_time_s`` raises the stall
+   flag; the next cycle exchanges pending names, every rank logs which ranks are missing, and
+   after ``stall_shutdown_time_s`` the operation fails with StallError on the ranks holding it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from commlayer.backends.base import Backend, Request
+
+log = logging.getLogger("commlayer")
+
+ALLREDUCE = "allreduce"
+ALLGATHER = "allgather"
+BROADCAST = "broadcast"
+ALLTOALL = "alltoall"
+REDUCESCATTER = "reducescatter"
+BARRIER = "barrier"
+REGISTER = "process_set"  # add/remove a process set: negotiated like a barrier
+
+_F_NEWS, _F_SHUTDOWN, _F_STALL = 1, 2, 4
+_ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+@dataclasses.dataclass(frozen=True)
+class Announce:
+    """What one rank says of one operation: everything other ranks must agree with or know."""
+
+    name: str
+    kind: str
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    op: int = 0
+    root: int = -1
+    splits: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    """An operation every rank executes identically (or fails identically, when ``error``)."""
+
+    name: str
+    kind: str
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    op: int
+    root: int
+    dim0: tuple[int, ...]  # first dimension of every rank's tensor (allgather, alltoall)
+    splits: tuple[tuple[int, ...], ...]  # alltoall: splits[q][r] rows from rank q to rank r
+    error: str | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _disagreement(field: str, per_rank: dict[int, Any]) -> str | None:
+    values = set(per_rank.values())
+    if len(values) <= 1:
+        return None
+    shown = ", ".join(f"rank {r}: {v!r}" for r, v in sorted(per_rank.items()))
+    return f"{field} differs across ranks ({shown})"
+
+
+def build_response(name: str, announced: dict[int, Announce], size: int) -> Response:
+    """Validate what every rank announced for ``name`` and describe the operation to run."""
+    first = announced[min(announced)]
+    kind = first.kind
+    checks: list[tuple[str, Callable[[Announce], Any]]] = [
+        ("operation", lambda a: a.kind),
+        ("dtype", lambda a: a.dtype),
+    ]
+    if kind in (ALLREDUCE, REDUCESCATTER):
+        checks.append(("reduce op", lambda a: a.op))
+    if kind == BROADCAST:
+        checks.append(("root rank", lambda a: a.root))
+    if kind in (ALLGATHER, ALLTOALL):
+        checks.append(("number of dimensions", lambda a: tuple(len(s) for s in a.shapes)))
+        checks.append(("shape after the first dimension", lambda a: tuple(s[1:] for s in a.shapes)))
+    else:
+        checks.append(("shape", lambda a: a.shapes))
+    for field, get in checks:
+        problem = _disagreement(field, {r: get(a) for r, a in announced.items()})
+        if problem:
+            return _error_response(name, first, f"{first.kind} {name!r}: {problem}")
+    if kind == BROADCAST and not 0 <= first.root < size:
+        return _error_response(name, first, f"broadcast {name!r}: root rank {first.root} is not in "
+                               f"[0, {size})")
+    dim0 = tuple(announced[r].shapes[0][0] if r in announced and announced[r].shapes and
+                 announced[r].shapes[0] else 0 for r in range(size))
+    splits: tuple[tuple[int, ...], ...] = ()
+    if kind == ALLTOALL:
+        splits = tuple(announced[r].splits or (0,) * size if r in announced else (0,) * size
+                       for r in range(size))
+    return Response(name, kind, first.dtype, first.shapes, first.op, first.root, dim0, splits)
+
+
+def _error_response(name: str, first: Announce, message: str) -> Response:
+    return Response(name, first.kind, first.dtype, first.shapes, first.op, first.root, (), (),
+                    error=message)
+
+
+class ResponseCache:
+    """name -> (slot, response), least recently used evicted first; identical on all ranks."""
+
+    __slots__ = ("capacity", "_slot_of", "by_slot", "_free", "high_water")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # in LRU order
+        self.by_slot: list[Response | None] = [None] * capacity
+        self._free = list(range(capacity - 1, -1, -1))
+        self.high_water = 0  # slots ever used; the bit vector covers only these
+
+    def get(self, name: str) -> tuple[int, Response] | None:
+        slot = self._slot_of.get(name)
+        if slot is None:
+            return None
+        response = self.by_slot[slot]
+        assert response is not None
+        return slot, response
+
+    def touch(self, name: str) -> None:
+        self._slot_of.move_to_end(name)
+
+    def put(self, response: Response) -> int:
+        if not self._free:
+            _, slot = self._slot_of.popitem(last=False)
+            self.by_slot[slot] = None
+            self._free.append(slot)
+        slot = self._free.pop()
+        self.high_water = max(self.high_water, slot + 1)
+        self._slot_of[response.name] = slot
+        self.by_slot[slot] = response
+        return slot
+
+    def evict(self, name: str) -> None:
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            self.by_slot[slot] = None
+            self._free.append(slot)
+
+
+@dataclasses.dataclass
+class Pending:
+    """A locally submitted operation waiting for the others (the engine's object is ``item``)."""
+
+    announce: Announce
+    item: Any
+    announced: bool = False
+    cycles: int = 0
+
+
+@dataclasses.dataclass
+class CycleResult:
+    ready: list[tuple[Response, Any]]  # (response, local item or None when this rank joined)
+    failed: list[tuple[Any, Exception]]
+    joined: frozenset[int]
+    all_joined_last: int | None  # set when every rank has joined: the last to join
+    shutdown_ranks: tuple[int, ...]
+
+
+class Negotiator:
+    """Negotiation state of one process set on one rank."""
+
+    def __init__(self, backend: Backend, cache_capacity: int, stall_check_s: float,
+                 stall_shutdown_s: float, wait: Callable[[Request], None]) -> None:
+        self.backend = backend
+        self.size = backend.size
+        self.rank = backend.rank
+        self.cache = ResponseCache(cache_capacity)
+        self.pending: OrderedDict[str, Pending] = OrderedDict()
+        self.table: OrderedDict[str, dict[int, Announce]] = OrderedDict()
+        self.joined = False
+        self.shutting_down = False
+        self._wait = wait
+        self._stall_check_s = stall_check_s
+        self._stall_shutdown_s = stall_shutdown_s
+        self._partial_since: dict[str, float] = {}
+        self._stall_reported: set[str] = set()
+        self._join_cycle: dict[int, int] = {}
+        self._cycle = 0
+        self._rank_words = (self.size + 63) // 64
+
+    def add(self, announce: Announce, item: Any) -> None:
+        self.pending[announce.name] = Pending(announce, item)
+
+    def has_work(self) -> bool:
+        return bool(self.pending) or self.joined
+
+    # -- one cycle -------------------------------------------------------------------------
+    def cycle(self) -> CycleResult:
+        self._cycle += 1
+        now = time.monotonic()
+        hits: list[int] = []
+        news: list[Announce] = []
+        for p in self.pending.values():
+            entry = self.cache.get(p.announce.name)
+            if entry is not None and self._matches(entry[1], p.announce):
+                hits.append(entry[0])
+            elif not p.announced:
+                news.append(p.announce)
+                p.announced = True
+        slots = self.cache.high_water  # identical on every rank: the cache is
+        vector = self._encode(hits, slots, bool(news), now)
+        self._wait(self.backend.icontrol(vector))
+        have, anyone, flags, joined, shut = self._decode(vector, slots)
+        result = CycleResult([], [], joined, None, shut)
+        self._track_joins(joined)
+        active = [r for r in range(self.size) if r not in joined]
+        if active:
+            for slot in np.flatnonzero(have & anyone).tolist():
+                response = self.cache.by_slot[slot]
+                assert response is not None, f"rank {self.rank}: ready slot {slot} is empty"
+                self._take(response, result)
+        if flags & _F_NEWS:
+            self._merge_news(news)
+        for name in [n for n, ranks in self.table.items() if active and set(active) <= set(ranks)]:
+            response = build_response(name, self.table.pop(name), self.size)
+            if response.error is None and self.cache.capacity:
+                self.cache.put(response)
+            self._take(response, result)
+        if flags & _F_STALL:
+            self._exchange_stalls(now, result)
+        self._note_partials(anyone, now)
+        if active == [] and self.size and joined:
+            result.all_joined_last = max(self._join_cycle, key=lambda r: (self._join_cycle[r], r))
+            self._join_cycle.clear()
+            self.joined = False
+        return result
+
+    def _matches(self, response: Response, mine: Announce) -> bool:
+        return (response.kind == mine.kind and response.dtype == mine.dtype
+                and response.op == mine.op and response.root == mine.root
+                and (response.shapes == mine.shapes if mine.kind not in (ALLGATHER, ALLTOALL)
+                     else response.dim0[self.rank] == (mine.shapes[0][0] if mine.shapes[0] else 0)
+                     and response.shapes[0][1:] == mine.shapes[0][1:]
+                     and (mine.splits is None or response.splits[self.rank] == mine.splits)))
+
+    def _encode(self, hits: list[int], slots: int, news: bool, now: float) -> np.ndarray:
+        cw, rw = (slots + 63) // 64, self._rank_words
+        vector = np.empty(2 * cw + 1 + 2 * rw, dtype=np.uint64)
+        if self.joined:
+            vector[: 2 * cw] = _ONES
+        else:
+            bits = np.zeros(cw * 64, dtype=bool)
+            bits[hits] = True
+            packed = np.packbits(bits, bitorder="little").view(np.uint64)
+            vector[:cw] = packed
+            vector[cw: 2 * cw] = ~packed
+        flags = (_F_NEWS if news else 0) | (_F_SHUTDOWN if self.shutting_down else 0)
+        flags |= _F_STALL if self._stall_due(now) else 0
+        vector[2 * cw] = ~np.uint64(flags)
+        vector[2 * cw + 1:] = _ONES
+        word, bit = divmod(self.rank, 64)
+        mine = ~np.uint64(1 << bit)
+        if self.joined:
+            vector[2 * cw + 1 + word] = mine
+        if self.shutting_down:
+            vector[2 * cw + 1 + rw + word] = mine
+        return vector
+
+    def _decode(self, vector: np.ndarray, slots: int
+                ) -> tuple[np.ndarray, np.ndarray, int, frozenset[int], tuple[int, ...]]:
+        cw, rw = (slots + 63) // 64, self._rank_words
+
+        def unpack(words: np.ndarray, n: int) -> np.ndarray:
+            return np.unpackbits(words.view(np.uint8), bitorder="little")[:n].astype(bool)
+
+        have = unpack(vector[:cw], slots)
+        anyone = ~unpack(vector[cw: 2 * cw], slots)
+        flags = int(~vector[2 * cw])
+        joined = ~vector[2 * cw + 1: 2 * cw + 1 + rw]
+        shut = ~vector[2 * cw + 1 + rw:]
+        ranks = (frozenset(np.flatnonzero(unpack(joined, self.size)).tolist()) if joined.any()
+                 else frozenset())
+        down = tuple(np.flatnonzero(unpack(shut, self.size)).tolist()) if shut.any() else ()
+        return have, anyone, flags, ranks, down
+
+    def _take(self, response: Response, result: CycleResult) -> None:
+        """Move a ready response and this rank's pending item (if any) into the result."""
+        if response.error is None and self.cache.get(response.name):
+            self.cache.touch(response.name)
+        pending = self.pending.pop(response.name, None)
+        self._partial_since.pop(response.name, None)
+        self._stall_reported.discard(response.name)
+        result.ready.append((response, pending.item if pending else None))
+
+    def _merge_news(self, mine: list[Announce]) -> None:
+        request, payloads = self.backend.iallgather_bytes(pickle.dumps(mine))
+        self._wait(request)
+        for rank, payload in enumerate(payloads):
+            for announce in pickle.loads(payload):
+                if self.cache.get(announce.name) is not None:
+                    self.cache.evict(announce.name)  # its signature changed on `rank`
+                    for p in self.pending.values():
+                        if p.announce.name == announce.name and rank != self.rank:
+                            p.announced = False  # re-announce, now uncached
+                self.table.setdefault(announce.name, {})[rank] = announce
+
+    def _track_joins(self, joined: frozenset[int]) -> None:
+        for rank in joined:
+            self._join_cycle.setdefault(rank, self._cycle)
+
+    # -- stalls ----------------------------------------------------------------------------
+    def _note_partials(self, anyone: np.ndarray, now: float) -> None:
+        if self._stall_check_s <= 0 and self._stall_shutdown_s <= 0:
+            return
+        partial = set(self.table)
+        for slot in np.flatnonzero(anyone).tolist():
+            response = self.cache.by_slot[slot]
+            if response is not None:
+                partial.add(response.name)
+        for name in list(self._partial_since):
+            if name not in partial:
+                del self._partial_since[name]
+                self._stall_reported.discard(name)
+        for name in partial:
+            self._partial_since.setdefault(name, now)
+
+    def _overdue(self, now: float, limit_s: float) -> list[str]:
+        if limit_s <= 0:
+            return []
+        return [n for n, since in self._partial_since.items() if now - since >= limit_s]
+
+    def _stall_due(self, now: float) -> bool:
+        unreported = set(self._overdue(now, self._stall_check_s)) - self._stall_reported
+        return bool(unreported or self._overdue(now, self._stall_shutdown_s))
+
+    def _exchange_stalls(self, now: float, result: CycleResult) -> None:
+        mine = (sorted(self.pending), self._overdue(now, self._stall_check_s),
+                self._overdue(now, self._stall_shutdown_s))
+        request, payloads = self.backend.iallgather_bytes(pickle.dumps(mine))
+        self._wait(request)
+        reports = [pickle.loads(p) for p in payloads]
+        holders: dict[str, list[int]] = {}
+        for rank, (names, _, _) in enumerate(reports):
+            for name in names:
+                holders.setdefault(name, []).append(rank)
+        overdue = sorted({n for _, late, _ in reports for n in late})
+        to_fail = sorted({n for _, _, late in reports for n in late})
+        for name in overdue:
+            if name in self._stall_reported:
+                continue
+            self._stall_reported.add(name)
+            have = holders.get(name, [])
+            missing = [r for r in range(self.size) if r not in have]
+            log.warning("commlayer stall on rank %d: %r was submitted by ranks %s but not by "
+                        "ranks %s for %.1f s", self.rank, name, have, missing, self._stall_check_s)
+        from commlayer.errors import StallError
+
+        for name in to_fail:
+            have = holders.get(name, [])
+            missing = [r for r in range(self.size) if r not in have]
+            self.table.pop(name, None)
+            self._partial_since.pop(name, None)
+            pending = self.pending.pop(name, None)
+            if pending is not None:
+                result.failed.append((pending.item, StallError(
+                    f"rank {self.rank}: {pending.announce.kind} {name!r} stalled: submitted by "
+                    f"ranks {have}, never by ranks {missing} within "
+                    f"{self._stall_shutdown_s:g} s (COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS)")))
+
+    def fail_all(self) -> list[Any]:
+        """Drop every pending operation (engine stopping); return their items."""
+        items = [p.item for p in self.pending.values()]
+        self.pending.clear()
+        self.table.clear()
+        return items
+
+
+def shapes_of(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(t.shape) for t in tensors)

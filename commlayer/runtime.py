@@ -1,0 +1,177 @@
+"""Runtime: init/shutdown of the process-wide engine, and the rank topology queries."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from commlayer import config as config_module
+from commlayer.engine import Engine
+from commlayer.errors import NotInitializedError
+from commlayer.process_sets import ProcessSet, global_process_set
+
+log = logging.getLogger("commlayer")
+
+_lock = threading.Lock()
+_engine: Engine | None = None
+_topology: dict[str, int] = {}
+_atexit_registered = False
+
+
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
+         **settings: Any) -> None:
+    """Start commlayer on this process (under ``mpiexec -n N`` or as a plain 1-rank run).
+
+    ``comm``: an mpi4py communicator or a list of global ranks to run on (default: all).
+    ``process_sets``: ProcessSet objects to register (collective: same list on every rank).
+    ``settings``: explicit Config fields, which win over COMMLAYER_* variables.
+    Calling init again while running does nothing.
+    """
+    global _engine, _atexit_registered
+    with _lock:
+        if _engine is not None and _engine.running:
+            return
+        cfg = config_module.load(**settings)
+        _configure_logging(cfg.log_level)
+        from commlayer.backends.mpi import MPIBackend, world_subset
+
+        if isinstance(comm, (list, tuple)):
+            comm = world_subset(comm)
+        backend = MPIBackend(comm)
+        engine = Engine(backend, cfg)
+        _topology.clear()
+        _topology.update(_derive_topology(backend.rank, backend.nodes()))
+        for ps in process_sets or ():
+            _check_ranks(ps, backend.size)
+            ps.process_set_id, _ = engine.register_process_set(ps.ranks)
+        engine.start()
+        _engine = engine
+        # Move every object alive now (torch's, the model's) out of the cyclic GC's reach: a
+        # full collection walks them all and paused the engine ~100 ms every few thousand
+        # operations (measured: 100 async allreduces took 8-100 ms before, 3-6 ms after).
+        gc.freeze()
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def _configure_logging(level: str) -> None:
+    logger = logging.getLogger("commlayer")
+    logger.setLevel(5 if level == "trace" else getattr(logging, level.upper()))
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s commlayer %(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+
+
+def _derive_topology(rank: int, nodes: list[int]) -> dict[str, int]:
+    local = [r for r, node in enumerate(nodes) if node == nodes[rank]]
+    local_rank = local.index(rank)
+    peers = [r for r, node in enumerate(nodes) if [q for q, n in enumerate(nodes) if n == node]
+             .index(r) == local_rank]
+    return {"rank": rank, "size": len(nodes), "local_rank": local_rank, "local_size": len(local),
+            "cross_rank": peers.index(rank), "cross_size": len(peers)}
+
+
+def _check_ranks(ps: ProcessSet, size: int) -> None:
+    bad = [r for r in ps.ranks if r >= size]
+    if bad or not ps.ranks:
+        raise ValueError(f"process set ranks {ps.ranks!r} must be a non-empty subset of "
+                         f"[0, {size})")
+
+
+def shutdown() -> None:
+    """Stop the engine (telling the other ranks); collectives fail afterwards until init()."""
+    global _engine
+    with _lock:
+        engine, _engine = _engine, None
+    if engine is None:
+        return
+    engine.shutdown()
+    from commlayer.backends import mpi
+
+    if engine.peer_died:
+        mpi.skip_finalize()
+
+
+def engine() -> Engine:
+    """The running engine; NotInitializedError if init() was not called."""
+    current = _engine
+    if current is None:
+        raise NotInitializedError("commlayer has not been initialized; call commlayer.init() "
+                                  "first (or it was shut down)")
+    return current
+
+
+def is_initialized() -> bool:
+    return _engine is not None
+
+
+def _topo(key: str) -> int:
+    engine()
+    return _topology[key]
+
+
+def rank() -> int:
+    """This process's rank among all processes."""
+    return _topo("rank")
+
+
+def size() -> int:
+    """Number of processes."""
+    return _topo("size")
+
+
+def local_rank() -> int:
+    """Rank among the processes on this node (sharing memory)."""
+    return _topo("local_rank")
+
+
+def local_size() -> int:
+    """Number of processes on this node."""
+    return _topo("local_size")
+
+
+def cross_rank() -> int:
+    """Rank among the processes with this local rank, one per node."""
+    return _topo("cross_rank")
+
+
+def cross_size() -> int:
+    """Number of processes with this local rank (the number of nodes, when uniform)."""
+    return _topo("cross_size")
+
+
+def is_homogeneous() -> bool:
+    """Whether every node runs the same number of processes."""
+    return size() == local_size() * cross_size()
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set while running; collective: every rank calls it, same ranks."""
+    from commlayer import ops
+
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    _check_ranks(ps, size())
+    ps.process_set_id = ops.register_process_set(ps.ranks)
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set (collective over all ranks)."""
+    from commlayer import ops
+
+    if process_set.process_set_id in (None, 0):
+        return False
+    ops.unregister_process_set(process_set.process_set_id)
+    process_set.process_set_id = None
+    return True
+
+
+__all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank",
+           "cross_size", "is_initialized", "add_process_set", "remove_process_set",
+           "global_process_set"]
