@@ -93,20 +93,48 @@ _ALLOWED = {
 
 # (environment variable, Config field, parser, help)
 _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
-    ("COMMLAYER_FUSION_THRESHOLD", "fusion_threshold_bytes", _parse_bytes,
-     "largest fusion buffer in bytes (0 disables fusion); default 64 MiB"),
-    ("COMMLAYER_CYCLE_TIME", "cycle_time_ms", _parse_positive_float,
-     "longest wait, in ms, of a rank with pending work before the next negotiation; default 1"),
-    ("COMMLAYER_CACHE_CAPACITY", "cache_capacity", _parse_nonneg_int,
-     "tensors remembered so steady-state negotiation is a bit-vector allreduce; 0 disables"),
-    ("COMMLAYER_TIMELINE", "timeline_path", str,
-     "write a Chrome trace here (rank 0; '{rank}' in the path makes one file per rank)"),
-    ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "stall_check_time_s", _parse_nonneg_float,
-     "warn, naming tensor and missing ranks, after this long; 0 disables; default 60"),
-    ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "stall_shutdown_time_s", _parse_nonneg_float,
-     "fail a stalled operation with StallError on every rank after this long; 0 = never"),
-    ("COMMLAYER_LOG_LEVEL", "log_level", _parse_log_level,
-     "logging level of the 'commlayer' logger; default warning"),
+    (
+        "COMMLAYER_FUSION_THRESHOLD",
+        "fusion_threshold_bytes",
+        _parse_bytes,
+        "largest fusion buffer in bytes (0 disables fusion); default 64 MiB",
+    ),
+    (
+        "COMMLAYER_CYCLE_TIME",
+        "cycle_time_ms",
+        _parse_positive_float,
+        "longest wait, in ms, of a rank with pending work before the next negotiation; default 1",
+    ),
+    (
+        "COMMLAYER_CACHE_CAPACITY",
+        "cache_capacity",
+        _parse_nonneg_int,
+        "tensors remembered so steady-state negotiation is a bit-vector allreduce; 0 disables",
+    ),
+    (
+        "COMMLAYER_TIMELINE",
+        "timeline_path",
+        str,
+        "write a Chrome trace here (rank 0; '{rank}' in the path makes one file per rank)",
+    ),
+    (
+        "COMMLAYER_STALL_CHECK_TIME_SECONDS",
+        "stall_check_time_s",
+        _parse_nonneg_float,
+        "warn, naming tensor and missing ranks, after this long; 0 disables; default 60",
+    ),
+    (
+        "COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS",
+        "stall_shutdown_time_s",
+        _parse_nonneg_float,
+        "fail a stalled operation with StallError on every rank after this long; 0 = never",
+    ),
+    (
+        "COMMLAYER_LOG_LEVEL",
+        "log_level",
+        _parse_log_level,
+        "logging level of the 'commlayer' logger; default warning",
+    ),
 )
 
 _FIELDS = {field.name for field in dataclasses.fields(Config)}

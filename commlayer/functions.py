@@ -16,112 +16,161 @@ from commlayer.reduce_ops import ReduceOp
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
-                prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return ops.synchronize(ops.allreduce_async(tensor, None, name, op, prescale, postscale,
-                                                   process_set))
+        return ops.synchronize(
+            ops.allreduce_async(tensor, None, name, op, prescale, postscale, process_set)
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         op, prescale, postscale, process_set = ctx.args
-        reduced = ops.synchronize(ops.allreduce_async(grad, None, None, op, prescale, postscale,
-                                                      process_set))
+        reduced = ops.synchronize(
+            ops.allreduce_async(grad, None, None, op, prescale, postscale, process_set)
+        )
         return reduced, None, None, None, None, None
 
 
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              op: ReduceOp | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks (default op Average) and return the result."""
     resolved = ops._resolve_op(op, average, ReduceOp.Average)
-    return _Allreduce.apply(tensor, name, resolved, prescale_factor, postscale_factor,
-                            process_set)
+    return _Allreduce.apply(tensor, name, resolved, prescale_factor, postscale_factor, process_set)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any,
+        name: str | None,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, prescale, postscale, process_set)
-        return tuple(ops.synchronize(ops.grouped_allreduce_async(
-            tensors, None, name, op, prescale, postscale, process_set)))
+        return tuple(
+            ops.synchronize(
+                ops.grouped_allreduce_async(
+                    tensors, None, name, op, prescale, postscale, process_set
+                )
+            )
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         op, prescale, postscale, process_set = ctx.args
-        reduced = ops.synchronize(ops.grouped_allreduce_async(
-            list(grads), None, None, op, prescale, postscale, process_set))
+        reduced = ops.synchronize(
+            ops.grouped_allreduce_async(
+                list(grads), None, None, op, prescale, postscale, process_set
+            )
+        )
         return (None, None, None, None, None, *reduced)
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                      name: str | None = None, op: ReduceOp | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
     """Allreduce several tensors as one negotiated, fused unit."""
     resolved = ops._resolve_op(op, average, ReduceOp.Average)
-    return list(_GroupedAllreduce.apply(name, resolved, prescale_factor, postscale_factor,
-                                        process_set, *tensors))
+    return list(
+        _GroupedAllreduce.apply(
+            name, resolved, prescale_factor, postscale_factor, process_set, *tensors
+        )
+    )
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None,
-                process_set: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet
+    ) -> torch.Tensor:
         ctx.dim0 = tensor.shape[0] if tensor.dim() else 0
         ctx.process_set = process_set
         return ops.synchronize(ops.allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        summed = ops.synchronize(ops.allreduce_async(grad, None, None, ReduceOp.Sum, 1.0, 1.0,
-                                                     ctx.process_set))
-        dims = ops.synchronize(ops.allgather_async(torch.tensor([ctx.dim0]), None,
-                                                   ctx.process_set))
+        summed = ops.synchronize(
+            ops.allreduce_async(grad, None, None, ReduceOp.Sum, 1.0, 1.0, ctx.process_set)
+        )
+        dims = ops.synchronize(ops.allgather_async(torch.tensor([ctx.dim0]), None, ctx.process_set))
         offset = int(dims[: ctx.process_set.rank()].sum())
         return summed.narrow(0, offset, ctx.dim0), None, None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Concatenate every rank's tensor along dimension 0."""
     return _Allgather.apply(tensor, name, process_set)
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
-                process_set: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet
+    ) -> torch.Tensor:
         ctx.root_rank, ctx.process_set = root_rank, process_set
         return ops.synchronize(ops.broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        summed = ops.synchronize(ops.allreduce_async(grad, None, None, ReduceOp.Sum, 1.0, 1.0,
-                                                     ctx.process_set))
+        summed = ops.synchronize(
+            ops.allreduce_async(grad, None, None, ReduceOp.Sum, 1.0, 1.0, ctx.process_set)
+        )
         if ctx.process_set.rank() != ctx.root_rank:
             summed = torch.zeros_like(summed)
         return summed, None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """Return root_rank's tensor on every rank."""
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """Overwrite ``tensor`` with root_rank's, in place (not differentiable)."""
     return ops.synchronize(ops.broadcast_async_(tensor, root_rank, name, process_set))
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
-                process_set: ProcessSet) -> Any:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, process_set: ProcessSet
+    ) -> Any:
         output, received = ops.synchronize(ops.alltoall_async(tensor, splits, name, process_set))
         ctx.received, ctx.process_set = received, process_set
         if splits is None:
@@ -131,13 +180,18 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-        back, _received = ops.synchronize(ops.alltoall_async(grad, ctx.received, None,
-                                                             ctx.process_set))
+        back, _received = ops.synchronize(
+            ops.alltoall_async(grad, ctx.received, None, ctx.process_set)
+        )
         return back, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Scatter rows of ``tensor`` (splits[q] to rank q) and gather what others send here.
     Returns the output, or (output, received_splits) when ``splits`` is given."""
     return _Alltoall.apply(tensor, splits, name, process_set)
@@ -145,11 +199,19 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp,
-                prescale: float, postscale: float, process_set: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, process_set)
-        return ops.synchronize(ops.reducescatter_async(tensor, name, op, prescale, postscale,
-                                                       process_set))
+        return ops.synchronize(
+            ops.reducescatter_async(tensor, name, op, prescale, postscale, process_set)
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -159,10 +221,16 @@ class _Reducescatter(torch.autograd.Function):
         return gathered * scale, None, None, None, None, None
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
     """Reduce over ranks (default Average); rank r gets its block of dimension 0."""
     resolved = ops._resolve_op(op, None, ReduceOp.Average)
-    return _Reducescatter.apply(tensor, name, resolved, prescale_factor, postscale_factor,
-                                process_set)
+    return _Reducescatter.apply(
+        tensor, name, resolved, prescale_factor, postscale_factor, process_set
+    )

@@ -27,8 +27,9 @@ class Entry:
     owner: Any = None  # engine bookkeeping (which operation this entry belongs to)
 
 
-def plan_buckets(entries: Iterable[Entry], element_size: int, threshold_bytes: int
-                 ) -> Iterator[list[Entry]]:
+def plan_buckets(
+    entries: Iterable[Entry], element_size: int, threshold_bytes: int
+) -> Iterator[list[Entry]]:
     """Group entries, in order, into buckets of at most threshold_bytes (one entry may exceed)."""
     bucket: list[Entry] = []
     used = 0
@@ -76,7 +77,7 @@ def pack(bucket: list[Entry], buf: torch.Tensor) -> None:
         return
     offset = 0
     for entry in bucket:
-        piece = buf[offset: offset + entry.numel]
+        piece = buf[offset : offset + entry.numel]
         if entry.source is None:
             piece.zero_()
         elif entry.prescale != 1.0 and entry.source.is_floating_point():
@@ -95,8 +96,9 @@ def unpack(bucket: list[Entry], buf: torch.Tensor) -> None:
         factor = scales.pop()
         if factor != 1.0:
             buf.mul_(factor)
-        outs = [(e.output.view(-1), piece) for e, piece in zip(bucket, pieces)
-                if e.output is not None]
+        outs = [
+            (e.output.view(-1), piece) for e, piece in zip(bucket, pieces) if e.output is not None
+        ]
         if outs:
             torch._foreach_copy_([o for o, _ in outs], [p for _, p in outs])
         return

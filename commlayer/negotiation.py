@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from commlayer.backends.base import Backend, Request
+from commlayer.errors import StallError
 
 log = logging.getLogger("commlayer")
 
@@ -112,20 +113,28 @@ def build_response(name: str, announced: dict[int, Announce], size: int) -> Resp
         if problem:
             return _error_response(name, first, f"{first.kind} {name!r}: {problem}")
     if kind == BROADCAST and not 0 <= first.root < size:
-        return _error_response(name, first, f"broadcast {name!r}: root rank {first.root} is not in "
-                               f"[0, {size})")
-    dim0 = tuple(announced[r].shapes[0][0] if r in announced and announced[r].shapes and
-                 announced[r].shapes[0] else 0 for r in range(size))
+        return _error_response(
+            name, first, f"broadcast {name!r}: root rank {first.root} is not in [0, {size})"
+        )
+    dim0 = tuple(
+        announced[r].shapes[0][0]
+        if r in announced and announced[r].shapes and announced[r].shapes[0]
+        else 0
+        for r in range(size)
+    )
     splits: tuple[tuple[int, ...], ...] = ()
     if kind == ALLTOALL:
-        splits = tuple(announced[r].splits or (0,) * size if r in announced else (0,) * size
-                       for r in range(size))
+        splits = tuple(
+            announced[r].splits or (0,) * size if r in announced else (0,) * size
+            for r in range(size)
+        )
     return Response(name, kind, first.dtype, first.shapes, first.op, first.root, dim0, splits)
 
 
 def _error_response(name: str, first: Announce, message: str) -> Response:
-    return Response(name, first.kind, first.dtype, first.shapes, first.op, first.root, (), (),
-                    error=message)
+    return Response(
+        name, first.kind, first.dtype, first.shapes, first.op, first.root, (), (), error=message
+    )
 
 
 class ResponseCache:
@@ -191,8 +200,14 @@ class CycleResult:
 class Negotiator:
     """Negotiation state of one process set on one rank."""
 
-    def __init__(self, backend: Backend, cache_capacity: int, stall_check_s: float,
-                 stall_shutdown_s: float, wait: Callable[[Request], None]) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        cache_capacity: int,
+        stall_check_s: float,
+        stall_shutdown_s: float,
+        wait: Callable[[Request], None],
+    ) -> None:
         self.backend = backend
         self.size = backend.size
         self.rank = backend.rank
@@ -258,12 +273,19 @@ class Negotiator:
         return result
 
     def _matches(self, response: Response, mine: Announce) -> bool:
-        return (response.kind == mine.kind and response.dtype == mine.dtype
-                and response.op == mine.op and response.root == mine.root
-                and (response.shapes == mine.shapes if mine.kind not in (ALLGATHER, ALLTOALL)
-                     else response.dim0[self.rank] == (mine.shapes[0][0] if mine.shapes[0] else 0)
-                     and response.shapes[0][1:] == mine.shapes[0][1:]
-                     and (mine.splits is None or response.splits[self.rank] == mine.splits)))
+        return (
+            response.kind == mine.kind
+            and response.dtype == mine.dtype
+            and response.op == mine.op
+            and response.root == mine.root
+            and (
+                response.shapes == mine.shapes
+                if mine.kind not in (ALLGATHER, ALLTOALL)
+                else response.dim0[self.rank] == (mine.shapes[0][0] if mine.shapes[0] else 0)
+                and response.shapes[0][1:] == mine.shapes[0][1:]
+                and (mine.splits is None or response.splits[self.rank] == mine.splits)
+            )
+        )
 
     def _encode(self, hits: list[int], slots: int, news: bool, now: float) -> np.ndarray:
         cw, rw = (slots + 63) // 64, self._rank_words
@@ -275,11 +297,11 @@ class Negotiator:
             bits[hits] = True
             packed = np.packbits(bits, bitorder="little").view(np.uint64)
             vector[:cw] = packed
-            vector[cw: 2 * cw] = ~packed
+            vector[cw : 2 * cw] = ~packed
         flags = (_F_NEWS if news else 0) | (_F_SHUTDOWN if self.shutting_down else 0)
         flags |= _F_STALL if self._stall_due(now) else 0
         vector[2 * cw] = ~np.uint64(flags)
-        vector[2 * cw + 1:] = _ONES
+        vector[2 * cw + 1 :] = _ONES
         word, bit = divmod(self.rank, 64)
         mine = ~np.uint64(1 << bit)
         if self.joined:
@@ -288,20 +310,24 @@ class Negotiator:
             vector[2 * cw + 1 + rw + word] = mine
         return vector
 
-    def _decode(self, vector: np.ndarray, slots: int
-                ) -> tuple[np.ndarray, np.ndarray, int, frozenset[int], tuple[int, ...]]:
+    def _decode(
+        self, vector: np.ndarray, slots: int
+    ) -> tuple[np.ndarray, np.ndarray, int, frozenset[int], tuple[int, ...]]:
         cw, rw = (slots + 63) // 64, self._rank_words
 
         def unpack(words: np.ndarray, n: int) -> np.ndarray:
             return np.unpackbits(words.view(np.uint8), bitorder="little")[:n].astype(bool)
 
         have = unpack(vector[:cw], slots)
-        anyone = ~unpack(vector[cw: 2 * cw], slots)
+        anyone = ~unpack(vector[cw : 2 * cw], slots)
         flags = int(~vector[2 * cw])
-        joined = ~vector[2 * cw + 1: 2 * cw + 1 + rw]
-        shut = ~vector[2 * cw + 1 + rw:]
-        ranks = (frozenset(np.flatnonzero(unpack(joined, self.size)).tolist()) if joined.any()
-                 else frozenset())
+        joined = ~vector[2 * cw + 1 : 2 * cw + 1 + rw]
+        shut = ~vector[2 * cw + 1 + rw :]
+        ranks = (
+            frozenset(np.flatnonzero(unpack(joined, self.size)).tolist())
+            if joined.any()
+            else frozenset()
+        )
         down = tuple(np.flatnonzero(unpack(shut, self.size)).tolist()) if shut.any() else ()
         return have, anyone, flags, ranks, down
 
@@ -319,11 +345,9 @@ class Negotiator:
         self._wait(request)
         for rank, payload in enumerate(payloads):
             for announce in pickle.loads(payload):
-                if self.cache.get(announce.name) is not None:
-                    self.cache.evict(announce.name)  # its signature changed on `rank`
-                    for p in self.pending.values():
-                        if p.announce.name == announce.name and rank != self.rank:
-                            p.announced = False  # re-announce, now uncached
+                # A cached name announced again changed signature on `rank`: evict it; ranks
+                # holding it as a cache hit announce it next cycle (it is no longer a hit).
+                self.cache.evict(announce.name)
                 self.table.setdefault(announce.name, {})[rank] = announce
 
     def _track_joins(self, joined: frozenset[int]) -> None:
@@ -356,8 +380,12 @@ class Negotiator:
         return bool(unreported or self._overdue(now, self._stall_shutdown_s))
 
     def _exchange_stalls(self, now: float, result: CycleResult) -> None:
-        mine = (sorted(self.pending), self._overdue(now, self._stall_check_s),
-                self._overdue(now, self._stall_shutdown_s))
+        """Every rank shares its pending names and overdue ones; all log and fail alike."""
+        mine = (
+            sorted(self.pending),
+            self._overdue(now, self._stall_check_s),
+            self._overdue(now, self._stall_shutdown_s),
+        )
         request, payloads = self.backend.iallgather_bytes(pickle.dumps(mine))
         self._wait(request)
         reports = [pickle.loads(p) for p in payloads]
@@ -365,29 +393,28 @@ class Negotiator:
         for rank, (names, _, _) in enumerate(reports):
             for name in names:
                 holders.setdefault(name, []).append(rank)
-        overdue = sorted({n for _, late, _ in reports for n in late})
-        to_fail = sorted({n for _, _, late in reports for n in late})
-        for name in overdue:
-            if name in self._stall_reported:
-                continue
-            self._stall_reported.add(name)
-            have = holders.get(name, [])
-            missing = [r for r in range(self.size) if r not in have]
-            log.warning("commlayer stall on rank %d: %r was submitted by ranks %s but not by "
-                        "ranks %s for %.1f s", self.rank, name, have, missing, self._stall_check_s)
-        from commlayer.errors import StallError
 
-        for name in to_fail:
-            have = holders.get(name, [])
-            missing = [r for r in range(self.size) if r not in have]
+        def missing(name: str) -> list[int]:
+            return [r for r in range(self.size) if r not in holders.get(name, [])]
+
+        for name in sorted({n for _, late, _ in reports for n in late} - self._stall_reported):
+            self._stall_reported.add(name)
+            log.warning(
+                "commlayer stall on rank %d: %r was submitted by ranks %s but not by ranks %s "
+                "for %.1f s (COMMLAYER_STALL_CHECK_TIME_SECONDS)",
+                self.rank, name, holders.get(name, []), missing(name), self._stall_check_s,
+            )  # fmt: skip
+        for name in sorted({n for _, _, late in reports for n in late}):
             self.table.pop(name, None)
             self._partial_since.pop(name, None)
             pending = self.pending.pop(name, None)
             if pending is not None:
-                result.failed.append((pending.item, StallError(
+                error = StallError(
                     f"rank {self.rank}: {pending.announce.kind} {name!r} stalled: submitted by "
-                    f"ranks {have}, never by ranks {missing} within "
-                    f"{self._stall_shutdown_s:g} s (COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS)")))
+                    f"ranks {holders.get(name, [])}, never by ranks {missing(name)} within "
+                    f"{self._stall_shutdown_s:g} s (COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS)"
+                )
+                result.failed.append((pending.item, error))
 
     def fail_all(self) -> list[Any]:
         """Drop every pending operation (engine stopping); return their items."""

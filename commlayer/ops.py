@@ -31,8 +31,18 @@ from commlayer.negotiation import (
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import SUPPORTED_OPS, ReduceOp
 
-SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool)
+SUPPORTED_DTYPES = (
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+)
 
 _counters: dict[str, itertools.count[int]] = {}
 _counter_lock = threading.Lock()
@@ -53,14 +63,19 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
         raise ValueError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED_DTYPES:
         allowed = ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
-        raise ValueError(f"rank {runtime.rank()}: {what}: dtype {dtype_name(tensor.dtype)} is not "
-                         f"supported; allowed: {allowed}")
+        raise ValueError(
+            f"rank {runtime.rank()}: {what}: dtype {dtype_name(tensor.dtype)} is not "
+            f"supported; allowed: {allowed}"
+        )
     if tensor.is_sparse:
-        raise ValueError(f"{what}: sparse tensors are not supported; use sparse_allreduce or "
-                         "to_dense()")
+        raise ValueError(
+            f"{what}: sparse tensors are not supported; use sparse_allreduce or to_dense()"
+        )
     if tensor.device.type != "cpu":
-        raise ValueError(f"rank {runtime.rank()}: {what}: tensor is on {tensor.device}; this "
-                         "build moves only CPU tensors (call .cpu() first)")
+        raise ValueError(
+            f"rank {runtime.rank()}: {what}: tensor is on {tensor.device}; this "
+            "build moves only CPU tensors (call .cpu() first)"
+        )
     return tensor.detach()
 
 
@@ -71,8 +86,10 @@ def _resolve_op(op: ReduceOp | None, average: bool | None, default: ReduceOp) ->
         return ReduceOp.Average if average else ReduceOp.Sum
     resolved = default if op is None else ReduceOp(op)
     if resolved not in SUPPORTED_OPS:
-        raise ValueError(f"reduce op {resolved.name} is not supported; allowed: "
-                         f"{', '.join(o.name for o in SUPPORTED_OPS)}")
+        raise ValueError(
+            f"reduce op {resolved.name} is not supported; allowed: "
+            f"{', '.join(o.name for o in SUPPORTED_OPS)}"
+        )
     return resolved
 
 
@@ -84,17 +101,35 @@ def _set_id(process_set: ProcessSet) -> int:
     return process_set.process_set_id
 
 
-def _submit(kind: str, name: str | None, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
-            process_set: ProcessSet, *, op: ReduceOp = ReduceOp.Sum, root: int = -1,
-            splits: tuple[int, ...] | None = None, prescale: float = 1.0,
-            postscale: float = 1.0, finish: Callable[[Any], Any] | None = None,
-            shapes: tuple[tuple[int, ...], ...] | None = None) -> Handle:
+def _submit(
+    kind: str,
+    name: str | None,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    process_set: ProcessSet,
+    *,
+    op: ReduceOp = ReduceOp.Sum,
+    root: int = -1,
+    splits: tuple[int, ...] | None = None,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    finish: Callable[[Any], Any] | None = None,
+    shapes: tuple[tuple[int, ...], ...] | None = None,
+) -> Handle:
     engine = runtime.engine()
     dtype = dtype_name(inputs[0].dtype) if inputs else "uint8"
-    announce = Announce(_auto_name(kind, name), kind, dtype,
-                        shapes if shapes is not None else shapes_of(inputs), int(op), root, splits)
-    operation = Operation(announce, inputs, outputs, _set_id(process_set), float(prescale),
-                          float(postscale), finish)
+    announce = Announce(
+        _auto_name(kind, name),
+        kind,
+        dtype,
+        shapes if shapes is not None else shapes_of(inputs),
+        int(op),
+        root,
+        splits,
+    )
+    operation = Operation(
+        announce, inputs, outputs, _set_id(process_set), float(prescale), float(postscale), finish
+    )
     return engine.submit(operation)
 
 
@@ -112,70 +147,136 @@ def _in_place(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[Any], Any]]
 
 
 # -- allreduce -----------------------------------------------------------------------------------
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> Handle:
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
     """Start an allreduce of ``tensor`` (not modified); synchronize() returns a new tensor."""
     source = _check_tensor(tensor, "allreduce").contiguous()
     output = torch.empty_like(source)
-    return _submit(ALLREDUCE, name, [source], [output], process_set,
-                   op=_resolve_op(op, average, ReduceOp.Average), prescale=prescale_factor,
-                   postscale=postscale_factor, finish=lambda outs: outs[0])
+    return _submit(
+        ALLREDUCE,
+        name,
+        [source],
+        [output],
+        process_set,
+        op=_resolve_op(op, average, ReduceOp.Average),
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        finish=lambda outs: outs[0],
+    )
 
 
-def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> Handle:
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
     """Start an in-place allreduce; synchronize() returns ``tensor`` holding the result."""
     work, finish = _in_place(_check_tensor(tensor, "allreduce_"))
-    return _submit(ALLREDUCE, name, [work], [work], process_set,
-                   op=_resolve_op(op, average, ReduceOp.Average), prescale=prescale_factor,
-                   postscale=postscale_factor, finish=finish)
+    return _submit(
+        ALLREDUCE,
+        name,
+        [work],
+        [work],
+        process_set,
+        op=_resolve_op(op, average, ReduceOp.Average),
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        finish=finish,
+    )
 
 
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-               op: ReduceOp | None = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """In-place allreduce (blocking)."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    return synchronize(
+        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                            name: str | None = None, op: ReduceOp | None = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> Handle:
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
     """Allreduce a list of tensors as one unit (negotiated and fused together)."""
     sources = [_check_tensor(t, "grouped_allreduce").contiguous() for t in tensors]
     _check_group(sources, "grouped_allreduce")
     outputs = [torch.empty_like(s) for s in sources]
-    return _submit(ALLREDUCE, name, sources, outputs, process_set,
-                   op=_resolve_op(op, average, ReduceOp.Average), prescale=prescale_factor,
-                   postscale=postscale_factor, finish=list)
+    return _submit(
+        ALLREDUCE,
+        name,
+        sources,
+        outputs,
+        process_set,
+        op=_resolve_op(op, average, ReduceOp.Average),
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        finish=list,
+    )
 
 
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                             name: str | None = None, op: ReduceOp | None = None,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> Handle:
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
     """In-place grouped allreduce."""
     checked = [_check_tensor(t, "grouped_allreduce_") for t in tensors]
     _check_group(checked, "grouped_allreduce_")
     works, finishes = zip(*(_in_place(t) for t in checked)) if checked else ((), ())
-    return _submit(ALLREDUCE, name, list(works), list(works), process_set,
-                   op=_resolve_op(op, average, ReduceOp.Average), prescale=prescale_factor,
-                   postscale=postscale_factor, finish=lambda _: [f(None) for f in finishes])
+    return _submit(
+        ALLREDUCE,
+        name,
+        list(works),
+        list(works),
+        process_set,
+        op=_resolve_op(op, average, ReduceOp.Average),
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        finish=lambda _: [f(None) for f in finishes],
+    )
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
-                       name: str | None = None, op: ReduceOp | None = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    return synchronize(
+        grouped_allreduce_async_(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+    )
 
 
 def _check_group(tensors: Sequence[torch.Tensor], what: str) -> None:
@@ -183,13 +284,16 @@ def _check_group(tensors: Sequence[torch.Tensor], what: str) -> None:
         raise ValueError(f"{what} needs at least one tensor")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
-        raise ValueError(f"{what}: all tensors of a group must share one dtype, got "
-                         f"{sorted(dtype_name(d) for d in dtypes)}")
+        raise ValueError(
+            f"{what}: all tensors of a group must share one dtype, got "
+            f"{sorted(dtype_name(d) for d in dtypes)}"
+        )
 
 
 # -- allgather, broadcast, alltoall, reducescatter -----------------------------------------------
-def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Handle:
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Handle:
     """Concatenate every rank's tensor along dim 0 (first dimension may differ per rank)."""
     source = _check_tensor(tensor, "allgather").contiguous()
     if source.dim() == 0:
@@ -197,20 +301,41 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     return _submit(ALLGATHER, name, [source], [], process_set)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Handle:
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
     """Copy root_rank's tensor to every rank (result is a new tensor)."""
     source = _check_tensor(tensor, "broadcast").contiguous()
-    return _submit(BROADCAST, name, [source], [torch.empty_like(source)], process_set,
-                   root=_check_root(root_rank, process_set))
+    return _submit(
+        BROADCAST,
+        name,
+        [source],
+        [torch.empty_like(source)],
+        process_set,
+        root=_check_root(root_rank, process_set),
+    )
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Handle:
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
     """Overwrite ``tensor`` with root_rank's, in place."""
     work, finish = _in_place(_check_tensor(tensor, "broadcast_"))
-    return _submit(BROADCAST, name, [work], [work], process_set,
-                   root=_check_root(root_rank, process_set), finish=finish)
+    return _submit(
+        BROADCAST,
+        name,
+        [work],
+        [work],
+        process_set,
+        root=_check_root(root_rank, process_set),
+        finish=finish,
+    )
 
 
 def _check_root(root_rank: int, process_set: ProcessSet) -> int:
@@ -220,8 +345,12 @@ def _check_root(root_rank: int, process_set: ProcessSet) -> int:
     return root_rank
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> Handle:
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
     """Send splits[q] rows of ``tensor`` to rank q; receive what each rank sends here.
     synchronize() returns (output, received_splits)."""
     source = _check_tensor(tensor, "alltoall").contiguous()
@@ -230,30 +359,46 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     size = process_set.size()
     if splits is None:
         if source.shape[0] % size:
-            raise ValueError(f"alltoall without splits needs dim 0 ({source.shape[0]}) divisible "
-                             f"by the number of ranks ({size})")
+            raise ValueError(
+                f"alltoall without splits needs dim 0 ({source.shape[0]}) divisible "
+                f"by the number of ranks ({size})"
+            )
         rows = (source.shape[0] // size,) * size
     else:
-        rows = tuple(int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor)
-                                      else splits))
+        rows = tuple(
+            int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)
+        )
         if len(rows) != size or any(s < 0 for s in rows) or sum(rows) != source.shape[0]:
-            raise ValueError(f"rank {runtime.rank()}: alltoall splits {list(rows)} must be "
-                             f"{size} non-negative ints summing to dim 0 ({source.shape[0]})")
+            raise ValueError(
+                f"rank {runtime.rank()}: alltoall splits {list(rows)} must be "
+                f"{size} non-negative ints summing to dim 0 ({source.shape[0]})"
+            )
     return _submit(ALLTOALL, name, [source], [], process_set, splits=rows)
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
-                        op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0,
-                        process_set: ProcessSet = global_process_set) -> Handle:
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
     """Reduce over ranks, then give rank r its block of dim 0 (the first dim0 % size ranks
     get one extra row)."""
     source = _check_tensor(tensor, "reducescatter").contiguous()
     if source.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
-    return _submit(REDUCESCATTER, name, [source], [], process_set,
-                   op=_resolve_op(op, None, ReduceOp.Average), prescale=prescale_factor,
-                   postscale=postscale_factor)
+    return _submit(
+        REDUCESCATTER,
+        name,
+        [source],
+        [],
+        process_set,
+        op=_resolve_op(op, None, ReduceOp.Average),
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+    )
 
 
 # -- synchronization -------------------------------------------------------------------------------
@@ -281,8 +426,9 @@ def join(device: int = -1) -> int:
 
 
 def register_process_set(ranks: Sequence[int]) -> int:
-    return int(synchronize(_submit(REGISTER, None, [], [], global_process_set,
-                                   shapes=(tuple(ranks),))))
+    return int(
+        synchronize(_submit(REGISTER, None, [], [], global_process_set, shapes=(tuple(ranks),)))
+    )
 
 
 def unregister_process_set(set_id: int) -> None:

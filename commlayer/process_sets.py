@@ -18,8 +18,10 @@ class ProcessSet:
 
     def _check(self) -> None:
         if self.process_set_id is None:
-            raise ValueError(f"{self!r} is not registered: pass it to commlayer.init(process_sets="
-                             "[...]) or commlayer.add_process_set() on every rank first")
+            raise ValueError(
+                f"{self!r} is not registered: pass it to commlayer.init(process_sets="
+                "[...]) or commlayer.add_process_set() on every rank first"
+            )
 
     def included(self) -> bool:
         """Whether this process belongs to the set."""

@@ -39,4 +39,6 @@ def reduce_into(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
     elif op == ReduceOp.Product:
         acc.mul_(other)
     else:
-        raise ValueError(f"reduce op {op!r} is not supported; allowed: {[o.name for o in SUPPORTED_OPS]}")
+        raise ValueError(
+            f"reduce op {op!r} is not supported; allowed: {[o.name for o in SUPPORTED_OPS]}"
+        )

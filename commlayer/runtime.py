@@ -22,8 +22,9 @@ _topology: dict[str, int] = {}
 _atexit_registered = False
 
 
-def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None,
-         **settings: Any) -> None:
+def init(
+    comm: Any = None, process_sets: Sequence[ProcessSet] | None = None, **settings: Any
+) -> None:
     """Start commlayer on this process (under ``mpiexec -n N`` or as a plain 1-rank run).
 
     ``comm``: an mpi4py communicator or a list of global ranks to run on (default: all).
@@ -71,17 +72,27 @@ def _configure_logging(level: str) -> None:
 def _derive_topology(rank: int, nodes: list[int]) -> dict[str, int]:
     local = [r for r, node in enumerate(nodes) if node == nodes[rank]]
     local_rank = local.index(rank)
-    peers = [r for r, node in enumerate(nodes) if [q for q, n in enumerate(nodes) if n == node]
-             .index(r) == local_rank]
-    return {"rank": rank, "size": len(nodes), "local_rank": local_rank, "local_size": len(local),
-            "cross_rank": peers.index(rank), "cross_size": len(peers)}
+    peers = [
+        r
+        for r, node in enumerate(nodes)
+        if [q for q, n in enumerate(nodes) if n == node].index(r) == local_rank
+    ]
+    return {
+        "rank": rank,
+        "size": len(nodes),
+        "local_rank": local_rank,
+        "local_size": len(local),
+        "cross_rank": peers.index(rank),
+        "cross_size": len(peers),
+    }
 
 
 def _check_ranks(ps: ProcessSet, size: int) -> None:
     bad = [r for r in ps.ranks if r >= size]
     if bad or not ps.ranks:
-        raise ValueError(f"process set ranks {ps.ranks!r} must be a non-empty subset of "
-                         f"[0, {size})")
+        raise ValueError(
+            f"process set ranks {ps.ranks!r} must be a non-empty subset of [0, {size})"
+        )
 
 
 def shutdown() -> None:
@@ -102,8 +113,9 @@ def engine() -> Engine:
     """The running engine; NotInitializedError if init() was not called."""
     current = _engine
     if current is None:
-        raise NotInitializedError("commlayer has not been initialized; call commlayer.init() "
-                                  "first (or it was shut down)")
+        raise NotInitializedError(
+            "commlayer has not been initialized; call commlayer.init() first (or it was shut down)"
+        )
     return current
 
 
@@ -172,6 +184,17 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
-__all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank",
-           "cross_size", "is_initialized", "add_process_set", "remove_process_set",
-           "global_process_set"]
+__all__ = [
+    "init",
+    "shutdown",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "is_initialized",
+    "add_process_set",
+    "remove_process_set",
+    "global_process_set",
+]

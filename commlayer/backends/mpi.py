@@ -18,10 +18,9 @@ import mpi4py
 # The engine finalizes MPI itself at exit, and skips it after a peer died (a pending request on
 # a dead peer would make MPI_Finalize hang).
 mpi4py.rc.finalize = False
-from mpi4py import MPI  # noqa: E402
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
 from commlayer.backends.base import COMPLETED, Request  # noqa: E402
 from commlayer.reduce_ops import ReduceOp  # noqa: E402
@@ -52,7 +51,9 @@ def _make_half_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
     from commlayer.reduce_ops import reduce_into
 
     def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        reduce_into(torch.frombuffer(inoutbuf, dtype=dtype), torch.frombuffer(inbuf, dtype=dtype), op)
+        reduce_into(
+            torch.frombuffer(inoutbuf, dtype=dtype), torch.frombuffer(inbuf, dtype=dtype), op
+        )
 
     return MPI.Op.Create(reduce, commute=True)
 
@@ -100,7 +101,7 @@ class _GatherBytesRequest:
 
     __slots__ = ("_comm", "_payload", "_lengths", "_req", "_data", "out")
 
-    def __init__(self, comm: MPI.Intracomm, payload: bytes, out: list[bytes]) -> None:
+    def __init__(self, comm: MPI.Comm, payload: bytes, out: list[bytes]) -> None:
         self._comm = comm
         self._payload = np.frombuffer(payload, dtype=np.uint8) if payload else np.empty(0, np.uint8)
         self._lengths = np.empty(comm.size, dtype=np.int64)
@@ -128,8 +129,8 @@ class _GatherBytesRequest:
 class MPIBackend:
     """Backend over one MPI communicator."""
 
-    def __init__(self, comm: MPI.Intracomm | None = None) -> None:
-        self._comm: MPI.Intracomm = comm if comm is not None else MPI.COMM_WORLD.Dup()
+    def __init__(self, comm: MPI.Comm | None = None) -> None:
+        self._comm: MPI.Comm = comm if comm is not None else MPI.COMM_WORLD.Dup()
         self._rank = self._comm.rank
         self._size = self._comm.size
         me = (socket.gethostname(), os.getpid())
@@ -149,7 +150,7 @@ class MPIBackend:
         return self._size
 
     @property
-    def comm(self) -> MPI.Intracomm:
+    def comm(self) -> MPI.Comm:
         return self._comm
 
     def iallreduce(self, send: torch.Tensor | None, recv: torch.Tensor, op: ReduceOp) -> Request:
@@ -197,7 +198,9 @@ class MPIBackend:
     def icontrol(self, words: np.ndarray) -> Request:
         if self._size == 1:
             return COMPLETED
-        return _MPIRequest(self._comm.Iallreduce(MPI.IN_PLACE, [words, MPI.UINT64_T], MPI.BAND), words)
+        return _MPIRequest(
+            self._comm.Iallreduce(MPI.IN_PLACE, [words, MPI.UINT64_T], MPI.BAND), words
+        )
 
     def iallgather_bytes(self, payload: bytes) -> tuple[Request, list[bytes]]:
         out: list[bytes] = []
@@ -271,7 +274,7 @@ def _finalize_at_exit() -> None:
 atexit.register(_finalize_at_exit)
 
 
-def world_subset(ranks: Sequence[int]) -> MPI.Intracomm:
+def world_subset(ranks: Sequence[int]) -> MPI.Comm:
     """A communicator over some of COMM_WORLD's ranks (collective over COMM_WORLD)."""
     member = MPI.COMM_WORLD.rank in ranks
     return MPI.COMM_WORLD.Split(0 if member else MPI.UNDEFINED, MPI.COMM_WORLD.rank)
