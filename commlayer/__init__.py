@@ -3,7 +3,8 @@
 ``import commlayer as hvd`` works for horovod.torch users: same names, arguments and semantics.
 """
 
-from commlayer import config
+from commlayer import compression, config
+from commlayer.compression import Compression
 from commlayer.engine import Handle
 from commlayer.errors import (
     CommlayerError,
@@ -42,6 +43,7 @@ from commlayer.ops import (
     reducescatter_async,
     synchronize,
 )
+from commlayer.optimizer import DistributedOptimizer
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from commlayer.runtime import (
@@ -57,6 +59,12 @@ from commlayer.runtime import (
     remove_process_set,
     shutdown,
     size,
+)
+from commlayer.state_sync import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
 )
 
 __version__ = "0.1.0"

@@ -1,0 +1,31 @@
+"""Cast compressors: send floating-point gradients as float16 or bfloat16 (2 bytes a value).
+
+Summable: ranks allreduce the cast payload; callers pre-divide (prescale by 1/n) so a sum of n
+float16 gradients does not overflow. bfloat16 keeps float32's exponent range (no overflow) with
+8 bits of mantissa; float16 keeps 11 bits of mantissa with a max of 65504.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from commlayer.compression.base import Compressed
+
+
+class CastCompressor:
+    """Base of compressors that send floating-point tensors in a narrower dtype."""
+
+    name: ClassVar[str]
+    summable: ClassVar[bool] = True
+    wire_dtype: ClassVar[torch.dtype]
+
+    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
+        if not tensor.is_floating_point() or tensor.dtype == self.wire_dtype:
+            return Compressed([tensor], None)
+        return Compressed([tensor.to(self.wire_dtype)], tensor.dtype)
+
+    def decompress(self, compressed: Compressed) -> torch.Tensor:
+        payload = compressed.payload[0]
+        return payload if compressed.ctx is None else payload.to(compressed.ctx)

@@ -1,0 +1,18 @@
+"""Floating-point tensors travel as float16 (Horovod: Compression.fp16)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from commlayer.compression.base import register
+from commlayer.compression.cast import CastCompressor
+
+
+@register("fp16")
+class FP16Compressor(CastCompressor):
+    """Floating-point tensors travel as float16 (Horovod: Compression.fp16)."""
+
+    name: ClassVar[str] = "fp16"
+    wire_dtype: ClassVar[torch.dtype] = torch.float16

@@ -1,0 +1,259 @@
+"""DistributedOptimizer: wrap any torch.optim optimizer so gradients are averaged across ranks.
+
+1. A hook per parameter (``register_post_accumulate_grad_hook``) submits the gradient to the
+   engine the moment backward has finished accumulating it, so communication of the last layers
+   overlaps the backward pass of the first ones. The engine fuses what arrives together.
+2. ``step()`` waits only for what is still in flight (``synchronize``), then runs the wrapped
+   optimizer's own step. Parameters that got no gradient this step (frozen branch, unused layer,
+   ``requires_grad`` toggled) are submitted at ``synchronize`` with zeros, on every rank, so no
+   rank waits for a gradient another rank never produces.
+3. ``backward_passes_per_step=k`` accumulates k backward passes locally and reduces once.
+4. The wrapper is a dynamic subclass of the optimizer's own class that shares the original
+   object's state, so ``isinstance``, ``param_groups``, ``state_dict``, LR schedulers and custom
+   subclasses keep working; LBFGS is refused (its closure re-evaluates gradients many times per
+   step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from commlayer import ops
+from commlayer.compression import Compression, Compressor
+from commlayer.compression import create as create_compressor
+from commlayer.engine import Handle
+from commlayer.process_sets import ProcessSet, global_process_set
+from commlayer.reduce_ops import ReduceOp
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into the dynamic subclass (see ``DistributedOptimizer``)."""
+
+    _cl_handles: dict[torch.nn.Parameter, tuple[Handle, torch.Tensor, Any]]
+
+    def _cl_setup(
+        self,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
+        compression: Compressor,
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        sparse_as_dense: bool,
+        process_set: ProcessSet,
+    ) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
+            )
+        if gradient_predivide_factor <= 0:
+            raise ValueError(
+                f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}"
+            )
+        if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+            raise ValueError("gradient_predivide_factor needs op=Average")
+        self._cl_names = _parameter_names(self.param_groups, named_parameters)
+        self._cl_compression = compression
+        self._cl_passes_per_step = backward_passes_per_step
+        self._cl_op = op
+        self._cl_predivide = gradient_predivide_factor
+        self._cl_sparse_as_dense = sparse_as_dense
+        self._cl_process_set = process_set
+        self._cl_handles = {}
+        self._cl_passes: dict[torch.nn.Parameter, int] = {}
+        self._cl_synchronized = False
+        self._cl_should_synchronize = True
+        self._cl_hooks = [
+            p.register_post_accumulate_grad_hook(self._cl_on_grad_ready)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        ]
+
+    # -- backward side ---------------------------------------------------------------------------
+    def _cl_on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        if p in self._cl_handles:
+            raise RuntimeError(
+                f"gradient of {self._cl_names[p]!r} was computed again before step(): call "
+                "optimizer.step() (or synchronize()) after every backward pass, or set "
+                "backward_passes_per_step"
+            )
+        passes = self._cl_passes.get(p, 0) + 1
+        self._cl_passes[p] = passes
+        if passes == self._cl_passes_per_step:
+            self._cl_submit(p)
+
+    def _cl_submit(self, p: torch.nn.Parameter) -> None:
+        grad = p.grad
+        if grad is None:
+            grad = p.grad = torch.zeros_like(p)
+        if grad.is_sparse:
+            if not self._cl_sparse_as_dense:
+                self._cl_handles[p] = self._cl_sparse_submit(p, grad)
+                return
+            grad = p.grad = grad.to_dense()
+        compressed = self._cl_compression.compress(grad, self._cl_names[p])
+        payload = compressed.payload[0]
+        op, prescale, postscale = self._cl_op, 1.0, 1.0
+        if op == ReduceOp.Average and payload.dtype == torch.float16:
+            # Divide before summing: n float16 gradients can overflow 65504 when summed.
+            op, prescale = ReduceOp.Sum, 1.0 / self._cl_process_set.size()
+        elif op == ReduceOp.Average:
+            prescale, postscale = 1.0 / self._cl_predivide, self._cl_predivide
+        handle = ops.allreduce_async_(
+            payload,
+            name=self._cl_names[p],
+            op=op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=self._cl_process_set,
+        )
+        self._cl_handles[p] = (handle, payload, compressed)
+
+    def _cl_sparse_submit(
+        self, p: torch.nn.Parameter, grad: torch.Tensor
+    ) -> tuple[Handle, torch.Tensor, Any]:
+        """Sparse gradients: allgather indices and values; summing duplicates reduces them."""
+        grad = grad.coalesce()
+        name = self._cl_names[p]
+        indices = ops.allgather_async(
+            grad.indices().t().contiguous(),
+            name=f"{name}.indices",
+            process_set=self._cl_process_set,
+        )
+        values = ops.allgather_async(
+            grad.values(), name=f"{name}.values", process_set=self._cl_process_set
+        )
+        return indices, grad, ("sparse", values)
+
+    # -- step side ---------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every gradient's reduction and write the results into ``p.grad``."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p not in self._cl_handles:
+                    self._cl_submit(p)
+        for p, (handle, payload, extra) in self._cl_handles.items():
+            result = ops.synchronize(handle)
+            if isinstance(extra, tuple) and extra[0] == "sparse":
+                p.grad = self._cl_sparse_result(p, result, ops.synchronize(extra[1]))
+            elif payload is not p.grad:
+                assert p.grad is not None
+                p.grad.copy_(self._cl_compression.decompress(extra))
+        self._cl_handles.clear()
+        self._cl_passes.clear()
+        self._cl_synchronized = True
+
+    def _cl_sparse_result(
+        self, p: torch.nn.Parameter, indices: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        size = self._cl_process_set.size()
+        scale = 1.0 / size if self._cl_op == ReduceOp.Average else 1.0
+        summed = torch.sparse_coo_tensor(indices.t(), values * scale, p.shape)
+        return summed.coalesce()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``with opt.skip_synchronize(): opt.step()`` after an explicit ``synchronize()``."""
+        self._cl_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._cl_should_synchronize = True
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        if self._cl_should_synchronize:
+            if self._cl_synchronized:
+                warnings.warn(
+                    "optimizer.step() called after optimizer.synchronize() without "
+                    "'with optimizer.skip_synchronize():'; gradients are reduced again",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._cl_synchronized = False
+        # super(self.__class__, ...): these methods are copied onto a class made with type(), so
+        # zero-argument super() would name _DistributedOptimizer, which self is not.
+        parent: Any = super(self.__class__, self)
+        return parent.step(closure, **kwargs) if closure is not None or kwargs else parent.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._cl_handles:
+            raise RuntimeError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(): the reductions in flight would be "
+                "lost"
+            )
+        super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _parameter_names(
+    param_groups: list[dict[str, Any]],
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
+) -> dict[torch.nn.Parameter, str]:
+    params = [p for group in param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {p: f"grad.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError(
+            "named_parameters must be an iterable of (name, parameter) pairs, "
+            "e.g. model.named_parameters()"
+        )
+    names = [name for name, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"named_parameters has duplicate names: {duplicates}")
+    by_param = {p: name for name, p in named}
+    missing = [i for i, p in enumerate(params) if p not in by_param]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} parameter(s) of the optimizer (positions {missing[:10]}) are not "
+            "in named_parameters; pass model.named_parameters() for the same model"
+        )
+    return {p: f"grad.{by_param[p]}" for p in params}
+
+
+def DistributedOptimizer(  # noqa: N802 - the Horovod name
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    compression: Compressor | str = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp = ReduceOp.Average,
+    gradient_predivide_factor: float = 1.0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so ``step()`` applies gradients averaged (``op``) across ranks.
+
+    ``groups`` is accepted for Horovod compatibility; the engine fuses gradients as they become
+    ready, which subsumes explicit grouping.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "DistributedOptimizer does not support LBFGS: its step() re-evaluates the closure "
+            "and gradients several times; average the loss's gradients yourself with allreduce"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    cls: Any = type(
+        optimizer.__class__.__name__,
+        (optimizer.__class__,),
+        {k: v for k, v in _DistributedOptimizer.__dict__.items() if not k.startswith("__")},
+    )
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__ = optimizer.__dict__  # share param_groups, state, defaults, hooks
+    wrapped._cl_setup(
+        named_parameters,
+        create_compressor(compression),
+        backward_passes_per_step,
+        ReduceOp(op),
+        gradient_predivide_factor,
+        sparse_as_dense,
+        process_set,
+    )
+    return wrapped  # type: ignore[no-any-return]
