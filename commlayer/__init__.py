@@ -48,6 +48,7 @@ from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from commlayer.runtime import (
     add_process_set,
+    communication_stats,
     cross_rank,
     cross_size,
     init,

@@ -205,5 +205,8 @@ def override(**settings: Any) -> Iterator[None]:
 
 
 def launcher_environ() -> dict[str, str]:
-    """The COMMLAYER_* variables of this process, for a launcher to pass through."""
-    return {k: v for k, v in os.environ.items() if k.startswith("COMMLAYER_")}
+    """A copy of this process's whole environment, COMMLAYER_* validated (ConfigError), for a
+    launcher to hand to the ranks it starts."""
+    env = dict(os.environ)
+    load(environ=env)
+    return env

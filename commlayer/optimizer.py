@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -67,6 +68,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cl_passes: dict[torch.nn.Parameter, int] = {}
         self._cl_synchronized = False
         self._cl_should_synchronize = True
+        # Seconds step()/synchronize() spent blocked on reductions: communication that backward
+        # did not hide. overlap = 1 - synchronize_wait_s / (engine collective time).
+        self.synchronize_wait_s = 0.0
         self._cl_hooks = [
             p.register_post_accumulate_grad_hook(self._cl_on_grad_ready)
             for group in self.param_groups
@@ -137,6 +141,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.requires_grad and p not in self._cl_handles:
                     self._cl_submit(p)
+        start = time.perf_counter()
         for p, (handle, payload, extra) in self._cl_handles.items():
             result = ops.synchronize(handle)
             if isinstance(extra, tuple) and extra[0] == "sparse":
@@ -144,6 +149,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             elif payload is not p.grad:
                 assert p.grad is not None
                 p.grad.copy_(self._cl_compression.decompress(extra))
+        self.synchronize_wait_s += time.perf_counter() - start
         self._cl_handles.clear()
         self._cl_passes.clear()
         self._cl_synchronized = True

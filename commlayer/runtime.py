@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import logging
 import threading
@@ -117,6 +118,13 @@ def engine() -> Engine:
             "commlayer has not been initialized; call commlayer.init() first (or it was shut down)"
         )
     return current
+
+
+def communication_stats() -> dict[str, float]:
+    """Counters of this rank's engine since init: operations (collectives run, fused buckets
+    counted once), payload_bytes reduced or moved, wire_bytes (estimate of bytes a bandwidth-
+    optimal algorithm sends from this rank), collective_s (time inside collectives), cycles."""
+    return dataclasses.asdict(engine().stats)
 
 
 def is_initialized() -> bool:

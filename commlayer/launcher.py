@@ -1,0 +1,166 @@
+"""commlayerrun: launch a training script on N processes through the available mpiexec.
+
+    commlayerrun -np 4 [-H host1:2,host2:2 | --hostfile FILE] python train.py ...
+    commlayerrun --check-build
+
+Wraps MPICH's (the ``mpich`` wheel's, or a system one) or Open MPI's launcher, passes every
+COMMLAYER_* variable to all ranks, and sets defaults that suit small or oversubscribed machines:
+one OpenMP thread per rank when there are more ranks than cores (torch would start one thread
+per core in every rank), no core binding, and Open MPI's yield-when-idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from commlayer import config
+
+_NO_MPI = (
+    "commlayerrun: no MPI launcher (mpiexec or mpirun) was found. Install one, e.g.\n"
+    "  pip install mpi4py mpich            # MPICH from PyPI, no system packages\n"
+    "or a system MPI (apt install openmpi-bin libopenmpi-dev; then pip install mpi4py)."
+)
+
+
+def find_mpiexec() -> str | None:
+    """The launcher next to this Python (the mpich wheel's) first, then PATH."""
+    beside = Path(sys.executable).parent
+    for name in ("mpiexec", "mpirun"):
+        candidate = beside / name
+        if candidate.exists() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def flavor(mpiexec: str) -> str:
+    """'openmpi', 'mpich' (Hydra) or 'unknown', from the launcher's --version."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = (out.stdout + out.stderr).lower()
+    if "open mpi" in text or "openrte" in text or "open-mpi" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel" in text:
+        return "mpich"
+    return "unknown"
+
+
+def build_command(
+    mpiexec: str,
+    kind: str,
+    np: int,
+    hosts: str | None,
+    hostfile: str | None,
+    command: Sequence[str],
+    environ: dict[str, str],
+) -> list[str]:
+    """The full launcher command line for ``command`` on ``np`` ranks."""
+    names = sorted(k for k in environ if k.startswith("COMMLAYER_") or k == "OMP_NUM_THREADS")
+    if kind == "openmpi":
+        cmd = [mpiexec, "-np", str(np), "--bind-to", "none", "--oversubscribe"]
+        cmd += ["--mca", "mpi_yield_when_idle", "1"]
+        cmd += ["-H", hosts] if hosts else []
+        cmd += ["--hostfile", hostfile] if hostfile else []
+        for name in names:
+            cmd += ["-x", name]
+    else:
+        cmd = [mpiexec, "-n", str(np)]
+        cmd += ["-hosts", hosts] if hosts else []
+        cmd += ["-f", hostfile] if hostfile else []
+        if names:
+            cmd += ["-genvlist", ",".join(names)]
+    return cmd + list(command)
+
+
+def launch_environ(np: int, hosts: str | None, environ: dict[str, str]) -> dict[str, str]:
+    """Environment for the ranks: one OpenMP thread per rank when the local machine would
+    otherwise be oversubscribed (unless OMP_NUM_THREADS is set)."""
+    env = dict(environ)
+    local_ranks = (
+        np if not hosts else max(int(h.split(":")[1]) if ":" in h else 1 for h in hosts.split(","))
+    )
+    cores = os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(local_ranks, 1))))
+    return env
+
+
+def check_build() -> str:
+    """What commlayer can use on this machine, one line each."""
+    lines = [f"commlayer {importlib.import_module('commlayer').__version__}"]
+    mpiexec = find_mpiexec()
+    lines.append(f"launcher: {mpiexec} ({flavor(mpiexec)})" if mpiexec else "launcher: none")
+    try:
+        from mpi4py import MPI
+
+        mpi4py = importlib.import_module("mpi4py")
+        library = MPI.Get_library_version().splitlines()[0].strip()
+        lines.append(f"MPI: {library} (mpi4py {mpi4py.__version__}, MPI {MPI.Get_version()})")
+    except ImportError as exc:
+        lines.append(f"MPI: not available ({exc})")
+    for module in ("torch", "numpy", "numba", "cupy"):
+        try:
+            lines.append(f"{module}: {importlib.import_module(module).__version__}")
+        except ImportError:
+            lines.append(f"{module}: not installed")
+    try:
+        import torch
+
+        cuda = torch.version.cuda or "none"
+        lines.append(f"CUDA: torch built with {cuda}, available: {torch.cuda.is_available()}")
+    except ImportError:
+        pass
+    nvcc = shutil.which("nvcc")
+    lines.append(f"nvcc: {nvcc or 'not found'}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="commlayerrun",
+        description="Launch a commlayer training script on N processes (wraps mpiexec).",
+    )
+    parser.add_argument("-np", "-n", "--num-proc", dest="np", type=int, help="number of ranks")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", help="host1:slots,host2:slots")
+    where.add_argument("--hostfile", help="file with one 'host slots=N' (or host:N) per line")
+    parser.add_argument("--check-build", action="store_true", help="print what is available")
+    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.check_build:
+        print(check_build())
+        return 0
+    if not args.np or args.np < 1 or not args.command:
+        _parser().error("give -np N (N >= 1) and a command: commlayerrun -np 2 python train.py")
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        print(_NO_MPI, file=sys.stderr)
+        return 127
+    try:
+        env = launch_environ(args.np, args.hosts, config.launcher_environ())
+    except ValueError as exc:
+        print(f"commlayerrun: {exc}", file=sys.stderr)
+        return 2
+    cmd = build_command(
+        mpiexec, flavor(mpiexec), args.np, args.hosts, args.hostfile, args.command, env
+    )
+    if args.dry_run:
+        print(" ".join(cmd))
+        return 0
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
