@@ -402,8 +402,12 @@ class Negotiator:
             log.warning(
                 "commlayer stall on rank %d: %r was submitted by ranks %s but not by ranks %s "
                 "for %.1f s (COMMLAYER_STALL_CHECK_TIME_SECONDS)",
-                self.rank, name, holders.get(name, []), missing(name), self._stall_check_s,
-            )  # fmt: skip
+                self.rank,
+                name,
+                holders.get(name, []),
+                missing(name),
+                self._stall_check_s,
+            )
         for name in sorted({n for _, _, late in reports for n in late}):
             self.table.pop(name, None)
             self._partial_since.pop(name, None)
