@@ -4,9 +4,12 @@
    engine the moment backward has finished accumulating it, so communication of the last layers
    overlaps the backward pass of the first ones. The engine fuses what arrives together.
 2. ``step()`` waits only for what is still in flight (``synchronize``), then runs the wrapped
-   optimizer's own step. Parameters that got no gradient this step (frozen branch, unused layer,
-   ``requires_grad`` toggled) are submitted at ``synchronize`` with zeros, on every rank, so no
-   rank waits for a gradient another rank never produces.
+   optimizer's own step. Reading ``param_groups`` while reductions are in flight synchronizes
+   first, so ``torch.amp.GradScaler`` (whose ``unscale_`` and inf check read every gradient
+   through it) sees reduced gradients and every rank takes the same skip-or-step decision.
+   Parameters that got no gradient this step (frozen branch, unused layer, ``requires_grad``
+   toggled) are submitted at ``synchronize`` with zeros, on every rank, so no rank waits for a
+   gradient another rank never produces.
 3. ``backward_passes_per_step=k`` accumulates k backward passes locally and reduces once.
 4. The wrapper is a dynamic subclass of the optimizer's own class that shares the original
    object's state, so ``isinstance``, ``param_groups``, ``state_dict``, LR schedulers and custom
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -86,6 +88,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer.step() (or synchronize()) after every backward pass, or set "
                 "backward_passes_per_step"
             )
+        self._cl_synchronized = False
         passes = self._cl_passes.get(p, 0) + 1
         self._cl_passes[p] = passes
         if passes == self._cl_passes_per_step:
@@ -137,7 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- step side ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for every gradient's reduction and write the results into ``p.grad``."""
-        for group in self.param_groups:
+        for group in self.__dict__["param_groups"]:  # not the property: it synchronizes
             for p in group["params"]:
                 if p.requires_grad and p not in self._cl_handles:
                     self._cl_submit(p)
@@ -172,19 +175,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._cl_should_synchronize = True
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
-        if self._cl_should_synchronize:
-            if self._cl_synchronized:
-                warnings.warn(
-                    "optimizer.step() called after optimizer.synchronize() without "
-                    "'with optimizer.skip_synchronize():'; gradients are reduced again",
-                    stacklevel=2,
-                )
+        if self._cl_should_synchronize and not self._cl_synchronized:
             self.synchronize()
         self._cl_synchronized = False
         # super(self.__class__, ...): these methods are copied onto a class made with type(), so
         # zero-argument super() would name _DistributedOptimizer, which self is not.
         parent: Any = super(self.__class__, self)
         return parent.step(closure, **kwargs) if closure is not None or kwargs else parent.step()
+
+    def _cl_param_groups(self) -> list[dict[str, Any]]:
+        # Whoever reads the gradients through the optimizer (GradScaler.unscale_ and its inf
+        # check, clipping helpers) must see reduced ones: finish the reductions first.
+        if self.__dict__.get("_cl_handles"):
+            self.synchronize()
+        return self.__dict__["param_groups"]  # type: ignore[no-any-return]
+
+    def _cl_set_param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.__dict__["param_groups"] = groups
+
+    param_groups = property(_cl_param_groups, _cl_set_param_groups)  # type: ignore[assignment]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._cl_handles:
