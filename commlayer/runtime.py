@@ -39,10 +39,16 @@ def init(
             return
         cfg = config_module.load(**settings)
         _configure_logging(cfg.log_level)
-        from commlayer.backends.mpi import MPIBackend, world_subset
+        from commlayer.backends.mpi import MPIBackend, world_rank, world_subset
 
         if isinstance(comm, (list, tuple)):
-            comm = world_subset(comm)
+            ranks = list(comm)
+            comm = world_subset(ranks)
+            if comm is None:
+                raise ValueError(
+                    f"init(comm={ranks!r}): this process (world rank "
+                    f"{world_rank()}) is not among those ranks"
+                )
         backend = MPIBackend(comm)
         engine = Engine(backend, cfg)
         _topology.clear()

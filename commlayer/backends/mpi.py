@@ -274,7 +274,13 @@ def _finalize_at_exit() -> None:
 atexit.register(_finalize_at_exit)
 
 
-def world_subset(ranks: Sequence[int]) -> MPI.Comm:
-    """A communicator over some of COMM_WORLD's ranks (collective over COMM_WORLD)."""
+def world_subset(ranks: Sequence[int]) -> MPI.Comm | None:
+    """A communicator over some of COMM_WORLD's ranks (collective over COMM_WORLD); None on
+    ranks not in ``ranks``."""
     member = MPI.COMM_WORLD.rank in ranks
-    return MPI.COMM_WORLD.Split(0 if member else MPI.UNDEFINED, MPI.COMM_WORLD.rank)
+    sub = MPI.COMM_WORLD.Split(0 if member else MPI.UNDEFINED, MPI.COMM_WORLD.rank)
+    return sub if member else None
+
+
+def world_rank() -> int:
+    return int(MPI.COMM_WORLD.rank)
