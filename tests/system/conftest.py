@@ -1,0 +1,209 @@
+"""System-test harness: run a worker script under ``mpiexec -n N`` and read what each rank did.
+
+1. Every job has a hard wall-clock limit. On expiry every rank dumps its threads' stacks
+   (SIGUSR2, registered by ``_worker.start``), then the whole process tree is SIGKILLed and the
+   test fails showing the captured output: a hang is a failure that explains itself, never a
+   stuck CI job. Hydra puts the proxy and every rank in a session of its own, so killing
+   mpiexec's process group would leave the ranks running: the tree is walked through /proc.
+2. Workers report results as JSON records (``_worker.report``) appended to one file per rank in
+   a fresh directory, and also echo them to stdout. Tests read the files: mpiexec stops
+   forwarding a rank's output once another rank was killed by a signal, a file does not.
+3. The job's environment is this one without any ``COMMLAYER_*`` variable (a developer's
+   ``COMMLAYER_TIMELINE`` must not leak in), with ``OMP_NUM_THREADS=1`` (3 ranks on 2 cores
+   must not each start a thread per core) plus what the test passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+# Startup of one rank (import torch, MPI_Init) takes 2-4 s on the 2-core CI machine, 3 ranks
+# longer; 45 s leaves room for a loaded machine while a hang still fails within a minute.
+DEFAULT_TIMEOUT_S = 45.0
+_STACK_DUMP_GRACE_S = 1.0
+
+
+def _mpiexec() -> str:
+    """The mpiexec next to this python (the mpich wheel's), else the first on PATH."""
+    beside = Path(sysconfig.get_path("scripts")) / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("mpiexec not found next to the python or on PATH (pip install '.[mpich]')")
+    return found
+
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> list[int]:
+    children, found, todo = _children(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _runs(pid: int, script: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return script.encode() in cmdline.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _signal_all(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    """Running, as opposed to gone or a zombie (killed, waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_gone(pids: Sequence[int], limit_s: float = 5.0) -> None:
+    """SIGKILL is delivered asynchronously: a rank reparented away from the killed proxy can
+    outlive mpiexec by some milliseconds. Wait for every process to have ended."""
+    deadline = time.monotonic() + limit_s
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@dataclasses.dataclass
+class Job:
+    """What one mpiexec run did."""
+
+    command: list[str]
+    size: int
+    args: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed_s: float
+    ended_at: float  # time.time() when mpiexec had exited, to compare with record times
+    records: list[dict[str, Any]]
+
+    def output(self) -> str:
+        """Everything captured, for assertion messages."""
+        return (
+            f"$ {' '.join(self.command)}\nexit code {self.returncode} after {self.elapsed_s:.1f} s"
+            f"\n--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
+        )
+
+    def find(self, event: str, rank: int | None = None) -> list[dict[str, Any]]:
+        return [
+            r for r in self.records if r["event"] == event and (rank is None or r["rank"] == rank)
+        ]
+
+    def one(self, event: str, rank: int) -> dict[str, Any]:
+        found = self.find(event, rank)
+        assert len(found) == 1, f"rank {rank}: expected one {event!r} record\n{self.output()}"
+        return found[0]
+
+
+def _read_records(out_dir: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted(out_dir.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                records.append(json.loads(line))
+    return records
+
+
+RunMPI = Callable[..., Job]
+
+
+@pytest.fixture(scope="session")
+def run_mpi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunMPI]:
+    """``run_mpi(script, n, *args, env={}, timeout_s=45, mpiexec_args=())`` -> Job.
+
+    Session-scoped so that a module-scoped fixture can run one job for several tests.
+    """
+
+    def run(
+        script: str,
+        n: int,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        mpiexec_args: Sequence[str] = (),
+    ) -> Job:
+        out_dir = tmp_path_factory.mktemp(Path(script).stem)
+        job_env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
+        job_env.update(
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            SYSTEST_OUT_DIR=str(out_dir),
+            # A backstop should this harness itself be killed: ranks end themselves later.
+            SYSTEST_WATCHDOG_S=str(timeout_s + 10.0),
+        )
+        job_env.update(env or {})
+        command = [
+            _mpiexec(), *mpiexec_args, "-n", str(n),
+            sys.executable, str(SCRIPTS / script), *args,
+        ]  # fmt: skip
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=job_env,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            tree = _descendants(proc.pid)
+            # Only the ranks: SIGUSR2 would terminate mpiexec's proxy, and their output with it.
+            _signal_all([p for p in tree if _runs(p, command[-1 - len(args)])], signal.SIGUSR2)
+            time.sleep(_STACK_DUMP_GRACE_S)
+            killed = [proc.pid, *_descendants(proc.pid), *tree]
+            _signal_all(killed, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            _wait_gone(killed)
+            job = Job(
+                command, n, args, -9, stdout, stderr, time.monotonic() - start, time.time(), []
+            )
+            pytest.fail(f"HANG: killed after {timeout_s:g} s\n{job.output()}", pytrace=False)
+        elapsed = time.monotonic() - start
+        records = _read_records(out_dir)
+        return Job(command, n, args, proc.returncode, stdout, stderr, elapsed, time.time(), records)
+
+    yield run

@@ -1,0 +1,100 @@
+"""A rank that raises or dies while the others need it: the others get an error within seconds
+(ShutdownError when it said goodbye, RankDiedError when it vanished), the job ends quickly.
+
+mpiexec (hydra) ends the whole job as soon as one rank exits without MPI_Finalize, so under a
+plain ``mpiexec`` a hard death is cut short by the launcher; only the no-hang bound can be
+checked there. ``-disable-auto-cleanup`` keeps the survivors alive, which exercises commlayer's
+own detection (peer pids checked every second while waiting).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import Job, RunMPI
+
+# From rank 1's failure to the end of the whole job: 1 s for the pid check, the rest for
+# tearing down on a loaded 2-core machine.
+ENDS_WITHIN_S = 10.0
+NOTICED_WITHIN_S = 4.0
+KEEP_SURVIVORS = ("-disable-auto-cleanup",)
+
+
+def _failing_time(job: Job) -> float:
+    return float(job.one("failing", 1)["time"])
+
+
+def _survivors(job: Job) -> list[int]:
+    return [r for r in range(job.size) if r != 1]
+
+
+def _assert_ends_quickly(job: Job) -> None:
+    took = job.ended_at - _failing_time(job)
+    assert took < ENDS_WITHIN_S, f"the job took {took:.1f} s to end\n{job.output()}"
+
+
+def _assert_names_rank_1(record: dict[str, Any], job: Job, phrase: str) -> None:
+    assert record["error"] in ("ShutdownError", "RankDiedError"), job.output()
+    assert {"ShutdownError", "CommlayerError", "RuntimeError"} <= set(record["classes"])
+    assert f"rank(s) [1] {phrase}" in record["message"], record["message"]
+
+
+@pytest.mark.parametrize(("size", "when"), [(2, "blocked"), (3, "early")])
+def test_uncaught_exception_fails_the_others(run_mpi: RunMPI, size: int, when: str) -> None:
+    job = run_mpi("rank_failure.py", size, "raise", when)
+    assert job.returncode != 0, job.output()
+    assert "RuntimeError: rank 1 fails on purpose" in job.stderr, job.output()
+    _assert_ends_quickly(job)
+    for rank in _survivors(job):
+        for event in ("blocked", "later"):
+            record = job.one(event, rank)
+            _assert_names_rank_1(record, job, "shut down")
+        if rank == 0:  # waiting in the allreduce when rank 1 left
+            took = job.one("blocked", 0)["time"] - _failing_time(job)
+            assert took < NOTICED_WITHIN_S, f"rank 0 noticed after {took:.1f} s"
+        assert job.one("later", rank)["elapsed_s"] < 0.5, "a later collective must fail at once"
+        assert job.find("done", rank), job.output()
+
+
+@pytest.mark.parametrize("how", ["exit1", "exit0", "sigkill"])
+def test_hard_death_under_mpiexec_ends_the_job(run_mpi: RunMPI, how: str) -> None:
+    job = run_mpi("rank_failure.py", 2, how, "blocked")
+    _assert_ends_quickly(job)
+    if how != "exit0":
+        # os._exit(0) is no failure to mpiexec: it ends the job and reports 0, although it
+        # killed rank 0 in the middle of an allreduce. That is the launcher's call.
+        assert job.returncode != 0, job.output()
+    for record in job.find("blocked", 0):  # only if rank 0 outlived mpiexec's cleanup
+        _assert_names_rank_1(record, job, "exited")
+
+
+def test_hard_death_is_detected_by_the_survivors(run_mpi: RunMPI) -> None:
+    # os._exit(0): no atexit hook, so no goodbye; _exit(1) takes the same path in commlayer.
+    job = run_mpi("rank_failure.py", 3, "exit0", "blocked", mpiexec_args=KEEP_SURVIVORS)
+    _assert_ends_quickly(job)
+    # The survivors report their errors and exit 0, as did rank 1.
+    assert job.returncode == 0, job.output()
+    blocked = job.one("blocked", 0)
+    assert blocked["error"] == "RankDiedError", job.output()
+    _assert_names_rank_1(blocked, job, "exited")
+    took = blocked["time"] - _failing_time(job)
+    assert took < NOTICED_WITHIN_S, f"rank 0 noticed the death after {took:.1f} s"
+    # Rank 2 was idle when rank 1 died; its engine noticed between collectives.
+    for event in ("blocked", "later"):
+        _assert_names_rank_1(job.one(event, 2), job, "exited")
+        assert job.one(event, 2)["elapsed_s"] < 0.5
+    assert len(job.find("done")) == 2, job.output()
+
+
+def test_sigkilled_rank_ends_the_job_even_without_auto_cleanup(run_mpi: RunMPI) -> None:
+    """mpiexec kills the whole job when a rank dies of a signal, -disable-auto-cleanup or not,
+    so whether the survivors get to report first is a race; what they report must be right."""
+    job = run_mpi("rank_failure.py", 3, "sigkill", "blocked", mpiexec_args=KEEP_SURVIVORS)
+    _assert_ends_quickly(job)
+    assert job.returncode != 0, job.output()
+    for rank in _survivors(job):
+        for record in job.find("blocked", rank) + job.find("later", rank):
+            _assert_names_rank_1(record, job, "exited")

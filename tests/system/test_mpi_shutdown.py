@@ -1,0 +1,66 @@
+"""Clean shutdown: every rank exits 0; collectives after shutdown() fail with a clear error;
+init() after shutdown() starts commlayer again (Horovod allows it); a rank that shuts down
+early makes the others' later collectives fail instead of hang."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import Job, RunMPI
+
+
+@pytest.fixture(scope="module")
+def all_job(run_mpi: RunMPI) -> Job:
+    return run_mpi("shutdown.py", 2, "all")
+
+
+def test_every_rank_exits_0(all_job: Job) -> None:
+    assert all_job.returncode == 0, all_job.output()
+    assert len(all_job.find("done")) == 2, all_job.output()
+    assert "Traceback" not in all_job.stderr, all_job.output()
+
+
+@pytest.mark.parametrize("event", ["allreduce", "allreduce_async", "barrier", "rank"])
+def test_calls_after_shutdown_raise_not_initialized(all_job: Job, event: str) -> None:
+    for rank in range(2):
+        assert all_job.one("initialized", rank)["value"] is False
+        record = all_job.one(event, rank)
+        assert record["error"] == "NotInitializedError", all_job.output()
+        assert "ValueError" in record["classes"]  # what horovod.torch raises
+        assert "init()" in record["message"] and "shut down" in record["message"]
+
+
+def test_shutdown_twice_is_harmless(all_job: Job) -> None:
+    for rank in range(2):
+        assert all_job.one("shutdown_again", rank)["error"] is None, all_job.output()
+
+
+def test_init_after_shutdown_works_again(all_job: Job) -> None:
+    for rank in range(2):
+        expected = {
+            "init_again": None,
+            "rank_again": [rank, 2],
+            "same_name": [2.0, 2.0],
+            "new_name": [2.0, 2.0, 2.0],
+            "barrier_again": None,
+            "final_shutdown": None,
+        }
+        for event, result in expected.items():
+            record = all_job.one(event, rank)
+            assert record["error"] is None, all_job.output()
+            assert record["result"] == result, (event, record)
+
+
+def test_peers_of_a_rank_that_shut_down_get_shutdown_error(run_mpi: RunMPI) -> None:
+    job = run_mpi("shutdown.py", 3, "one")
+    assert job.returncode == 0, job.output()
+    assert job.find("left", 0), job.output()
+    for rank in (1, 2):
+        record = job.one("allreduce", rank)
+        assert record["error"] == "ShutdownError", job.output()
+        assert "rank(s) [0] shut down" in record["message"], record["message"]
+        assert record["elapsed_s"] < 0.5, "must fail at once, not wait for rank 0"
+        assert job.find("done", rank), job.output()

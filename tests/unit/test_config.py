@@ -1,0 +1,299 @@
+"""Configuration: defaults, every COMMLAYER_* variable, errors that name variable, value and
+what is allowed, unknown variables, explicit arguments over the environment, override()."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import pytest
+
+from commlayer import config
+from commlayer.config import Config
+from commlayer.errors import ConfigError
+
+DEFAULTS = {
+    "fusion_threshold_bytes": 64 * 1024 * 1024,
+    "cycle_time_ms": 1.0,
+    "cache_capacity": 1024,
+    "timeline_path": "",
+    "stall_check_time_s": 60.0,
+    "stall_shutdown_time_s": 0.0,
+    "log_level": "warning",
+}
+
+# (variable, text, Config field, parsed value)
+GOOD = [
+    ("COMMLAYER_FUSION_THRESHOLD", "0", "fusion_threshold_bytes", 0),
+    ("COMMLAYER_FUSION_THRESHOLD", "1000", "fusion_threshold_bytes", 1000),
+    ("COMMLAYER_FUSION_THRESHOLD", "5b", "fusion_threshold_bytes", 5),
+    ("COMMLAYER_FUSION_THRESHOLD", "4K", "fusion_threshold_bytes", 4 << 10),
+    ("COMMLAYER_FUSION_THRESHOLD", "4k", "fusion_threshold_bytes", 4 << 10),
+    ("COMMLAYER_FUSION_THRESHOLD", "4KB", "fusion_threshold_bytes", 4 << 10),
+    ("COMMLAYER_FUSION_THRESHOLD", "4KiB", "fusion_threshold_bytes", 4 << 10),
+    ("COMMLAYER_FUSION_THRESHOLD", "32M", "fusion_threshold_bytes", 32 << 20),
+    ("COMMLAYER_FUSION_THRESHOLD", "32mb", "fusion_threshold_bytes", 32 << 20),
+    ("COMMLAYER_FUSION_THRESHOLD", " 32 MiB ", "fusion_threshold_bytes", 32 << 20),
+    ("COMMLAYER_FUSION_THRESHOLD", "2G", "fusion_threshold_bytes", 2 << 30),
+    ("COMMLAYER_FUSION_THRESHOLD", "2GiB", "fusion_threshold_bytes", 2 << 30),
+    ("COMMLAYER_CYCLE_TIME", "5", "cycle_time_ms", 5.0),
+    ("COMMLAYER_CYCLE_TIME", "0.25", "cycle_time_ms", 0.25),
+    ("COMMLAYER_CYCLE_TIME", "1e-3", "cycle_time_ms", 1e-3),
+    ("COMMLAYER_CACHE_CAPACITY", "0", "cache_capacity", 0),
+    ("COMMLAYER_CACHE_CAPACITY", "4096", "cache_capacity", 4096),
+    ("COMMLAYER_TIMELINE", "/tmp/trace.json", "timeline_path", "/tmp/trace.json"),
+    ("COMMLAYER_TIMELINE", "/tmp/trace.{rank}.json", "timeline_path", "/tmp/trace.{rank}.json"),
+    ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "0", "stall_check_time_s", 0.0),
+    ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "2.5", "stall_check_time_s", 2.5),
+    ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "0", "stall_shutdown_time_s", 0.0),
+    ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "30", "stall_shutdown_time_s", 30.0),
+    ("COMMLAYER_LOG_LEVEL", "trace", "log_level", "trace"),
+    ("COMMLAYER_LOG_LEVEL", "debug", "log_level", "debug"),
+    ("COMMLAYER_LOG_LEVEL", "INFO", "log_level", "info"),
+    ("COMMLAYER_LOG_LEVEL", " Warning ", "log_level", "warning"),
+    ("COMMLAYER_LOG_LEVEL", "error", "log_level", "error"),
+]
+
+_BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
+_POSITIVE = "a finite number > 0"
+_NONNEG_INT = "an integer >= 0"
+_NONNEG = "a finite number >= 0 (0 disables)"
+_LEVELS = "one of trace, debug, info, warning, error"
+
+# (variable, text, what the message says is allowed)
+BAD = [
+    ("COMMLAYER_FUSION_THRESHOLD", "abc", _BYTES),
+    ("COMMLAYER_FUSION_THRESHOLD", "-1", _BYTES),
+    ("COMMLAYER_FUSION_THRESHOLD", "1.5M", _BYTES),
+    ("COMMLAYER_FUSION_THRESHOLD", "10T", _BYTES),
+    ("COMMLAYER_FUSION_THRESHOLD", "M", _BYTES),
+    ("COMMLAYER_FUSION_THRESHOLD", " ", _BYTES),
+    ("COMMLAYER_CYCLE_TIME", "-1", _POSITIVE),
+    ("COMMLAYER_CYCLE_TIME", "0", _POSITIVE),
+    ("COMMLAYER_CYCLE_TIME", "nan", _POSITIVE),
+    ("COMMLAYER_CYCLE_TIME", "inf", _POSITIVE),
+    ("COMMLAYER_CYCLE_TIME", "1ms", _POSITIVE),
+    ("COMMLAYER_CACHE_CAPACITY", "-1", _NONNEG_INT),
+    ("COMMLAYER_CACHE_CAPACITY", "1.5", _NONNEG_INT),
+    ("COMMLAYER_CACHE_CAPACITY", "lots", _NONNEG_INT),
+    ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "-1", _NONNEG),
+    ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "nan", _NONNEG),
+    ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "inf", _NONNEG),
+    ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "-0.5", _NONNEG),
+    ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "soon", _NONNEG),
+    ("COMMLAYER_LOG_LEVEL", "loud", _LEVELS),
+    ("COMMLAYER_LOG_LEVEL", "critical", _LEVELS),
+    ("COMMLAYER_LOG_LEVEL", "10", _LEVELS),
+]
+
+
+def test_defaults() -> None:
+    assert dataclasses.asdict(Config()) == DEFAULTS
+    assert config.load(environ={}) == Config()
+
+
+def test_defaults_from_a_clean_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, _ in config.variables():
+        monkeypatch.delenv(name, raising=False)
+    assert config.load() == Config()
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().cycle_time_ms = 2.0  # type: ignore[misc]
+
+
+def test_idle_cycle_time_is_20_cycles_but_at_least_5_ms() -> None:
+    assert Config(cycle_time_ms=1.0).idle_cycle_time_ms == 20.0
+    assert Config(cycle_time_ms=0.1).idle_cycle_time_ms == 5.0
+
+
+@pytest.mark.parametrize(("variable", "text", "field", "value"), GOOD)
+def test_variable_is_parsed(variable: str, text: str, field: str, value: Any) -> None:
+    loaded = config.load(environ={variable: text})
+    assert getattr(loaded, field) == value
+    assert type(getattr(loaded, field)) is type(DEFAULTS[field])
+    others = {k: v for k, v in dataclasses.asdict(loaded).items() if k != field}
+    assert others == {k: v for k, v in DEFAULTS.items() if k != field}
+
+
+def test_every_variable_is_tested_and_sets_its_own_field() -> None:
+    tested = {variable for variable, *_ in GOOD}
+    assert tested == {name for name, _ in config.variables()}
+    assert {field for _, _, field, _ in GOOD} == set(DEFAULTS)
+
+
+def test_variable_read_from_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMMLAYER_CYCLE_TIME", "7")
+    monkeypatch.setenv("COMMLAYER_FUSION_THRESHOLD", "1M")
+    loaded = config.load()
+    assert (loaded.cycle_time_ms, loaded.fusion_threshold_bytes) == (7.0, 1 << 20)
+
+
+def test_all_variables_together() -> None:
+    environ = {variable: text for variable, text, *_ in GOOD}  # the last text of each wins
+    loaded = config.load(environ=environ)
+    for variable, text, field, value in GOOD:
+        if environ[variable] == text:
+            assert getattr(loaded, field) == value
+
+
+@pytest.mark.parametrize("variable", [name for name, _ in config.variables()])
+def test_empty_value_means_default(variable: str) -> None:
+    assert config.load(environ={variable: ""}) == Config()
+
+
+@pytest.mark.parametrize(("variable", "text", "allowed"), BAD)
+def test_bad_value_names_variable_value_and_allowed(variable: str, text: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config.load(environ={variable: text})
+    assert isinstance(caught.value, ValueError)
+    message = str(caught.value)
+    assert variable in message and repr(text) in message and allowed in message, message
+
+
+@pytest.mark.parametrize(("variable", "text", "allowed"), BAD)
+def test_parse_variable_rejects_the_same(variable: str, text: str, allowed: str) -> None:
+    with pytest.raises(ConfigError, match=allowed.replace("(", r"\(").replace(")", r"\)")):
+        config.parse_variable(variable, text)
+
+
+@pytest.mark.parametrize(
+    "variable", ["COMMLAYER_BOGUS", "COMMLAYER_FUSION_THRESHOLD_BYTES", "COMMLAYER_CYCLE_TIME_MS"]
+)
+def test_unknown_variable_is_rejected(variable: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config.load(environ={variable: "1", "COMMLAYER_CYCLE_TIME": "2"})
+    message = str(caught.value)
+    assert repr(variable) in message
+    for known, _ in config.variables():
+        assert known in message, f"the known variables belong in the message: {message}"
+
+
+def test_unknown_variables_are_all_named_and_others_ignored() -> None:
+    environ = {"COMMLAYER_B": "1", "COMMLAYER_A": "1", "HOROVOD_FUSION_THRESHOLD": "x", "PATH": "/"}
+    with pytest.raises(ConfigError, match="'COMMLAYER_A', 'COMMLAYER_B'"):
+        config.load(environ=environ)
+    assert config.load(environ={"HOROVOD_CYCLE_TIME": "-1", "COMMLAYERX": "1"}) == Config()
+
+
+def test_parse_variable_unknown_name() -> None:
+    with pytest.raises(ConfigError, match="COMMLAYER_NOPE"):
+        config.parse_variable("COMMLAYER_NOPE", "1")
+
+
+def test_variables_have_help_text() -> None:
+    for name, help_text in config.variables():
+        assert name.startswith("COMMLAYER_") and help_text.strip()
+
+
+def test_launcher_environ_is_the_environment_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMMLAYER_CYCLE_TIME", "3")
+    monkeypatch.setenv("NOT_COMMLAYER_X", "1")
+    passed = config.launcher_environ()
+    assert passed["COMMLAYER_CYCLE_TIME"] == "3" and passed["NOT_COMMLAYER_X"] == "1"
+    monkeypatch.setenv("COMMLAYER_CYCLE_TIME", "-3")
+    with pytest.raises(ConfigError, match="COMMLAYER_CYCLE_TIME='-3'"):
+        config.launcher_environ()
+
+
+# -- explicit arguments ----------------------------------------------------------------------
+def test_explicit_arguments_win_over_the_environment() -> None:
+    environ = {"COMMLAYER_CYCLE_TIME": "5", "COMMLAYER_FUSION_THRESHOLD": "1M"}
+    loaded = config.load(environ=environ, cycle_time_ms=2.0, fusion_threshold_bytes=0)
+    assert (loaded.cycle_time_ms, loaded.fusion_threshold_bytes) == (2.0, 0)
+
+
+def test_explicit_none_leaves_the_environment_in_charge() -> None:
+    loaded = config.load(environ={"COMMLAYER_CYCLE_TIME": "5"}, cycle_time_ms=None)
+    assert loaded.cycle_time_ms == 5.0
+
+
+def test_unknown_explicit_setting_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="cycle_time"):
+        config.load(environ={}, cycle_time=2.0)
+
+
+@pytest.mark.parametrize(
+    ("how", "setting"),
+    [
+        ("load", {"cycle_time_ms": -1.0}),
+        ("load", {"fusion_threshold_bytes": "abc"}),
+        ("load", {"cache_capacity": -3}),
+        ("load", {"log_level": "loud"}),
+        ("override", {"cycle_time_ms": -1.0}),
+        ("override", {"stall_check_time_s": float("nan")}),
+    ],
+    ids=lambda p: p if isinstance(p, str) else next(iter(p)),
+)
+def test_bad_explicit_setting_raises_config_error(setting: dict[str, Any], how: str) -> None:
+    ((field, value),) = setting.items()
+    with pytest.raises(ConfigError) as caught:
+        if how == "load":
+            config.load(environ={}, **setting)
+        else:
+            with config.override(**setting):
+                config.load(environ={})
+    message = str(caught.value)
+    assert field in message and repr(value) in message, message
+
+
+# -- override() ------------------------------------------------------------------------------
+def test_override_applies_and_is_undone() -> None:
+    with config.override(cycle_time_ms=0.5):
+        assert config.load(environ={}).cycle_time_ms == 0.5
+    assert config.load(environ={}) == Config()
+
+
+def test_override_wins_over_environment_and_explicit_wins_over_override() -> None:
+    environ = {"COMMLAYER_CYCLE_TIME": "5", "COMMLAYER_CACHE_CAPACITY": "7"}
+    with config.override(cycle_time_ms=0.5):
+        loaded = config.load(environ=environ)
+        assert (loaded.cycle_time_ms, loaded.cache_capacity) == (0.5, 7)
+        assert config.load(environ=environ, cycle_time_ms=3.0).cycle_time_ms == 3.0
+
+
+def test_overrides_nest() -> None:
+    with config.override(cycle_time_ms=0.5, cache_capacity=8):
+        with config.override(cycle_time_ms=0.25):
+            inner = config.load(environ={})
+            assert (inner.cycle_time_ms, inner.cache_capacity) == (0.25, 8)
+        outer = config.load(environ={})
+        assert (outer.cycle_time_ms, outer.cache_capacity) == (0.5, 8)
+    assert config.load(environ={}) == Config()
+
+
+def test_overrides_closed_out_of_order_leave_the_rest() -> None:
+    first, second = config.override(cycle_time_ms=0.5), config.override(cache_capacity=8)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    loaded = config.load(environ={})
+    assert (loaded.cycle_time_ms, loaded.cache_capacity) == (1.0, 8)
+    second.__exit__(None, None, None)
+    assert config.load(environ={}) == Config()
+
+
+def test_override_is_undone_when_the_block_raises() -> None:
+    with pytest.raises(KeyError):
+        with config.override(log_level="debug"):
+            raise KeyError("boom")
+    assert config.load(environ={}).log_level == "warning"
+
+
+def test_override_rejects_unknown_setting_on_entry() -> None:
+    with pytest.raises(ConfigError, match="cycle_time"):
+        with config.override(cycle_time=2.0):
+            pytest.fail("the block must not run")
+    assert config.load(environ={}) == Config()
+
+
+def test_override_is_seen_by_other_threads() -> None:
+    """The engine thread reads the config: an override in the test's thread must reach it."""
+    seen: list[float] = []
+    with config.override(cycle_time_ms=0.5):
+        thread = threading.Thread(target=lambda: seen.append(config.load(environ={}).cycle_time_ms))
+        thread.start()
+        thread.join()
+    assert seen == [0.5]
