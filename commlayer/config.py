@@ -160,6 +160,29 @@ def parse_variable(name: str, text: str) -> Any:
     raise ConfigError(f"unknown commlayer variable {name!r}")
 
 
+def _check_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Explicit settings (``load(**kw)``, ``init(**kw)``, ``override(**kw)``) parsed by the same
+    parsers as the environment, so ``cache_capacity=-3`` is refused like
+    ``COMMLAYER_CACHE_CAPACITY=-3`` instead of breaking the engine later. None means unset."""
+    bad = sorted(set(settings) - _FIELDS)
+    if bad:
+        raise ConfigError(f"unknown setting(s) {bad}; known: {sorted(_FIELDS)}")
+    checked: dict[str, Any] = {}
+    for var, field, parser, _ in _VARIABLES:
+        value = settings.get(field)
+        if value is None:
+            continue
+        try:
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError(value)
+            checked[field] = parser(str(value))
+        except ValueError:
+            raise ConfigError(
+                f"setting {field}={value!r} (or {var}) is not valid: expected {_ALLOWED[parser]}"
+            ) from None
+    return checked
+
+
 def _check_unknown(environ: Mapping[str, str]) -> None:
     known = {var for var, _, _, _ in _VARIABLES}
     unknown = sorted(k for k in environ if k.startswith("COMMLAYER_") and k not in known)
@@ -181,20 +204,14 @@ def load(environ: Mapping[str, str] | None = None, **explicit: Any) -> Config:
     with _override_lock:
         for layer in _overrides:
             values.update(layer)
-    bad = sorted(set(explicit) - _FIELDS)
-    if bad:
-        raise ConfigError(f"unknown setting(s) {bad}; known: {sorted(_FIELDS)}")
-    values.update({k: v for k, v in explicit.items() if v is not None})
+    values.update(_check_settings(explicit))
     return Config(**values)
 
 
 @contextlib.contextmanager
 def override(**settings: Any) -> Iterator[None]:
     """Temporarily override settings (tests): ``with override(cycle_time_ms=0.5): ...``."""
-    bad = sorted(set(settings) - _FIELDS)
-    if bad:
-        raise ConfigError(f"unknown setting(s) {bad}; known: {sorted(_FIELDS)}")
-    layer = dict(settings)
+    layer = _check_settings(settings)
     with _override_lock:
         _overrides.append(layer)
     try:
