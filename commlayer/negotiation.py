@@ -32,6 +32,7 @@ import torch
 
 from commlayer.backends.base import Backend, Request
 from commlayer.errors import StallError
+from commlayer.reduce_ops import ReduceOp
 
 log = logging.getLogger("commlayer")
 
@@ -91,6 +92,13 @@ def _disagreement(field: str, per_rank: dict[int, Any]) -> str | None:
     return f"{field} differs across ranks ({shown})"
 
 
+def _op_name(op: int) -> str:
+    try:
+        return ReduceOp(op).name
+    except ValueError:
+        return f"unknown op {op}"
+
+
 def build_response(name: str, announced: dict[int, Announce], size: int) -> Response:
     """Validate what every rank announced for ``name`` and describe the operation to run."""
     first = announced[min(announced)]
@@ -100,7 +108,7 @@ def build_response(name: str, announced: dict[int, Announce], size: int) -> Resp
         ("dtype", lambda a: a.dtype),
     ]
     if kind in (ALLREDUCE, REDUCESCATTER):
-        checks.append(("reduce op", lambda a: a.op))
+        checks.append(("reduce op", lambda a: _op_name(a.op)))
     if kind == BROADCAST:
         checks.append(("root rank", lambda a: a.root))
     if kind in (ALLGATHER, ALLTOALL):
