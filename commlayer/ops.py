@@ -415,8 +415,12 @@ def synchronize(handle: Handle) -> Any:
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Return once every rank of the set has called barrier."""
-    synchronize(_submit(BARRIER, None, [], [], process_set, shapes=()))
+    """Return once every rank of the set has called barrier.
+
+    Every barrier of a set has the one name ``barrier`` (as in Horovod): a per-process counter
+    would give ranks different names for ever after a barrier that stalled on some ranks only.
+    """
+    synchronize(_submit(BARRIER, "barrier", [], [], process_set, shapes=()))
 
 
 def join(device: int = -1) -> int:
