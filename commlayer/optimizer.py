@@ -12,9 +12,9 @@
    gradient another rank never produces.
 3. ``backward_passes_per_step=k`` accumulates k backward passes locally and reduces once.
 4. The wrapper is a dynamic subclass of the optimizer's own class that shares the original
-   object's state, so ``isinstance``, ``param_groups``, ``state_dict``, LR schedulers and custom
-   subclasses keep working; LBFGS is refused (its closure re-evaluates gradients many times per
-   step).
+   object's state, so ``isinstance``, ``param_groups``, ``state_dict``, ``add_param_group``, LR
+   schedulers, step hooks and custom subclasses keep working; LBFGS is refused (its closure
+   re-evaluates gradients many times per step).
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
-        self._cl_names = _parameter_names(self.param_groups, named_parameters)
+        self._cl_named = _name_map(named_parameters)
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._cl_names = _parameter_names(params, self._cl_named)
         self._cl_compression = compression
         self._cl_passes_per_step = backward_passes_per_step
         self._cl_op = op
@@ -195,6 +197,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     param_groups = property(_cl_param_groups, _cl_set_param_groups)  # type: ignore[assignment]
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """A group added after wrapping (a layer unfrozen for fine-tuning) is named and hooked
+        like the others; without a name its gradient could not be reduced."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        names = _parameter_names(params, self._cl_named, first_index=len(self._cl_names))
+        param_group["params"] = params
+        super(self.__class__, self).add_param_group(param_group)
+        self._cl_names.update(names)
+        self._cl_hooks += [
+            p.register_post_accumulate_grad_hook(self._cl_on_grad_ready)
+            for p in params
+            if p.requires_grad
+        ]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._cl_handles:
             raise RuntimeError(
@@ -205,13 +222,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).zero_grad(set_to_none)
 
 
-def _parameter_names(
-    param_groups: list[dict[str, Any]],
+# Optimizer.__setstate__ (run by load_state_dict, so by broadcast_optimizer_state on every rank
+# but the root) wraps type(self).step in the step-hook runner unless it is marked as hooked. The
+# wrapped class's own step already runs the hooks around the real step, so mark ours: otherwise
+# every step pre/post hook ran twice per step after load_state_dict.
+_DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]
+
+
+def _name_map(
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
-) -> dict[torch.nn.Parameter, str]:
-    params = [p for group in param_groups for p in group["params"]]
+) -> dict[torch.nn.Parameter, str] | None:
+    """{parameter: name} from named_parameters (validated), or None when none were given."""
     if named_parameters is None:
-        return {p: f"grad.{i}" for i, p in enumerate(params)}
+        return None
     named = list(named_parameters)
     if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
         raise ValueError(
@@ -222,7 +245,17 @@ def _parameter_names(
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"named_parameters has duplicate names: {duplicates}")
-    by_param = {p: name for name, p in named}
+    return {p: name for name, p in named}
+
+
+def _parameter_names(
+    params: list[torch.nn.Parameter],
+    by_param: dict[torch.nn.Parameter, str] | None,
+    first_index: int = 0,
+) -> dict[torch.nn.Parameter, str]:
+    """Each parameter's operation name: from named_parameters, else its position."""
+    if by_param is None:
+        return {p: f"grad.{first_index + i}" for i, p in enumerate(params)}
     missing = [i for i, p in enumerate(params) if p not in by_param]
     if missing:
         raise ValueError(
