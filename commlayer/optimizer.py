@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -30,6 +31,7 @@ from commlayer import ops
 from commlayer.compression import Compression, Compressor
 from commlayer.compression import create as create_compressor
 from commlayer.engine import Handle
+from commlayer.errors import CommlayerError, TensorMismatchError
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import ReduceOp
 
@@ -70,6 +72,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cl_process_set = process_set
         self._cl_handles = {}
         self._cl_passes: dict[torch.nn.Parameter, int] = {}
+        # sparse_dim of parameters seen with a sparse gradient: when such a parameter has no
+        # gradient on this rank, it joins the others' allgather with zero rows.
+        self._cl_sparse_dims: dict[torch.nn.Parameter, int] = {}
         self._cl_synchronized = False
         self._cl_should_synchronize = True
         # Seconds step()/synchronize() spent blocked on reductions: communication that backward
@@ -99,7 +104,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _cl_submit(self, p: torch.nn.Parameter) -> None:
         grad = p.grad
         if grad is None:
-            grad = p.grad = torch.zeros_like(p)
+            grad = p.grad = self._cl_empty_grad(p)
         if grad.is_sparse:
             if not self._cl_sparse_as_dense:
                 self._cl_handles[p] = self._cl_sparse_submit(p, grad)
@@ -123,21 +128,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         )
         self._cl_handles[p] = (handle, payload, compressed)
 
+    def _cl_empty_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """What a rank without a gradient for ``p`` contributes: no rows of a known-sparse
+        gradient, else zeros."""
+        sparse_dim = self._cl_sparse_dims.get(p)
+        if sparse_dim is None or self._cl_sparse_as_dense:
+            return torch.zeros_like(p)
+        indices = torch.empty((sparse_dim, 0), dtype=torch.int64)
+        values = torch.empty((0, *p.shape[sparse_dim:]), dtype=p.dtype)
+        return torch.sparse_coo_tensor(indices, values, p.shape)
+
     def _cl_sparse_submit(
         self, p: torch.nn.Parameter, grad: torch.Tensor
     ) -> tuple[Handle, torch.Tensor, Any]:
-        """Sparse gradients: allgather indices and values; summing duplicates reduces them."""
+        """Sparse gradients: one allgather of every rank's rows (index, value) packed as bytes;
+        the sum of the gathered sparse tensor reduces duplicates. One operation with the
+        parameter's own name: a rank that has no gradient and has never seen this parameter's
+        gradient sparse submits a dense allreduce of that name, which negotiation reports as a
+        mismatch on every rank (TensorMismatchError) instead of a hang."""
         grad = grad.coalesce()
-        name = self._cl_names[p]
-        indices = ops.allgather_async(
-            grad.indices().t().contiguous(),
-            name=f"{name}.indices",
-            process_set=self._cl_process_set,
-        )
-        values = ops.allgather_async(
-            grad.values(), name=f"{name}.values", process_set=self._cl_process_set
-        )
-        return indices, grad, ("sparse", values)
+        self._cl_sparse_dims[p] = grad.sparse_dim()
+        nnz = grad.values().shape[0]
+        index_rows = _byte_rows(grad.indices().t(), nnz)
+        rows = torch.cat([index_rows, _byte_rows(grad.values(), nnz)], dim=1)
+        handle = ops.allgather_async(rows, name=self._cl_names[p], process_set=self._cl_process_set)
+        return handle, grad, ("sparse", grad.sparse_dim())
 
     # -- step side ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -147,24 +162,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if p.requires_grad and p not in self._cl_handles:
                     self._cl_submit(p)
         start = time.perf_counter()
+        failure: BaseException | None = None
+        # Every handle is waited for even after one failed, so that none is left in flight
+        # (its name would be a duplicate at the next step) and the error is raised once.
         for p, (handle, payload, extra) in self._cl_handles.items():
-            result = ops.synchronize(handle)
+            try:
+                result = ops.synchronize(handle)
+            except CommlayerError as exc:
+                failure = failure or _with_hint(exc, self._cl_names[p])
+                continue
             if isinstance(extra, tuple) and extra[0] == "sparse":
-                p.grad = self._cl_sparse_result(p, result, ops.synchronize(extra[1]))
+                p.grad = self._cl_sparse_result(p, result, extra[1])
             elif payload is not p.grad:
                 assert p.grad is not None
                 p.grad.copy_(self._cl_compression.decompress(extra))
         self.synchronize_wait_s += time.perf_counter() - start
         self._cl_handles.clear()
         self._cl_passes.clear()
+        if failure is not None:
+            raise failure
         self._cl_synchronized = True
 
     def _cl_sparse_result(
-        self, p: torch.nn.Parameter, indices: torch.Tensor, values: torch.Tensor
+        self, p: torch.nn.Parameter, rows: torch.Tensor, sparse_dim: int
     ) -> torch.Tensor:
+        """Unpack the gathered (index, value) rows and sum duplicates."""
         size = self._cl_process_set.size()
         scale = 1.0 / size if self._cl_op == ReduceOp.Average else 1.0
-        summed = torch.sparse_coo_tensor(indices.t(), values * scale, p.shape)
+        split = 8 * sparse_dim  # int64 index bytes per row
+        indices = rows[:, :split].contiguous().view(torch.int64)
+        values = rows[:, split:].contiguous().view(p.dtype).reshape(-1, *p.shape[sparse_dim:])
+        summed = torch.sparse_coo_tensor(
+            indices.t(), values * scale, p.shape, check_invariants=False
+        )
         return summed.coalesce()
 
     @contextlib.contextmanager
@@ -305,3 +335,20 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
         process_set,
     )
     return wrapped  # type: ignore[no-any-return]
+
+
+def _with_hint(exc: CommlayerError, name: str) -> CommlayerError:
+    """A dense/sparse mismatch says how to avoid it."""
+    if isinstance(exc, TensorMismatchError) and "operation differs" in str(exc):
+        return TensorMismatchError(
+            f"{exc}. Gradient {name!r} is sparse on some ranks and missing on others, which "
+            "cannot know it is sparse before seeing it once: pass sparse_as_dense=True, or "
+            "make every rank use the embedding in the first step"
+        )
+    return exc
+
+
+def _byte_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` (first dimension ``rows``) as a (rows, bytes per row) uint8 tensor."""
+    width = tensor.element_size() * math.prod(tensor.shape[1:])
+    return tensor.contiguous().reshape(-1).view(torch.uint8).reshape(rows, width)

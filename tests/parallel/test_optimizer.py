@@ -696,3 +696,69 @@ def test_sparse_embedding_gradients(opt_name: str, sparse_as_dense: bool) -> Non
     assert not torch.equal(_flat(model.emb), initial)
     _assert_same_on_all_ranks(gathered)
     _assert_close_models(model, ref, **EXACT)
+
+
+def test_sparse_gradient_missing_on_some_ranks_after_the_first_step() -> None:
+    """A rank whose data skips the embedding contributes no rows (it saw the gradient sparse
+    before), instead of a dense allreduce the others never submit: no hang, same result."""
+    model = _Bag()
+    ref = copy.deepcopy(model)
+    opt = cl.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), named_parameters=model.named_parameters()
+    )
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+
+    def loss(m: nn.Module, tokens: torch.Tensor, y: torch.Tensor, use_emb: torch.Tensor) -> Any:
+        hidden = m.emb(tokens).mean(dim=1) if bool(use_emb.any()) else None
+        out = m.head(hidden) if hidden is not None else m.head(torch.zeros(len(y), DIM, dtype=F64))
+        return F.mse_loss(out, y)  # this rank's mean: averaging over ranks gives the global mean
+
+    for step in range(STEPS):
+        tokens, y = _tokens(step)
+        uses = torch.ones(cl.size(), dtype=torch.bool)
+        if step > 0:
+            uses[1:] = False  # only rank 0 looks tokens up after the first step
+        mine = slice(cl.rank() * ROWS, (cl.rank() + 1) * ROWS)
+        loss(model, tokens[mine], y[mine], uses[cl.rank()]).backward()
+        opt.step()
+        opt.zero_grad()
+        for r in range(cl.size()):  # the reference: every rank's rows, the same choice each
+            rows = slice(r * ROWS, (r + 1) * ROWS)
+            (loss(ref, tokens[rows], y[rows], uses[r]) / cl.size()).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    gathered = _params_on_all_ranks(model)
+
+    _assert_same_on_all_ranks(gathered)
+    _assert_close_models(model, ref, **EXACT)
+
+
+def test_sparse_gradient_missing_on_some_ranks_at_first_is_a_clear_error() -> None:
+    """Ranks without the gradient cannot know it is sparse before seeing it: every rank gets a
+    TensorMismatchError naming the gradient and the fix, and the optimizer then works on."""
+    model = _Bag()
+    opt = cl.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), named_parameters=model.named_parameters()
+    )
+    tokens, y = _tokens(0)
+    tokens, y = _shard(tokens), _shard(y)
+    if cl.rank() == 0:
+        F.mse_loss(model(tokens), y).backward()
+    else:
+        F.mse_loss(model.head(torch.zeros(len(y), DIM, dtype=F64)), y).backward()
+    error: BaseException | None = None
+    try:
+        opt.step()
+    except cl.TensorMismatchError as exc:
+        error = exc
+    opt.zero_grad()
+    F.mse_loss(model(tokens), y).backward()  # every rank uses the embedding: works again
+    opt.step()
+    gathered = _params_on_all_ranks(model)
+
+    if cl.size() == 1:
+        assert error is None
+    else:
+        assert error is not None and "'grad.emb.weight'" in str(error), error
+        assert "sparse_as_dense=True" in str(error) and f"rank {cl.rank()}" in str(error)
+    _assert_same_on_all_ranks(gathered)
