@@ -324,7 +324,9 @@ class Engine:
         self._progress = False
         self.stats.cycles += 1
         for set_id, state in sorted(self._sets.items()):
-            if state.negotiator is None:
+            # Skip a set that remove_process_set (run on set 0, earlier in this loop) dropped:
+            # its communicator is freed, and every member drops it in this same cycle.
+            if state.negotiator is None or self._sets.get(set_id) is not state:
                 continue
             result = state.negotiator.cycle()
             for op, error in result.failed:

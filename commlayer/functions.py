@@ -107,9 +107,12 @@ class _Allgather(torch.autograd.Function):
     def forward(
         ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet
     ) -> torch.Tensor:
-        ctx.dim0 = tensor.shape[0] if tensor.dim() else 0
+        gathered = ops.synchronize(ops.allgather_async(tensor, name, process_set))
+        # After allgather_async validated tensor: a non-tensor gets its ValueError, not an
+        # AttributeError from reading its shape first.
+        ctx.dim0 = tensor.shape[0]
         ctx.process_set = process_set
-        return ops.synchronize(ops.allgather_async(tensor, name, process_set))
+        return gathered
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

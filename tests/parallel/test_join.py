@@ -1,0 +1,96 @@
+"""join() with uneven data (issue #2): rank r runs r + 1 steps, then joins.
+
+While ranks are joined the others' collectives complete with the joined ranks contributing
+zeros (nothing to allgather); Average divides by the number of ranks that have not joined; join
+returns the rank that joined last, the same on every rank. Broadcast from a joined root and
+alltoall raise while ranks are joined.
+
+Collectives first, asserts last: a rank that fails an assert must not leave the others waiting
+in a collective it never reaches.
+"""
+
+from __future__ import annotations
+
+import torch
+from collective_reference import assert_reduced, block_rows, seed_of, small_ints
+
+import commlayer as cl
+
+
+def _input(name: str, rank: int, shape: tuple[int, ...] = (3, 2)) -> torch.Tensor:
+    return small_ints(seed_of(name), rank, shape, torch.float64)
+
+
+def test_uneven_steps_then_join() -> None:
+    # Step s runs on ranks s..size-1; ranks below s have joined (they never submit step s, so
+    # its collectives can only run once they have). Rank size-1 runs the last step alone after
+    # everyone else joined, so it joins last.
+    me, n = cl.rank(), cl.size()
+    steps = []
+    for step in range(me + 1):
+        name = f"join.step.{step}"
+        mine = _input(name, me)
+        summed = cl.allreduce(mine, op=cl.Sum, name=f"{name}.sum")
+        averaged = cl.allreduce(mine, op=cl.Average, name=f"{name}.average")
+        grouped = cl.grouped_allreduce([mine, mine[0]], op=cl.Max, name=f"{name}.grouped")
+        gathered = cl.allgather(mine[: me % 2 + 1], name=f"{name}.allgather")
+        scattered = cl.reducescatter(mine, op=cl.Average, name=f"{name}.reducescatter")
+        steps.append((summed, averaged, grouped, gathered, scattered))
+    last = cl.join()
+    every_last = cl.allgather(torch.tensor([last]), name="join.step.last")
+
+    for step, (summed, averaged, grouped, gathered, scattered) in enumerate(steps):
+        name = f"join.step.{step}"
+        active = list(range(step, n))
+        inputs = [_input(name, r) for r in active]
+        zeros = [torch.zeros(3, 2, dtype=torch.float64)] * (n - len(active))
+        assert_reduced(summed, inputs, cl.Sum)
+        assert_reduced(averaged, inputs, cl.Average)  # divides by len(active), not size
+        # Max over active ranks and the joined ranks' zeros.
+        assert_reduced(grouped[0], inputs + zeros, cl.Max)
+        assert_reduced(grouped[1], [t[0] for t in inputs + zeros], cl.Max)
+        assert torch.equal(gathered, torch.cat([_input(name, r)[: r % 2 + 1] for r in active]))
+        rows = block_rows(3, n)
+        start = sum(rows[:me])
+        expected = sum(inputs) / len(active)
+        torch.testing.assert_close(scattered, expected[start : start + rows[me]])
+    assert last == n - 1, f"rank {me}: join returned {last}, expected {n - 1}"
+    assert every_last.tolist() == [n - 1] * n
+
+
+def test_broadcast_from_a_joined_root_and_alltoall_raise() -> None:
+    # Rank 0 joins at once; the others find it joined.
+    me, n = cl.rank(), cl.size()
+    errors: list[Exception] = []
+    received = None
+    if me == 0:
+        last = cl.join()
+    else:
+        x = _input("join.bcast", me, (4,))
+        for call in (
+            lambda: cl.broadcast(x, 0, name="join.bcast.joined_root"),
+            lambda: cl.alltoall(x[: 4 // n * n], name="join.alltoall"),
+        ):
+            try:
+                call()
+            except cl.CommlayerError as exc:
+                errors.append(exc)
+        received = cl.broadcast(x, n - 1, name="join.bcast.active_root")
+        last = cl.join()
+    every_last = cl.allgather(torch.tensor([last]), name="join.bcast.last")
+    after = cl.allreduce(torch.ones(2), op=cl.Average, name="join.bcast.after")
+
+    assert torch.equal(after, torch.ones(2)), f"rank {me}: engine not back to normal after join"
+    assert every_last.tolist() == [last] * n, f"join returned {every_last.tolist()}"
+    assert 0 <= last < n and (n == 1 or last != 0), f"rank 0 joined first, yet last is {last}"
+    if me != 0:
+        assert len(errors) == 2, f"rank {me}: expected 2 errors, got {errors}"
+        assert "joined" in str(errors[0]) and "joined" in str(errors[1])
+        assert received is not None and torch.equal(received, _input("join.bcast", n - 1, (4,)))
+
+
+def test_join_twice_with_every_rank_joining_at_once() -> None:
+    lasts = [cl.join(), cl.join()]
+    gathered = cl.allgather(torch.tensor(lasts).view(1, -1), name="join.again")
+    assert all(0 <= last < cl.size() for last in lasts)
+    assert torch.equal(gathered, gathered[:1].expand_as(gathered)), gathered.tolist()
