@@ -44,36 +44,45 @@ SUPPORTED_DTYPES = (
     torch.bool,
 )
 
-_counters: dict[str, itertools.count[int]] = {}
+_counters: dict[tuple[str, int], itertools.count[int]] = {}
 _counter_lock = threading.Lock()
 
 
-def _auto_name(kind: str, name: str | None) -> str:
+def _input_error(message: str) -> ValueError:
+    """A bad argument, named with this rank (a 4-rank job prints four such lines)."""
+    where = f"rank {runtime.rank()}: " if runtime.is_initialized() else ""
+    return ValueError(where + message)
+
+
+def _auto_name(kind: str, name: str | None, set_id: int) -> str:
+    """The given name, or the next of a per-(kind, process set) counter: members of a set
+    call its collectives in the same order, but non-members never do, so one counter across
+    sets would leave the ranks' global names out of step after a set's first operation."""
     if name is not None:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}")
+            raise _input_error(f"name must be a non-empty str, got {name!r}")
         return name
     with _counter_lock:
-        counter = _counters.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{next(counter)}"
+        counter = _counters.setdefault((kind, set_id), itertools.count())
+        prefix = kind if set_id == 0 else f"{kind}.set{set_id}"
+        return f"{prefix}.noname.{next(counter)}"
 
 
 def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+        raise _input_error(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED_DTYPES:
         allowed = ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
-        raise ValueError(
-            f"rank {runtime.rank()}: {what}: dtype {dtype_name(tensor.dtype)} is not "
-            f"supported; allowed: {allowed}"
+        raise _input_error(
+            f"{what}: dtype {dtype_name(tensor.dtype)} is not supported; allowed: {allowed}"
         )
     if tensor.is_sparse:
-        raise ValueError(
+        raise _input_error(
             f"{what}: sparse tensors are not supported; use sparse_allreduce or to_dense()"
         )
     if tensor.device.type != "cpu":
-        raise ValueError(
-            f"rank {runtime.rank()}: {what}: tensor is on {tensor.device}; this "
+        raise _input_error(
+            f"{what}: tensor is on {tensor.device}; this "
             "build moves only CPU tensors (call .cpu() first)"
         )
     return tensor.detach()
@@ -81,12 +90,12 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
 
 def _resolve_op(op: ReduceOp | None, average: bool | None, default: ReduceOp) -> ReduceOp:
     if op is not None and average is not None:
-        raise ValueError("pass either op= or the deprecated average=, not both")
+        raise _input_error("pass either op= or the deprecated average=, not both")
     if average is not None:
         return ReduceOp.Average if average else ReduceOp.Sum
     resolved = default if op is None else ReduceOp(op)
     if resolved not in SUPPORTED_OPS:
-        raise ValueError(
+        raise _input_error(
             f"reduce op {resolved.name} is not supported; allowed: "
             f"{', '.join(o.name for o in SUPPORTED_OPS)}"
         )
@@ -96,7 +105,7 @@ def _resolve_op(op: ReduceOp | None, average: bool | None, default: ReduceOp) ->
 def _set_id(process_set: ProcessSet) -> int:
     process_set._check()
     if not process_set.included():
-        raise ValueError(f"rank {runtime.rank()} is not in {process_set!r}")
+        raise _input_error(f"this rank is not in {process_set!r}")
     assert process_set.process_set_id is not None
     return process_set.process_set_id
 
@@ -117,9 +126,15 @@ def _submit(
     shapes: tuple[tuple[int, ...], ...] | None = None,
 ) -> Handle:
     engine = runtime.engine()
+    set_id = _set_id(process_set)
     dtype = dtype_name(inputs[0].dtype) if inputs else "uint8"
+    if op == ReduceOp.Average and inputs and inputs[0].dtype == torch.bool:
+        raise _input_error(
+            f"{kind}: Average is not defined for bool tensors; use Sum or Max (logical or), "
+            "Min or Product (logical and)"
+        )
     announce = Announce(
-        _auto_name(kind, name),
+        _auto_name(kind, name, set_id),
         kind,
         dtype,
         shapes if shapes is not None else shapes_of(inputs),
@@ -128,19 +143,21 @@ def _submit(
         splits,
     )
     operation = Operation(
-        announce, inputs, outputs, _set_id(process_set), float(prescale), float(postscale), finish
+        announce, inputs, outputs, set_id, float(prescale), float(postscale), finish
     )
     return engine.submit(operation)
 
 
-def _in_place(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[Any], Any]]:
-    """(contiguous working tensor, finish that writes it back into tensor if it was a copy)."""
-    if tensor.is_contiguous():
-        return tensor, lambda _: tensor
-    work = tensor.contiguous()
+def _in_place(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[Any], Any]]:
+    """(contiguous working tensor, finish that writes it back if it was a copy and returns
+    ``tensor`` itself, as horovod.torch's in-place forms do: a Parameter stays a Parameter)."""
+    checked = _check_tensor(tensor, what)  # detached: the engine writes outside autograd
+    if checked.is_contiguous():
+        return checked, lambda _: tensor
+    work = checked.contiguous()
 
     def finish(_: Any) -> torch.Tensor:
-        tensor.copy_(work)
+        checked.copy_(work)
         return tensor
 
     return work, finish
@@ -182,7 +199,7 @@ def allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start an in-place allreduce; synchronize() returns ``tensor`` holding the result."""
-    work, finish = _in_place(_check_tensor(tensor, "allreduce_"))
+    work, finish = _in_place(tensor, "allreduce_")
     return _submit(
         ALLREDUCE,
         name,
@@ -247,9 +264,9 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """In-place grouped allreduce."""
-    checked = [_check_tensor(t, "grouped_allreduce_") for t in tensors]
-    _check_group(checked, "grouped_allreduce_")
-    works, finishes = zip(*(_in_place(t) for t in checked)) if checked else ((), ())
+    pairs = [_in_place(t, "grouped_allreduce_") for t in tensors]
+    _check_group([work for work, _ in pairs], "grouped_allreduce_")
+    works, finishes = zip(*pairs)
     return _submit(
         ALLREDUCE,
         name,
@@ -281,10 +298,10 @@ def grouped_allreduce_(
 
 def _check_group(tensors: Sequence[torch.Tensor], what: str) -> None:
     if not tensors:
-        raise ValueError(f"{what} needs at least one tensor")
+        raise _input_error(f"{what} needs at least one tensor")
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
-        raise ValueError(
+        raise _input_error(
             f"{what}: all tensors of a group must share one dtype, got "
             f"{sorted(dtype_name(d) for d in dtypes)}"
         )
@@ -297,7 +314,7 @@ def allgather_async(
     """Concatenate every rank's tensor along dim 0 (first dimension may differ per rank)."""
     source = _check_tensor(tensor, "allgather").contiguous()
     if source.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension")
+        raise _input_error("allgather needs a tensor with at least one dimension")
     return _submit(ALLGATHER, name, [source], [], process_set)
 
 
@@ -326,7 +343,7 @@ def broadcast_async_(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Overwrite ``tensor`` with root_rank's, in place."""
-    work, finish = _in_place(_check_tensor(tensor, "broadcast_"))
+    work, finish = _in_place(tensor, "broadcast_")
     return _submit(
         BROADCAST,
         name,
@@ -341,7 +358,7 @@ def broadcast_async_(
 def _check_root(root_rank: int, process_set: ProcessSet) -> int:
     size = process_set.size()
     if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise ValueError(f"root_rank must be an int in [0, {size}), got {root_rank!r}")
+        raise _input_error(f"root_rank must be an int in [0, {size}), got {root_rank!r}")
     return root_rank
 
 
@@ -355,11 +372,11 @@ def alltoall_async(
     synchronize() returns (output, received_splits)."""
     source = _check_tensor(tensor, "alltoall").contiguous()
     if source.dim() == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension")
+        raise _input_error("alltoall needs a tensor with at least one dimension")
     size = process_set.size()
     if splits is None:
         if source.shape[0] % size:
-            raise ValueError(
+            raise _input_error(
                 f"alltoall without splits needs dim 0 ({source.shape[0]}) divisible "
                 f"by the number of ranks ({size})"
             )
@@ -369,8 +386,8 @@ def alltoall_async(
             int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)
         )
         if len(rows) != size or any(s < 0 for s in rows) or sum(rows) != source.shape[0]:
-            raise ValueError(
-                f"rank {runtime.rank()}: alltoall splits {list(rows)} must be "
+            raise _input_error(
+                f"alltoall splits {list(rows)} must be "
                 f"{size} non-negative ints summing to dim 0 ({source.shape[0]})"
             )
     return _submit(ALLTOALL, name, [source], [], process_set, splits=rows)
@@ -388,7 +405,7 @@ def reducescatter_async(
     get one extra row)."""
     source = _check_tensor(tensor, "reducescatter").contiguous()
     if source.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
+        raise _input_error("reducescatter needs a tensor with at least one dimension")
     return _submit(
         REDUCESCATTER,
         name,
@@ -410,7 +427,7 @@ def poll(handle: Handle) -> bool:
 def synchronize(handle: Handle) -> Any:
     """Wait for an asynchronous operation and return its result (raises its error)."""
     if not isinstance(handle, Handle):
-        raise ValueError(f"synchronize expects a Handle from an *_async call, got {handle!r}")
+        raise _input_error(f"synchronize expects a Handle from an *_async call, got {handle!r}")
     return handle.wait()
 
 

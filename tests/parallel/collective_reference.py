@@ -42,14 +42,6 @@ def dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def world_size() -> int:
-    """Number of MPI ranks, readable at collection time (before commlayer.init), for xfail
-    conditions; the same on every rank, as skip decisions must be."""
-    from commlayer.backends.mpi import MPI
-
-    return int(MPI.COMM_WORLD.size)
-
-
 def seed_of(text: str) -> int:
     return zlib.crc32(text.encode())
 
@@ -103,13 +95,13 @@ def reduce_reference(
     """(expected, rounding bound) of reducing ``inputs`` (one per rank) with ``op``.
 
     Expected is float64 for floating dtypes, int64 for integers (bound 0: exact), bool for bool
-    (Sum/Max: any, Min/Product: all, Average: all, the truncated mean of 0/1 values). The bound
+    (Sum/Max: any, Min/Product: all; Average is refused for bool). The bound
     allows one rounding to the dtype per term and per partial result, plus the scaling.
     """
     dtype = inputs[0].dtype
     if dtype == torch.bool:
         stack = torch.stack(list(inputs))
-        logical_and = op in (cl.Min, cl.Product, cl.Average)
+        logical_and = op in (cl.Min, cl.Product)
         return (stack.all(0) if logical_and else stack.any(0)), torch.zeros(())
     wide = torch.float64 if dtype.is_floating_point else torch.int64
     terms = torch.stack([_scale(t.to(wide), prescale) for t in inputs])

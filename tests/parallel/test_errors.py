@@ -90,12 +90,6 @@ def _lacking_rank() -> list[str]:
     return lacking
 
 
-@pytest.mark.xfail(
-    reason="bug: README promises every error names the rank; these ValueErrors (ops.py) do "
-    "not: list_allreduce, none_allgather, numpy_broadcast, sparse_allreduce, adasum_op, "
-    "op_and_average, scalar_*, root_*, grouped_*, synchronize_non_handle, empty_name",
-    strict=True,
-)
 def test_every_input_error_names_the_rank() -> None:
     lacking = _lacking_rank()
     assert not lacking, f"rank {cl.rank()}: messages without the rank: {lacking}"
