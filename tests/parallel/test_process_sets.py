@@ -173,3 +173,17 @@ def test_unregistered_set_and_root_outside_the_set_are_refused() -> None:
                 cl.broadcast(torch.ones(2), 1, name="ps.bad_root", process_set=ps)
     finally:
         cl.remove_process_set(ps)
+
+
+def test_unnamed_operations_on_a_set_leave_global_names_in_step() -> None:
+    """README's pattern ``if ps.included(): cl.allreduce(t, process_set=ps)`` with no name: only
+    members advance a counter, so the next unnamed global operation must not depend on it."""
+    ps = cl.add_process_set([0])
+    try:
+        if ps.included():
+            on_set = cl.allreduce(torch.ones(2), op=cl.Sum, process_set=ps)
+            assert torch.equal(on_set, torch.ones(2))
+        everyone = cl.allreduce(torch.ones(2), op=cl.Sum)  # unnamed, on every rank
+    finally:
+        cl.remove_process_set(ps)
+    assert torch.equal(everyone, torch.full((2,), float(cl.size())))
