@@ -452,14 +452,16 @@ def run_ranks(
     """
     world = LoopbackWorld(size, nodes)
     results: list[Any] = [None] * size
-    errors: list[tuple[int, Exception]] = []
+    errors: list[tuple[int, BaseException]] = []
     finished: set[int] = set()
     cond = threading.Condition()
 
     def main(rank: int) -> None:
         try:
             results[rank] = fn(world.backend(rank))
-        except Exception as exc:
+        # BaseException: pytest.fail and a pytest.raises that saw nothing raise pytest's Failed,
+        # which is no Exception; caught as Exception it ended the thread and the run passed.
+        except BaseException as exc:
             with cond:
                 errors.append((rank, exc))
             world.abort(f"loopback rank {rank} failed: {exc!r}")

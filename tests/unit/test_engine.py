@@ -1,0 +1,270 @@
+"""Engine over the loopback backend: scaling, duplicate names, shutdown, dead peers, join."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from engine_harness import (
+    WAIT_S,
+    allgather,
+    allreduce,
+    broadcast,
+    run_engines,
+    wait,
+)
+
+from commlayer.backends.loopback import LoopbackBackend
+from commlayer.engine import Engine, Handle
+from commlayer.errors import (
+    CommlayerError,
+    DuplicateNameError,
+    RankDiedError,
+    ShutdownError,
+)
+from commlayer.reduce_ops import ReduceOp
+
+FUSED = {"fusion_threshold_bytes": 1 << 20}
+UNFUSED = {"fusion_threshold_bytes": 0}
+
+
+# -- results: scaling, fused and not, in place and not ---------------------------------------------
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+@pytest.mark.parametrize("settings", [FUSED, UNFUSED], ids=["fused", "unfused"])
+def test_prescale_postscale_and_average(settings: dict[str, int], in_place: bool) -> None:
+    """Submitted before the engine starts, so the ops share one cycle (and, fused, one bucket)."""
+
+    def inputs(rank: int) -> dict[str, torch.Tensor]:
+        base = torch.tensor([1.0, -2.0, 3.0]) * (rank + 1)  # sum over 2 ranks: 3x
+        return {
+            "scaled": base.clone(),
+            "average": base.clone(),
+            "half": base.half(),
+            "int-average": torch.tensor([1, -3, 5], dtype=torch.int32) * (rank + 1),
+            "scalar": torch.tensor(float(rank + 1)),
+        }
+
+    def fn(engine: Engine) -> dict[str, torch.Tensor]:
+        tensors = inputs(engine.rank)
+        handles = {
+            name: engine.submit(allreduce(name, tensors[name], op, **scales, in_place=in_place))
+            for name, op, scales in [
+                ("scaled", ReduceOp.Sum, {"prescale": 3.0, "postscale": 0.5}),
+                ("average", ReduceOp.Average, {"postscale": 4.0}),
+                ("half", ReduceOp.Sum, {"prescale": 0.5}),
+                ("int-average", ReduceOp.Average, {}),
+                ("scalar", ReduceOp.Sum, {"postscale": 2.0}),
+            ]
+        }
+        engine.start()
+        results = {name: wait(h) for name, h in handles.items()}
+        for name, result in results.items():
+            assert (result is tensors[name]) == in_place, name
+            if not in_place:  # the input is left as it was
+                assert torch.equal(tensors[name], inputs(engine.rank)[name]), name
+        # Fused: one bucket per (dtype, op), "scaled" and "scalar" share one; else one per op.
+        assert engine.stats.operations == (4 if settings is FUSED else 5)
+        return results
+
+    base = torch.tensor([1.0, -2.0, 3.0])
+    for results in run_engines(2, fn, start=False, **settings):
+        assert torch.equal(results["scaled"], base * 3 * 3.0 * 0.5)
+        assert torch.equal(results["average"], base * 1.5 * 4.0)
+        assert torch.equal(results["half"], (base * 1.5).half())
+        # Integer Average: the sum [3, -9, 15] / 2, truncated toward zero.
+        assert results["int-average"].tolist() == [1, -4, 7]
+        assert results["int-average"].dtype == torch.int32
+        assert results["scalar"].shape == () and results["scalar"].item() == 6.0
+
+
+def test_single_rank_engine() -> None:
+    def fn(engine: Engine) -> list[torch.Tensor]:
+        x = torch.arange(5.0)
+        return [
+            wait(engine.submit(allreduce("ar", x, ReduceOp.Average))),
+            wait(engine.submit(allgather("ag", x.reshape(5, 1)))),
+            wait(engine.submit(broadcast("bc", x, root=0))),
+        ]
+
+    (results,) = run_engines(1, fn)
+    assert torch.equal(results[0], torch.arange(5.0))
+    assert torch.equal(results[1], torch.arange(5.0).reshape(5, 1))
+    assert torch.equal(results[2], torch.arange(5.0))
+
+
+def test_error_in_finish_reaches_the_handle_and_the_engine_goes_on() -> None:
+    def boom(_: object) -> None:
+        raise ValueError("finish failed")
+
+    def fn(engine: Engine) -> torch.Tensor:
+        with pytest.raises(ValueError, match="finish failed"):
+            wait(engine.submit(allreduce("x", torch.ones(2), finish=boom)))
+        return wait(engine.submit(allreduce("x", torch.ones(2))))
+
+    assert all(torch.equal(out, torch.full((2,), 2.0)) for out in run_engines(2, fn))
+
+
+# -- duplicate names -------------------------------------------------------------------------------
+def test_duplicate_in_flight_name_is_refused_then_reusable() -> None:
+    """Rank 1 holds back until rank 0 tried the duplicate, so "dup" is surely in flight."""
+    tried = threading.Event()
+
+    def fn(engine: Engine) -> list[torch.Tensor]:
+        value = torch.full((3,), float(engine.rank + 1))
+        if engine.rank == 1:
+            assert tried.wait(WAIT_S)
+        first = engine.submit(allreduce("dup", value))
+        if engine.rank == 0:
+            with pytest.raises(TimeoutError, match="'dup' did not complete"):
+                first.wait(timeout_s=0.01)  # rank 1 has not submitted it yet
+            with pytest.raises(DuplicateNameError, match=r"rank 0: .*'dup' is already in flight"):
+                engine.submit(allreduce("dup", value))
+            assert issubclass(DuplicateNameError, ValueError)  # what a Horovod user catches
+            tried.set()
+        # Once complete, the name is free again.
+        return [wait(first), wait(engine.submit(allreduce("dup", value)))]
+
+    for results in run_engines(2, fn):
+        assert all(torch.equal(out, torch.full((3,), 3.0)) for out in results)
+
+
+# -- shutdown and dead peers -----------------------------------------------------------------------
+def test_shutdown_fails_pending_ops_here_and_on_the_other_ranks() -> None:
+    """Rank 0 and rank 1 each hold an op no other rank submits; rank 0 shuts down."""
+    submitted = threading.Barrier(3)
+
+    def fn(engine: Engine) -> str:
+        handle = None
+        if engine.rank in (0, 1):
+            handle = engine.submit(allreduce(f"only{engine.rank}", torch.ones(2)))
+        submitted.wait(WAIT_S)
+        if engine.rank == 0:
+            engine.shutdown(timeout_s=WAIT_S)
+            assert not engine.running
+        with pytest.raises(ShutdownError) as info:
+            if handle is None:  # rank 2: new work fails, at submit or on its handle
+                handle = engine.submit(allreduce("late", torch.ones(2)))
+            wait(handle)
+        with pytest.raises(ShutdownError, match="shut down"):
+            engine.submit(allreduce("later", torch.ones(2)))
+        with pytest.raises(ShutdownError):
+            engine.join()
+        return str(info.value)
+
+    errors = run_engines(3, fn)
+    for rank, error in enumerate(errors):
+        assert error.startswith(f"rank {rank}: "), error
+        assert "rank(s) [0] shut down" in error, error
+
+
+def test_shutdown_of_every_rank_fails_pending_ops() -> None:
+    def fn(engine: Engine) -> None:
+        handle = engine.submit(allreduce(f"mine{engine.rank}", torch.ones(2)))
+        engine.shutdown(timeout_s=WAIT_S)
+        with pytest.raises(ShutdownError):
+            wait(handle)
+
+    run_engines(2, fn)
+
+
+def test_dead_peer_fails_the_others_with_rank_died_error() -> None:
+    backends: dict[int, LoopbackBackend] = {}
+    submitted = threading.Barrier(3)
+
+    def keep(backend: LoopbackBackend) -> LoopbackBackend:
+        backends[backend.rank] = backend
+        return backend
+
+    def fn(engine: Engine) -> str | None:
+        if engine.rank == 2:
+            submitted.wait(WAIT_S)
+            backends[2].world.kill(2)  # as if the process crashed: it never answers again
+            return None
+        handle = engine.submit(allreduce("x", torch.ones(2)))
+        submitted.wait(WAIT_S)
+        with pytest.raises(RankDiedError) as info:
+            wait(handle)  # the engine notices within ~1 s (it checks its peers while waiting)
+        assert engine.peer_died
+        with pytest.raises(ShutdownError):
+            engine.submit(allreduce("y", torch.ones(2)))
+        return str(info.value)
+
+    errors = run_engines(3, fn, wrap=keep)
+    for rank in (0, 1):
+        assert f"rank {rank}: rank(s) [2] exited" in str(errors[rank])
+
+
+# -- join ------------------------------------------------------------------------------------------
+def test_joined_rank_contributes_zeros_and_average_counts_active_ranks() -> None:
+    """Rank 2 joins first; ranks 0 and 1 then run collectives (ready only once rank 2 is known
+    to have joined), then join too; afterwards all three work normally again."""
+
+    def fn(engine: Engine) -> tuple[dict[str, torch.Tensor], int, torch.Tensor]:
+        results: dict[str, torch.Tensor] = {}
+        if engine.rank == 2:
+            join = engine.join()
+        else:
+            v = float(engine.rank + 1)  # 1 and 2
+            handles = {
+                "sum": engine.submit(allreduce("sum", torch.full((3,), v))),
+                "average": engine.submit(
+                    allreduce("average", torch.full((4,), v), ReduceOp.Average)
+                ),
+                "max": engine.submit(allreduce("max", torch.full((2,), -v), ReduceOp.Max)),
+                "gather": engine.submit(allgather("gather", torch.full((1, 2), v))),
+            }
+            results = {name: wait(h) for name, h in handles.items()}
+            join = engine.join()
+        last = wait(join)
+        after = wait(engine.submit(allreduce("after", torch.ones(2), ReduceOp.Average)))
+        return results, last, after
+
+    outcomes = run_engines(3, fn)
+    for results, _, _ in outcomes[:2]:
+        assert torch.equal(results["sum"], torch.full((3,), 3.0))  # 1 + 2 + 0
+        assert torch.equal(results["average"], torch.full((4,), 1.5))  # (1 + 2) / 2 active
+        assert torch.equal(results["max"], torch.zeros(2))  # max(-1, -2, 0): zeros from rank 2
+        assert torch.equal(results["gather"], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    lasts = {last for _, last, _ in outcomes}
+    assert len(lasts) == 1 and lasts <= {0, 1}, lasts  # rank 2 joined first
+    assert all(torch.equal(after, torch.ones(2)) for _, _, after in outcomes)
+
+
+def test_broadcast_from_a_joined_root_fails_without_hanging() -> None:
+    def fn(engine: Engine) -> str | None:
+        if engine.rank == 0:
+            join = engine.join()
+            error = None
+        else:
+            with pytest.raises(CommlayerError, match="'b' cannot run while ranks \\[0\\]") as info:
+                wait(engine.submit(broadcast("b", torch.ones(2), root=0)))
+            error = str(info.value)
+            join = engine.join()
+        assert wait(join) in (1, 2)
+        return error
+
+    errors = run_engines(3, fn)
+    assert errors[0] is None and all(e is not None for e in errors[1:])
+
+
+def test_handle_repr_and_done() -> None:
+    handle = Handle("grad.w")
+    assert not handle.done() and repr(handle) == "<commlayer.Handle 'grad.w' pending>"
+    with pytest.raises(TimeoutError):
+        handle.wait(timeout_s=0.001)
+    handle._set(42)
+    assert handle.done() and handle.wait(timeout_s=0.001) == 42
+
+
+def test_a_pytest_check_failing_on_one_rank_fails_the_run() -> None:
+    """pytest.raises/pytest.fail raise pytest's Failed, a BaseException: the harness (and
+    run_ranks under it) must not let it end the rank's thread silently."""
+
+    def fn(engine: Engine) -> None:
+        if engine.rank == 1:
+            pytest.fail("checked on rank 1")
+        wait(engine.submit(allreduce("x", torch.ones(1))))  # released by the abort, not hung
+
+    with pytest.raises(pytest.fail.Exception, match="checked on rank 1"):
+        run_engines(2, fn)

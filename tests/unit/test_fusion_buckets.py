@@ -1,0 +1,216 @@
+"""Fusion: bucket planning, pack/unpack with scaling, buffer reuse, and fusion in the engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_harness import allreduce, run_engines, wait
+
+from commlayer import fusion
+from commlayer.engine import Engine
+from commlayer.fusion import BufferPool, Entry, pack, plan_buckets, unpack
+from commlayer.reduce_ops import ReduceOp
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+SIZES = [1, 3, 1023, 0]
+
+
+def entries(*numels: int) -> list[Entry]:
+    return [Entry(None, None, n) for n in numels]
+
+
+def numels(buckets: list[list[Entry]]) -> list[list[int]]:
+    return [[e.numel for e in bucket] for bucket in buckets]
+
+
+def values(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=g).to(dtype)
+    low = 0 if dtype == torch.uint8 else -100
+    return torch.randint(low, 100, (numel,), generator=g, dtype=dtype)
+
+
+# -- plan_buckets ----------------------------------------------------------------------------------
+def test_buckets_fill_up_to_the_threshold_inclusive() -> None:
+    # 4-byte elements, 16-byte threshold: 2 + 2 fill a bucket exactly, the third opens a new one.
+    assert numels(list(plan_buckets(entries(2, 2, 2, 1, 1), 4, 16))) == [[2, 2], [2, 1, 1]]
+
+
+def test_tensor_bigger_than_threshold_gets_its_own_bucket() -> None:
+    buckets = list(plan_buckets(entries(1, 1, 100, 1, 1), 4, 16))
+    assert numels(buckets) == [[1, 1], [100], [1, 1]]
+
+
+def test_threshold_zero_means_no_fusion() -> None:
+    buckets = list(plan_buckets(entries(1, 5, 3, 1023), 8, 0))
+    assert numels(buckets) == [[1], [5], [3], [1023]]
+
+
+def test_no_entries_no_buckets() -> None:
+    assert list(plan_buckets([], 4, 1024)) == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_buckets_keep_order_and_respect_threshold(seed: int) -> None:
+    rng = random.Random(seed)
+    sizes = [rng.choice([0, 1, 3, 7, 64, 1023]) for _ in range(rng.randint(1, 30))]
+    element, threshold = rng.choice([1, 2, 4, 8]), rng.choice([0, 1, 16, 100, 4096])
+    plan = list(entries(*sizes))
+    buckets = list(plan_buckets(plan, element, threshold))
+    assert [e for bucket in buckets for e in bucket] == plan  # each entry once, in order
+    for bucket in buckets:
+        assert bucket
+        assert len(bucket) == 1 or sum(e.numel for e in bucket) * element <= threshold
+
+
+# -- pack / unpack ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pack_unpack_round_trip_odd_sizes(dtype: torch.dtype) -> None:
+    sources = [values(n, dtype, seed=n) for n in SIZES]
+    sources.append(values(6, dtype, seed=6).reshape(2, 3))  # multi-dimensional
+    sources.append(values(1, dtype, seed=1).reshape(()))  # 0-d
+    outputs = [torch.empty_like(s) for s in sources]
+    bucket = [Entry(s, o, s.numel()) for s, o in zip(sources, outputs)]
+    buf = BufferPool().get(dtype, sum(e.numel for e in bucket))
+
+    pack(bucket, buf)
+    assert torch.equal(buf, torch.cat([s.reshape(-1) for s in sources]))
+    unpack(bucket, buf)
+    for source, output in zip(sources, outputs):
+        assert output.shape == source.shape and torch.equal(output, source)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32], ids=str)
+def test_joined_entry_packs_zeros_and_unpacks_nowhere(dtype: torch.dtype) -> None:
+    a, out = values(3, dtype, seed=1), torch.empty(3, dtype=dtype)
+    bucket = [Entry(a, out, 3), Entry(None, None, 5)]
+    buf = torch.full((8,), 7, dtype=dtype)
+    pack(bucket, buf)
+    assert torch.equal(buf[:3], a) and torch.equal(buf[3:], torch.zeros(5, dtype=dtype))
+    unpack(bucket, buf)
+    assert torch.equal(out, a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_prescale_and_postscale_float(dtype: torch.dtype) -> None:
+    a, b = values(3, dtype, seed=3), values(1023, dtype, seed=4)
+    out_a, out_b = torch.empty_like(a), torch.empty_like(b)
+    bucket = [Entry(a, out_a, 3, prescale=2.0, postscale=0.5), Entry(b, out_b, 1023, 1.0, 0.5)]
+    buf = torch.empty(1026, dtype=dtype)
+    pack(bucket, buf)
+    assert torch.equal(buf[:3], a * 2.0) and torch.equal(buf[3:], b)
+    assert torch.equal(a, values(3, dtype, seed=3))  # the source is left untouched
+    unpack(bucket, buf)  # one postscale for the whole bucket: scaled in one pass
+    assert torch.equal(out_a, a * 2.0 * 0.5) and torch.equal(out_b, b * 0.5)
+
+
+def test_different_postscales_in_one_bucket() -> None:
+    a, b = torch.arange(4.0), torch.arange(5.0)
+    out_a, out_b = torch.empty(4), torch.empty(5)
+    bucket = [Entry(a, out_a, 4, postscale=0.25), Entry(b, out_b, 5, postscale=3.0)]
+    buf = torch.empty(9)
+    pack(bucket, buf)
+    unpack(bucket, buf)
+    assert torch.equal(out_a, a * 0.25) and torch.equal(out_b, b * 3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int8], ids=str)
+def test_integer_scaling_truncates_toward_zero(dtype: torch.dtype) -> None:
+    a = torch.tensor([3, -3, 5, -7], dtype=dtype)
+    out = torch.empty_like(a)
+    bucket = [Entry(a, out, 4, prescale=2.5, postscale=0.5), Entry(None, None, 1)]
+    buf = torch.empty(5, dtype=dtype)
+    pack(bucket, buf)
+    assert buf[:4].tolist() == [7, -7, 12, -17]  # 7.5 -> 7, -7.5 -> -7, ...
+    unpack(bucket, buf)
+    assert out.tolist() == [3, -3, 6, -8]
+    assert out.dtype == dtype
+
+
+def test_scale_by_one_is_a_no_op() -> None:
+    t = torch.tensor([1.5, -2.0])
+    fusion.scale_(t, 1.0)
+    assert t.tolist() == [1.5, -2.0]
+
+
+# -- BufferPool ------------------------------------------------------------------------------------
+def test_buffer_pool_reuses_its_storage() -> None:
+    pool = BufferPool()
+    first = pool.get(torch.float32, 100)
+    smaller = pool.get(torch.float32, 40)
+    same = pool.get(torch.float32, 100)
+    assert (first.numel(), smaller.numel(), same.numel()) == (100, 40, 100)
+    assert smaller.data_ptr() == first.data_ptr() == same.data_ptr()
+    assert smaller.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+
+
+def test_buffer_pool_grows_then_reuses_the_larger_buffer() -> None:
+    pool = BufferPool()
+    pool.get(torch.float32, 10)
+    grown = pool.get(torch.float32, 1000)
+    assert grown.numel() == 1000
+    assert pool.get(torch.float32, 500).data_ptr() == grown.data_ptr()
+    assert pool.get(torch.float32, 1000).data_ptr() == grown.data_ptr()
+
+
+def test_buffer_pool_keeps_one_buffer_per_dtype() -> None:
+    pool = BufferPool()
+    f32, f64 = pool.get(torch.float32, 8), pool.get(torch.float64, 8)
+    assert (f32.dtype, f64.dtype) == (torch.float32, torch.float64)
+    assert f32.data_ptr() != f64.data_ptr()
+    assert pool.get(torch.float32, 8).data_ptr() == f32.data_ptr()
+
+
+# -- fusion in the engine --------------------------------------------------------------------------
+def fused_run(
+    threshold: int, numel_list: list[int], op: ReduceOp = ReduceOp.Sum
+) -> list[tuple[list[torch.Tensor], int]]:
+    """Each of 3 ranks submits allreduces of rank + 1 before its engine starts (so they are
+    negotiated and fused in one cycle); per rank: (results, collectives run)."""
+
+    def fn(engine: Engine) -> tuple[list[torch.Tensor], int]:
+        value = float(engine.rank + 1)
+        handles = [
+            engine.submit(allreduce(f"t{i}", torch.full((n,), value), op))
+            for i, n in enumerate(numel_list)
+        ]
+        engine.start()
+        results = [wait(h) for h in handles]
+        return results, engine.stats.operations
+
+    return run_engines(3, fn, start=False, fusion_threshold_bytes=threshold)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "buckets"),
+    [(0, 5), (1 << 20, 1), (40, 3)],  # 40 B: [10] [1000] [3 1 0] (float32 elements)
+    ids=["no-fusion", "all-fused", "big-tensor-alone"],
+)
+def test_engine_fuses_up_to_the_threshold(threshold: int, buckets: int) -> None:
+    sizes = [10, 1000, 3, 1, 0]
+    for results, operations in fused_run(threshold, sizes):
+        assert operations == buckets  # stats count one collective per bucket
+        for n, out in zip(sizes, results):
+            assert torch.equal(out, torch.full((n,), 6.0))
+
+
+def test_engine_average_with_fusion_divides_by_size() -> None:
+    for results, operations in fused_run(1 << 20, [4, 3], ReduceOp.Average):
+        assert operations == 1
+        assert torch.equal(results[0], torch.full((4,), 2.0))
+        assert torch.equal(results[1], torch.full((3,), 2.0))
