@@ -409,7 +409,7 @@ class Negotiator:
             self._stall_reported.add(name)
             log.warning(
                 "commlayer stall on rank %d: %r was submitted by ranks %s but not by ranks %s "
-                "for %.1f s (COMMLAYER_STALL_CHECK_TIME_SECONDS)",
+                "for %g s (COMMLAYER_STALL_CHECK_TIME_SECONDS)",
                 self.rank,
                 name,
                 holders.get(name, []),
@@ -419,6 +419,7 @@ class Negotiator:
         for name in sorted({n for _, _, late in reports for n in late}):
             self.table.pop(name, None)
             self._partial_since.pop(name, None)
+            self._stall_reported.discard(name)  # if it stalls again, warn again
             pending = self.pending.pop(name, None)
             if pending is not None:
                 error = StallError(
