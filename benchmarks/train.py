@@ -1,0 +1,278 @@
+"""Training-step benchmark: commlayer's DistributedOptimizer vs PyTorch DDP (gloo) vs Horovod.
+
+    OMP_NUM_THREADS=1 python benchmarks/train.py [--np 2,4] [--models mlp,resnet] [--out F]
+
+1. The driver (this script without ``--worker``) launches one ``mpiexec -n N`` job per
+   (rank count, model, system), all in this one run, and prints a table of median step time
+   and samples/s (batch per rank x ranks / step time) with the ratio to DDP measured in the same
+   run, plus a 1-process run of the plain model as the scaling reference.
+2. Models with many mid-sized gradient tensors, as in shared/ANCHORS.md: ``mlp`` is
+   10 x [Linear(768, 768), LayerNorm(768), GELU()] + Linear(768, 1000) (6.69 M parameters in
+   62 tensors), ``resnet`` a small CIFAR-style ResNet (3 stages of 2 basic blocks).
+3. Every system trains the same model from the same seed with SGD momentum 0.9 on random
+   inputs; a step is zero_grad, forward, backward, step. Median over ``--steps`` steps after
+   ``--warmup``. For commlayer the worker also reports the overlap achieved: the fraction of
+   the engine's time in collectives that step() did not wait for (hidden behind backward).
+Horovod is measured when ``horovod.torch`` is importable, and reported as absent otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SYSTEMS = ("commlayer", "ddp", "horovod")
+RESULT_PREFIX = "RESULT "
+
+
+# -- models --------------------------------------------------------------------------------------
+def mlp() -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(10):
+        layers += [nn.Linear(768, 768), nn.LayerNorm(768), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(768, 1000))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.down(x))
+
+
+def resnet() -> nn.Module:
+    blocks: list[nn.Module] = [nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU()]
+    cin = 32
+    for cout, stride in ((32, 1), (64, 2), (128, 2)):
+        blocks += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+        cin = cout
+    return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10))
+
+
+MODELS = {
+    "mlp": (mlp, (768,), 1000),
+    "resnet": (resnet, (3, 32, 32), 10),
+}
+
+
+# -- worker: one system, one model, under mpiexec ---------------------------------------------
+def _rank_size() -> tuple[int, int]:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+
+
+def _init_gloo() -> None:
+    import socket
+
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    port = 0
+    if world.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = world.bcast(port, root=0)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size
+    )
+
+
+def _setup(system: str, model: nn.Module) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """(model to call, optimizer, context for the report) for one system."""
+    optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if system == "single":
+        return model, optimizer, {"rank": 0, "size": 1}
+    if system == "ddp":
+        _init_gloo()
+        rank, size = _rank_size()
+        return nn.parallel.DistributedDataParallel(model), optimizer, {"rank": rank, "size": size}
+    if system == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, model.named_parameters())
+        return model, optimizer, {"rank": hvd.rank(), "size": hvd.size()}
+    import commlayer as cl
+
+    cl.init()
+    cl.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = cl.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    return model, optimizer, {"rank": cl.rank(), "size": cl.size()}
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    build, input_shape, classes = MODELS[args.model]
+    model, optimizer, ctx = _setup(args.worker, build())
+    inputs = torch.randn(args.batch, *input_shape)
+    targets = torch.randint(0, classes, (args.batch,))
+    times: list[float] = []
+    comm_start: dict[str, float] = {}
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup and args.worker == "commlayer":
+            import commlayer as cl
+
+            comm_start = cl.communication_stats()
+            optimizer.synchronize_wait_s = 0.0
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    result: dict[str, Any] = {
+        "system": args.worker,
+        "model": args.model,
+        "ranks": ctx["size"],
+        "step_ms": statistics.median(times[args.warmup :]) * 1e3,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tensors": sum(1 for _ in model.parameters()),
+    }
+    result["samples_per_s"] = args.batch * ctx["size"] / (result["step_ms"] / 1e3)
+    if args.worker == "commlayer":
+        import commlayer as cl
+
+        stats = cl.communication_stats()
+        comm_s = stats["collective_s"] - comm_start["collective_s"]
+        result["collective_ms_per_step"] = comm_s / args.steps * 1e3
+        result["waited_ms_per_step"] = optimizer.synchronize_wait_s / args.steps * 1e3
+        result["overlap"] = max(0.0, 1.0 - optimizer.synchronize_wait_s / comm_s) if comm_s else 0
+        cl.shutdown()
+    if ctx["rank"] == 0:
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# -- driver --------------------------------------------------------------------------------------
+def _mpiexec() -> str:
+    beside = os.path.join(sysconfig.get_path("scripts"), "mpiexec")
+    found = beside if os.path.exists(beside) else shutil.which("mpiexec")
+    if found is None:
+        sys.exit("mpiexec not found: pip install mpich (or put a system MPI on PATH)")
+    return found
+
+
+def _horovod_importable() -> bool:
+    probe = [sys.executable, "-c", "import horovod.torch"]
+    return subprocess.run(probe, capture_output=True, timeout=120).returncode == 0
+
+
+def run_one(args: argparse.Namespace, system: str, model: str, ranks: int) -> dict[str, Any]:
+    command = [
+        sys.executable, __file__, "--worker", system, "--model", model,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+    ]  # fmt: skip
+    if system != "single":
+        command = [_mpiexec(), "-n", str(ranks), *command]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout_s)
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return dict(json.loads(line.removeprefix(RESULT_PREFIX)))
+    raise RuntimeError(
+        f"{' '.join(command)} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
+    )
+
+
+def table(results: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        "| model | ranks | system | step ms | samples/s | vs DDP | overlap (commlayer) |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    ddp = {(r["model"], r["ranks"]): r for r in results if r["system"] == "ddp"}
+    for r in results:
+        base = ddp.get((r["model"], r["ranks"]))
+        ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}" if base else "—"
+        overlap = (
+            f"{r['overlap']:.0%} of {r['collective_ms_per_step']:.1f} ms hidden"
+            if "overlap" in r
+            else ""
+        )
+        rows.append(
+            f"| {r['model']} | {r['ranks']} | {r['system']} | {r['step_ms']:.1f} "
+            f"| {r['samples_per_s']:.0f} | {ratio} | {overlap} |"
+        )
+    return rows
+
+
+def driver(args: argparse.Namespace) -> None:
+    systems = ["ddp", "commlayer"]
+    notes = []
+    if _horovod_importable():
+        systems.append("horovod")
+    else:
+        notes.append("Horovod: not importable here (`import horovod.torch` failed), not measured.")
+    header = [
+        "# training step, median of "
+        f"{args.steps} steps after {args.warmup} warm-up, batch {args.batch} per rank",
+        "",
+        f"{datetime.date.today()}, {platform.node()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, OMP_NUM_THREADS=1, `python {' '.join(sys.argv)}`",
+        "",
+    ]
+    print("\n".join(header), flush=True)
+    results = []
+    for model in args.models:
+        results.append(run_one(args, "single", model, 1))
+        print(table(results)[-1], flush=True)
+        for ranks in args.np:
+            for system in systems:
+                results.append(run_one(args, system, model, ranks))
+                print(table(results)[-1], flush=True)
+    shapes = {r["model"]: (r["parameters"], r["tensors"]) for r in results}
+    models = [f"{m}: {p / 1e6:.2f} M parameters in {t} tensors" for m, (p, t) in shapes.items()]
+    lines = [*header, *table(results), "", *notes, *models, ""]
+    print("\n" + "\n".join(table(results) + [""] + notes + models))
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--np", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
+    parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--out", help="also write the table here")
+    parser.add_argument("--worker", choices=("single", *SYSTEMS), help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+    else:
+        driver(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
