@@ -62,7 +62,13 @@ class _GlobalProcessSet(ProcessSet):
     def _check(self) -> None:
         from commlayer import runtime
 
-        self.ranks = list(range(runtime.size()))
+        size = runtime.size()  # raises NotInitializedError before init()
+        if len(self.ranks) != size:  # rebuilt only after a new init(): this runs on every op
+            self.ranks = list(range(size))
+
+    def included(self) -> bool:
+        self._check()
+        return True
 
 
 global_process_set: ProcessSet = _GlobalProcessSet()
