@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -84,12 +85,29 @@ def launch_environ(np: int, hosts: str | None, environ: dict[str, str]) -> dict[
     """Environment for the ranks: one OpenMP thread per rank when the local machine would
     otherwise be oversubscribed (unless OMP_NUM_THREADS is set)."""
     env = dict(environ)
-    local_ranks = (
-        np if not hosts else max(int(h.split(":")[1]) if ":" in h else 1 for h in hosts.split(","))
-    )
     cores = os.cpu_count() or 1
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(local_ranks, 1))))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // _local_ranks(np, hosts))))
     return env
+
+
+def _local_ranks(np: int, hosts: str | None) -> int:
+    """Most ranks one host gets. The launchers fill each host's slots in turn and go round again
+    when np exceeds them all, so: the largest slot count times the rounds, at most np
+    (``-np 1 -H localhost:2`` runs one rank, which should get every core)."""
+    if not hosts:
+        return max(np, 1)
+    slots = []
+    for entry in hosts.split(","):
+        _, colon, count = entry.partition(":")
+        count = count if colon else "1"
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(
+                f"-H/--hosts {hosts!r}: bad slot count in {entry!r}; expected host1:N,host2:M "
+                "with N, M >= 1 (or a bare host for one slot)"
+            )
+        slots.append(int(count))
+    rounds = -(-np // sum(slots))
+    return max(1, min(np, rounds * max(slots)))
 
 
 def check_build() -> str:
@@ -101,8 +119,9 @@ def check_build() -> str:
         from mpi4py import MPI
 
         mpi4py = importlib.import_module("mpi4py")
-        library = MPI.Get_library_version().splitlines()[0].strip()
-        lines.append(f"MPI: {library} (mpi4py {mpi4py.__version__}, MPI {MPI.Get_version()})")
+        library = " ".join(MPI.Get_library_version().splitlines()[0].split())  # MPICH pads it
+        standard = ".".join(map(str, MPI.Get_version()))  # (4, 0) -> 4.0
+        lines.append(f"MPI: {library} (mpi4py {mpi4py.__version__}, MPI {standard})")
     except ImportError as exc:
         lines.append(f"MPI: not available ({exc})")
     for module in ("torch", "numpy", "numba", "cupy"):
@@ -142,7 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check_build:
         print(check_build())
         return 0
-    if not args.np or args.np < 1 or not args.command:
+    # argparse keeps the '--' of 'commlayerrun -np 2 -- python train.py'; Hydra's mpiexec
+    # rejects it ("unrecognized argument").
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not args.np or args.np < 1 or not command:
         _parser().error("give -np N (N >= 1) and a command: commlayerrun -np 2 python train.py")
     mpiexec = find_mpiexec()
     if mpiexec is None:
@@ -153,11 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"commlayerrun: {exc}", file=sys.stderr)
         return 2
-    cmd = build_command(
-        mpiexec, flavor(mpiexec), args.np, args.hosts, args.hostfile, args.command, env
-    )
+    cmd = build_command(mpiexec, flavor(mpiexec), args.np, args.hosts, args.hostfile, command, env)
     if args.dry_run:
-        print(" ".join(cmd))
+        print(shlex.join(cmd))  # quoted: it can be pasted into a shell as it is
         return 0
     return subprocess.call(cmd, env=env)
 
