@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from common import init_gloo
 
 import commlayer as cl
 from commlayer.backends.mpi import MPI, library_version
@@ -76,21 +77,6 @@ def measure(fn: Callable[[], object], args: argparse.Namespace, world: MPI.Comm)
     first = timed(fn, 1, world)
     iters = max(1, min(args.max_iters, int(args.target_s / max(first, 1e-7))))
     return statistics.median(timed(fn, iters, world) for _ in range(args.reps))
-
-
-def init_gloo(world: MPI.Comm) -> None:
-    """torch.distributed over gloo, rendezvous on a TCP port rank 0 picked (shared over MPI)."""
-    import socket
-
-    port = 0
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.bcast(port, root=0)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size
-    )
 
 
 def time_one_size(nbytes: int, args: argparse.Namespace, world: MPI.Comm) -> dict[str, float]:

@@ -87,31 +87,16 @@ def _rank_size() -> tuple[int, int]:
     return MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
 
 
-def _init_gloo() -> None:
-    import socket
-
-    import torch.distributed as dist
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    port = 0
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.bcast(port, root=0)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank, world_size=world.size
-    )
-
-
 def _setup(system: str, model: nn.Module) -> tuple[nn.Module, Any, dict[str, Any]]:
     """(model to call, optimizer, context for the report) for one system."""
     optimizer: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if system == "single":
         return model, optimizer, {"rank": 0, "size": 1}
     if system == "ddp":
-        _init_gloo()
+        from common import init_gloo
+        from mpi4py import MPI
+
+        init_gloo(MPI.COMM_WORLD)
         rank, size = _rank_size()
         return nn.parallel.DistributedDataParallel(model), optimizer, {"rank": rank, "size": size}
     if system == "horovod":
