@@ -72,7 +72,7 @@ run_pytest() {
 
 stage "install"
 python3 -m pip install -q "torch==${TORCH_VERSION}"
-python3 -m pip install -q -e ".[test,mpich]"
+python3 -m pip install -q -e ".[test,mpich,demo]"  # demo: the demo system test
 PY="$(python3 -c 'import sys; print(sys.executable)')"
 # mpiexec (from the mpich wheel) lives next to this python; put it first so that neither a
 # system MPI's mpiexec nor a stale pyenv shim is picked up.
