@@ -104,6 +104,47 @@ def _wait_gone(pids: Sequence[int], limit_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+def run_limited(
+    command: Sequence[str],
+    env: dict[str, str],
+    timeout_s: float,
+    cwd: Path | None = None,
+    dump_stacks_of: str | None = None,
+) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``command``, run in a session of its own. Past
+    ``timeout_s``, processes running ``dump_stacks_of`` get SIGUSR2 (``_worker`` ranks print
+    every thread's stack), then the whole tree is SIGKILLed and the test fails with the output."""
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=cwd,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        # The tree before any kill: a rank whose proxy died is reparented away from it.
+        tree = _descendants(proc.pid)
+        if dump_stacks_of is not None:
+            # Only the ranks: SIGUSR2 would terminate mpiexec's proxy, and their output with it.
+            _signal_all([p for p in tree if _runs(p, dump_stacks_of)], signal.SIGUSR2)
+            time.sleep(_STACK_DUMP_GRACE_S)
+        killed = [proc.pid, *_descendants(proc.pid), *tree]
+        _signal_all(killed, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        _wait_gone(killed)
+        pytest.fail(
+            f"HANG: killed after {timeout_s:g} s\n$ {' '.join(command)}\nexit code -9"
+            f"\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}",
+            pytrace=False,
+        )
+    return proc.returncode, stdout, stderr
+
+
 @dataclasses.dataclass
 class Job:
     """What one mpiexec run did."""
@@ -178,32 +219,11 @@ def run_mpi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunMPI]:
             sys.executable, str(SCRIPTS / script), *args,
         ]  # fmt: skip
         start = time.monotonic()
-        proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            env=job_env,
-            text=True,
-            start_new_session=True,
+        returncode, stdout, stderr = run_limited(
+            command, job_env, timeout_s, dump_stacks_of=command[-1 - len(args)]
         )
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            tree = _descendants(proc.pid)
-            # Only the ranks: SIGUSR2 would terminate mpiexec's proxy, and their output with it.
-            _signal_all([p for p in tree if _runs(p, command[-1 - len(args)])], signal.SIGUSR2)
-            time.sleep(_STACK_DUMP_GRACE_S)
-            killed = [proc.pid, *_descendants(proc.pid), *tree]
-            _signal_all(killed, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            _wait_gone(killed)
-            job = Job(
-                command, n, args, -9, stdout, stderr, time.monotonic() - start, time.time(), []
-            )
-            pytest.fail(f"HANG: killed after {timeout_s:g} s\n{job.output()}", pytrace=False)
         elapsed = time.monotonic() - start
         records = _read_records(out_dir)
-        return Job(command, n, args, proc.returncode, stdout, stderr, elapsed, time.time(), records)
+        return Job(command, n, args, returncode, stdout, stderr, elapsed, time.time(), records)
 
     yield run

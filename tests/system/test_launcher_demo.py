@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -73,36 +72,8 @@ def _run(
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     command = [_commlayerrun(), *args]
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        env=env,
-        cwd=REPO,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        # The tree before any kill: a rank whose proxy died is reparented away from it.
-        killed = [proc.pid, *harness._descendants(proc.pid)]
-        harness._signal_all(killed, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        harness._wait_gone(killed)
-        pytest.fail(
-            f"HANG: killed after {timeout_s:g} s\n{_output(command, -9, stdout, stderr)}",
-            pytrace=False,
-        )
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-
-
-def _output(command: list[str], returncode: int, stdout: str, stderr: str) -> str:
-    return (
-        f"$ {' '.join(command)}\nexit code {returncode}\n--- stdout ---\n{stdout}"
-        f"\n--- stderr ---\n{stderr}"
-    )
+    returncode, stdout, stderr = harness.run_limited(command, env, timeout_s, cwd=REPO)
+    return subprocess.CompletedProcess(command, returncode, stdout, stderr)
 
 
 def _matches(
@@ -118,7 +89,10 @@ def _one(pattern: re.Pattern[str], job: subprocess.CompletedProcess[str]) -> re.
 
 
 def _explain(job: subprocess.CompletedProcess[str]) -> str:
-    return _output(job.args, job.returncode, job.stdout, job.stderr)
+    return (
+        f"$ {' '.join(job.args)}\nexit code {job.returncode}\n--- stdout ---\n{job.stdout}"
+        f"\n--- stderr ---\n{job.stderr}"
+    )
 
 
 @pytest.fixture(scope="module")
