@@ -90,8 +90,15 @@ class Response:
         return getattr(torch, self.dtype)  # type: ignore[no-any-return]
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """'float32' for torch.float32 (memoized: it is computed for every submitted operation)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _disagreement(field: str, per_rank: dict[int, Any]) -> str | None:

@@ -103,8 +103,7 @@ def _resolve_op(op: ReduceOp | None, average: bool | None, default: ReduceOp) ->
 
 
 def _set_id(process_set: ProcessSet) -> int:
-    process_set._check()
-    if not process_set.included():
+    if not process_set.included():  # included() checks the set is registered
         raise _input_error(f"this rank is not in {process_set!r}")
     assert process_set.process_set_id is not None
     return process_set.process_set_id
