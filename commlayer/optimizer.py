@@ -35,6 +35,8 @@ from commlayer.errors import CommlayerError, TensorMismatchError
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import ReduceOp
 
+_SPARSE = object()  # marks a handle whose result is gathered sparse rows
+
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the dynamic subclass (see ``DistributedOptimizer``)."""
@@ -80,10 +82,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Seconds step()/synchronize() spent blocked on reductions: communication that backward
         # did not hide. overlap = 1 - synchronize_wait_s / (engine collective time).
         self.synchronize_wait_s = 0.0
-        self._cl_hooks = [
+        self._cl_hooks: list[Any] = []
+        self._cl_hook(params)
+
+    def _cl_hook(self, params: list[torch.nn.Parameter]) -> None:
+        """Submit each parameter's gradient as soon as backward has accumulated it."""
+        self._cl_hooks += [
             p.register_post_accumulate_grad_hook(self._cl_on_grad_ready)
-            for group in self.param_groups
-            for p in group["params"]
+            for p in params
             if p.requires_grad
         ]
 
@@ -152,7 +158,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         index_rows = _byte_rows(grad.indices().t(), nnz)
         rows = torch.cat([index_rows, _byte_rows(grad.values(), nnz)], dim=1)
         handle = ops.allgather_async(rows, name=self._cl_names[p], process_set=self._cl_process_set)
-        return handle, grad, ("sparse", grad.sparse_dim())
+        return handle, grad, _SPARSE
 
     # -- step side ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -171,8 +177,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             except CommlayerError as exc:
                 failure = failure or _with_hint(exc, self._cl_names[p])
                 continue
-            if isinstance(extra, tuple) and extra[0] == "sparse":
-                p.grad = self._cl_sparse_result(p, result, extra[1])
+            if extra is _SPARSE:
+                p.grad = self._cl_sparse_result(p, result)
             elif payload is not p.grad:
                 assert p.grad is not None
                 p.grad.copy_(self._cl_compression.decompress(extra))
@@ -183,10 +189,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise failure
         self._cl_synchronized = True
 
-    def _cl_sparse_result(
-        self, p: torch.nn.Parameter, rows: torch.Tensor, sparse_dim: int
-    ) -> torch.Tensor:
+    def _cl_sparse_result(self, p: torch.nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
         """Unpack the gathered (index, value) rows and sum duplicates."""
+        sparse_dim = self._cl_sparse_dims[p]
         size = self._cl_process_set.size()
         scale = 1.0 / size if self._cl_op == ReduceOp.Average else 1.0
         split = 8 * sparse_dim  # int64 index bytes per row
@@ -236,11 +241,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         param_group["params"] = params
         super(self.__class__, self).add_param_group(param_group)
         self._cl_names.update(names)
-        self._cl_hooks += [
-            p.register_post_accumulate_grad_hook(self._cl_on_grad_ready)
-            for p in params
-            if p.requires_grad
-        ]
+        self._cl_hook(params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._cl_handles:
