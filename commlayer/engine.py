@@ -267,6 +267,9 @@ class Engine:
 
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        # Outputs may be tensors that require grad (in-place forms of grouped ops skip the
+        # per-tensor detach): the engine's writes are never part of a graph.
+        torch.set_grad_enabled(False)
         try:
             while True:
                 self._wait_for_work()
@@ -445,6 +448,19 @@ class Engine:
         self, response: Response, op: Operation | None, n_active: int
     ) -> list[fusion.Entry]:
         average = 1.0 / n_active if response.op == ReduceOp.Average else 1.0
+        if len(response.shapes) > 1:
+            # A group that fits a bucket is one entry, decided from the response alone so that
+            # every rank (a joined one included) plans the same buckets.
+            numels = [math.prod(shape) for shape in response.shapes]
+            total = sum(numels)
+            element = _element_size(getattr(torch, response.dtype))
+            if total * element <= self.config.fusion_threshold_bytes:
+                if op is None:
+                    return [fusion.Entry(None, None, total)]
+                op.remaining = 1
+                group = (op.inputs, op.outputs, numels)
+                scale = op.postscale * average
+                return [fusion.Entry(None, None, total, op.prescale, scale, op, group)]
         entries = []
         for index, shape in enumerate(response.shapes):
             numel = math.prod(shape)

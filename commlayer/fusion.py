@@ -25,6 +25,10 @@ class Entry:
     prescale: float = 1.0
     postscale: float = 1.0
     owner: Any = None  # engine bookkeeping (which operation this entry belongs to)
+    # A small grouped allreduce travels as one entry: ``source``/``output`` are then None and
+    # this holds (sources, outputs, numel of each); pack is one torch.cat and unpack one
+    # split_with_sizes_copy, instead of a Python step per tensor.
+    group: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
 
 
 def plan_buckets(
@@ -70,15 +74,28 @@ class BufferPool:
         return buf[:numel]
 
 
+def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors as 1-D (a view costs ~1 us each, so only when one is not 1-D already)."""
+    if all(t.dim() == 1 for t in tensors):
+        return tensors
+    return [t.reshape(-1) for t in tensors]
+
+
 def pack(bucket: list[Entry], buf: torch.Tensor) -> None:
     """Copy (and prescale) each entry's source into consecutive slices of buf."""
+    if len(bucket) == 1 and bucket[0].group is not None and bucket[0].prescale == 1.0:
+        torch.cat(_flat(bucket[0].group[0]), out=buf)
+        return
     if all(e.source is not None and e.prescale == 1.0 for e in bucket):
         torch.cat([e.source.reshape(-1) for e in bucket], out=buf)  # type: ignore[union-attr]
         return
     offset = 0
     for entry in bucket:
         piece = buf[offset : offset + entry.numel]
-        if entry.source is None:
+        if entry.group is not None:
+            torch.cat(_flat(entry.group[0]), out=piece)
+            scale_(piece, entry.prescale)
+        elif entry.source is None:
             piece.zero_()
         elif entry.prescale != 1.0 and entry.source.is_floating_point():
             torch.mul(entry.source.reshape(-1), entry.prescale, out=piece)
@@ -90,6 +107,9 @@ def pack(bucket: list[Entry], buf: torch.Tensor) -> None:
 
 def unpack(bucket: list[Entry], buf: torch.Tensor) -> None:
     """Copy (and postscale) consecutive slices of buf into each entry's output."""
+    if len(bucket) == 1 and bucket[0].group is not None:
+        _unpack_group(bucket[0], buf)
+        return
     pieces = buf.split([e.numel for e in bucket])
     scales = {e.postscale for e in bucket}
     if len(scales) == 1 and buf.is_floating_point():
@@ -101,9 +121,22 @@ def unpack(bucket: list[Entry], buf: torch.Tensor) -> None:
         ]
         if outs:
             torch._foreach_copy_([o for o, _ in outs], [p for _, p in outs])
+        for entry, piece in zip(bucket, pieces):
+            if entry.group is not None:
+                _unpack_group(entry, piece, scaled=True)
         return
     for entry, piece in zip(bucket, pieces):
-        if entry.output is not None:
+        if entry.group is not None:
+            _unpack_group(entry, piece)
+        elif entry.output is not None:
             out = entry.output.view(-1)
             out.copy_(piece)
             scale_(out, entry.postscale)
+
+
+def _unpack_group(entry: Entry, piece: torch.Tensor, scaled: bool = False) -> None:
+    assert entry.group is not None
+    _, outputs, numels = entry.group
+    if not scaled:
+        scale_(piece, entry.postscale)
+    torch.split_with_sizes_copy(piece, numels, out=_flat(outputs))

@@ -237,8 +237,10 @@ def grouped_allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Allreduce a list of tensors as one unit (negotiated and fused together)."""
-    sources = [_check_tensor(t, "grouped_allreduce").contiguous() for t in tensors]
-    _check_group(sources, "grouped_allreduce")
+    sources = _plain_group(tensors)
+    if sources is None:
+        sources = [_check_tensor(t, "grouped_allreduce").contiguous() for t in tensors]
+        _check_group(sources, "grouped_allreduce")
     outputs = [torch.empty_like(s) for s in sources]
     return _submit(
         ALLREDUCE,
@@ -263,9 +265,16 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """In-place grouped allreduce."""
-    pairs = [_in_place(t, "grouped_allreduce_") for t in tensors]
-    _check_group([work for work, _ in pairs], "grouped_allreduce_")
-    works, finishes = zip(*pairs)
+    plain = _plain_group(tensors)
+    if plain is not None:  # written where they lie (the engine writes outside autograd)
+        works: Sequence[torch.Tensor] = plain
+        finishes: Sequence[Callable[[Any], Any]] = ()
+        done: Callable[[Any], Any] = lambda _: list(plain)  # noqa: E731
+    else:
+        pairs = [_in_place(t, "grouped_allreduce_") for t in tensors]
+        _check_group([work for work, _ in pairs], "grouped_allreduce_")
+        works, finishes = zip(*pairs)
+        done = lambda _: [f(None) for f in finishes]  # noqa: E731
     return _submit(
         ALLREDUCE,
         name,
@@ -275,7 +284,7 @@ def grouped_allreduce_async_(
         op=_resolve_op(op, average, ReduceOp.Average),
         prescale=prescale_factor,
         postscale=postscale_factor,
-        finish=lambda _: [f(None) for f in finishes],
+        finish=done,
     )
 
 
@@ -293,6 +302,28 @@ def grouped_allreduce_(
             tensors, average, name, op, prescale_factor, postscale_factor, process_set
         )
     )
+
+
+def _plain_group(tensors: Sequence[Any]) -> list[torch.Tensor] | None:
+    """The tensors as a list when all are dense contiguous CPU tensors of one supported dtype,
+    checked in one cheap pass (~0.3 us a tensor, where ``_check_tensor`` takes ~2); None sends
+    the caller to the per-tensor path, which copies what is not contiguous and names errors."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        return None
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor) or first.dtype not in SUPPORTED_DTYPES:
+        return None
+    dtype = first.dtype
+    for tensor in tensors:
+        if not (
+            isinstance(tensor, torch.Tensor)
+            and tensor.dtype is dtype
+            and tensor.is_cpu
+            and tensor.layout is torch.strided
+            and tensor.is_contiguous()
+        ):
+            return None
+    return list(tensors)
 
 
 def _check_group(tensors: Sequence[torch.Tensor], what: str) -> None:

@@ -205,6 +205,72 @@ def test_grouped_forms(form: str) -> None:
             assert torch.equal(mine[i], inputs[i][cl.rank()]), f"{form} changed member {i}"
 
 
+@pytest.mark.parametrize("form", GROUPED_FORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bfloat16], ids=dtype_id)
+def test_grouped_contiguous_members_with_average_and_scaling(form: str, dtype: torch.dtype) -> None:
+    # All members contiguous: the group is checked in one pass and travels as one fusion entry.
+    name = f"grouped.contiguous.{form}.{dtype_id(dtype)}"
+    inputs = [
+        every_rank_small_ints(seed_of(f"{name}.{i}"), shape, dtype)
+        for i, shape in enumerate(GROUP_SHAPES)
+    ]
+    mine = [per_rank[cl.rank()].clone() for per_rank in inputs]
+    averaged = _run_grouped(form, mine, op=cl.Average, name=name)
+    again = [per_rank[cl.rank()].clone() for per_rank in inputs]
+    scaled = _run_grouped(
+        form, again, op=cl.Sum, prescale_factor=2.0, postscale_factor=0.5, name=f"{name}.s"
+    )
+    for i, per_rank in enumerate(inputs):
+        assert_reduced(averaged[i], per_rank, cl.Average)
+        assert_reduced(scaled[i], per_rank, cl.Sum)
+        if form.endswith("_"):
+            assert averaged[i] is mine[i] and scaled[i] is again[i]
+        else:
+            assert torch.equal(mine[i], per_rank[cl.rank()]), f"{form} changed member {i}"
+
+
+def test_grouped_in_place_on_parameters_that_require_grad() -> None:
+    # The fast path hands the engine the parameters themselves, not detached aliases.
+    name = "grouped.parameters"
+    inputs = [
+        every_rank_small_ints(seed_of(f"{name}.{i}"), shape, torch.float32)
+        for i, shape in enumerate([(3, 2), (5,)])
+    ]
+    params = [torch.nn.Parameter(per_rank[cl.rank()].clone()) for per_rank in inputs]
+    returned = cl.grouped_allreduce_(params, op=cl.Sum, name=name)
+    for param, result, per_rank in zip(params, returned, inputs, strict=True):
+        assert result is param and isinstance(result, torch.nn.Parameter)
+        assert param.requires_grad and param.grad_fn is None
+        assert_reduced(param.detach(), per_rank, cl.Sum)
+
+
+def test_many_small_groups_and_singles_in_flight_together() -> None:
+    name = "grouped.mixed"
+    groups = [
+        [
+            every_rank_small_ints(seed_of(f"{name}.{g}.{i}"), (i + 1,), torch.float32)
+            for i in range(4)
+        ]
+        for g in range(5)
+    ]
+    singles = [
+        every_rank_small_ints(seed_of(f"{name}.s{g}"), (3,), torch.float32) for g in range(5)
+    ]
+    handles = []
+    for g in range(5):
+        handles.append(
+            cl.grouped_allreduce_async(
+                [t[cl.rank()] for t in groups[g]], op=cl.Sum, name=f"{name}.{g}"
+            )
+        )
+        handles.append(cl.allreduce_async(singles[g][cl.rank()], op=cl.Sum, name=f"{name}.s{g}"))
+    results = [cl.synchronize(h) for h in handles]
+    for g in range(5):
+        for member, per_rank in zip(results[2 * g], groups[g], strict=True):
+            assert_reduced(member, per_rank, cl.Sum)
+        assert_reduced(results[2 * g + 1], singles[g], cl.Sum)
+
+
 def _grouped_dtype_params() -> Iterator[Any]:
     for dtype in ALL_DTYPES:
         for op in (cl.Sum, cl.Average):

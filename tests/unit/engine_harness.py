@@ -141,9 +141,9 @@ def allreduce(
 
 
 def grouped_allreduce(
-    name: str, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.Sum
+    name: str, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.Sum, *, in_place: bool = False
 ) -> Operation:
-    outputs = [torch.empty_like(t) for t in tensors]
+    outputs = tensors if in_place else [torch.empty_like(t) for t in tensors]
     return _operation(name, ALLREDUCE, tensors, outputs, op=op, finish=list)
 
 

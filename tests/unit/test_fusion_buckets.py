@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
-from engine_harness import allreduce, run_engines, wait
+from engine_harness import allreduce, grouped_allreduce, run_engines, wait
 
 from commlayer import fusion
 from commlayer.engine import Engine
@@ -214,3 +215,88 @@ def test_engine_average_with_fusion_divides_by_size() -> None:
         assert operations == 1
         assert torch.equal(results[0], torch.full((4,), 2.0))
         assert torch.equal(results[1], torch.full((3,), 2.0))
+
+
+# -- groups: one entry for a whole grouped allreduce -----------------------------------------------
+def group_entry(sources: list[torch.Tensor], outputs: list[torch.Tensor], **scales: float) -> Entry:
+    numel_list = [s.numel() for s in sources]
+    return Entry(None, None, sum(numel_list), group=(sources, outputs, numel_list), **scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("flat", [True, False], ids=["1d", "nd"])
+def test_group_entry_round_trip(dtype: torch.dtype, flat: bool) -> None:
+    sources = [values(n, dtype, seed=n) for n in (5, 1, 0, 17)]
+    if not flat:
+        sources += [values(6, dtype, seed=6).reshape(2, 3), values(1, dtype, seed=1).reshape(())]
+    outputs = [torch.empty_like(s) for s in sources]
+    entry = group_entry(sources, outputs)
+    buf = torch.empty(entry.numel, dtype=dtype)
+    pack([entry], buf)
+    assert torch.equal(buf, torch.cat([s.reshape(-1) for s in sources]))
+    unpack([entry], buf)
+    for source, output in zip(sources, outputs, strict=True):
+        assert output.shape == source.shape and torch.equal(output, source)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32], ids=str)
+def test_group_entry_shares_a_bucket_with_singles_and_joined_zeros(dtype: torch.dtype) -> None:
+    a, out_a = values(3, dtype, seed=1), torch.empty(3, dtype=dtype)
+    members = [values(4, dtype, seed=2), values(2, dtype, seed=3).reshape(2, 1)]
+    outs = [torch.empty_like(m) for m in members]
+    bucket = [Entry(a, out_a, 3), group_entry(members, outs, postscale=3.0), Entry(None, None, 2)]
+    buf = torch.full((11,), 7, dtype=dtype)
+    pack(bucket, buf)
+    expected = torch.cat([a, members[0], members[1].reshape(-1), torch.zeros(2, dtype=dtype)])
+    assert torch.equal(buf, expected)
+    unpack(bucket, buf)
+    assert torch.equal(out_a, a)
+    for member, out in zip(members, outs, strict=True):
+        assert torch.equal(out, member * 3)
+
+
+def test_group_entry_prescale_and_postscale() -> None:
+    members = [torch.arange(4.0), torch.arange(3.0)]
+    outs = [torch.empty(4), torch.empty(3)]
+    buf = torch.empty(7)
+    pack([group_entry(members, outs, prescale=2.0, postscale=0.25)], buf)
+    assert torch.equal(buf, torch.cat(members) * 2.0)
+    unpack([group_entry(members, outs, prescale=2.0, postscale=0.25)], buf)
+    assert torch.equal(outs[0], members[0] * 0.5) and torch.equal(outs[1], members[1] * 0.5)
+
+
+def grouped_run(threshold: int, group_sizes: list[int], single: int) -> list[Any]:
+    """3 ranks: a single allreduce then a grouped one, submitted before the engine starts;
+    rank 2 instead joins. Per rank: (group results, single result, collectives run)."""
+
+    def fn(engine: Engine) -> Any:
+        value = float(engine.rank + 1)
+        if engine.rank == 2:
+            engine.start()
+            wait(engine.join())
+            return None
+        members = [torch.full((n,), value) for n in group_sizes]
+        handles = [
+            engine.submit(allreduce("single", torch.full((single,), value))),
+            engine.submit(grouped_allreduce("group", members, in_place=True)),
+        ]
+        engine.start()
+        single_out, group_out = (wait(h) for h in handles)
+        wait(engine.join())
+        return group_out, single_out, members, engine.stats.operations
+
+    return run_engines(3, fn, start=False, fusion_threshold_bytes=threshold)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "collectives"),
+    [(1 << 20, 1), (4 * 12, 2), (4 * 5, 4)],  # group of 12 floats: fused / alone / split
+    ids=["fused-with-single", "group-alone", "group-over-threshold"],
+)
+def test_engine_grouped_allreduce_with_a_joined_rank(threshold: int, collectives: int) -> None:
+    for result in grouped_run(threshold, [5, 4, 3], single=2)[:2]:
+        group_out, single_out, members, operations = result
+        assert torch.equal(single_out, torch.full((2,), 3.0))  # ranks 0 and 1; rank 2 gives 0
+        for n, out, member in zip([5, 4, 3], group_out, members, strict=True):
+            assert out is member and torch.equal(out, torch.full((n,), 3.0))
+        assert operations == collectives
