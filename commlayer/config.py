@@ -29,6 +29,7 @@ class Config:
     fusion_threshold_bytes: int = 64 * 1024 * 1024
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
+    compression: str = "none"
     timeline_path: str = ""
     stall_check_time_s: float = 60.0
     stall_shutdown_time_s: float = 0.0
@@ -75,6 +76,15 @@ def _parse_nonneg_float(text: str) -> float:
     return value
 
 
+def _parse_compression(text: str) -> str:
+    # Imported here: the compressors import the runtime, which imports this module.
+    from commlayer.compression import create
+
+    spec = text.strip()
+    create(spec)  # ValueError for an unknown compressor, parameter or value
+    return spec
+
+
 def _parse_log_level(text: str) -> str:
     value = text.strip().lower()
     if value not in _LOG_LEVELS:
@@ -88,6 +98,9 @@ _ALLOWED = {
     _parse_positive_float: "a finite number > 0",
     _parse_nonneg_float: "a finite number >= 0 (0 disables)",
     _parse_log_level: f"one of {', '.join(_LOG_LEVELS)}",
+    _parse_compression: "a compressor 'name' or 'name:key=value,...' with a valid name "
+    "(none, fp16, bf16, qsgd, topk, randomk, efsignsgd, onebit, powersgd, or one registered) "
+    "and valid parameters, e.g. 'topk:ratio=0.01'",
     str: "a path",
 }
 
@@ -110,6 +123,13 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         "cache_capacity",
         _parse_nonneg_int,
         "tensors remembered so steady-state negotiation is a bit-vector allreduce; 0 disables",
+    ),
+    (
+        "COMMLAYER_COMPRESSION",
+        "compression",
+        _parse_compression,
+        "DistributedOptimizer's default gradient compressor, e.g. 'fp16', 'topk:ratio=0.01', "
+        "'qsgd:levels=127,bucket=512'; default none",
     ),
     (
         "COMMLAYER_TIMELINE",

@@ -37,3 +37,8 @@ class ShutdownError(CommlayerError):
 
 class RankDiedError(ShutdownError):
     """A peer process exited while the others still needed it."""
+
+
+class PayloadError(CommlayerError):
+    """A compressed payload received from a peer is malformed (wrong length, index out of
+    range, non-finite scale): decoding it would silently corrupt the gradient."""

@@ -11,7 +11,14 @@
    toggled) are submitted at ``synchronize`` with zeros, on every rank, so no rank waits for a
    gradient another rank never produces.
 3. ``backward_passes_per_step=k`` accumulates k backward passes locally and reduces once.
-4. The wrapper is a dynamic subclass of the optimizer's own class that shares the original
+4. Compression (``compression=``: a compressor, a spec such as ``"topk:ratio=0.01"``, a
+   ``compression.Policy``, or None for ``COMMLAYER_COMPRESSION``): the policy picks a
+   compressor per gradient. Summable payloads are allreduced in place (a multi-round compressor,
+   PowerSGD, submits its next round from ``synchronize`` as each round completes, named
+   ``<name>.round<k>``); the others are packed into one byte record and allgathered under the
+   gradient's name, and every rank's record is decoded and summed (``compression.wire``). The
+   compressors' state (error-feedback residuals) travels in ``state_dict()``.
+5. The wrapper is a dynamic subclass of the optimizer's own class that shares the original
    object's state, so ``isinstance``, ``param_groups``, ``state_dict``, ``add_param_group``, LR
    schedulers, step hooks and custom subclasses keep working; LBFGS is refused (its closure
    re-evaluates gradients many times per step).
@@ -20,6 +27,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -27,15 +35,25 @@ from typing import Any
 
 import torch
 
-from commlayer import ops
-from commlayer.compression import Compression, Compressor
-from commlayer.compression import create as create_compressor
+from commlayer import config as config_module
+from commlayer import ops, runtime
+from commlayer.compression import Compressed, Compressor, Policy, wire
 from commlayer.engine import Handle
-from commlayer.errors import CommlayerError, TensorMismatchError
+from commlayer.errors import CommlayerError, PayloadError, TensorMismatchError
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import ReduceOp
 
 _SPARSE = object()  # marks a handle whose result is gathered sparse rows
+_COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A compressed gradient in flight: who compressed it, the current round's payload."""
+
+    compressor: Compressor
+    compressed: Compressed
+    round: int = 1
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -46,7 +64,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _cl_setup(
         self,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
-        compression: Compressor,
+        compression: Policy,
         backward_passes_per_step: int,
         op: ReduceOp,
         gradient_predivide_factor: float,
@@ -66,7 +84,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cl_named = _name_map(named_parameters)
         params = [p for group in self.param_groups for p in group["params"]]
         self._cl_names = _parameter_names(params, self._cl_named)
-        self._cl_compression = compression
+        self._cl_policy = _checked_policy(compression, op, self._cl_names, self._cl_named)
         self._cl_passes_per_step = backward_passes_per_step
         self._cl_op = op
         self._cl_predivide = gradient_predivide_factor
@@ -116,23 +134,40 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._cl_handles[p] = self._cl_sparse_submit(p, grad)
                 return
             grad = p.grad = grad.to_dense()
-        compressed = self._cl_compression.compress(grad, self._cl_names[p])
-        payload = compressed.payload[0]
+        name = self._cl_names[p]
+        compressor = self._cl_policy.choose(name.removeprefix("grad."), grad)
+        pending = _Pending(compressor, compressor.compress(grad, name))
+        self._cl_handles[p] = self._cl_send(name, pending)
+
+    def _cl_send(self, name: str, pending: _Pending) -> tuple[Handle, torch.Tensor, Any]:
+        """Submit the current round's payload: allreduced in place if summable, else packed
+        and allgathered."""
+        payload = pending.compressed.payload
+        if not pending.compressor.summable:
+            handle = ops.allgather_async(
+                wire.pack(payload), name=name, process_set=self._cl_process_set
+            )
+            return handle, payload[0], pending
+        if len(payload) != 1:
+            raise ValueError(
+                f"summable compressor {pending.compressor.name!r} returned {len(payload)} "
+                f"payload tensors for {name!r}; a summable payload is one tensor"
+            )
         op, prescale, postscale = self._cl_op, 1.0, 1.0
-        if op == ReduceOp.Average and payload.dtype == torch.float16:
+        if op == ReduceOp.Average and payload[0].dtype == torch.float16:
             # Divide before summing: n float16 gradients can overflow 65504 when summed.
             op, prescale = ReduceOp.Sum, 1.0 / self._cl_process_set.size()
         elif op == ReduceOp.Average:
             prescale, postscale = 1.0 / self._cl_predivide, self._cl_predivide
         handle = ops.allreduce_async_(
-            payload,
-            name=self._cl_names[p],
+            payload[0],
+            name=name if pending.round == 1 else f"{name}.round{pending.round}",
             op=op,
             prescale_factor=prescale,
             postscale_factor=postscale,
             process_set=self._cl_process_set,
         )
-        self._cl_handles[p] = (handle, payload, compressed)
+        return handle, payload[0], pending
 
     def _cl_empty_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """What a rank without a gradient for ``p`` contributes: no rows of a known-sparse
@@ -171,23 +206,64 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         failure: BaseException | None = None
         # Every handle is waited for even after one failed, so that none is left in flight
         # (its name would be a duplicate at the next step) and the error is raised once.
-        for p, (handle, payload, extra) in self._cl_handles.items():
-            try:
-                result = ops.synchronize(handle)
-            except CommlayerError as exc:
-                failure = failure or _with_hint(exc, self._cl_names[p])
-                continue
-            if extra is _SPARSE:
-                p.grad = self._cl_sparse_result(p, result)
-            elif payload is not p.grad:
-                assert p.grad is not None
-                p.grad.copy_(self._cl_compression.decompress(extra))
+        # A multi-round compressor's next round is submitted as its previous one completes.
+        handles = self._cl_handles
+        while handles:
+            next_rounds = {}
+            for p, (handle, _, extra) in handles.items():
+                try:
+                    result = ops.synchronize(handle)
+                    if extra is _SPARSE:
+                        p.grad = self._cl_sparse_result(p, result)
+                    elif (following := self._cl_finish(p, result, extra)) is not None:
+                        next_rounds[p] = following
+                except CommlayerError as exc:
+                    failure = failure or _with_hint(exc, self._cl_names[p])
+            handles = next_rounds
         self.synchronize_wait_s += time.perf_counter() - start
         self._cl_handles.clear()
         self._cl_passes.clear()
         if failure is not None:
             raise failure
         self._cl_synchronized = True
+
+    def _cl_finish(
+        self, p: torch.nn.Parameter, result: Any, pending: _Pending
+    ) -> tuple[Handle, torch.Tensor, Any] | None:
+        """Decode a completed round into ``p.grad``, or submit the next round."""
+        name, compressor = self._cl_names[p], pending.compressor
+        if not pending.compressed.final:
+            following = compressor.next_round(pending.compressed, name)  # type: ignore[attr-defined]
+            pending.compressed, pending.round = following, pending.round + 1
+            return self._cl_send(name, pending)
+        try:
+            if compressor.summable:
+                value = compressor.decompress(pending.compressed)
+            else:
+                value = self._cl_gathered_sum(result, pending)
+        except PayloadError as exc:
+            rank = runtime.rank()
+            raise PayloadError(f"rank {rank}: gradient {name!r}: malformed {exc}") from None
+        if value is not p.grad:
+            assert p.grad is not None
+            p.grad.copy_(value)
+        return None
+
+    def _cl_gathered_sum(self, gathered: torch.Tensor, pending: _Pending) -> torch.Tensor:
+        """Decode every rank's record and sum (Average: over the ranks that sent one, so
+        ranks that joined do not count, as in the engine's allreduce)."""
+        local = pending.compressed
+        records = wire.split(gathered, [t.dtype for t in local.payload])
+        total: torch.Tensor | None = None
+        for source, payload in enumerate(records):
+            try:
+                part = pending.compressor.decompress(Compressed(payload, local.ctx))
+            except PayloadError as exc:
+                what = pending.compressor.name
+                raise PayloadError(f"{what} payload from rank {source}: {exc}") from None
+            total = part.clone() if total is None else total.add_(part)
+        assert total is not None  # this rank's own record is always there
+        return total.div_(len(records)) if self._cl_op == ReduceOp.Average else total
 
     def _cl_sparse_result(self, p: torch.nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
         """Unpack the gathered (index, value) rows and sum duplicates."""
@@ -242,6 +318,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).add_param_group(param_group)
         self._cl_names.update(names)
         self._cl_hook(params)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, plus this rank's compressor state (error-feedback
+        residuals differ per rank: each rank saves its own to restart exactly)."""
+        state: dict[str, Any] = super(self.__class__, self).state_dict()
+        compression = self._cl_policy.state_dict()
+        if compression:
+            rank = runtime.rank() if runtime.is_initialized() else 0
+            state[_COMPRESSION_STATE] = {"rank": rank, "compressors": compression}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Residuals are restored only on the rank that saved them: loaded on another
+        (``broadcast_optimizer_state``, one checkpoint for all) they would be counted twice."""
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(_COMPRESSION_STATE, None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        rank = runtime.rank() if runtime.is_initialized() else 0
+        if saved is not None and saved["rank"] == rank:
+            self._cl_policy.load_state_dict(saved["compressors"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._cl_handles:
@@ -299,7 +395,7 @@ def _parameter_names(
 def DistributedOptimizer(  # noqa: N802 - the Horovod name
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-    compression: Compressor | str = Compression.none,
+    compression: Compressor | str | Policy | None = None,
     backward_passes_per_step: int = 1,
     op: ReduceOp = ReduceOp.Average,
     gradient_predivide_factor: float = 1.0,
@@ -310,7 +406,9 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
     """Wrap ``optimizer`` so ``step()`` applies gradients averaged (``op``) across ranks.
 
     ``groups`` is accepted for Horovod compatibility; the engine fuses gradients as they become
-    ready, which subsumes explicit grouping.
+    ready, which subsumes explicit grouping. ``compression``: ``Compression.fp16``, a spec
+    (``"topk:ratio=0.01"``), a ``compression.Policy`` for per-parameter choices, or None for
+    ``COMMLAYER_COMPRESSION`` (default ``none``).
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
@@ -328,7 +426,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
     wrapped.__dict__ = optimizer.__dict__  # share param_groups, state, defaults, hooks
     wrapped._cl_setup(
         named_parameters,
-        create_compressor(compression),
+        compression if isinstance(compression, Policy) else Policy(_default(compression)),
         backward_passes_per_step,
         ReduceOp(op),
         gradient_predivide_factor,
@@ -336,6 +434,37 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
         process_set,
     )
     return wrapped  # type: ignore[no-any-return]
+
+
+def _default(compression: Compressor | str | None) -> Compressor | str:
+    return config_module.load().compression if compression is None else compression
+
+
+def _checked_policy(
+    policy: Policy,
+    op: ReduceOp,
+    names: dict[torch.nn.Parameter, str],
+    named: dict[torch.nn.Parameter, str] | None,
+) -> Policy:
+    """Per-parameter choices must name parameters; lossy compressors need Average or Sum."""
+    known = set(named.values()) if named is not None else set()
+    known |= {name.removeprefix("grad.") for name in names.values()}
+    unknown = sorted(set(policy.per_parameter) - known)
+    if unknown:
+        raise ValueError(
+            f"compression per_parameter names {unknown} are not parameters; known: "
+            f"{sorted(known)[:20]}"
+        )
+    lossy = [
+        c.name
+        for c in policy.compressors().values()
+        if not getattr(c, "compresses_small_tensors", False)
+    ]
+    if lossy and op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ValueError(
+            f"compression {sorted(set(lossy))} needs op=Average or op=Sum, got {op.name}"
+        )
+    return policy
 
 
 def _with_hint(exc: CommlayerError, name: str) -> CommlayerError:

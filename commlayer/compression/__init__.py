@@ -1,9 +1,29 @@
-"""Gradient compression: the Compressor contract, a registry, and the built-in compressors."""
+"""Gradient compression: the Compressor contract, a registry, and the built-in compressors.
 
-from commlayer.compression.base import Compressed, Compressor, available, create, register
+``create("topk:ratio=0.01")`` (or ``COMMLAYER_COMPRESSION``, or
+``DistributedOptimizer(compression=...)``) picks one by name; see ``base.py`` for the contract
+and each compressor's module for its math and paper.
+"""
+
+from commlayer.compression.base import (
+    ENTRY_POINT_GROUP,
+    Compressed,
+    Compressor,
+    available,
+    create,
+    register,
+)
 from commlayer.compression.bf16 import BF16Compressor
+from commlayer.compression.efsignsgd import EFSignSGDCompressor
+from commlayer.compression.error_feedback import ErrorFeedback
 from commlayer.compression.fp16 import FP16Compressor
 from commlayer.compression.none import NoneCompressor
+from commlayer.compression.onebit import OneBitCompressor
+from commlayer.compression.policy import DEFAULT_MIN_NUMEL, Policy
+from commlayer.compression.powersgd import PowerSGDCompressor
+from commlayer.compression.qsgd import QSGDCompressor
+from commlayer.compression.randomk import RandomKCompressor
+from commlayer.compression.topk import TopKCompressor
 
 
 class Compression:
@@ -15,13 +35,23 @@ class Compression:
 
 
 __all__ = [
+    "DEFAULT_MIN_NUMEL",
+    "ENTRY_POINT_GROUP",
+    "BF16Compressor",
     "Compressed",
-    "Compressor",
     "Compression",
+    "Compressor",
+    "EFSignSGDCompressor",
+    "ErrorFeedback",
+    "FP16Compressor",
+    "NoneCompressor",
+    "OneBitCompressor",
+    "Policy",
+    "PowerSGDCompressor",
+    "QSGDCompressor",
+    "RandomKCompressor",
+    "TopKCompressor",
     "available",
     "create",
     "register",
-    "NoneCompressor",
-    "FP16Compressor",
-    "BF16Compressor",
 ]

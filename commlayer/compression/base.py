@@ -1,33 +1,64 @@
 """Compressor contract: what a compressor is, and the registry that finds one by name.
 
 ``Compressor.compress(tensor, name) -> Compressed(payload, ctx)`` and
-``decompress(Compressed) -> tensor``. The class attribute ``summable`` tells the engine how to
-communicate: True when the payloads of all ranks can be allreduced (FP16, BF16, ...), False
-when they must be gathered. Users add their own with ``@commlayer.compression.register("name")``.
+``decompress(Compressed) -> tensor``. The attribute ``summable`` tells the communicator how to
+move the payload:
+
+1. ``summable=True`` (none, fp16, bf16, randomk, powersgd): the payload is one tensor whose sum
+   over ranks is the payload of the sum; it is allreduced **in place**, then decompressed.
+   A compressor needing several communication rounds (PowerSGD) returns
+   ``Compressed(..., final=False)`` and implements ``next_round(compressed, name)``, called
+   with the reduced payload and returning the next round's ``Compressed``.
+2. ``summable=False`` (qsgd, topk, efsignsgd, onebit): every rank's payload is gathered and
+   each is decompressed with the *local* ``ctx``, so ``ctx`` may depend only on the tensor's
+   shape and dtype, never on its values. ``decompress`` must check a peer's payload (lengths,
+   index range, finite scales) and raise :class:`~commlayer.errors.PayloadError`.
+
+Optional attributes: ``biased`` (True: ``create`` wraps the compressor in ErrorFeedback unless
+the spec says ``ef=0``), ``compresses_small_tensors`` (True for casts, which cost nothing per
+tensor; others skip tensors below the policy's threshold), ``state_dict``/``load_state_dict``.
+
+Users add their own with ``@commlayer.compression.register("name")``, or from another package
+with an entry point in the group ``commlayer.compressors`` (``name = "module:factory"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import inspect
+import logging
+import math
+import zlib
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
+
+from commlayer.errors import PayloadError
+
+ENTRY_POINT_GROUP = "commlayer.compressors"
+_log = logging.getLogger("commlayer")
 
 
 @dataclasses.dataclass
 class Compressed:
-    """What goes on the wire (payload tensors) and what stays home to decode it (ctx)."""
+    """What goes on the wire (payload tensors) and what stays home to decode it (ctx).
+    ``final=False``: a multi-round compressor has another round after this one."""
 
     payload: list[torch.Tensor]
     ctx: Any = None
+    final: bool = True
 
 
 class Compressor(Protocol):
     """A (possibly lossy) encoding of a gradient for communication."""
 
-    name: ClassVar[str]
-    summable: ClassVar[bool]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def summable(self) -> bool: ...
 
     def compress(self, tensor: torch.Tensor, name: str) -> Compressed: ...
 
@@ -50,16 +81,37 @@ def register(name: str) -> Callable[[C], C]:
     return decorate
 
 
+def _load_entry_points() -> None:
+    """Register compressors other packages declare in the ``commlayer.compressors`` group.
+    A broken plug-in is logged and skipped: it must not break every other compressor."""
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name in _REGISTRY:
+            continue
+        try:
+            _REGISTRY[entry.name] = entry.load()
+        except Exception as exc:  # noqa: BLE001 - any import error of a third-party plug-in
+            _log.warning("compressor entry point %r (%s) failed to load: %s", entry.name,
+                         entry.value, exc)  # fmt: skip
+
+
 def available() -> list[str]:
+    """Names ``create`` accepts: built-in, registered and entry-point compressors."""
+    _load_entry_points()
     return sorted(_REGISTRY)
 
 
 def create(spec: str | Compressor) -> Compressor:
-    """A compressor from ``"name"`` or ``"name:key=value,key=value"`` (or one passed through)."""
+    """A compressor from ``"name"`` or ``"name:key=value,key=value"`` (or one passed through).
+
+    Biased compressors come wrapped in :class:`ErrorFeedback` unless the spec has ``ef=0``.
+    """
     if not isinstance(spec, str):
         return spec
     name, _, params = spec.partition(":")
-    factory = _REGISTRY.get(name.strip())
+    name = name.strip()
+    if name not in _REGISTRY:
+        _load_entry_points()
+    factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(f"unknown compressor {name!r}; available: {', '.join(available())}")
     kwargs: dict[str, Any] = {}
@@ -68,10 +120,36 @@ def create(spec: str | Compressor) -> Compressor:
         if not eq:
             raise ValueError(f"compressor parameter {item!r} in {spec!r} must be key=value")
         kwargs[key.strip()] = _number(value.strip())
+    error_feedback = kwargs.pop("ef", None)
+    allowed = _parameters(factory)
+    unknown = sorted(set(kwargs) - set(allowed)) if allowed is not None else []
+    if unknown:
+        raise ValueError(
+            f"compressor {name!r} does not take parameter(s) {unknown}; allowed: "
+            f"{', '.join([*allowed, 'ef'] if allowed else ['ef'])}"
+        )
     try:
-        return factory(**kwargs)
+        compressor = factory(**kwargs)
     except TypeError as exc:
         raise ValueError(f"compressor {name!r} does not take parameters {kwargs}: {exc}") from None
+    if error_feedback not in (None, 0, 1):
+        raise ValueError(f"ef={error_feedback!r} in {spec!r}: allowed 0 (off) or 1 (on)")
+    if error_feedback if error_feedback is not None else getattr(compressor, "biased", False):
+        from commlayer.compression.error_feedback import ErrorFeedback
+
+        return ErrorFeedback(compressor)
+    return compressor
+
+
+def _parameters(factory: Callable[..., Any]) -> list[str] | None:
+    """Keyword parameters ``factory`` takes, or None when it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def _number(text: str) -> Any:
@@ -81,3 +159,47 @@ def _number(text: str) -> Any:
         except ValueError:
             pass
     return text
+
+
+# -- helpers the compressors share ---------------------------------------------------------------
+def check_ratio(ratio: Any) -> float:
+    """A fraction of elements to keep: a number in (0, 1]."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+def check_positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def kept(numel: int, ratio: float) -> int:
+    """How many of ``numel`` elements a sparsifier keeps: ceil(ratio * numel), at least 1."""
+    return min(numel, max(1, math.ceil(ratio * numel - 1e-9)))
+
+
+def stable_seed(*parts: object) -> int:
+    """A seed equal on every rank for the same parts (Python's hash() is salted per process)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; float16/bfloat16/float32 are computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def expect_numel(tensor: torch.Tensor, numel: int, what: str) -> None:
+    if tensor.numel() != numel:
+        raise PayloadError(f"{what} has {tensor.numel()} elements, expected {numel}")
+
+
+def expect_finite(tensor: torch.Tensor, what: str, nonnegative: bool = False) -> None:
+    bad = ~torch.isfinite(tensor)
+    if nonnegative:
+        bad |= tensor < 0
+    if bool(bad.any()):
+        value = tensor[bad][0].item()
+        allowed = "finite and >= 0" if nonnegative else "finite"
+        raise PayloadError(f"{what} holds {value!r} (must be {allowed})")

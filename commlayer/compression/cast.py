@@ -19,6 +19,8 @@ class CastCompressor:
 
     name: ClassVar[str]
     summable: ClassVar[bool] = True
+    # A cast has no per-tensor cost, so (as in Horovod) small tensors are cast too.
+    compresses_small_tensors: ClassVar[bool] = True
     wire_dtype: ClassVar[torch.dtype]
 
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:

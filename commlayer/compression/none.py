@@ -15,6 +15,7 @@ class NoneCompressor:
 
     name: ClassVar[str] = "none"
     summable: ClassVar[bool] = True
+    compresses_small_tensors: ClassVar[bool] = True
 
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
         return Compressed([tensor])

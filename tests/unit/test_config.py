@@ -17,6 +17,7 @@ DEFAULTS = {
     "fusion_threshold_bytes": 64 * 1024 * 1024,
     "cycle_time_ms": 1.0,
     "cache_capacity": 1024,
+    "compression": "none",
     "timeline_path": "",
     "stall_check_time_s": 60.0,
     "stall_shutdown_time_s": 0.0,
@@ -42,6 +43,9 @@ GOOD = [
     ("COMMLAYER_CYCLE_TIME", "1e-3", "cycle_time_ms", 1e-3),
     ("COMMLAYER_CACHE_CAPACITY", "0", "cache_capacity", 0),
     ("COMMLAYER_CACHE_CAPACITY", "4096", "cache_capacity", 4096),
+    ("COMMLAYER_COMPRESSION", " fp16 ", "compression", "fp16"),
+    ("COMMLAYER_COMPRESSION", "qsgd:levels=7,bucket=8", "compression", "qsgd:levels=7,bucket=8"),
+    ("COMMLAYER_COMPRESSION", "topk:ratio=0.01", "compression", "topk:ratio=0.01"),
     ("COMMLAYER_TIMELINE", "/tmp/trace.json", "timeline_path", "/tmp/trace.json"),
     ("COMMLAYER_TIMELINE", "/tmp/trace.{rank}.json", "timeline_path", "/tmp/trace.{rank}.json"),
     ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "0", "stall_check_time_s", 0.0),
@@ -60,6 +64,7 @@ _POSITIVE = "a finite number > 0"
 _NONNEG_INT = "an integer >= 0"
 _NONNEG = "a finite number >= 0 (0 disables)"
 _LEVELS = "one of trace, debug, info, warning, error"
+_COMPRESSOR = "a compressor 'name' or 'name:key=value,...' with a valid name (none, fp16, bf16"
 
 # (variable, text, what the message says is allowed)
 BAD = [
@@ -77,6 +82,12 @@ BAD = [
     ("COMMLAYER_CACHE_CAPACITY", "-1", _NONNEG_INT),
     ("COMMLAYER_CACHE_CAPACITY", "1.5", _NONNEG_INT),
     ("COMMLAYER_CACHE_CAPACITY", "lots", _NONNEG_INT),
+    ("COMMLAYER_COMPRESSION", "zip", _COMPRESSOR),
+    ("COMMLAYER_COMPRESSION", "topk:ratio=0", _COMPRESSOR),
+    ("COMMLAYER_COMPRESSION", "topk:ratio=1.5", _COMPRESSOR),
+    ("COMMLAYER_COMPRESSION", "topk:k=10", _COMPRESSOR),
+    ("COMMLAYER_COMPRESSION", "qsgd:levels=0", _COMPRESSOR),
+    ("COMMLAYER_COMPRESSION", "topk:0.01", _COMPRESSOR),
     ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "-1", _NONNEG),
     ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "nan", _NONNEG),
     ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "inf", _NONNEG),

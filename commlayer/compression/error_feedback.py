@@ -1,0 +1,81 @@
+"""Error feedback: remember what compression dropped and add it to the next gradient.
+
+Math (Seide et al. 2014; Stich et al. 2018; Karimireddy et al. 2019, Algorithm 2): with
+residual e_t (0 at first) and compressor C,
+
+1. p_t = g_t + e_t                       (the corrected gradient)
+2. send C(p_t)
+3. e_{t+1} = p_t - D(C(p_t))             (D: this rank's own decompression, before reduction)
+
+so nothing is lost, only delayed: sum_t D(C(p_t)) = sum_t g_t - e_{T+1}. This is what lets
+biased compressors (top-k, signs, PowerSGD) converge like SGD. For a multi-round compressor
+(PowerSGD) step 3 uses the last round's local payload, before it is reduced.
+
+State: one residual per tensor name (the name the optimizer gives each gradient), returned by
+``state_dict()`` so a checkpoint keeps it; residuals are per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from commlayer.compression.base import Compressed, Compressor
+
+
+class ErrorFeedback:
+    """Wraps ``inner``: adds the residual before compressing, keeps the new residual."""
+
+    __slots__ = ("inner", "residuals", "_corrected")
+
+    def __init__(self, inner: Compressor) -> None:
+        if isinstance(inner, ErrorFeedback):
+            raise ValueError("ErrorFeedback(ErrorFeedback(...)): error feedback is already on")
+        self.inner = inner
+        self.residuals: dict[str, torch.Tensor] = {}
+        self._corrected: dict[str, torch.Tensor] = {}  # between rounds of a multi-round inner
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def summable(self) -> bool:
+        return self.inner.summable
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.inner!r})"
+
+    def compress(self, tensor: torch.Tensor, name: str) -> Compressed:
+        residual = self.residuals.get(name)
+        corrected = tensor
+        if residual is not None and residual.shape == tensor.shape:
+            corrected = tensor + residual
+        compressed = self.inner.compress(corrected, name)
+        self._remember(name, corrected, compressed)
+        return compressed
+
+    def next_round(self, compressed: Compressed, name: str) -> Compressed | None:
+        following: Compressed | None = self.inner.next_round(compressed, name)  # type: ignore[attr-defined]
+        if following is not None:
+            self._remember(name, self._corrected.pop(name), following)
+        return following
+
+    def _remember(self, name: str, corrected: torch.Tensor, compressed: Compressed) -> None:
+        if compressed.final:
+            # Now, before the payload is communicated: a summable one is reduced in place. Not
+            # in place: the payload may be ``corrected`` itself (PowerSGD sends vectors as is).
+            local = self.inner.decompress(compressed)
+            self.residuals[name] = corrected.detach() - local.to(corrected.dtype)
+        else:
+            self._corrected[name] = corrected
+
+    def decompress(self, compressed: Compressed) -> torch.Tensor:
+        return self.inner.decompress(compressed)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {name: r.clone() for name, r in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {name: r.clone() for name, r in state["residuals"].items()}
