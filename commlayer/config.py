@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from commlayer import algorithms
 from commlayer.errors import ConfigError
 
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
@@ -34,6 +35,7 @@ class Config:
     stall_check_time_s: float = 60.0
     stall_shutdown_time_s: float = 0.0
     log_level: str = "warning"
+    allreduce_algorithm: str = "auto"
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -92,7 +94,15 @@ def _parse_log_level(text: str) -> str:
     return value
 
 
+def _parse_algorithm(text: str) -> str:
+    name = text.strip().lower()
+    if name not in algorithms.available():
+        raise ValueError(name)
+    return name
+
+
 _ALLOWED = {
+    _parse_algorithm: f"one of {', '.join(algorithms.available())}",
     _parse_bytes: "a non-negative integer number of bytes, optionally with K/M/G suffix",
     _parse_nonneg_int: "an integer >= 0",
     _parse_positive_float: "a finite number > 0",
@@ -154,6 +164,13 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         "log_level",
         _parse_log_level,
         "logging level of the 'commlayer' logger; default warning",
+    ),
+    (
+        "COMMLAYER_ALLREDUCE_ALGORITHM",
+        "allreduce_algorithm",
+        _parse_algorithm,
+        "allreduce algorithm for fused buffers: auto (default), mpi, shm, or a schedule "
+        "(ring, recursive_doubling, rabenseifner, tree); the same on every rank",
     ),
 )
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from commlayer import fusion
+from commlayer.algorithms.executor import Allreducer
 from commlayer.backends.base import Backend, Request
 from commlayer.config import Config
 from commlayer.errors import (
@@ -166,6 +167,7 @@ class Engine:
         self._incoming: list[Operation] = []
         self._inflight: set[tuple[int, str]] = set()
         self._pool = fusion.BufferPool()
+        self._allreduce = Allreducer(config.allreduce_algorithm)
         self._error: BaseException | None = None
         self._stopped = threading.Event()
         self._progress = False
@@ -500,14 +502,16 @@ class Engine:
                     send = None
                 buf = entry.output.view(-1)
                 t1 = time.perf_counter()
-                self._wait(backend.iallreduce(None if send is None else send.reshape(-1), buf, op))
+                self._wait(
+                    self._allreduce(backend, None if send is None else send.reshape(-1), buf, op)
+                )
                 t2 = time.perf_counter()
                 fusion.scale_(entry.output, entry.postscale)
             else:
                 buf = self._pool.get(dtype, numel)
                 fusion.pack(bucket, buf)
                 t1 = time.perf_counter()
-                self._wait(backend.iallreduce(None, buf, op))
+                self._wait(self._allreduce(backend, None, buf, op))
                 t2 = time.perf_counter()
                 fusion.unpack(bucket, buf)
             t3 = time.perf_counter()

@@ -71,6 +71,14 @@ class Backend(Protocol):
         """recv <- block `rank` (counts[rank] elements) of the reduction of every rank's send."""
         ...
 
+    def isend(self, buf: torch.Tensor, peer: int) -> Request:
+        """Send buf to ``peer``; messages between two ranks arrive in the order sent."""
+        ...
+
+    def irecv(self, buf: torch.Tensor, peer: int) -> Request:
+        """Receive the next message from ``peer`` into buf (same number of elements)."""
+        ...
+
     def ibarrier(self) -> Request:
         """Completes once every rank has entered."""
         ...

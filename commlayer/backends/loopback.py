@@ -16,6 +16,7 @@ blocked. One lock (a Condition) guards the world and all groups split from it; n
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -83,6 +84,29 @@ class _Slot:
         self.failure: _Failure | None = None
 
 
+@dataclass(slots=True)
+class _Receive:
+    """A posted receive waiting for its message."""
+
+    request: LoopbackRequest
+    buf: torch.Tensor
+    rank: int
+    peer: int
+
+
+def _deliver(receive: _Receive, data: torch.Tensor) -> None:
+    """Copy a message into a waiting receive (caller holds the world's lock)."""
+    if data.numel() != receive.buf.numel() or data.dtype != receive.buf.dtype:
+        receive.request.failure = (
+            CommlayerError,
+            f"rank {receive.rank}: receive of {receive.buf.numel()} {receive.buf.dtype} from "
+            f"rank {receive.peer} got {data.numel()} {data.dtype}",
+        )
+        return
+    receive.buf.reshape(-1).copy_(data)
+    receive.request.done = True
+
+
 class _Group:
     """A communicator: its members as ranks of the root world, and each member's next seq."""
 
@@ -108,6 +132,8 @@ class LoopbackWorld:
         self.dead: set[int] = set()
         self.aborted: str | None = None
         self.pending: dict[tuple[int, int], _Slot] = {}
+        # point to point, per (group, src, dst): messages not yet received, receives waiting
+        self.mail: dict[tuple[int, int, int], tuple[deque[torch.Tensor], deque[_Receive]]] = {}
         self._groups = [_Group(self, 0, list(range(size)))]
 
     def backend(self, rank: int) -> LoopbackBackend:
@@ -133,6 +159,10 @@ class LoopbackWorld:
             for slot in self.pending.values():
                 _fail(slot, (ShutdownError, reason))
             self.pending.clear()
+            for _, waiting in self.mail.values():
+                for receive in waiting:
+                    receive.request.failure = (ShutdownError, reason)
+            self.mail.clear()
             self.cond.notify_all()
 
 
@@ -397,6 +427,43 @@ class LoopbackBackend:
             )
         sig = {"words": words.size}
         return self._post(_Call("icontrol", sig, (words,), _finish_control))
+
+    def _mailbox(self, src: int, dst: int) -> tuple[deque[torch.Tensor], deque[_Receive]]:
+        world, group = self._group.world, self._group
+        if world.aborted is not None or self._closed:
+            why = world.aborted or f"rank {self._rank} closed its backend"
+            raise ShutdownError(f"loopback point-to-point on rank {self._rank}: {why}")
+        for peer in (src, dst):
+            if not 0 <= peer < self.size:
+                raise ValueError(f"rank {self._rank}: peer {peer} is outside [0, {self.size})")
+        return world.mail.setdefault((group.gid, src, dst), (deque(), deque()))
+
+    def isend(self, buf: torch.Tensor, peer: int) -> LoopbackRequest:
+        """Buffered: the data is copied at once, so the send completes at once."""
+        world = self._group.world
+        with world.cond:
+            messages, waiting = self._mailbox(self._rank, peer)
+            data = buf.detach().reshape(-1).clone()
+            if waiting:
+                _deliver(waiting.popleft(), data)
+                world.cond.notify_all()
+            else:
+                messages.append(data)
+            req = LoopbackRequest(world.cond)
+            req.done = True
+            return req
+
+    def irecv(self, buf: torch.Tensor, peer: int) -> LoopbackRequest:
+        world = self._group.world
+        with world.cond:
+            messages, waiting = self._mailbox(peer, self._rank)
+            req = LoopbackRequest(world.cond)
+            receive = _Receive(req, buf, self._rank, peer)
+            if messages and not waiting:
+                _deliver(receive, messages.popleft())
+            else:
+                waiting.append(receive)
+            return req
 
     def iallgather_bytes(self, payload: bytes) -> tuple[LoopbackRequest, list[bytes]]:
         out: list[bytes] = []

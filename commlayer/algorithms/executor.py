@@ -1,0 +1,128 @@
+"""Runs an allreduce schedule over a backend's point-to-point calls, and picks the algorithm.
+
+``allreduce(backend, send, buf, op, name)`` returns a Request like the backend's own
+``iallreduce``, so the engine waits on every algorithm the same way (yield, then sleep; a dead
+peer noticed). A schedule step posts its receives into scratch memory and its sends straight
+from the buffer (zero-copy slices of a contiguous tensor), and once all complete applies the
+receives in order: reduce into the buffer or copy over it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from commlayer import algorithms
+from commlayer.algorithms.schedule import Schedule
+from commlayer.backends.base import COMPLETED, Backend, Request
+from commlayer.reduce_ops import ReduceOp, reduce_into
+
+
+class Scratch:
+    """One growing receive buffer per dtype, reused by every step (one engine thread)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[dtype] = torch.empty(numel, dtype=dtype)
+        return buf[:numel]
+
+
+class ScheduleRequest:
+    """One allreduce in flight under a schedule; ``test()`` advances it without waiting."""
+
+    __slots__ = ("_backend", "_schedule", "_buf", "_op", "_scratch", "_index", "_pending", "_recvs")
+
+    def __init__(
+        self,
+        backend: Backend,
+        schedule: Schedule,
+        buf: torch.Tensor,
+        op: ReduceOp,
+        scratch: Scratch,
+    ) -> None:
+        self._backend = backend
+        self._schedule = schedule
+        self._buf = buf
+        self._op = op
+        self._scratch = scratch
+        self._index = 0
+        self._pending: list[Request] = []
+        self._recvs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target range, scratch)
+
+    def _post(self) -> None:
+        step = self._schedule[self._index]
+        total = sum(t.numel for t in step.recvs)
+        space = self._scratch.get(self._buf.dtype, total)
+        offset = 0
+        self._recvs = []
+        for t in step.recvs:
+            room = space[offset : offset + t.numel]
+            offset += t.numel
+            self._pending.append(self._backend.irecv(room, t.peer))
+            self._recvs.append((self._buf[t.start : t.stop], room))
+        for t in step.sends:
+            self._pending.append(self._backend.isend(self._buf[t.start : t.stop], t.peer))
+
+    def test(self) -> bool:
+        while self._index < len(self._schedule):
+            if not self._pending:
+                self._post()
+            self._pending = [r for r in self._pending if not r.test()]
+            if self._pending:
+                return False
+            reduce = self._schedule[self._index].reduce
+            for target, data in self._recvs:
+                if reduce:
+                    reduce_into(target, data, self._op)
+                else:
+                    target.copy_(data)
+            self._recvs = []
+            self._index += 1
+        return True
+
+
+class Allreducer:
+    """The engine's allreduce: the configured algorithm for each fused buffer."""
+
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithms.check_name(algorithm)
+        self._scratch = Scratch()
+        self._schedules: dict[tuple[str, int, int, int], Schedule] = {}
+
+    def choose(self, backend: Backend, numel: int, element_size: int) -> str:
+        """The algorithm for a buffer: the configured one; ``auto`` is ``mpi`` until the cost
+        model (costmodel.py) is calibrated, and ``shm`` falls back to ``mpi`` when the ranks
+        are not all on one node (every rank decides the same from the same facts)."""
+        name = self.algorithm
+        if name == algorithms.AUTO:
+            return "mpi"
+        if name == "shm" and not _shm_capable(backend):
+            return "mpi"
+        return name
+
+    def __call__(
+        self, backend: Backend, send: torch.Tensor | None, buf: torch.Tensor, op: ReduceOp
+    ) -> Request:
+        name = self.choose(backend, buf.numel(), buf.element_size())
+        if name == "mpi" or backend.size == 1:
+            return backend.iallreduce(send, buf, op)
+        if name == "shm":
+            return backend.shm_iallreduce(send, buf, op)  # type: ignore[attr-defined]
+        if send is not None:
+            buf.copy_(send)
+        key = (name, backend.rank, backend.size, buf.numel())
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            if len(self._schedules) > 256:
+                self._schedules.clear()
+            schedule = self._schedules[key] = algorithms.schedule(name, *key[1:])
+        if not schedule:
+            return COMPLETED
+        return ScheduleRequest(backend, schedule, buf.view(-1), op, self._scratch)
+
+
+def _shm_capable(backend: Backend) -> bool:
+    return hasattr(backend, "shm_iallreduce") and len(set(backend.nodes())) == 1

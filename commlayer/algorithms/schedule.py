@@ -1,0 +1,218 @@
+"""Schedules: what one rank does to allreduce a flat buffer, as data.
+
+An algorithm is a function ``(rank, size, numel, topology) -> list[Step]``. A step posts all its
+sends and receives at once; sends read the buffer as it was before the step, receives land in
+scratch memory and are applied to the buffer (reduced into it, or copied over it) in order once
+every transfer of the step completed. The same list is run by the executor (executor.py),
+checked and costed without any communication (``simulate``, ``traffic`` here; costmodel.py),
+and can be exported as per-rank traces for a simulator. No algorithm is written twice.
+
+Ranges are in elements of the flat buffer. Empty ranges are never listed, so buffers smaller
+than the rank count work: both ends of a transfer compute the same ranges and skip the same
+empty ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from commlayer.reduce_ops import ReduceOp, reduce_into
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """buf[start:stop] to or from ``peer``."""
+
+    peer: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One round: post ``sends`` and ``recvs``, wait for all, then apply every receive:
+    reduced into its range when ``reduce``, copied over it otherwise."""
+
+    sends: tuple[Transfer, ...] = ()
+    recvs: tuple[Transfer, ...] = ()
+    reduce: bool = True
+
+
+Schedule = list[Step]
+Algorithm = Callable[[int, int, int, "object | None"], Schedule]
+
+
+def blocks(numel: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges covering [0, numel), sizes differing by at most one (the
+    first ones larger)."""
+    base, extra = divmod(numel, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def step(
+    sends: Sequence[tuple[int, int, int]] = (),
+    recvs: Sequence[tuple[int, int, int]] = (),
+    reduce: bool = True,
+) -> Step | None:
+    """A Step from (peer, start, stop) triples with empty ranges dropped; None if nothing
+    is left (callers skip it: every rank drops the same empty transfers)."""
+    s = tuple(Transfer(p, a, b) for p, a, b in sends if b > a)
+    r = tuple(Transfer(p, a, b) for p, a, b in recvs if b > a)
+    return Step(s, r, reduce) if s or r else None
+
+
+def compact(steps: Sequence[Step | None]) -> Schedule:
+    return [s for s in steps if s is not None]
+
+
+# -- non-powers of two: fold the extra ranks in, and back out ------------------------------------
+def largest_power_of_two(n: int) -> int:
+    return 1 << (n.bit_length() - 1) if n > 0 else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Fold:
+    """The usual reduction to a power of two p2 <= size: with rem = size - p2, each even rank
+    r < 2*rem hands its buffer to r + 1 first and gets the result back last; the others take
+    virtual ranks 0..p2-1 (odd r < 2*rem: r // 2; r >= 2*rem: r - rem)."""
+
+    size: int
+    p2: int
+    rem: int
+
+    @classmethod
+    def of(cls, size: int) -> Fold:
+        p2 = largest_power_of_two(size)
+        return cls(size, p2, size - p2)
+
+    def virtual(self, rank: int) -> int | None:
+        if rank < 2 * self.rem:
+            return rank // 2 if rank % 2 else None
+        return rank - self.rem
+
+    def real(self, virtual: int) -> int:
+        return 2 * virtual + 1 if virtual < self.rem else virtual + self.rem
+
+    def wrap(self, rank: int, numel: int, core: Callable[[int], Schedule]) -> Schedule:
+        """Fold-in step, ``core(virtual rank)`` (peers given as virtual ranks, mapped here),
+        fold-out step."""
+        if rank < 2 * self.rem and rank % 2 == 0:
+            return compact(
+                [
+                    step(sends=[(rank + 1, 0, numel)]),
+                    step(recvs=[(rank + 1, 0, numel)], reduce=False),
+                ]
+            )
+        v = self.virtual(rank)
+        assert v is not None
+        body = [
+            Step(
+                tuple(Transfer(self.real(t.peer), t.start, t.stop) for t in s.sends),
+                tuple(Transfer(self.real(t.peer), t.start, t.stop) for t in s.recvs),
+                s.reduce,
+            )
+            for s in core(v)
+        ]
+        if rank < 2 * self.rem:
+            return compact(
+                [step(recvs=[(rank - 1, 0, numel)])] + body + [step(sends=[(rank - 1, 0, numel)])]
+            )
+        return body
+
+
+# -- checking and counting without communication ---------------------------------------------------
+def simulate(
+    schedules: Sequence[Schedule], inputs: Sequence[torch.Tensor], op: ReduceOp
+) -> list[torch.Tensor]:
+    """Run every rank's schedule on copies of ``inputs`` (one flat tensor per rank) as MPI
+    would, and return the buffers: the k-th send from a to b matches the k-th receive of b from
+    a, and a step completes once each of its sends and receives has been matched by the peer's
+    posting. Raises ValueError naming the rank when a length differs, ranks deadlock, or a
+    message is left unreceived."""
+    size = len(schedules)
+    bufs = [t.clone().reshape(-1) for t in inputs]
+    sent: dict[tuple[int, int], list[torch.Tensor]] = {}  # (src, dst) -> payloads in order
+    received: dict[tuple[int, int], int] = {}  # (src, dst) -> receives posted by dst
+    at = [0] * size  # current step of each rank
+    posted: list[list[tuple[tuple[int, int], int, Transfer, bool]] | None] = [None] * size
+    while True:
+        progress = False
+        for rank in range(size):
+            if at[rank] >= len(schedules[rank]):
+                continue
+            st = schedules[rank][at[rank]]
+            if posted[rank] is None:  # post every transfer of the step
+                mine = []
+                for t in st.sends:
+                    _check_peer(rank, at[rank], t, size)
+                    queue = sent.setdefault((rank, t.peer), [])
+                    queue.append(bufs[rank][t.start : t.stop].clone())
+                    mine.append(((rank, t.peer), len(queue) - 1, t, True))
+                for t in st.recvs:
+                    _check_peer(rank, at[rank], t, size)
+                    key = (t.peer, rank)
+                    received[key] = received.get(key, 0) + 1
+                    mine.append((key, received[key] - 1, t, False))
+                posted[rank] = mine
+                progress = True
+            waiting = posted[rank]
+            assert waiting is not None
+            if not all(
+                index < (received.get(key, 0) if is_send else len(sent.get(key, [])))
+                for key, index, _, is_send in waiting
+            ):
+                continue
+            for key, index, t, is_send in waiting:
+                if is_send:
+                    continue
+                data = sent[key][index]
+                if data.numel() != t.numel:
+                    raise ValueError(
+                        f"rank {rank}: step {at[rank]} receives {t.numel} elements from rank "
+                        f"{t.peer}, which sends {data.numel()}"
+                    )
+                target = bufs[rank][t.start : t.stop]
+                if st.reduce:
+                    reduce_into(target, data, op)
+                else:
+                    target.copy_(data)
+            at[rank] += 1
+            posted[rank] = None
+            progress = True
+        if all(at[r] >= len(schedules[r]) for r in range(size)):
+            break
+        if not progress:
+            stuck = [f"rank {r} at step {at[r]}" for r in range(size) if at[r] < len(schedules[r])]
+            raise ValueError("deadlock: a transfer is never matched; " + ", ".join(stuck))
+    for (src, dst), queue in sent.items():
+        if len(queue) != received.get((src, dst), 0):
+            raise ValueError(
+                f"rank {src}: sends {len(queue)} messages to rank {dst}, which "
+                f"receives {received.get((src, dst), 0)}"
+            )
+    return bufs
+
+
+def _check_peer(rank: int, index: int, t: Transfer, size: int) -> None:
+    if not 0 <= t.peer < size or t.peer == rank:
+        raise ValueError(f"rank {rank}: step {index} has peer {t.peer} (size {size})")
+
+
+def traffic(schedule: Schedule) -> tuple[int, int]:
+    """(elements sent, elements received) by one rank over its schedule."""
+    return (
+        sum(t.numel for s in schedule for t in s.sends),
+        sum(t.numel for s in schedule for t in s.recvs),
+    )

@@ -1,0 +1,148 @@
+"""Intra-node allreduce through an MPI-3 shared-memory window.
+
+Between ranks of one node MPI's allreduce moves data through its own queues at ~1-4 GB/s busbw
+(shared/ANCHORS.md), while one core copies 24-30 GB/s. Here every rank of the communicator maps
+the same window (``MPI.Win.Allocate_shared``) and an allreduce of a buffer is, per chunk:
+
+1. copy in: each rank copies its chunk into its own segment, then raises its flag;
+2. reduce: once every flag is up, rank r reduces slice r of the chunk from all segments (in rank
+   order, into its own segment), then raises its flag again;
+3. copy out: once every flag is up again, each rank copies every slice into its output.
+
+Each slice is reduced by exactly one rank and copied by all, so every rank gets the same bits.
+Chunks alternate between two halves of each segment: a rank can write chunk k+2 into a half only
+after every rank raised its "reduced" flag for chunk k+1, which each does after copying chunk k
+out, so no rank overwrites data another still reads. Flags are monotonic counters (2 per chunk)
+in a cache line of their own; ``Win.Sync`` (MPI_Win_sync, a memory barrier in the window's
+``Lock_all`` epoch) orders data before flags, as MPI-3's shared-memory model requires.
+
+``test()`` advances as far as it can without waiting, so the engine's yield-then-sleep wait loop
+drives it like any MPI request: no busy-polling, and a dead peer is still noticed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from commlayer.reduce_ops import ReduceOp, reduce_into
+
+_FLAG_BYTES = 128  # one flag per rank, alone in its cache lines (no false sharing)
+_ALIGN = 64  # slice boundaries on cache lines
+
+
+class SharedMemoryAllreduce:
+    """A shared window over the ranks of ``comm`` (all on one node) and its flag counters.
+
+    Collective: every rank of ``comm`` constructs it together; ``chunk_bytes`` must agree."""
+
+    def __init__(self, comm: MPI.Intracomm, chunk_bytes: int) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.size = comm.size
+        self.chunk_bytes = max(_ALIGN * self.size, chunk_bytes // _ALIGN * _ALIGN)
+        self._segment = _FLAG_BYTES + 2 * self.chunk_bytes
+        self.win = MPI.Win.Allocate_shared(self._segment, 1, comm=comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self._flags: list[np.ndarray] = []
+        self._halves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for r in range(self.size):
+            mem, _ = self.win.Shared_query(r)
+            raw = np.frombuffer(mem, dtype=np.uint8, count=self._segment)  # type: ignore[call-overload]
+            self._flags.append(raw[:8].view(np.int64))
+            data = torch.from_numpy(raw[_FLAG_BYTES:])
+            self._halves.append((data[: self.chunk_bytes], data[self.chunk_bytes :]))
+        self._flags[self.rank][0] = 0
+        self.seq = 0  # this rank's flag value: 2 per chunk done
+        self.chunks = 0  # chunks done, for the half to use
+        self.win.Sync()
+        comm.Barrier()
+
+    def raise_flag(self) -> None:
+        self.win.Sync()  # data written before the flag is visible before it
+        self.seq += 1
+        self._flags[self.rank][0] = self.seq
+
+    def all_reached(self, target: int) -> bool:
+        self.win.Sync()  # see the peers' flags and the data written before them
+        return all(int(flag[0]) >= target for flag in self._flags)
+
+    def segment(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Rank's segment in the half for the current chunk, as ``numel`` of ``dtype``."""
+        half = self._halves[rank][self.chunks % 2]
+        return half[: numel * _itemsize(dtype)].view(dtype)
+
+    def slices(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
+        """(start, stop) of each rank's slice of a chunk of ``numel`` elements."""
+        align = max(1, _ALIGN // itemsize)
+        step = -(-numel // self.size)
+        step = -(-step // align) * align
+        return [(min(r * step, numel), min((r + 1) * step, numel)) for r in range(self.size)]
+
+    def iallreduce(self, send: torch.Tensor | None, recv: torch.Tensor, op: ReduceOp) -> Any:
+        return _Request(self, recv.view(-1) if send is None else send.view(-1), recv.view(-1), op)
+
+    def close(self) -> None:
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+class _Request:
+    """One allreduce in flight: a state machine that ``test()`` advances without waiting."""
+
+    __slots__ = ("_shm", "_src", "_out", "_op", "_offset", "_numel", "_phase", "_target", "_chunk")
+
+    def __init__(
+        self, shm: SharedMemoryAllreduce, src: torch.Tensor, out: torch.Tensor, op: ReduceOp
+    ) -> None:
+        self._shm = shm
+        self._src = src
+        self._out = out
+        self._op = op
+        self._offset = 0
+        self._numel = out.numel()
+        self._phase = 0
+        self._target = 0
+        self._chunk = shm.chunk_bytes // out.element_size()
+
+    def test(self) -> bool:
+        shm = self._shm
+        while self._offset < self._numel:
+            count = min(self._chunk, self._numel - self._offset)
+            if self._phase == 0:  # copy in, flag "arrived"
+                mine = shm.segment(shm.rank, self._out.dtype, count)
+                mine.copy_(self._src[self._offset : self._offset + count])
+                shm.raise_flag()
+                self._target = shm.seq
+                self._phase = 1
+            if self._phase == 1:  # every rank's chunk is in: reduce my slice, flag "reduced"
+                if not shm.all_reached(self._target):
+                    return False
+                start, stop = shm.slices(count, self._out.element_size())[shm.rank]
+                if stop > start:
+                    acc = shm.segment(shm.rank, self._out.dtype, count)[start:stop]
+                    for r in range(shm.size):
+                        if r != shm.rank:
+                            other = shm.segment(r, self._out.dtype, count)[start:stop]
+                            reduce_into(acc, other, self._op)
+                shm.raise_flag()
+                self._target = shm.seq
+                self._phase = 2
+            if self._phase == 2:  # every slice reduced: copy all of them out
+                if not shm.all_reached(self._target):
+                    return False
+                out = self._out[self._offset : self._offset + count]
+                for r, (start, stop) in enumerate(shm.slices(count, self._out.element_size())):
+                    if stop > start:
+                        out[start:stop].copy_(shm.segment(r, self._out.dtype, count)[start:stop])
+                shm.chunks += 1
+                self._offset += count
+                self._phase = 0
+        return True

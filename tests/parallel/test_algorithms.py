@@ -1,0 +1,92 @@
+"""Every allreduce algorithm (issue #5) under real MPI, on a communicator of its own, against a
+locally computed reference: sizes {0, 1, p-1, 1000, 1M+3} elements, every dtype and op.
+
+The engine runs one configured algorithm; here each is driven directly (``Allreducer``) from the
+test thread, on a duplicate of COMM_WORLD, so one session covers them all. Collectives first,
+asserts last (see test_allreduce.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from collective_reference import (
+    ALL_DTYPES,
+    assert_reduced,
+    assert_same_on_every_rank,
+    dtype_id,
+    every_rank_small_ints,
+    gather_rows,
+    random_floats,
+    seed_of,
+)
+
+import commlayer as cl
+from commlayer import algorithms, runtime
+from commlayer.algorithms.executor import Allreducer
+from commlayer.backends.mpi import MPIBackend
+from commlayer.reduce_ops import ReduceOp
+
+NAMES = [n for n in algorithms.available() if n != algorithms.AUTO]
+OPS = (cl.Sum, cl.Min, cl.Max, cl.Product)
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[MPIBackend]:
+    own = MPIBackend()  # a duplicate of COMM_WORLD: collective, every rank makes it here
+    yield own
+    own.close()
+
+
+def run(backend: MPIBackend, name: str, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    buf = tensor.clone().reshape(-1)
+    request = Allreducer(name)(backend, None, buf, op)
+    deadline = time.monotonic() + 60.0
+    while not request.test():
+        assert time.monotonic() < deadline, f"rank {cl.rank()}: {name} did not complete"
+        time.sleep(0)
+    return buf.reshape(tensor.shape)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_length(backend: MPIBackend, name: str) -> None:
+    runs = []
+    for numel in (0, 1, max(cl.size() - 1, 1), 1000, (1 << 20) + 3):
+        inputs = every_rank_small_ints(seed_of(f"{name}.{numel}"), (numel,), torch.int32)
+        runs.append((run(backend, name, inputs[cl.rank()], cl.Sum), inputs))
+    for result, inputs in runs:
+        assert_reduced(result, inputs, cl.Sum)
+
+
+def _dtype_op_params() -> Iterator[object]:
+    for dtype in ALL_DTYPES:
+        for op in OPS:
+            yield pytest.param(dtype, op, id=f"{dtype_id(dtype)}-{op.name}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("dtype", "op"), list(_dtype_op_params()))
+def test_every_dtype_and_op(
+    backend: MPIBackend, name: str, dtype: torch.dtype, op: ReduceOp
+) -> None:
+    inputs = every_rank_small_ints(
+        seed_of(f"{name}.{dtype}.{op.name}"), (257,), dtype, nonzero=True
+    )
+    result = run(backend, name, inputs[cl.rank()], op)
+    assert_reduced(result, inputs, op)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float_results_are_the_same_bits_on_every_rank(backend: MPIBackend, name: str) -> None:
+    mine = random_floats(seed_of(name), cl.rank(), (4099,), torch.float32)
+    result = run(backend, name, mine, cl.Sum)
+    assert_same_on_every_rank(gather_rows(result, f"allreduce.{name}.same_bits"))
+
+
+def test_engine_uses_the_configured_algorithm() -> None:
+    # The session's engine runs with the environment's setting (auto unless a job sets it).
+    engine = runtime.engine()
+    assert engine._allreduce.algorithm == engine.config.allreduce_algorithm
