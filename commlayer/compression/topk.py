@@ -69,7 +69,9 @@ class TopKCompressor:
         """Indices (int64) of the k largest entries of ``magnitude``."""
         count = magnitude.numel()
         sample = max(_MIN_SAMPLE, int(count * _SAMPLE_FRACTION))
-        if self.mode == "exact" or sample * 4 > count:
+        # Exact when the sample would be a quarter of the tensor, or the candidates would:
+        # the compaction then costs about what it saves.
+        if self.mode == "exact" or sample * 4 > count or _MARGIN * k * 4 > count:
             return torch.topk(magnitude, k, sorted=False).indices
         positions = torch.randint(0, count, (sample,), generator=self._generator)
         top_in_sample = min(sample, int(_MARGIN * k / count * sample) + 1)
