@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from commlayer import fusion
+from commlayer import costmodel, fusion
 from commlayer.algorithms.executor import Allreducer
 from commlayer.backends.base import Backend, Request
 from commlayer.config import Config
@@ -167,7 +167,10 @@ class Engine:
         self._incoming: list[Operation] = []
         self._inflight: set[tuple[int, str]] = set()
         self._pool = fusion.BufferPool()
-        self._allreduce = Allreducer(config.allreduce_algorithm)
+        self._allreduce = Allreducer(
+            config.allreduce_algorithm,
+            costmodel.load_all() if config.allreduce_algorithm == "auto" else None,
+        )
         self._error: BaseException | None = None
         self._stopped = threading.Event()
         self._progress = False

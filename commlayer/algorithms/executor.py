@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from commlayer import algorithms
+from commlayer import algorithms, costmodel
 from commlayer.algorithms.schedule import Schedule
 from commlayer.backends.base import COMPLETED, Backend, Request
 from commlayer.reduce_ops import ReduceOp, reduce_into
@@ -87,18 +87,31 @@ class ScheduleRequest:
 class Allreducer:
     """The engine's allreduce: the configured algorithm for each fused buffer."""
 
-    def __init__(self, algorithm: str) -> None:
+    def __init__(
+        self, algorithm: str, calibrations: list[costmodel.Calibration] | None = None
+    ) -> None:
         self.algorithm = algorithms.check_name(algorithm)
         self._scratch = Scratch()
         self._schedules: dict[tuple[str, int, int, int], Schedule] = {}
+        self._calibrations = {(c.size, c.nodes): c for c in calibrations or ()}
+        self._auto: dict[tuple[int, int, int, int, bool], str] = {}
 
     def choose(self, backend: Backend, numel: int, element_size: int) -> str:
-        """The algorithm for a buffer: the configured one; ``auto`` is ``mpi`` until the cost
-        model (costmodel.py) is calibrated, and ``shm`` falls back to ``mpi`` when the ranks
-        are not all on one node (every rank decides the same from the same facts)."""
+        """The algorithm for a buffer: the configured one, or for ``auto`` the cost model's
+        pick for the buffer's power-of-two size class (costmodel.choose); ``shm`` falls back to
+        ``mpi`` when the ranks are not all on one node. Every rank decides the same from the
+        same facts (sizes, node layout, the calibration file of the node)."""
         name = self.algorithm
         if name == algorithms.AUTO:
-            return "mpi"
+            nodes = len(set(backend.nodes()))
+            capable = _shm_capable(backend)
+            key = (backend.size, nodes, numel.bit_length(), element_size, capable)
+            name = self._auto.get(key, "")
+            if not name:
+                representative = 1 << max(numel.bit_length() - 1, 0)
+                cal = self._calibrations.get((backend.size, nodes))
+                name = costmodel.choose(representative, element_size, backend.size, nodes, cal)
+                self._auto[key] = name
         if name == "shm" and not _shm_capable(backend):
             return "mpi"
         return name

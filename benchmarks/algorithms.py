@@ -1,0 +1,171 @@
+"""Allreduce algorithms benchmark: busbw of every algorithm vs the MPI library's own, and the
+cost model's prediction vs the measurement.
+
+    OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/algorithms.py [--max-bytes 256M] [--out F]
+
+1. ``commlayer calibrate`` runs first (in this job, same ranks), so the model predicts from
+   numbers of this machine and this moment; it is saved to ``--calibration`` (default: a file
+   beside ``--out``, never the user's cache, so a benchmark does not change ``auto``).
+2. Every algorithm reduces the same float32 buffer in place with Sum, one after the other, on a
+   communicator of its own (no engine: this measures the algorithms, benchmarks/allreduce.py
+   measures the engine). A measurement is the median over ``--reps`` repetitions of the slowest
+   rank's mean time per call over a loop targeting ``--target-s``.
+3. busbw = bytes / time * 2(n-1)/n; "vs mpi" is mpi's time / the algorithm's time (> 1 is
+   faster). The accuracy of a prediction is 1 - |pred - meas| / meas.
+4. ``auto`` is measured too (the cost model's pick per size) and compared with the best.
+Rank 0 prints markdown tables and writes them to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from commlayer import algorithms, costmodel
+from commlayer.algorithms.executor import Allreducer
+from commlayer.backends.mpi import MPI, MPIBackend, library_version
+from commlayer.reduce_ops import ReduceOp
+
+
+def parse_bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def human(nbytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes // size} {unit}"
+    return f"{nbytes} B"
+
+
+def timed(fn: Callable[[], object], iters: int, world: MPI.Comm) -> float:
+    world.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return float(world.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX))
+
+
+def measure(fn: Callable[[], object], args: argparse.Namespace, world: MPI.Comm) -> float:
+    first = timed(fn, 1, world)
+    iters = max(1, min(args.max_iters, int(args.target_s / max(first, 1e-7))))
+    return statistics.median(timed(fn, iters, world) for _ in range(args.reps))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min-bytes", type=parse_bytes, default=1 << 10)
+    parser.add_argument("--max-bytes", type=parse_bytes, default=256 << 20)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--target-s", type=float, default=0.2)
+    parser.add_argument("--max-iters", type=int, default=500)
+    parser.add_argument("--calibration", help="where to save this run's calibration")
+    parser.add_argument("--out", help="also write the tables here (rank 0)")
+    args = parser.parse_args()
+
+    world = MPI.COMM_WORLD
+    backend = MPIBackend()
+    cal = costmodel.calibrate(backend)
+    target = args.calibration or (
+        str(Path(args.out).with_suffix(".calibration.json")) if args.out else None
+    )
+    if world.rank == 0 and target:
+        costmodel.save(cal, Path(target))
+    names = costmodel.candidates(cal.nodes == 1)
+    auto = Allreducer(algorithms.AUTO, [cal])
+    sizes = []
+    n = args.min_bytes
+    while n <= args.max_bytes:
+        sizes.append(n)
+        n *= 4
+    factor = 2 * (world.size - 1) / world.size
+    lines = [
+        f"# allreduce algorithms, {world.size} ranks, float32 Sum in place",
+        "",
+        f"{datetime.date.today()}, {platform.node()}, torch {torch.__version__}, "
+        f"{library_version()}, `{' '.join(['mpiexec -n', str(world.size), *sys.argv])}`",
+        "",
+        f"Calibration (this run): alpha {cal.alpha_s * 1e6:.1f} us, beta "
+        f"{1 / cal.beta_s_per_byte / 1e9:.2f} GB/s, reduce {1 / cal.gamma_s_per_byte / 1e9:.2f} "
+        f"GB/s, copy {1 / cal.copy_s_per_byte / 1e9:.2f} GB/s.",
+        "",
+        "| bytes | "
+        + " | ".join(f"{name} µs (busbw GB/s, vs mpi)" for name in names)
+        + " | auto picks | auto µs | auto vs best |",
+        "| ---: | " + " | ".join("---:" for _ in names) + " | --- | ---: | ---: |",
+    ]
+    accuracy_rows = [
+        "| bytes | "
+        + " | ".join(f"{name} predicted / measured µs (accuracy)" for name in names)
+        + " |",
+        "| ---: | " + " | ".join("---:" for _ in names) + " |",
+    ]
+    if world.rank == 0:
+        print("\n".join(lines), flush=True)
+    accuracies: dict[str, list[float]] = {name: [] for name in names}
+    for nbytes in sizes:
+        buf = torch.ones(nbytes // 4)
+        times: dict[str, float] = {}
+        for name in [*names, algorithms.AUTO]:
+            allreducer = auto if name == algorithms.AUTO else Allreducer(name)
+
+            def run(allreducer: Allreducer = allreducer, buf: torch.Tensor = buf) -> None:
+                request = allreducer(backend, None, buf, ReduceOp.Sum)
+                while not request.test():
+                    os.sched_yield()
+
+            times[name] = measure(run, args, world)
+        best = min(times[name] for name in names)
+        cells, acc_cells = [], []
+        for name in names:
+            t = times[name]
+            cells.append(
+                f"{t * 1e6:,.0f} ({nbytes / t * factor / 1e9:.2f}, {times['mpi'] / t:.2f}x)"
+            )
+            predicted = costmodel.predict(name, nbytes // 4, 4, cal)
+            assert predicted is not None
+            accuracy = 1 - abs(predicted - t) / t
+            if nbytes >= 64 << 10:
+                accuracies[name].append(accuracy)
+            acc_cells.append(f"{predicted * 1e6:,.0f} / {t * 1e6:,.0f} ({accuracy:.0%})")
+        pick = auto.choose(backend, nbytes // 4, 4)
+        lines.append(
+            f"| {human(nbytes)} | "
+            + " | ".join(cells)
+            + f" | {pick} | {times['auto'] * 1e6:,.0f} | {best / times['auto']:.2f}x |"
+        )
+        accuracy_rows.append(f"| {human(nbytes)} | " + " | ".join(acc_cells) + " |")
+        if world.rank == 0:
+            print(lines[-1], flush=True)
+    summary = [
+        "",
+        "Cost model: predicted vs measured time (accuracy = 1 - |pred - meas| / meas).",
+        "",
+        *accuracy_rows,
+        "",
+        "Mean accuracy at >= 64 KiB: "
+        + ", ".join(f"{name} {statistics.mean(acc):.0%}" for name, acc in accuracies.items() if acc)
+        + ".",
+        "",
+    ]
+    if world.rank == 0:
+        print("\n".join(summary), flush=True)
+        if args.out:
+            Path(args.out).write_text("\n".join([*lines, *summary]))
+    backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

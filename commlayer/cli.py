@@ -1,0 +1,87 @@
+"""``commlayer`` command: ``calibrate`` the cost model, print the ``algorithms`` it predicts.
+
+mpiexec -n 2 commlayer calibrate [--quick] [--out FILE]
+commlayer algorithms --size 64MiB [--ranks 2] [--file FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from commlayer import costmodel
+from commlayer.config import parse_variable
+
+
+def _bytes(text: str) -> int:
+    return int(parse_variable("COMMLAYER_FUSION_THRESHOLD", text))
+
+
+def _print_table(cal: costmodel.Calibration, sizes: Sequence[int]) -> None:
+    print(
+        f"# predicted allreduce time, {cal.size} ranks on {cal.nodes} node(s), calibrated "
+        f"{cal.date} on {cal.host}: alpha {cal.alpha_s * 1e6:.1f} us, beta "
+        f"{1 / cal.beta_s_per_byte / 1e9:.2f} GB/s, reduce {1 / cal.gamma_s_per_byte / 1e9:.2f} "
+        f"GB/s, copy {1 / cal.copy_s_per_byte / 1e9:.2f} GB/s"
+    )
+    for nbytes in sizes:
+        rows = costmodel.table(nbytes, cal)
+        best = rows[0][1]
+        cells = ", ".join(
+            f"{name} {seconds * 1e6:,.0f} us ({seconds / best:.2f}x)" for name, seconds in rows
+        )
+        print(f"{nbytes:>12,} B: {cells}")
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    from commlayer.backends.mpi import MPIBackend
+
+    backend = MPIBackend()
+    cal = costmodel.calibrate(backend, quick=args.quick)
+    backend.close()
+    if backend.rank == 0:
+        path = costmodel.save(cal, Path(args.out) if args.out else None)
+        print(f"saved to {path}")
+        _print_table(cal, [1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26])
+    return 0
+
+
+def algorithms_table(args: argparse.Namespace) -> int:
+    path = Path(args.file) if args.file else None
+    found = costmodel.load_all(path)
+    if args.ranks is not None:
+        found = [c for c in found if c.size == args.ranks]
+    if not found:
+        where = path or costmodel.default_path()
+        print(
+            f"no calibration in {where}"
+            + (f" for {args.ranks} ranks" if args.ranks else "")
+            + "; run: mpiexec -n N commlayer calibrate",
+            file=sys.stderr,
+        )
+        return 1
+    for cal in found:
+        _print_table(cal, [args.size])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="commlayer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    cal = sub.add_parser("calibrate", help="measure alpha, beta, gamma and the native algorithms")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    cal.add_argument("--out", help=f"calibration file (default {costmodel.default_path()})")
+    cal.set_defaults(run=calibrate)
+    table = sub.add_parser("algorithms", help="predicted time of every algorithm for a size")
+    table.add_argument("--size", type=_bytes, default=64 << 20, help="bytes, e.g. 64MiB")
+    table.add_argument("--ranks", type=int, help="only the calibration for this many ranks")
+    table.add_argument("--file", help="calibration file to read")
+    table.set_defaults(run=algorithms_table)
+    args = parser.parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

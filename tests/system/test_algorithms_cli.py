@@ -1,0 +1,54 @@
+"""Allreduce algorithms end to end (issue #5): a job run under each
+COMMLAYER_ALLREDUCE_ALGORITHM gets right results through the engine, and ``commlayer
+calibrate`` measures this machine and writes the file ``commlayer algorithms`` and ``auto``
+read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from commlayer import costmodel
+
+if TYPE_CHECKING:
+    from conftest import RunMPI
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "ranks", "picked"),
+    [
+        ("ring", 3, "ring"),
+        ("rabenseifner", 3, "rabenseifner"),
+        ("shm", 3, "shm"),
+        ("tree", 2, "tree"),
+        ("auto", 2, "shm"),  # no calibration in the job's cache: 40 MiB on one node is shm
+    ],
+)
+def test_engine_runs_the_configured_algorithm(
+    run_mpi: RunMPI, tmp_path: Path, algorithm: str, ranks: int, picked: str
+) -> None:
+    env = {"COMMLAYER_ALLREDUCE_ALGORITHM": algorithm, "XDG_CACHE_HOME": str(tmp_path)}
+    job = run_mpi("algorithm.py", ranks, env=env, timeout_s=90.0)
+    assert job.returncode == 0, job.output()
+    for rank in range(ranks):
+        done = job.one("done", rank)
+        assert done["configured"] == algorithm and done["picked_big"] == picked, job.output()
+        assert done["all_right"], job.output()
+
+
+def test_calibrate_writes_what_auto_and_the_table_read(run_mpi: RunMPI, tmp_path: Path) -> None:
+    out = tmp_path / "calibration.json"
+    job = run_mpi("calibrate.py", 2, "--quick", "--out", str(out), timeout_s=120.0)
+    assert job.returncode == 0, job.output()
+    assert f"saved to {out}" in job.stdout and "67,108,864 B:" in job.stdout, job.output()
+    stored = json.loads(out.read_text())
+    assert list(stored) == ["size=2,nodes=1"]
+    cal = costmodel.load(2, 1, out)
+    assert cal is not None and cal.alpha_s > 0 and cal.beta_s_per_byte > 0
+    assert sorted(cal.native) == ["mpi", "shm"] and all(t > 0 for _, t in cal.native["mpi"])
+    best = costmodel.table(64 << 20, cal)[0][0]
+    assert costmodel.choose(16 << 20, 4, 2, 1, cal) in costmodel.candidates(True)
+    assert best in costmodel.candidates(True)

@@ -1,0 +1,118 @@
+"""The cost model (issue #5): the alpha-beta-gamma sum over a schedule, interpolation of the
+measured native algorithms, auto's choice, storage, the fit, and the ``commlayer`` command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from commlayer import algorithms, cli, costmodel
+from commlayer.algorithms.executor import Allreducer
+from commlayer.backends.loopback import LoopbackBackend, run_ranks
+from commlayer.costmodel import Calibration
+
+CAL = Calibration(
+    size=4,
+    nodes=1,
+    alpha_s=10e-6,
+    beta_s_per_byte=1e-9,
+    gamma_s_per_byte=0.5e-9,
+    copy_s_per_byte=0.25e-9,
+    native={"mpi": [(1024, 5e-6), (1 << 20, 500e-6)], "shm": [(1024, 50e-6), (1 << 20, 200e-6)]},
+    host="test",
+    date="2026-11-23",
+)
+
+
+def test_ring_prediction_is_the_textbook_formula() -> None:
+    p, n, e = 4, 4000, 4  # 1000 elements per block, 4000 bytes per block
+    block = n // p * e
+    expected = 2 * (p - 1) * (CAL.alpha_s + CAL.beta_s_per_byte * block)
+    expected += (p - 1) * CAL.gamma_s_per_byte * block + (p - 1) * CAL.copy_s_per_byte * block
+    assert costmodel.predict("ring", n, e, CAL) == pytest.approx(expected)
+
+
+def test_prediction_is_the_slowest_rank() -> None:
+    cal = dataclasses.replace(CAL, size=3)  # rank 0 is folded in: 2 steps; rank 2: 1 + 2 + 1
+    times = [
+        costmodel.schedule_time(algorithms.schedule("recursive_doubling", r, 3, 100), 4, cal)
+        for r in range(3)
+    ]
+    assert costmodel.predict("recursive_doubling", 100, 4, cal) == pytest.approx(max(times))
+    assert len(set(times)) > 1
+
+
+def test_native_curves_interpolate_log_log_and_extrapolate_at_constant_bandwidth() -> None:
+    assert costmodel.predict("mpi", 256, 4, CAL) == pytest.approx(5e-6)  # 1 KiB: measured
+    assert costmodel.predict("mpi", 1 << 18, 4, CAL) == pytest.approx(500e-6)
+    middle = costmodel.predict("mpi", 1 << 13, 4, CAL)  # 32 KiB, halfway in log space
+    assert middle == pytest.approx((5e-6 * 500e-6) ** 0.5)
+    assert costmodel.predict("mpi", 1 << 20, 4, CAL) == pytest.approx(4 * 500e-6)
+    assert costmodel.predict("mpi", 10, 4, CAL) == pytest.approx(5e-6)  # below: the smallest
+    no_shm = dataclasses.replace(CAL, native={"mpi": CAL.native["mpi"]})
+    assert costmodel.predict("shm", 1000, 4, no_shm) is None
+
+
+def test_auto_picks_the_fastest_prediction() -> None:
+    for nbytes in (1024, 1 << 16, 1 << 20, 1 << 26):
+        table = costmodel.table(nbytes, CAL)
+        assert [t for _, t in table] == sorted(t for _, t in table)
+        assert costmodel.choose(nbytes // 4, 4, 4, 1, CAL) == table[0][0]
+    assert costmodel.choose(256, 4, 4, 1, CAL) == "mpi"  # 5 us measured beats any schedule
+    assert costmodel.choose(1 << 18, 4, 4, 1, CAL) == "shm"  # 200 us measured vs mpi's 500
+
+
+def test_auto_without_a_matching_calibration_uses_the_rule_of_thumb() -> None:
+    big, small = costmodel.HEURISTIC_SHM_BYTES // 4, 1000
+    assert costmodel.choose(big, 4, 2, 1, None) == "shm"
+    assert costmodel.choose(small, 4, 2, 1, None) == "mpi"
+    assert costmodel.choose(big, 4, 2, 2, None) == "mpi"  # several nodes: MPI's own
+    assert costmodel.choose(big, 4, 2, 1, CAL) == "shm"  # CAL is for 4 ranks, not 2
+    assert costmodel.choose(big, 4, 1, 1, CAL) == "mpi"
+    assert "shm" not in costmodel.candidates(single_node=False)
+
+
+def test_allreducer_decides_once_per_size_class_the_same_on_every_rank() -> None:
+    def main(backend: LoopbackBackend) -> list[str]:
+        allreducer = Allreducer("auto", [dataclasses.replace(CAL, size=2)])
+        return [allreducer.choose(backend, n, 4) for n in (100, 127, 1 << 20, (1 << 21) - 1)]
+
+    first, second = run_ranks(2, main)
+    assert first == second
+    assert first[0] == first[1] and first[2] == first[3]
+    assert "shm" not in first  # the loopback backend has no shared window: shm falls back
+
+
+def test_save_load_round_trip_and_a_damaged_file(tmp_path: Path) -> None:
+    path = tmp_path / "cal.json"
+    costmodel.save(CAL, path)
+    costmodel.save(dataclasses.replace(CAL, size=2), path)
+    assert costmodel.load(4, 1, path) == CAL
+    assert costmodel.load(4, 1, path).digest() == CAL.digest()  # type: ignore[union-attr]
+    assert sorted(c.size for c in costmodel.load_all(path)) == [2, 4]
+    assert costmodel.load(8, 1, path) is None
+    path.write_text("{not json")
+    assert costmodel.load(4, 1, path) is None and costmodel.load_all(path) == []
+    path.write_text(json.dumps({"size=4,nodes=1": {"size": 4}}))
+    assert costmodel.load(4, 1, path) is None
+
+
+def test_fit_recovers_alpha_and_beta() -> None:
+    points = [(n, 20e-6 + n * 0.25e-9) for n in (8.0, 4096.0, 65536.0, 1048576.0, 4194304.0)]
+    alpha, beta = costmodel._fit(points)
+    assert alpha == pytest.approx(20e-6, rel=1e-6) and beta == pytest.approx(0.25e-9, rel=1e-6)
+
+
+def test_cli_prints_the_predicted_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "cal.json"
+    costmodel.save(CAL, path)
+    assert cli.main(["algorithms", "--size", "64MiB", "--file", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "4 ranks on 1 node(s)" in out and "67,108,864 B:" in out
+    for name in ("mpi", "shm", "ring", "rabenseifner", "recursive_doubling", "tree"):
+        assert f"{name} " in out
+    assert cli.main(["algorithms", "--file", str(path), "--ranks", "3"]) == 1
+    assert "no calibration" in capsys.readouterr().err
