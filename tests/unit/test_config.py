@@ -22,6 +22,7 @@ DEFAULTS = {
     "stall_check_time_s": 60.0,
     "stall_shutdown_time_s": 0.0,
     "log_level": "warning",
+    "allreduce_algorithm": "auto",
 }
 
 # (variable, text, Config field, parsed value)
@@ -57,6 +58,10 @@ GOOD = [
     ("COMMLAYER_LOG_LEVEL", "INFO", "log_level", "info"),
     ("COMMLAYER_LOG_LEVEL", " Warning ", "log_level", "warning"),
     ("COMMLAYER_LOG_LEVEL", "error", "log_level", "error"),
+    ("COMMLAYER_ALLREDUCE_ALGORITHM", "auto", "allreduce_algorithm", "auto"),
+    ("COMMLAYER_ALLREDUCE_ALGORITHM", " Ring ", "allreduce_algorithm", "ring"),
+    ("COMMLAYER_ALLREDUCE_ALGORITHM", "shm", "allreduce_algorithm", "shm"),
+    ("COMMLAYER_ALLREDUCE_ALGORITHM", "rabenseifner", "allreduce_algorithm", "rabenseifner"),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -64,6 +69,7 @@ _POSITIVE = "a finite number > 0"
 _NONNEG_INT = "an integer >= 0"
 _NONNEG = "a finite number >= 0 (0 disables)"
 _LEVELS = "one of trace, debug, info, warning, error"
+_ALGORITHM = "one of auto, mpi, shm, rabenseifner, recursive_doubling, ring, tree"
 _COMPRESSOR = "a compressor 'name' or 'name:key=value,...' with a valid name (none, fp16, bf16"
 
 # (variable, text, what the message says is allowed)
@@ -96,6 +102,8 @@ BAD = [
     ("COMMLAYER_LOG_LEVEL", "loud", _LEVELS),
     ("COMMLAYER_LOG_LEVEL", "critical", _LEVELS),
     ("COMMLAYER_LOG_LEVEL", "10", _LEVELS),
+    ("COMMLAYER_ALLREDUCE_ALGORITHM", "nccl", _ALGORITHM),
+    ("COMMLAYER_ALLREDUCE_ALGORITHM", "ring,tree", _ALGORITHM),
 ]
 
 
