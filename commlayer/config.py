@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from commlayer import algorithms
+from commlayer.algorithms import topology
 from commlayer.errors import ConfigError
 
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
@@ -36,6 +37,7 @@ class Config:
     stall_shutdown_time_s: float = 0.0
     log_level: str = "warning"
     allreduce_algorithm: str = "auto"
+    topology: str = ""
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -101,7 +103,15 @@ def _parse_algorithm(text: str) -> str:
     return name
 
 
+def _parse_topology(text: str) -> str:
+    text = text.strip()
+    if text:
+        topology.parse(text)
+    return text
+
+
 _ALLOWED = {
+    _parse_topology: "comma-separated nodes=N, local=L, torus=RxC (e.g. nodes=2,local=2)",
     _parse_algorithm: f"one of {', '.join(algorithms.available())}",
     _parse_bytes: "a non-negative integer number of bytes, optionally with K/M/G suffix",
     _parse_nonneg_int: "an integer >= 0",
@@ -170,7 +180,15 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         "allreduce_algorithm",
         _parse_algorithm,
         "allreduce algorithm for fused buffers: auto (default), mpi, shm, or a schedule "
-        "(ring, recursive_doubling, rabenseifner, tree); the same on every rank",
+        "(hierarchical, rabenseifner, recursive_doubling, ring, shd, swing, torus2d, tree); "
+        "the same on every rank",
+    ),
+    (
+        "COMMLAYER_TOPOLOGY",
+        "topology",
+        _parse_topology,
+        "override the detected topology (tests, simulation): nodes=N,local=L (rank r on node "
+        "r // L) and/or torus=RxC for torus2d",
     ),
 )
 

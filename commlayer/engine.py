@@ -39,11 +39,14 @@ from typing import Any
 import torch
 
 from commlayer import costmodel, fusion
+from commlayer.algorithms import topology
 from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import Backend, Request
 from commlayer.config import Config
 from commlayer.errors import (
     CommlayerError,
+    ConfigError,
     DuplicateNameError,
     RankDiedError,
     ShutdownError,
@@ -170,6 +173,7 @@ class Engine:
         self._allreduce = Allreducer(
             config.allreduce_algorithm,
             costmodel.load_all() if config.allreduce_algorithm == "auto" else None,
+            _topology(config, backend),
         )
         self._error: BaseException | None = None
         self._stopped = threading.Event()
@@ -585,6 +589,19 @@ class Engine:
         set_id = self._next_set_id
         self._register(tuple(ranks), backend)
         return set_id
+
+
+def _topology(config: Config, backend: Backend) -> Topology | None:
+    """COMMLAYER_TOPOLOGY applied to the job; ConfigError when it does not fit its size."""
+    if not config.topology:
+        return None
+    try:
+        return topology.build(config.topology, backend.size, backend.nodes())
+    except ValueError as exc:
+        raise ConfigError(
+            f"rank {backend.rank}: COMMLAYER_TOPOLOGY={config.topology!r} does not fit this job: "
+            f"{exc}"
+        ) from None
 
 
 _ELEMENT_SIZES: dict[torch.dtype, int] = {}

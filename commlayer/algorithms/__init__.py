@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from commlayer.algorithms.schedule import Schedule
+from commlayer.algorithms.topology import Topology
 
-Builder = Callable[[int, int, int], Schedule]  # (rank, size, numel) -> schedule
+Builder = Callable[[int, int, int, Topology], Schedule]  # (rank, size, numel, topology)
 B = TypeVar("B", bound=Builder)
 
 NATIVE = ("mpi", "shm")  # run by the backend, not as a schedule
@@ -39,8 +40,11 @@ def available() -> list[str]:
     return [AUTO, *NATIVE, *sorted(_SCHEDULES)]
 
 
-def schedule(name: str, rank: int, size: int, numel: int) -> Schedule:
-    """Rank's schedule under algorithm ``name`` for a buffer of ``numel`` elements."""
+def schedule(
+    name: str, rank: int, size: int, numel: int, topology: Topology | None = None
+) -> Schedule:
+    """Rank's schedule under algorithm ``name`` for a buffer of ``numel`` elements (one node
+    unless ``topology`` says otherwise)."""
     _load()
     builder = _SCHEDULES.get(name)
     if builder is None:
@@ -49,7 +53,10 @@ def schedule(name: str, rank: int, size: int, numel: int) -> Schedule:
         )
     if size == 1 or numel == 0:
         return []
-    return builder(rank, size, numel)
+    topology = topology or Topology.flat(size)
+    if topology.size != size:
+        raise ValueError(f"topology of {topology.size} ranks for a group of {size}")
+    return builder(rank, size, numel, topology)
 
 
 def check_name(name: str) -> str:
@@ -59,4 +66,12 @@ def check_name(name: str) -> str:
 
 
 def _load() -> None:
-    from commlayer.algorithms import rabenseifner, recursive_doubling, ring, tree  # noqa: F401
+    from commlayer.algorithms import (  # noqa: F401
+        hierarchical,
+        rabenseifner,
+        recursive_doubling,
+        ring,
+        shd,
+        swing,
+        tree,
+    )

@@ -13,6 +13,7 @@ import torch
 
 from commlayer import algorithms, costmodel
 from commlayer.algorithms.schedule import Schedule
+from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import COMPLETED, Backend, Request
 from commlayer.reduce_ops import ReduceOp, reduce_into
 
@@ -88,11 +89,18 @@ class Allreducer:
     """The engine's allreduce: the configured algorithm for each fused buffer."""
 
     def __init__(
-        self, algorithm: str, calibrations: list[costmodel.Calibration] | None = None
+        self,
+        algorithm: str,
+        calibrations: list[costmodel.Calibration] | None = None,
+        topology: Topology | None = None,
     ) -> None:
+        """``topology``: the job's, when COMMLAYER_TOPOLOGY overrides the detected one; it
+        applies to groups of its size (the global set), others use their detected nodes."""
         self.algorithm = algorithms.check_name(algorithm)
+        self._override = topology
+        self._topologies: dict[int, Topology] = {}
         self._scratch = Scratch()
-        self._schedules: dict[tuple[str, int, int, int], Schedule] = {}
+        self._schedules: dict[tuple[str, int, int, int, Topology], Schedule] = {}
         self._calibrations = {(c.size, c.nodes): c for c in calibrations or ()}
         self._auto: dict[tuple[int, int, int, int, bool], str] = {}
 
@@ -103,7 +111,7 @@ class Allreducer:
         same facts (sizes, node layout, the calibration file of the node)."""
         name = self.algorithm
         if name == algorithms.AUTO:
-            nodes = len(set(backend.nodes()))
+            nodes = self.topology(backend).nodes
             capable = _shm_capable(backend)
             key = (backend.size, nodes, numel.bit_length(), element_size, capable)
             name = self._auto.get(key, "")
@@ -126,15 +134,27 @@ class Allreducer:
             return backend.shm_iallreduce(send, buf, op)  # type: ignore[attr-defined]
         if send is not None:
             buf.copy_(send)
-        key = (name, backend.rank, backend.size, buf.numel())
+        topology = self.topology(backend)
+        key = (name, backend.rank, backend.size, buf.numel(), topology)
         schedule = self._schedules.get(key)
         if schedule is None:
             if len(self._schedules) > 256:
                 self._schedules.clear()
-            schedule = self._schedules[key] = algorithms.schedule(name, *key[1:])
+            schedule = algorithms.schedule(name, backend.rank, backend.size, buf.numel(), topology)
+            self._schedules[key] = schedule
         if not schedule:
             return COMPLETED
         return ScheduleRequest(backend, schedule, buf.view(-1), op, self._scratch)
+
+    def topology(self, backend: Backend) -> Topology:
+        found = self._topologies.get(id(backend))
+        if found is None:
+            if self._override is not None and self._override.size == backend.size:
+                found = self._override
+            else:
+                found = Topology(tuple(backend.nodes()))
+            self._topologies[id(backend)] = found
+        return found
 
 
 def _shm_capable(backend: Backend) -> bool:

@@ -14,38 +14,12 @@ Cost: 2 log2(p2) alpha + 2 (p2-1)/p2 n beta + (p2-1)/p2 n gamma (+ the fold when
 from __future__ import annotations
 
 from commlayer.algorithms import register
-from commlayer.algorithms.schedule import Fold, Schedule, blocks, compact, step
+from commlayer.algorithms.schedule import Fold, Schedule, halving_doubling
+from commlayer.algorithms.topology import Topology
 
 
 @register("rabenseifner")
-def rabenseifner(rank: int, size: int, numel: int) -> Schedule:
+def rabenseifner(rank: int, size: int, numel: int, topology: Topology) -> Schedule:
     fold = Fold.of(size)
-    b = blocks(numel, fold.p2)
-
-    def span(lo: int, hi: int) -> tuple[int, int]:
-        return b[lo][0], b[hi - 1][1]
-
-    def core(v: int) -> Schedule:
-        steps = []
-        lo, hi = 0, fold.p2
-        mask = fold.p2 >> 1
-        while mask:
-            mid = (lo + hi) // 2
-            keep, give = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
-            peer = v ^ mask
-            steps.append(step(sends=[(peer, *span(*give))], recvs=[(peer, *span(*keep))]))
-            lo, hi = keep
-            mask >>= 1
-        mask = 1
-        while mask < fold.p2:
-            width = hi - lo
-            other = (lo - width, lo) if v & mask else (hi, hi + width)
-            peer = v ^ mask
-            steps.append(
-                step(sends=[(peer, *span(lo, hi))], recvs=[(peer, *span(*other))], reduce=False)
-            )
-            lo, hi = min(lo, other[0]), max(hi, other[1])
-            mask <<= 1
-        return compact(steps)
-
-    return fold.wrap(rank, numel, core)
+    masks = [fold.p2 >> (k + 1) for k in range(fold.p2.bit_length() - 1)]  # p2/2 .. 1
+    return fold.wrap(rank, numel, lambda v: halving_doubling(v, fold.p2, numel, masks))

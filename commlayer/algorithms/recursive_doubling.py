@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from commlayer.algorithms import register
 from commlayer.algorithms.schedule import Fold, Schedule, compact, step
+from commlayer.algorithms.topology import Topology
 
 
 @register("recursive_doubling")
-def recursive_doubling(rank: int, size: int, numel: int) -> Schedule:
+def recursive_doubling(rank: int, size: int, numel: int, topology: Topology) -> Schedule:
     fold = Fold.of(size)
 
     def core(v: int) -> Schedule:

@@ -13,18 +13,11 @@ Cost: 2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma.
 from __future__ import annotations
 
 from commlayer.algorithms import register
-from commlayer.algorithms.schedule import Schedule, blocks, compact, step
+from commlayer.algorithms.schedule import Schedule, blocks, ring_phases
+from commlayer.algorithms.topology import Topology
 
 
 @register("ring")
-def ring(rank: int, size: int, numel: int) -> Schedule:
-    b = blocks(numel, size)
-    right, left = (rank + 1) % size, (rank - 1) % size
-    steps = []
-    for s in range(size - 1):
-        send, recv = b[(rank - s) % size], b[(rank - s - 1) % size]
-        steps.append(step(sends=[(right, *send)], recvs=[(left, *recv)], reduce=True))
-    for s in range(size - 1):
-        send, recv = b[(rank + 1 - s) % size], b[(rank - s) % size]
-        steps.append(step(sends=[(right, *send)], recvs=[(left, *recv)], reduce=False))
-    return compact(steps)
+def ring(rank: int, size: int, numel: int, topology: Topology) -> Schedule:
+    scatter, gather = ring_phases(rank, range(size), blocks(numel, size))
+    return scatter + gather

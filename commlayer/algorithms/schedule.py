@@ -46,7 +46,6 @@ class Step:
 
 
 Schedule = list[Step]
-Algorithm = Callable[[int, int, int, "object | None"], Schedule]
 
 
 def blocks(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -75,6 +74,62 @@ def step(
 
 def compact(steps: Sequence[Step | None]) -> Schedule:
     return [s for s in steps if s is not None]
+
+
+def relabel(schedule: Schedule, peers: Sequence[int], offset: int = 0) -> Schedule:
+    """A sub-schedule moved into place: peer i becomes ``peers[i]`` and ranges shift by
+    ``offset`` (a schedule built for a group of ranks, on one block of the buffer)."""
+    return [
+        Step(
+            tuple(Transfer(peers[t.peer], t.start + offset, t.stop + offset) for t in s.sends),
+            tuple(Transfer(peers[t.peer], t.start + offset, t.stop + offset) for t in s.recvs),
+            s.reduce,
+        )
+        for s in schedule
+    ]
+
+
+def ring_phases(
+    index: int, members: Sequence[int], ranges: Sequence[tuple[int, int]]
+) -> tuple[Schedule, Schedule]:
+    """(reduce-scatter, allgather) of a ring over ``members`` (this rank is members[index]) on
+    one range per member; after the reduce-scatter this rank holds range (index + 1) mod g."""
+    g = len(members)
+    right, left = members[(index + 1) % g], members[(index - 1) % g]
+    scatter, gather = [], []
+    for s in range(g - 1):
+        send, recv = ranges[(index - s) % g], ranges[(index - s - 1) % g]
+        scatter.append(step(sends=[(right, *send)], recvs=[(left, *recv)], reduce=True))
+        send, recv = ranges[(index + 1 - s) % g], ranges[(index - s) % g]
+        gather.append(step(sends=[(right, *send)], recvs=[(left, *recv)], reduce=False))
+    return compact(scatter), compact(gather)
+
+
+def halving_doubling(v: int, p2: int, numel: int, masks: Sequence[int]) -> Schedule:
+    """Reduce-scatter by recursive halving over the bits ``masks`` (in that order), then
+    allgather by recursive doubling over them in reverse, among p2 = 2^k ranks on p2 blocks.
+    Partners of a step hold the same range (they differ only in bits not yet used), so any
+    order of the bits is correct; the order decides which partner carries the big halves."""
+    b = blocks(numel, p2)
+
+    def span(lo: int, hi: int) -> tuple[int, int]:
+        return b[lo][0], b[hi - 1][1]
+
+    steps = []
+    lo, hi = 0, p2
+    for mask in masks:
+        mid = (lo + hi) // 2
+        keep, give = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
+        steps.append(step(sends=[(v ^ mask, *span(*give))], recvs=[(v ^ mask, *span(*keep))]))
+        lo, hi = keep
+    for mask in reversed(masks):
+        width = hi - lo
+        other = (lo - width, lo) if v & mask else (hi, hi + width)
+        steps.append(
+            step(sends=[(v ^ mask, *span(lo, hi))], recvs=[(v ^ mask, *span(*other))], reduce=False)
+        )
+        lo, hi = min(lo, other[0]), max(hi, other[1])
+    return compact(steps)
 
 
 # -- non-powers of two: fold the extra ranks in, and back out ------------------------------------

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from commlayer.algorithms import register
 from commlayer.algorithms.schedule import Schedule, compact, step
+from commlayer.algorithms.topology import Topology
 
 
 @register("tree")
-def tree(rank: int, size: int, numel: int) -> Schedule:
+def tree(rank: int, size: int, numel: int, topology: Topology) -> Schedule:
     steps = []
     mask = 1
     while mask < size:

@@ -27,6 +27,7 @@ from collective_reference import (
 import commlayer as cl
 from commlayer import algorithms, runtime
 from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.topology import Topology
 from commlayer.backends.mpi import MPIBackend
 from commlayer.reduce_ops import ReduceOp
 
@@ -84,6 +85,33 @@ def test_float_results_are_the_same_bits_on_every_rank(backend: MPIBackend, name
     mine = random_floats(seed_of(name), cl.rank(), (4099,), torch.float32)
     result = run(backend, name, mine, cl.Sum)
     assert_same_on_every_rank(gather_rows(result, f"allreduce.{name}.same_bits"))
+
+
+def _two_node_topologies() -> list[Topology]:
+    """Pretend layouts for this job (same on every rank: they depend on the size only)."""
+    size = cl.size()
+    found = [Topology(tuple(r % 2 for r in range(size)))]  # interleaved, uneven when odd
+    if size % 2 == 0:
+        found.append(Topology(tuple(r // (size // 2) for r in range(size))))  # 2 nodes
+    return found
+
+
+@pytest.mark.parametrize("name", ["hierarchical", "shd", "torus2d", "swing"])
+def test_topology_aware_algorithms_on_pretend_nodes(backend: MPIBackend, name: str) -> None:
+    runs = []
+    for t, topology in enumerate(_two_node_topologies()):
+        allreducer = Allreducer(name, topology=topology)
+        for numel in (1, 1000, 4099):
+            inputs = every_rank_small_ints(seed_of(f"{name}.{t}.{numel}"), (numel,), torch.int64)
+            buf = inputs[cl.rank()].clone()
+            request = allreducer(backend, None, buf, cl.Sum)
+            deadline = time.monotonic() + 60.0
+            while not request.test():
+                assert time.monotonic() < deadline, f"rank {cl.rank()}: {name} did not complete"
+                time.sleep(0)
+            runs.append((buf, inputs))
+    for result, inputs in runs:
+        assert_reduced(result, inputs, cl.Sum)
 
 
 def test_engine_uses_the_configured_algorithm() -> None:

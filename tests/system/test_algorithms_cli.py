@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         ("rabenseifner", 3, "rabenseifner"),
         ("shm", 3, "shm"),
         ("tree", 2, "tree"),
+        ("swing", 3, "swing"),
         ("auto", 2, "shm"),  # no calibration in the job's cache: 40 MiB on one node is shm
     ],
 )
@@ -37,6 +38,22 @@ def test_engine_runs_the_configured_algorithm(
         done = job.one("done", rank)
         assert done["configured"] == algorithm and done["picked_big"] == picked, job.output()
         assert done["all_right"], job.output()
+
+
+def test_hierarchical_and_shd_on_a_pretend_two_node_topology(
+    run_mpi: RunMPI, tmp_path: Path
+) -> None:
+    for algorithm in ("hierarchical", "shd"):
+        env = {"COMMLAYER_ALLREDUCE_ALGORITHM": algorithm, "COMMLAYER_TOPOLOGY": "nodes=2,local=2"}
+        job = run_mpi("algorithm.py", 4, env=env, timeout_s=90.0)
+        assert job.returncode == 0, job.output()
+        assert all(job.one("done", r)["all_right"] for r in range(4)), job.output()
+
+
+def test_a_topology_that_does_not_fit_fails_init_with_its_name(run_mpi: RunMPI) -> None:
+    job = run_mpi("algorithm.py", 2, env={"COMMLAYER_TOPOLOGY": "nodes=3,local=1"}, timeout_s=60.0)
+    assert job.returncode != 0
+    assert "COMMLAYER_TOPOLOGY='nodes=3,local=1' does not fit this job" in job.stderr, job.output()
 
 
 def test_calibrate_writes_what_auto_and_the_table_read(run_mpi: RunMPI, tmp_path: Path) -> None:

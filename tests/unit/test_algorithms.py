@@ -12,14 +12,25 @@ import torch
 from engine_harness import allreduce, run_engines, wait
 
 from commlayer import algorithms, config
+from commlayer.algorithms import topology as topology_module
 from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.schedule import Step, Transfer, blocks, simulate, traffic
+from commlayer.algorithms.topology import Topology
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.engine import Engine
 from commlayer.errors import ConfigError
 from commlayer.reduce_ops import ReduceOp, reduce_into
 
-SCHEDULES = ["rabenseifner", "recursive_doubling", "ring", "tree"]
+SCHEDULES = [
+    "hierarchical",
+    "rabenseifner",
+    "recursive_doubling",
+    "ring",
+    "shd",
+    "swing",
+    "torus2d",
+    "tree",
+]
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 13, 16]
 OPS = [ReduceOp.Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product]
 
@@ -44,19 +55,42 @@ def reference(tensors: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
     return acc
 
 
-def run_all(name: str, size: int, tensors: list[torch.Tensor], op: ReduceOp) -> list[torch.Tensor]:
+def run_all(
+    name: str,
+    size: int,
+    tensors: list[torch.Tensor],
+    op: ReduceOp,
+    topology: Topology | None = None,
+) -> list[torch.Tensor]:
     numel = tensors[0].numel()
-    return simulate([algorithms.schedule(name, r, size, numel) for r in range(size)], tensors, op)
+    schedules = [algorithms.schedule(name, r, size, numel, topology) for r in range(size)]
+    return simulate(schedules, tensors, op)
+
+
+def topologies(size: int) -> list[Topology]:
+    """One node; every uniform node-major layout; a scattered (often uneven) one; a torus."""
+    found = [Topology.flat(size)]
+    found += [
+        Topology(tuple(r // local for r in range(size)))
+        for local in range(1, size)
+        if size % local == 0
+    ]
+    found.append(Topology(tuple(r % 3 for r in range(size))))
+    rows = max(d for d in range(1, size + 1) if size % d == 0 and d * d <= size)
+    found.append(Topology.flat(size).__class__((0,) * size, (rows, size // rows)))
+    return found
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 @pytest.mark.parametrize("size", SIZES)
-def test_every_size_and_buffer_length(name: str, size: int) -> None:
-    for numel in sorted({0, 1, max(size - 1, 0), size, size + 1, 1000}):
-        tensors = inputs(size, numel, torch.int64, seed=numel)
-        expected = reference(tensors, ReduceOp.Sum)
-        for rank, result in enumerate(run_all(name, size, tensors, ReduceOp.Sum)):
-            assert torch.equal(result, expected), f"{name} p={size} n={numel} rank {rank}"
+def test_every_size_buffer_length_and_topology(name: str, size: int) -> None:
+    for topology in topologies(size):
+        for numel in sorted({0, 1, max(size - 1, 0), size, size + 1, 1000}):
+            tensors = inputs(size, numel, torch.int64, seed=numel)
+            expected = reference(tensors, ReduceOp.Sum)
+            results = run_all(name, size, tensors, ReduceOp.Sum, topology)
+            for rank, result in enumerate(results):
+                assert torch.equal(result, expected), f"{name} n={numel} rank {rank} {topology}"
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -134,6 +168,92 @@ def test_non_power_of_two_folds_the_extra_ranks(size: int) -> None:
         assert len(kept) == int(math.log2(p2)) * (1 if name == "recursive_doubling" else 2)
 
 
+def test_hierarchical_sends_only_a_block_per_rank_between_nodes() -> None:
+    # 2 nodes x 4 ranks, 800 elements: the ring inside a node moves 2 * 3/4 * 800 per rank,
+    # between nodes each rank sends its 200-element block once each way (ring of 2).
+    topology = Topology(tuple(r // 4 for r in range(8)))
+    for rank in range(8):
+        schedule = algorithms.schedule("hierarchical", rank, 8, 800, topology)
+        across = sum(
+            t.numel
+            for s in schedule
+            for t in s.sends
+            if topology.node_of[t.peer] != topology.node_of[rank]
+        )
+        assert across == 2 * (2 - 1) * 200 // 2
+        assert traffic(schedule)[0] == 2 * 3 * 200 + across
+
+
+def test_shd_exchanges_the_big_halves_inside_the_node() -> None:
+    # 2 nodes x 2 ranks: SHD's first step (n/2) stays in the node, its network step carries
+    # n/4; Rabenseifner's order sends n/2 over the network first.
+    topology = Topology((0, 0, 1, 1))
+    shd = algorithms.schedule("shd", 0, 4, 1000, topology)
+    rab = algorithms.schedule("rabenseifner", 0, 4, 1000, topology)
+    assert [(s.sends[0].peer, s.sends[0].numel) for s in shd[:2]] == [(1, 500), (2, 250)]
+    assert [(s.sends[0].peer, s.sends[0].numel) for s in rab[:2]] == [(2, 500), (1, 250)]
+
+
+def test_shd_orders_positions_node_by_node() -> None:
+    # Ranks interleaved over 2 nodes (0 2 on node 0, 1 3 on node 1): the first partner is
+    # still on the same node.
+    topology = Topology((0, 1, 0, 1))
+    assert topology.positions() == [0, 2, 1, 3]
+    assert algorithms.schedule("shd", 0, 4, 1000, topology)[0].sends[0].peer == 2
+
+
+def test_swing_partners_swing_back_and_forth() -> None:
+    from commlayer.algorithms.swing import peer, rho
+
+    assert [rho(s) for s in range(5)] == [1, -1, 3, -5, 11]
+    assert [peer(0, s, 16) for s in range(4)] == [1, 15, 3, 11]
+    assert [peer(1, s, 16) for s in range(4)] == [0, 2, 14, 6]
+
+
+def test_torus2d_reduces_along_rows_then_columns() -> None:
+    topology = Topology((0,) * 6, (2, 3))  # rows {0,1,2} {3,4,5}
+    schedule = algorithms.schedule("torus2d", 4, 6, 600, topology)
+    peers = [s.sends[0].peer for s in schedule]
+    assert peers[:2] == [5, 5] and peers[2] == 1 and peers[-2:] == [5, 5]
+
+
+@pytest.mark.parametrize(
+    ("text", "size", "node_of", "torus"),
+    [
+        ("nodes=2,local=2", 4, (0, 0, 1, 1), None),
+        ("local=3", 6, (0, 0, 0, 1, 1, 1), None),
+        ("nodes=3", 3, (0, 1, 2), None),
+        ("torus=2x3", 6, (0,) * 6, (2, 3)),
+        (" nodes = 2 , local = 1 , torus = 1x2 ", 2, (0, 1), (1, 2)),
+    ],
+)
+def test_topology_override(
+    text: str, size: int, node_of: tuple[int, ...], torus: tuple[int, int] | None
+) -> None:
+    built = topology_module.build(text, size, [0] * size)
+    assert built.node_of == node_of and built.torus == torus
+
+
+@pytest.mark.parametrize(
+    ("text", "size", "message"),
+    [
+        ("nodes=3,local=2", 4, "nodes=3 x local=2 is not the job's 4 ranks"),
+        ("torus=2x2", 6, "torus=2x2 is not the job's 6 ranks"),
+    ],
+)
+def test_topology_that_does_not_fit_the_job(text: str, size: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        topology_module.build(text, size, [0] * size)
+
+
+def test_engine_refuses_a_topology_that_does_not_fit() -> None:
+    def main(backend: LoopbackBackend) -> None:
+        with pytest.raises(ConfigError, match="rank .*COMMLAYER_TOPOLOGY='nodes=3'"):
+            Engine(backend, config.load(environ={}, topology="nodes=3"))
+
+    run_ranks(2, main)
+
+
 def test_blocks_cover_the_buffer_evenly() -> None:
     assert blocks(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert blocks(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
@@ -209,6 +329,15 @@ def test_engine_runs_fused_buffers_with_the_configured_schedule() -> None:
     for results in run_engines(3, fn, start=False, allreduce_algorithm="ring"):
         for n, result in zip([5, 1, 300], results, strict=True):
             assert torch.equal(result, torch.full((n,), 6.0))
+
+
+def test_engine_runs_hierarchical_on_an_overridden_topology() -> None:
+    def fn(engine: Engine) -> torch.Tensor:
+        assert engine._allreduce.topology(engine._global.backend).node_of == (0, 0, 1, 1)
+        return wait(engine.submit(allreduce("t", torch.full((7,), float(engine.rank + 1)))))
+
+    for result in run_engines(4, fn, allreduce_algorithm="hierarchical", topology="local=2"):
+        assert torch.equal(result, torch.full((7,), 10.0))
 
 
 def test_unknown_algorithm_is_refused_with_the_registered_names() -> None:

@@ -23,6 +23,7 @@ DEFAULTS = {
     "stall_shutdown_time_s": 0.0,
     "log_level": "warning",
     "allreduce_algorithm": "auto",
+    "topology": "",
 }
 
 # (variable, text, Config field, parsed value)
@@ -62,6 +63,9 @@ GOOD = [
     ("COMMLAYER_ALLREDUCE_ALGORITHM", " Ring ", "allreduce_algorithm", "ring"),
     ("COMMLAYER_ALLREDUCE_ALGORITHM", "shm", "allreduce_algorithm", "shm"),
     ("COMMLAYER_ALLREDUCE_ALGORITHM", "rabenseifner", "allreduce_algorithm", "rabenseifner"),
+    ("COMMLAYER_ALLREDUCE_ALGORITHM", "shd", "allreduce_algorithm", "shd"),
+    ("COMMLAYER_TOPOLOGY", " nodes=2,local=2 ", "topology", "nodes=2,local=2"),
+    ("COMMLAYER_TOPOLOGY", "torus=2x3", "topology", "torus=2x3"),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -69,7 +73,8 @@ _POSITIVE = "a finite number > 0"
 _NONNEG_INT = "an integer >= 0"
 _NONNEG = "a finite number >= 0 (0 disables)"
 _LEVELS = "one of trace, debug, info, warning, error"
-_ALGORITHM = "one of auto, mpi, shm, rabenseifner, recursive_doubling, ring, tree"
+_ALGORITHM = "one of auto, mpi, shm, hierarchical, rabenseifner, recursive_doubling, ring, shd"
+_TOPOLOGY = "comma-separated nodes=N, local=L, torus=RxC"
 _COMPRESSOR = "a compressor 'name' or 'name:key=value,...' with a valid name (none, fp16, bf16"
 
 # (variable, text, what the message says is allowed)
@@ -104,6 +109,11 @@ BAD = [
     ("COMMLAYER_LOG_LEVEL", "10", _LEVELS),
     ("COMMLAYER_ALLREDUCE_ALGORITHM", "nccl", _ALGORITHM),
     ("COMMLAYER_ALLREDUCE_ALGORITHM", "ring,tree", _ALGORITHM),
+    ("COMMLAYER_TOPOLOGY", "nodes=0", _TOPOLOGY),
+    ("COMMLAYER_TOPOLOGY", "nodes=2,nodes=2", _TOPOLOGY),
+    ("COMMLAYER_TOPOLOGY", "torus=4", _TOPOLOGY),
+    ("COMMLAYER_TOPOLOGY", "local=2x2", _TOPOLOGY),
+    ("COMMLAYER_TOPOLOGY", "racks=2", _TOPOLOGY),
 ]
 
 
