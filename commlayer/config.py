@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from commlayer import algorithms
-from commlayer.algorithms import topology
+from commlayer import algorithms, kernels
+from commlayer.algorithms import sparse, topology
 from commlayer.errors import ConfigError
 
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
@@ -38,6 +38,8 @@ class Config:
     log_level: str = "warning"
     allreduce_algorithm: str = "auto"
     topology: str = ""
+    sparse_algorithm: str = "allgather"
+    kernels: str = "auto"
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -103,6 +105,20 @@ def _parse_algorithm(text: str) -> str:
     return name
 
 
+def _parse_sparse_algorithm(text: str) -> str:
+    name = text.strip().lower()
+    if name not in sparse.available():
+        raise ValueError(name)
+    return name
+
+
+def _parse_kernels(text: str) -> str:
+    name = text.strip().lower()
+    if name not in kernels.CHOICES:
+        raise ValueError(name)
+    return name
+
+
 def _parse_topology(text: str) -> str:
     text = text.strip()
     if text:
@@ -113,6 +129,8 @@ def _parse_topology(text: str) -> str:
 _ALLOWED = {
     _parse_topology: "comma-separated nodes=N, local=L, torus=RxC (e.g. nodes=2,local=2)",
     _parse_algorithm: f"one of {', '.join(algorithms.available())}",
+    _parse_sparse_algorithm: f"one of {', '.join(sparse.available())}",
+    _parse_kernels: f"one of {', '.join(kernels.CHOICES)}",
     _parse_bytes: "a non-negative integer number of bytes, optionally with K/M/G suffix",
     _parse_nonneg_int: "an integer >= 0",
     _parse_positive_float: "a finite number > 0",
@@ -189,6 +207,20 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         _parse_topology,
         "override the detected topology (tests, simulation): nodes=N,local=L (rank r on node "
         "r // L) and/or torus=RxC for torus2d",
+    ),
+    (
+        "COMMLAYER_SPARSE_ALGORITHM",
+        "sparse_algorithm",
+        _parse_sparse_algorithm,
+        "how DistributedOptimizer reduces top-k payloads: allgather (default), auto, dsar, gtopk, "
+        "ssar_recursive_doubling, ssar_split_allgather, topo_sparse; the same on every rank",
+    ),
+    (
+        "COMMLAYER_KERNELS",
+        "kernels",
+        _parse_kernels,
+        "implementation of the sparse kernels: auto (default: cupy, numba, torch as available), "
+        "cupy, numba, torch",
     ),
 )
 

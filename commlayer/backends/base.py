@@ -29,6 +29,16 @@ class Request(Protocol):
         ...
 
 
+@runtime_checkable
+class SizedRequest(Protocol):
+    """A receive of unknown length in flight: ``tensor`` is the message once ``test()`` is
+    True (a new 1-D tensor of the requested dtype)."""
+
+    tensor: torch.Tensor | None
+
+    def test(self) -> bool: ...
+
+
 class Backend(Protocol):
     """Transport for one group of ranks (a communicator)."""
 
@@ -77,6 +87,12 @@ class Backend(Protocol):
 
     def irecv(self, buf: torch.Tensor, peer: int) -> Request:
         """Receive the next message from ``peer`` into buf (same number of elements)."""
+        ...
+
+    def irecv_any(self, dtype: torch.dtype, peer: int) -> SizedRequest:
+        """Receive the next message from ``peer``, whatever its length (the sparse allreduce's
+        data-dependent streams); the request's ``tensor`` holds it once complete. Ordered with
+        ``irecv`` as MPI orders receives; don't mix the two for one peer at the same time."""
         ...
 
     def ibarrier(self) -> Request:

@@ -37,13 +37,14 @@ _Failure = tuple[type[CommlayerError], str]
 class LoopbackRequest:
     """A loopback operation in flight; ``wait`` blocks on the world's condition (tests only)."""
 
-    __slots__ = ("_cond", "done", "failure", "result")
+    __slots__ = ("_cond", "done", "failure", "result", "tensor")
 
     def __init__(self, cond: threading.Condition) -> None:
         self._cond = cond
         self.done = False
         self.failure: _Failure | None = None
         self.result: Any = None
+        self.tensor: torch.Tensor | None = None  # an irecv_any's message
 
     def _check(self) -> bool:
         if self.failure is not None:
@@ -86,16 +87,28 @@ class _Slot:
 
 @dataclass(slots=True)
 class _Receive:
-    """A posted receive waiting for its message."""
+    """A posted receive waiting for its message (``buf`` None: any length, ``irecv_any``)."""
 
     request: LoopbackRequest
-    buf: torch.Tensor
+    buf: torch.Tensor | None
     rank: int
     peer: int
+    dtype: torch.dtype | None = None
 
 
 def _deliver(receive: _Receive, data: torch.Tensor) -> None:
     """Copy a message into a waiting receive (caller holds the world's lock)."""
+    if receive.buf is None:
+        if data.dtype != receive.dtype:
+            receive.request.failure = (
+                CommlayerError,
+                f"rank {receive.rank}: receive of {receive.dtype} from rank {receive.peer} "
+                f"got {data.dtype}",
+            )
+            return
+        receive.request.tensor = data  # the sender's copy, made when it was sent
+        receive.request.done = True
+        return
     if data.numel() != receive.buf.numel() or data.dtype != receive.buf.dtype:
         receive.request.failure = (
             CommlayerError,
@@ -459,6 +472,18 @@ class LoopbackBackend:
             messages, waiting = self._mailbox(peer, self._rank)
             req = LoopbackRequest(world.cond)
             receive = _Receive(req, buf, self._rank, peer)
+            if messages and not waiting:
+                _deliver(receive, messages.popleft())
+            else:
+                waiting.append(receive)
+            return req
+
+    def irecv_any(self, dtype: torch.dtype, peer: int) -> LoopbackRequest:
+        world = self._group.world
+        with world.cond:
+            messages, waiting = self._mailbox(peer, self._rank)
+            req = LoopbackRequest(world.cond)
+            receive = _Receive(req, None, self._rank, peer, dtype)
             if messages and not waiting:
                 _deliver(receive, messages.popleft())
             else:

@@ -99,6 +99,30 @@ class _MPIRequest:
         return bool(self._req.Test())
 
 
+class _ProbeRecvRequest:
+    """A receive of unknown length: a nonblocking matched probe (MPI_Improbe) sizes the buffer
+    from the message's status, then MPI_Imrecv receives exactly that message (a matched probe,
+    unlike Iprobe + Irecv, cannot be overtaken by another receive)."""
+
+    __slots__ = ("_comm", "_dtype", "_peer", "_status", "_req", "tensor")
+
+    def __init__(self, comm: MPI.Comm, dtype: torch.dtype, peer: int) -> None:
+        self._comm, self._dtype, self._peer = comm, dtype, peer
+        self._status = MPI.Status()
+        self._req: MPI.Request | None = None
+        self.tensor: torch.Tensor | None = None
+
+    def test(self) -> bool:
+        if self._req is None:
+            message = self._comm.Improbe(source=self._peer, tag=_P2P_TAG, status=self._status)
+            if message is None:
+                return False
+            count = self._status.Get_count(_DTYPES[self._dtype])
+            self.tensor = torch.empty(count, dtype=self._dtype)
+            self._req = message.Irecv(_spec(self.tensor))
+        return bool(self._req.Test())
+
+
 class _GatherBytesRequest:
     """Two-stage allgather of variable-length byte strings: lengths, then payloads."""
 
@@ -215,6 +239,9 @@ class MPIBackend:
 
     def irecv(self, buf: torch.Tensor, peer: int) -> Request:
         return _MPIRequest(self._comm.Irecv(_spec(buf), source=peer, tag=_P2P_TAG), buf)
+
+    def irecv_any(self, dtype: torch.dtype, peer: int) -> _ProbeRecvRequest:
+        return _ProbeRecvRequest(self._comm, dtype, peer)
 
     def ibarrier(self) -> Request:
         return _MPIRequest(self._comm.Ibarrier())

@@ -24,6 +24,8 @@ DEFAULTS = {
     "log_level": "warning",
     "allreduce_algorithm": "auto",
     "topology": "",
+    "sparse_algorithm": "allgather",
+    "kernels": "auto",
 }
 
 # (variable, text, Config field, parsed value)
@@ -66,6 +68,13 @@ GOOD = [
     ("COMMLAYER_ALLREDUCE_ALGORITHM", "shd", "allreduce_algorithm", "shd"),
     ("COMMLAYER_TOPOLOGY", " nodes=2,local=2 ", "topology", "nodes=2,local=2"),
     ("COMMLAYER_TOPOLOGY", "torus=2x3", "topology", "torus=2x3"),
+    ("COMMLAYER_SPARSE_ALGORITHM", "auto", "sparse_algorithm", "auto"),
+    ("COMMLAYER_SPARSE_ALGORITHM", " DSAR ", "sparse_algorithm", "dsar"),
+    ("COMMLAYER_SPARSE_ALGORITHM", "topo_sparse", "sparse_algorithm", "topo_sparse"),
+    ("COMMLAYER_SPARSE_ALGORITHM", "allgather", "sparse_algorithm", "allgather"),
+    ("COMMLAYER_KERNELS", "torch", "kernels", "torch"),
+    ("COMMLAYER_KERNELS", " Numba ", "kernels", "numba"),
+    ("COMMLAYER_KERNELS", "auto", "kernels", "auto"),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -75,6 +84,8 @@ _NONNEG = "a finite number >= 0 (0 disables)"
 _LEVELS = "one of trace, debug, info, warning, error"
 _ALGORITHM = "one of auto, mpi, shm, hierarchical, rabenseifner, recursive_doubling, ring, shd"
 _TOPOLOGY = "comma-separated nodes=N, local=L, torus=RxC"
+_SPARSE = "one of auto, allgather, dsar, gtopk, ssar_recursive_doubling, ssar_split_allgather"
+_KERNELS = "one of auto, cupy, numba, torch"
 _COMPRESSOR = "a compressor 'name' or 'name:key=value,...' with a valid name (none, fp16, bf16"
 
 # (variable, text, what the message says is allowed)
@@ -114,6 +125,10 @@ BAD = [
     ("COMMLAYER_TOPOLOGY", "torus=4", _TOPOLOGY),
     ("COMMLAYER_TOPOLOGY", "local=2x2", _TOPOLOGY),
     ("COMMLAYER_TOPOLOGY", "racks=2", _TOPOLOGY),
+    ("COMMLAYER_SPARSE_ALGORITHM", "ring", _SPARSE),
+    ("COMMLAYER_SPARSE_ALGORITHM", "dsar,gtopk", _SPARSE),
+    ("COMMLAYER_KERNELS", "triton", _KERNELS),
+    ("COMMLAYER_KERNELS", "cuda", _KERNELS),
 ]
 
 

@@ -1,0 +1,513 @@
+"""Runs a sparse allreduce: a schedule's steps over (index, value) streams, or the allgather.
+
+``sparse_allreduce(backend, indices, values, numel, algorithm)`` returns a request; once
+``test()`` is True, ``result`` is the sum over ranks (a :class:`SparseResult`, sparse or dense)
+and, for gtopk, ``dropped`` this rank's lost input entries.
+
+How a schedule runs (the dense ``Step`` semantics, on streams):
+1. The vector is kept per block, the finest partition the schedule's ranges make; a block is
+   a sorted (indices, values) list or a dense tensor of the block's length.
+2. A send of range [a, b) is one stream of two messages: the indices (empty when the stream
+   is dense) and the values. Sparse blocks of the range are concatenated (a single block goes
+   zero-copy); the stream is dense when a block is, or when the policy switches and the pairs
+   would be at least as large as the dense range.
+3. A receive does not know the length: ``Backend.irecv_any`` sizes it from the message (MPI
+   matched probe). Streams from one peer are received in order.
+4. Once every transfer of the step completed, each received stream is merged into (summed;
+   ``kernels.merge_sum`` or a scatter-add into dense blocks) or copied over its blocks, then
+   blocks that got too dense turn dense (policy ``switch``) or the top k are re-selected
+   (policy ``select``, gtopk: see gtopk.py for the definition and the fold).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from commlayer import kernels
+from commlayer.algorithms import sparse
+from commlayer.algorithms.schedule import Schedule, Step, Transfer
+from commlayer.algorithms.sparse import cost
+from commlayer.algorithms.topology import Topology
+from commlayer.backends.base import Backend, Request, SizedRequest
+from commlayer.errors import CommlayerError
+from commlayer.reduce_ops import ReduceOp
+
+
+@dataclass(slots=True)
+class SparseResult:
+    """A sparse allreduce's result: ``indices`` None means ``values`` is the dense vector."""
+
+    numel: int
+    indices: torch.Tensor | None
+    values: torch.Tensor
+
+    @property
+    def nnz(self) -> int:
+        return self.values.numel() if self.indices is not None else self.numel
+
+    def dense(self) -> torch.Tensor:
+        if self.indices is None:
+            return self.values
+        return kernels.densify(self.indices.long(), self.values, self.numel)
+
+
+def prepare(
+    indices: torch.Tensor, values: torch.Tensor, numel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's input as a sorted list without repeated indices (repeats summed), indices in
+    ``index_dtype(numel)``. ValueError for an index outside [0, numel) or mismatched lengths."""
+    indices, values = indices.reshape(-1), values.reshape(-1)
+    if indices.numel() != values.numel():
+        raise ValueError(f"{indices.numel()} indices for {values.numel()} values")
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+        raise ValueError(f"sparse indices must be in [0, {numel}), got [{int(indices.min())}, "
+                         f"{int(indices.max())}]")  # fmt: skip
+    dtype = kernels.index_dtype(numel)
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        indices, order = indices.sort()
+        values = values[order]
+        if bool((indices[1:] == indices[:-1]).any()):
+            unique, inverse = torch.unique_consecutive(indices, return_inverse=True)
+            values = torch.zeros(unique.numel(), dtype=values.dtype).index_add_(0, inverse, values)
+            indices = unique
+    return indices.to(dtype).contiguous(), values.contiguous()
+
+
+def sparse_bytes(nnz: int, index_bytes: int, value_bytes: int) -> int:
+    return nnz * (index_bytes + value_bytes)
+
+
+class _Block:
+    __slots__ = ("idx", "val")
+
+    def __init__(self, idx: torch.Tensor | None, val: torch.Tensor) -> None:
+        self.idx, self.val = idx, val  # idx None: val is dense over the block
+
+
+class SparseVector:
+    """A vector of ``numel`` elements kept per block (``bounds``: block starts, then numel)."""
+
+    def __init__(
+        self, bounds: list[int], idx: torch.Tensor, val: torch.Tensor, switch: bool, choice: str
+    ) -> None:
+        self.bounds, self.switch, self.choice = bounds, switch, choice
+        self.numel = bounds[-1]
+        self.index_dtype, self.dtype = idx.dtype, val.dtype
+        self._ib, self._vb = idx.element_size(), val.element_size()
+        self._at = {b: i for i, b in enumerate(bounds)}
+        cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype)).tolist()
+        self.blocks = [
+            _Block(idx[cuts[i] : cuts[i + 1]], val[cuts[i] : cuts[i + 1]])
+            for i in range(len(bounds) - 1)
+        ]
+        for i in range(len(self.blocks)):
+            self._maybe_densify(i)
+
+    def _span(self, start: int, stop: int) -> range:
+        return range(self._at[start], self._at[stop])
+
+    def _too_dense(self, nnz: int, length: int) -> bool:
+        return self.switch and sparse_bytes(nnz, self._ib, self._vb) >= length * self._vb
+
+    def _maybe_densify(self, i: int) -> None:
+        block = self.blocks[i]
+        a, b = self.bounds[i], self.bounds[i + 1]
+        if block.idx is not None and self._too_dense(block.idx.numel(), b - a):
+            block.val = kernels.densify((block.idx - a).long(), block.val, b - a)
+            block.idx = None
+
+    def take(self, start: int, stop: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The stream of range [start, stop): (indices, values), or (None, dense values)."""
+        span = [self.blocks[i] for i in self._span(start, stop)]
+        nnz = sum(b.val.numel() for b in span)
+        if any(b.idx is None for b in span) or self._too_dense(nnz, stop - start):
+            if len(span) == 1 and span[0].idx is None:
+                return None, span[0].val
+            out = torch.zeros(stop - start, dtype=self.dtype)
+            for i in self._span(start, stop):
+                block, a = self.blocks[i], self.bounds[i] - start
+                if block.idx is None:
+                    out[a : a + block.val.numel()].copy_(block.val)
+                else:
+                    kernels.scatter_add_(out, (block.idx - start).long(), block.val, self.choice)
+            return None, out
+        if len(span) == 1:
+            return span[0].idx, span[0].val
+        return torch.cat([b.idx for b in span]), torch.cat([b.val for b in span])  # type: ignore[misc]
+
+    def put(
+        self, start: int, stop: int, idx: torch.Tensor | None, val: torch.Tensor, reduce: bool
+    ) -> None:
+        """Merge (``reduce``) or copy a received stream into its blocks."""
+        span = self._span(start, stop)
+        if idx is not None:
+            edges = torch.tensor(self.bounds[span.start : span.stop + 1], dtype=idx.dtype)
+            cuts = torch.searchsorted(idx, edges).tolist()
+        for n, i in enumerate(span):
+            a, b = self.bounds[i], self.bounds[i + 1]
+            block = self.blocks[i]
+            if idx is None:
+                part_i, part_v = None, val[a - start : b - start]
+            else:
+                part_i, part_v = idx[cuts[n] : cuts[n + 1]], val[cuts[n] : cuts[n + 1]]
+            if not reduce:
+                self.blocks[i] = _Block(part_i, part_v)
+            elif part_i is None:  # dense stream: ours is added to it (a buffer we own)
+                if block.idx is None:
+                    part_v += block.val
+                else:
+                    kernels.scatter_add_(part_v, (block.idx - a).long(), block.val, self.choice)
+                self.blocks[i] = _Block(None, part_v)
+            elif block.idx is None:
+                kernels.scatter_add_(block.val, (part_i - a).long(), part_v, self.choice)
+            else:
+                merged = kernels.merge_sum(block.idx, block.val, part_i, part_v, self.choice)
+                self.blocks[i] = _Block(*merged)
+            self._maybe_densify(i)
+
+    def select(self, k: int) -> torch.Tensor:
+        """Keep the k entries of largest magnitude (the vector must be sparse, one block);
+        returns the indices dropped."""
+        (block,) = self.blocks
+        assert block.idx is not None, "gtopk keeps its vector sparse"
+        if block.val.numel() <= k:
+            return block.idx[:0]
+        keep = torch.topk(block.val.abs(), k, sorted=False).indices.sort().values
+        mask = torch.ones(block.val.numel(), dtype=torch.bool)
+        mask[keep] = False
+        dropped = block.idx[mask]
+        block.idx, block.val = block.idx[keep], block.val[keep]
+        return dropped
+
+    def result(self) -> SparseResult:
+        if all(b.idx is not None for b in self.blocks):
+            if len(self.blocks) == 1:
+                return SparseResult(self.numel, self.blocks[0].idx, self.blocks[0].val)
+            idx = torch.cat([b.idx for b in self.blocks])  # type: ignore[misc]
+            return SparseResult(self.numel, idx, torch.cat([b.val for b in self.blocks]))
+        return SparseResult(self.numel, None, self.take(0, self.numel)[1])
+
+
+class _StreamRecv:
+    """Receives one stream: the index message, then the value message."""
+
+    __slots__ = ("_backend", "transfer", "_val_dtype", "_idx", "_val")
+
+    def __init__(
+        self, backend: Backend, transfer: Transfer, idx_dtype: torch.dtype, val_dtype: torch.dtype
+    ) -> None:
+        self._backend, self.transfer, self._val_dtype = backend, transfer, val_dtype
+        self._idx = backend.irecv_any(idx_dtype, transfer.peer)
+        self._val: SizedRequest | None = None
+
+    def test(self) -> bool:
+        if self._val is None:
+            if not self._idx.test():
+                return False
+            self._val = self._backend.irecv_any(self._val_dtype, self.transfer.peer)
+        return self._val.test()
+
+    def stream(self, rank: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        assert self._val is not None
+        idx, val = self._idx.tensor, self._val.tensor
+        assert idx is not None and val is not None
+        t = self.transfer
+        if idx.numel() == 0 and val.numel() == t.numel:
+            return None, val
+        if idx.numel() != val.numel() or (
+            idx.numel() and (int(idx[0]) < t.start or int(idx[-1]) >= t.stop)
+        ):
+            raise CommlayerError(
+                f"rank {rank}: sparse stream from rank {t.peer} for [{t.start}, {t.stop}) has "
+                f"{idx.numel()} indices and {val.numel()} values"
+            )
+        return idx, val
+
+
+class SparseScheduleRequest:
+    """One sparse allreduce under a schedule; ``test()`` advances it without waiting."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        schedule: Schedule,
+        idx: torch.Tensor,
+        val: torch.Tensor,
+        numel: int,
+        policy: sparse.Policy,
+        k: int,
+        choice: str,
+    ) -> None:
+        bounds = sorted({0, numel, *(e for s in schedule for t in (*s.sends, *s.recvs)
+                                     for e in (t.start, t.stop))})  # fmt: skip
+        self._backend, self._policy, self._k = backend, policy, k
+        self._steps: list[Step] = list(schedule)
+        self._vec = SparseVector(bounds, idx, val, policy.switch, choice)
+        self._input = (idx, val)
+        self._lost: list[torch.Tensor] = []  # gtopk: indices dropped from vectors holding ours
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # folded-in peers' input
+        self._index = 0
+        self._sends: list[Request] = []
+        self._recvs: list[_StreamRecv] = []
+        self._posted = False
+        self.result: SparseResult | None = None
+        self.dropped: SparseResult | None = None
+        self.bytes_sent = 0
+        self._residual_index = -1
+        if policy.select:
+            self._add_fold_residual_steps()
+
+    def _add_fold_residual_steps(self) -> None:
+        """gtopk with a fold: the partner returns an extra rank's dropped entries last."""
+        steps, n = self._steps, self._vec.numel
+        if steps and steps[0].sends and not steps[0].recvs:  # an extra rank: sends its vector
+            steps.append(Step((), (Transfer(steps[0].sends[0].peer, 0, n),), reduce=False))
+        elif steps and steps[0].recvs and not steps[0].sends:  # its partner
+            steps.append(Step((Transfer(steps[0].recvs[0].peer, 0, n),), (), reduce=False))
+        else:
+            return
+        self._residual_index = len(steps) - 1
+
+    def _residual_step(self) -> bool:
+        return self._index == self._residual_index
+
+    def _post(self) -> None:
+        step = self._steps[self._index]
+        residual = self._residual_step()
+        for t in step.sends:
+            idx: torch.Tensor | None
+            if residual:
+                idx, val = self._lost_part(*self._held[t.peer])
+            else:
+                idx, val = self._vec.take(t.start, t.stop)
+            empty = torch.empty(0, dtype=self._vec.index_dtype)
+            self._sends.append(self._backend.isend(empty if idx is None else idx, t.peer))
+            self._sends.append(self._backend.isend(val, t.peer))
+            self.bytes_sent += (0 if idx is None else idx.nbytes) + val.nbytes
+        self._recvs = [
+            _StreamRecv(self._backend, t, self._vec.index_dtype, self._vec.dtype)
+            for t in step.recvs
+        ]
+        self._posted = True
+
+    def _ready(self) -> bool:
+        self._sends = [r for r in self._sends if not r.test()]
+        waiting: set[int] = set()
+        for recv in self._recvs:  # streams from one peer in order: a later one waits
+            peer = recv.transfer.peer
+            if peer in waiting or not recv.test():
+                waiting.add(peer)
+        return not self._sends and not waiting
+
+    def _apply(self) -> None:
+        step, rank = self._steps[self._index], self._backend.rank
+        if self._residual_step() and step.recvs:
+            idx, val = self._recvs[0].stream(rank)
+            assert idx is not None, "dropped entries travel sparse"
+            self.dropped = SparseResult(self._vec.numel, idx, val)
+            return
+        for recv in self._recvs:
+            t = recv.transfer
+            idx, val = recv.stream(rank)
+            if self._policy.select and step.reduce and not step.sends and idx is not None:
+                self._held[t.peer] = (idx, val)  # an extra rank folded in: we account for it
+            self._vec.put(t.start, t.stop, idx, val, step.reduce)
+        if self._policy.select and step.reduce and step.sends and step.recvs:
+            self._lost.append(self._vec.select(self._k))
+
+    def _lost_part(self, idx: torch.Tensor, val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._lost:
+            return idx[:0], val[:0]
+        mask = torch.isin(idx, torch.cat(self._lost))
+        return idx[mask], val[mask]
+
+    def test(self) -> bool:
+        while self._index < len(self._steps):
+            if not self._posted:
+                self._post()
+            if not self._ready():
+                return False
+            self._apply()
+            self._recvs, self._posted = [], False
+            self._index += 1
+        if self.result is None:
+            self._finish()
+        return True
+
+    def _finish(self) -> None:
+        self.result = self._vec.result()
+        if self._policy.select and self.dropped is None:
+            self.dropped = SparseResult(self._vec.numel, *self._lost_part(*self._input))
+
+
+class AllgatherRequest:
+    """The baseline: allgather every rank's counts, then its indices and values; every rank
+    sums all lists itself, in rank order (merges while sparse, a dense scatter-add once the
+    total is at least as large as the dense vector): the same bits everywhere."""
+
+    def __init__(
+        self, backend: Backend, idx: torch.Tensor, val: torch.Tensor, numel: int, choice: str
+    ) -> None:
+        self._backend, self._idx, self._val, self._numel = backend, idx, val, numel
+        self._choice = choice
+        self._counts = torch.zeros(backend.size, dtype=torch.int64)
+        mine = torch.tensor([idx.numel()], dtype=torch.int64)
+        self._pending: list[Request] = [backend.iallgatherv(mine, self._counts, [1] * backend.size)]
+        self._keep = mine
+        self._stage = 0
+        self.result: SparseResult | None = None
+        self.dropped: SparseResult | None = None
+        self.bytes_sent = (idx.nbytes + val.nbytes) * (backend.size - 1)
+
+    def test(self) -> bool:
+        self._pending = [r for r in self._pending if not r.test()]
+        if self._pending:
+            return False
+        if self._stage == 0:
+            counts = self._counts.tolist()
+            total = sum(counts)
+            self._all_idx = torch.empty(total, dtype=self._idx.dtype)
+            self._all_val = torch.empty(total, dtype=self._val.dtype)
+            self._pending = [
+                self._backend.iallgatherv(self._idx, self._all_idx, counts),
+                self._backend.iallgatherv(self._val, self._all_val, counts),
+            ]
+            self._stage = 1
+            return self.test()
+        if self.result is None:
+            self.result = self._sum(self._counts.tolist())
+        return True
+
+    def _sum(self, counts: list[int]) -> SparseResult:
+        total = sum(counts)
+        vb = self._val.element_size()
+        parts = torch.tensor(counts).cumsum(0).tolist()
+        starts = [0, *parts[:-1]]
+        if sparse_bytes(total, self._idx.element_size(), vb) >= self._numel * vb:
+            dense = torch.zeros(self._numel, dtype=self._val.dtype)
+            kernels.scatter_add_(dense, self._all_idx.long(), self._all_val, self._choice)
+            return SparseResult(self._numel, None, dense)
+        idx, val = self._all_idx[: counts[0]], self._all_val[: counts[0]]
+        for a, b in zip(starts[1:], parts[1:]):
+            idx, val = kernels.merge_sum(
+                idx, val, self._all_idx[a:b], self._all_val[a:b], self._choice
+            )
+        return SparseResult(self._numel, idx, val)
+
+
+class _Completed:
+    """A size-1 group or an empty vector: the input (top k of it, for gtopk) is the result."""
+
+    def __init__(self, result: SparseResult, dropped: SparseResult | None) -> None:
+        self.result: SparseResult | None = result
+        self.dropped = dropped
+        self.bytes_sent = 0
+
+    def test(self) -> bool:
+        return True
+
+
+SparseRequest = SparseScheduleRequest | AllgatherRequest | _Completed
+
+
+def start(
+    backend: Backend,
+    idx: torch.Tensor,
+    val: torch.Tensor,
+    numel: int,
+    name: str,
+    *,
+    k: int = 0,
+    topology: Topology | None = None,
+    choice: str | None = None,
+) -> SparseRequest:
+    """Start algorithm ``name`` (not auto) on an input made by ``prepare``; ``k``: the entries
+    gtopk keeps."""
+    choice = choice or kernels.configured()
+    policy = sparse.policy(name)
+    if policy.select and k < 1:
+        raise ValueError(f"{name} needs k >= 1 (the entries it keeps), got {k!r}")
+    if backend.size == 1 or numel == 0:
+        vec = SparseVector([0, numel], idx, val, False, choice)
+        if not policy.select:
+            return _Completed(vec.result(), None)
+        lost = vec.select(k)
+        mask = torch.isin(idx, lost)
+        return _Completed(vec.result(), SparseResult(numel, idx[mask], val[mask]))
+    if name in sparse.NATIVE:
+        return AllgatherRequest(backend, idx, val, numel, choice)
+    schedule = sparse.schedule(name, backend.rank, backend.size, numel, topology)
+    return SparseScheduleRequest(backend, schedule, idx, val, numel, policy, k, choice)
+
+
+class AutoRequest:
+    """``auto``: one small allreduce (max nnz over ranks) so every rank picks the same
+    algorithm from the cost model, then that algorithm."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        idx: torch.Tensor,
+        val: torch.Tensor,
+        numel: int,
+        k: int,
+        topology: Topology | None,
+        choice: str | None,
+    ) -> None:
+        self._args = (backend, idx, val, numel)
+        self._k, self._topology, self._choice = k, topology, choice
+        self._nnz = torch.tensor([idx.numel()], dtype=torch.int64)
+        self._request = backend.iallreduce(None, self._nnz, ReduceOp.Max)
+        self._inner: SparseRequest | None = None
+        self.algorithm = ""
+
+    def test(self) -> bool:
+        if self._inner is None:
+            if not self._request.test():
+                return False
+            backend, idx, val, numel = self._args
+            self.algorithm = cost.choose(
+                backend.size, numel, int(self._nnz), self._topology, val.element_size(),
+                idx.element_size(),
+            )  # fmt: skip
+            self._inner = start(
+                backend, idx, val, numel, self.algorithm, k=self._k, topology=self._topology,
+                choice=self._choice,
+            )  # fmt: skip
+        return self._inner.test()
+
+    @property
+    def result(self) -> SparseResult | None:
+        return None if self._inner is None else self._inner.result
+
+    @property
+    def dropped(self) -> SparseResult | None:
+        return None if self._inner is None else self._inner.dropped
+
+    @property
+    def bytes_sent(self) -> int:
+        return 0 if self._inner is None else self._inner.bytes_sent
+
+
+def sparse_allreduce(
+    backend: Backend,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+    numel: int,
+    algorithm: str = sparse.AUTO,
+    *,
+    k: int = 0,
+    topology: Topology | None = None,
+    choice: str | None = None,
+) -> SparseRequest | AutoRequest:
+    """Start summing every rank's sparse vector (``indices`` in any order, repeats summed) of
+    ``numel`` elements; poll ``test()``, then read ``result`` (and ``dropped`` for gtopk, which
+    keeps ``k`` entries). Every rank passes the same algorithm, numel and k. ``choice``: the
+    kernels (COMMLAYER_KERNELS when None)."""
+    sparse.check_name(algorithm)
+    idx, val = prepare(indices, values, numel)
+    if algorithm == sparse.AUTO:
+        return AutoRequest(backend, idx, val, numel, k, topology, choice)
+    return start(backend, idx, val, numel, algorithm, k=k, topology=topology, choice=choice)

@@ -1,0 +1,127 @@
+"""Kernels: the local work of the sparse allreduce and the sparsifying compressors.
+
+Every kernel has a torch reference (reference.py: the ground truth of the tests) and, where
+it pays, faster implementations picked per call by ``COMMLAYER_KERNELS``:
+
+| setting | CPU tensors | CUDA tensors |
+| --- | --- | --- |
+| ``auto`` (default) | numba if installed, else torch | cupy, else numba-cuda, else torch |
+| ``numba`` | numba ``@njit`` (numba_cpu.py) | numba-cuda (numba_cuda.py) |
+| ``cupy`` | torch (CuPy has no CPU path) | ext/cuda via CuPy (cupy_cuda.py) |
+| ``torch`` | torch | torch |
+
+A kernel an implementation lacks (top-k everywhere, densify/sparsify, merge under numba-cuda)
+or a dtype it does not handle (float16, bfloat16) runs the reference. Naming ``numba`` or
+``cupy`` when that library is missing is a ValueError saying so, not a silent fallback.
+
+Sparse lists: (indices, values), 1-D, indices strictly increasing, int32 below 2^31
+elements and int64 from there (``index_dtype``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import torch
+
+from commlayer.kernels import reference
+from commlayer.kernels.reference import densify, index_dtype, sparsify, topk
+
+__all__ = [
+    "CHOICES",
+    "available",
+    "configured",
+    "densify",
+    "implementation",
+    "index_dtype",
+    "merge_sum",
+    "scatter_add_",
+    "sparsify",
+    "threshold_select",
+    "topk",
+]
+
+CHOICES = ("auto", "cupy", "numba", "torch")
+_MODULES = {
+    ("numba", False): "commlayer.kernels.numba_cpu",
+    ("numba", True): "commlayer.kernels.numba_cuda",
+    ("cupy", True): "commlayer.kernels.cupy_cuda",
+}
+
+
+@functools.cache
+def _load(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # the library is not installed (or, for CUDA, not usable)
+        return None
+
+
+def available() -> dict[str, bool]:
+    """Which implementations this process can use: {'numba': ..., 'numba-cuda': ..., 'cupy':
+    ...} (torch always can)."""
+    return {
+        "numba": _load(_MODULES["numba", False]) is not None,
+        "numba-cuda": _load(_MODULES["numba", True]) is not None,
+        "cupy": _load(_MODULES["cupy", True]) is not None,
+    }
+
+
+def configured() -> str:
+    """COMMLAYER_KERNELS."""
+    from commlayer import config  # here: config imports the algorithms, which import us
+
+    return str(config.load().kernels)
+
+
+def implementation(kernel: str, tensor: torch.Tensor, choice: str | None = None) -> ModuleType:
+    """The module whose ``kernel`` runs on ``tensor``: ``choice`` (default COMMLAYER_KERNELS)
+    resolved as in the table above."""
+    choice = choice or configured()
+    if choice not in CHOICES:
+        raise ValueError(f"kernel implementation {choice!r}; allowed: {', '.join(CHOICES)}")
+    cuda = tensor.is_cuda
+    order = {"auto": ("cupy", "numba") if cuda else ("numba",), "torch": ()}.get(choice, (choice,))
+    for name in order:
+        path = _MODULES.get((name, cuda))
+        if path is None:
+            continue
+        module = _load(path)
+        if module is None:
+            if choice == name:
+                raise ValueError(
+                    f"COMMLAYER_KERNELS={choice} but {name} cannot be imported here; install it "
+                    "or use auto (picks what is available) or torch"
+                )
+            continue
+        if hasattr(module, kernel) and tensor.dtype in module.DTYPES:
+            return module
+    return reference
+
+
+def merge_sum(
+    idx_a: torch.Tensor,
+    val_a: torch.Tensor,
+    idx_b: torch.Tensor,
+    val_b: torch.Tensor,
+    choice: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Union of two sorted sparse lists with values at common indices summed (a + b)."""
+    impl = implementation("merge_sum", val_a, choice)
+    return impl.merge_sum(idx_a, val_a, idx_b, val_b)  # type: ignore[no-any-return]
+
+
+def scatter_add_(
+    dense: torch.Tensor, idx: torch.Tensor, val: torch.Tensor, choice: str | None = None
+) -> torch.Tensor:
+    """dense[idx[i]] += val[i] (repeated indices accumulate); returns ``dense``."""
+    impl = implementation("scatter_add_", dense, choice)
+    return impl.scatter_add_(dense, idx, val)  # type: ignore[no-any-return]
+
+
+def threshold_select(x: torch.Tensor, threshold: float, choice: str | None = None) -> torch.Tensor:
+    """Indices, ascending, of the entries with |x| >= threshold (compared in x's dtype)."""
+    impl = implementation("threshold_select", x, choice)
+    return impl.threshold_select(x, threshold)  # type: ignore[no-any-return]
