@@ -2,14 +2,17 @@
 
 A schedule (algorithms/schedule.py) is costed step by step with the alpha-beta-gamma model:
 
-    step time = alpha + beta * max(bytes sent, bytes received) + (gamma | copy) * bytes received
+    step time = T(max(bytes sent, bytes received)) + (gamma | copy) * bytes received
 
-(gamma when the step reduces what it receives, copy when it overwrites), and an algorithm's
-time is the largest sum over the ranks' schedules (ranks are sampled at large sizes). alpha,
-beta and the contention of ranks that all communicate at once on one node are measured together
-by ``calibrate``: every rank runs a one-step exchange schedule through the real executor at the
-same time, so Python's per-step overhead and the shared memory bus are in the fitted numbers.
-gamma and copy are measured on local buffers. The two native algorithms (``mpi``, ``shm``) are
+with gamma when the step reduces what it receives and copy when it overwrites. T(n), the time of
+one message each way, is alpha + beta n read off a measured curve (piecewise: MPI's eager and
+rendezvous protocols have different alphas and betas, which one line cannot follow; the fitted
+alpha and beta are kept as its summary). An algorithm's time is the largest sum over the ranks'
+schedules (ranks are sampled at large sizes). The curve is measured by ``calibrate`` with every
+rank exchanging with a partner at once through the real executor, so Python's per-step
+overhead and the contention of ranks sharing one memory bus are in it.
+gamma and copy are measured on local buffers from 16 KiB (in cache) to 64 MiB, and read off
+that curve at each step's size. The two native algorithms (``mpi``, ``shm``) are
 not schedules; calibrate measures their time at sizes 1 KiB - 64 MiB and the model interpolates
 (log-log) between the measured sizes and extrapolates at constant bandwidth beyond them.
 
@@ -18,14 +21,15 @@ more than one node ``auto`` keeps the MPI library's own allreduce.
 
 ``commlayer calibrate`` (under mpiexec) measures and saves; ``commlayer algorithms --size 64MiB``
 prints the predicted table. Without a calibration for the job's size, ``auto`` uses ``shm`` for
-buffers of 16 MiB and more when every rank is on one node (measured 1.9-2.2x MPICH at 64 MiB on
-2 and 4 ranks of the 2-core machine), else ``mpi``.
+buffers of 32 MiB and more when every rank is on one node (measured 1.7-2.0x MPICH at 64 MiB and
+1.5-1.9x at 256 MiB on 2 ranks of the 2-core machine, but level with it at 16 MiB), else ``mpi``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -41,7 +45,7 @@ import torch
 from commlayer import algorithms
 from commlayer.algorithms.schedule import Schedule, Step
 
-HEURISTIC_SHM_BYTES = 16 << 20
+HEURISTIC_SHM_BYTES = 32 << 20
 NATIVE_SIZES = tuple(1 << k for k in range(10, 27, 2))  # 1 KiB .. 64 MiB
 _SAMPLED_RANKS = 8
 
@@ -57,6 +61,12 @@ class Calibration:
     gamma_s_per_byte: float
     copy_s_per_byte: float
     native: dict[str, list[tuple[int, float]]]  # name -> [(bytes, seconds)], sizes ascending
+    # one message each way between partners, every rank at once: (bytes, seconds); alpha and
+    # beta above are its least-squares summary, the curve itself costs the steps
+    exchange: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    # local work per step, "reduce" and "copy": (bytes, seconds); small buffers run in cache,
+    # several times faster per byte than the gamma and copy rates of large ones
+    local: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
     host: str = ""
     date: str = ""
 
@@ -66,11 +76,23 @@ class Calibration:
 
 
 # -- prediction ----------------------------------------------------------------------------------
+def message_time(nbytes: int, cal: Calibration) -> float:
+    """alpha + beta n, read off the measured exchange curve where there is one (MPI switches
+    protocol with the size, which one straight line cannot follow)."""
+    if cal.exchange:
+        return _interpolate(cal.exchange, max(nbytes, 1))
+    return cal.alpha_s + cal.beta_s_per_byte * nbytes
+
+
 def step_time(step: Step, element_size: int, cal: Calibration) -> float:
     sent = sum(t.numel for t in step.sends) * element_size
     received = sum(t.numel for t in step.recvs) * element_size
-    per_byte = cal.gamma_s_per_byte if step.reduce else cal.copy_s_per_byte
-    return cal.alpha_s + cal.beta_s_per_byte * max(sent, received) + per_byte * received
+    kind = "reduce" if step.reduce else "copy"
+    if received and cal.local.get(kind):
+        local = _interpolate(cal.local[kind], received)
+    else:
+        local = (cal.gamma_s_per_byte if step.reduce else cal.copy_s_per_byte) * received
+    return message_time(max(sent, received), cal) + local
 
 
 def schedule_time(schedule: Schedule, element_size: int, cal: Calibration) -> float:
@@ -170,6 +192,8 @@ def load(size: int, nodes: int, path: Path | None = None) -> Calibration | None:
         return None
     try:
         raw["native"] = {k: [tuple(p) for p in v] for k, v in raw["native"].items()}
+        raw["exchange"] = [tuple(p) for p in raw.get("exchange", [])]
+        raw["local"] = {k: [tuple(p) for p in v] for k, v in raw.get("local", {}).items()}
         return Calibration(**raw)
     except (TypeError, KeyError, AttributeError):
         return None  # written by another version: as if absent
@@ -212,29 +236,27 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
 
     size, rank = backend.size, backend.rank
     nodes = len(set(backend.nodes()))
-    elements = 4 << 20
-    a, b = torch.rand(elements), torch.rand(elements)
-    rates = torch.tensor(
-        [
-            _local_rate(lambda: a.add_(b), elements * 4),
-            _local_rate(lambda: a.copy_(b), elements * 4),
-        ],
-        dtype=torch.float64,
-    )
+    local_sizes = [1 << k for k in range(14, 27, 4)]  # 16 KiB .. 64 MiB
+    rates = torch.zeros(2, len(local_sizes), dtype=torch.float64)
+    for i, nbytes in enumerate(local_sizes):
+        a, b = torch.rand(nbytes // 4), torch.rand(nbytes // 4)
+        repeats = 3 if nbytes > 1 << 24 else 20
+        rates[0, i] = _local_rate(functools.partial(torch.Tensor.add_, a, b), nbytes, repeats)
+        rates[1, i] = _local_rate(functools.partial(torch.Tensor.copy_, a, b), nbytes, repeats)
     request = backend.iallreduce(None, rates, ReduceOp.Max)
     while not request.test():
         os.sched_yield()
-    gamma, copy = (float(x) for x in rates)
+    gamma, copy = float(rates[0, -1]), float(rates[1, -1])
+    local = {
+        kind: [(n, float(rates[row, i]) * n) for i, n in enumerate(local_sizes)]
+        for row, kind in enumerate(("reduce", "copy"))
+    }
 
     # alpha, beta: every rank exchanges with a partner at once, through the executor.
     scratch = Scratch()
     partner = rank ^ 1 if (rank ^ 1) < size else None
-    sizes = (
-        [8, 1 << 12, 1 << 16, 1 << 20, 1 << 22]
-        if quick
-        else [8, 1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
-    )
-    points = []
+    sizes = [8, *(1 << k for k in range(10, 27, 4 if quick else 2))]  # 8 B, 1 KiB .. 64 MiB
+    points: list[tuple[int, float]] = []
     for nbytes in sizes:
         numel = max(nbytes // 4, 1)
         buf = torch.zeros(numel)
@@ -249,8 +271,8 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
             while not request.test():
                 os.sched_yield()
 
-        points.append((nbytes * 1.0, run_local_collective(backend, exchange, quick)))
-    alpha, beta = _fit(points)
+        points.append((nbytes, run_local_collective(backend, exchange, quick)))
+    alpha, beta = _fit([(float(n), t) for n, t in points])
     native: dict[str, list[tuple[int, float]]] = {}
     native_sizes = NATIVE_SIZES[::2] if quick else NATIVE_SIZES
     for name in ("mpi", "shm") if nodes == 1 else ("mpi",):
@@ -274,6 +296,8 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
         gamma_s_per_byte=gamma,
         copy_s_per_byte=copy,
         native=native,
+        exchange=points,
+        local=local,
         host=platform.node(),
         date=datetime.date.today().isoformat(),
     )
@@ -289,12 +313,19 @@ def run_local_collective(backend: Any, fn: Callable[[], object], quick: bool) ->
             os.sched_yield()
 
     fn()
+    t0 = time.perf_counter()
+    fn()
+    once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    done(backend.iallreduce(None, once, ReduceOp.Max))
+    # Loops of ~2 ms: the skew of ranks leaving the barrier is spread over many calls.
+    loop = max(1, min(200, int(2e-3 / max(float(once), 1e-7))))
     samples = torch.zeros(3 if quick else 7, dtype=torch.float64)
     for i in range(samples.numel()):
         done(backend.ibarrier())
         t0 = time.perf_counter()
-        fn()
-        samples[i] = time.perf_counter() - t0
+        for _ in range(loop):
+            fn()
+        samples[i] = (time.perf_counter() - t0) / loop
     done(backend.iallreduce(None, samples, ReduceOp.Max))
     return float(samples.median())
 

@@ -116,3 +116,21 @@ def test_cli_prints_the_predicted_table(tmp_path: Path, capsys: pytest.CaptureFi
         assert f"{name} " in out
     assert cli.main(["algorithms", "--file", str(path), "--ranks", "3"]) == 1
     assert "no calibration" in capsys.readouterr().err
+
+
+def test_steps_are_costed_from_the_measured_exchange_curve() -> None:
+    # MPI's protocol switch: the curve's per-byte cost changes between 4 KiB and 1 MiB.
+    cal = dataclasses.replace(CAL, exchange=[(8, 20e-6), (4096, 30e-6), (1 << 20, 1000e-6)])
+    assert costmodel.message_time(8, cal) == pytest.approx(20e-6)
+    assert costmodel.message_time(1 << 20, cal) == pytest.approx(1000e-6)
+    assert costmodel.message_time(2 << 20, cal) == pytest.approx(2000e-6)  # constant bandwidth
+    mid = costmodel.message_time(1 << 16, cal)  # log-log between 4 KiB and 1 MiB
+    assert 30e-6 < mid < 1000e-6 and mid != pytest.approx(CAL.alpha_s + CAL.beta_s_per_byte * 65536)
+    p, n = 2, 1 << 18  # ring on 2 ranks: one reduce step and one copy step of n/2 elements
+    half = n // 2 * 4
+    expected = (
+        2 * costmodel.message_time(half, cal) + (cal.gamma_s_per_byte + cal.copy_s_per_byte) * half
+    )
+    assert costmodel.predict("ring", n, 4, dataclasses.replace(cal, size=p)) == pytest.approx(
+        expected
+    )
