@@ -37,6 +37,7 @@ import torch
 
 from commlayer import config as config_module
 from commlayer import ops, runtime
+from commlayer.algorithms.sparse.through_engine import SparseReduction, engine_algorithm
 from commlayer.compression import Compressed, Compressor, Policy, wire
 from commlayer.engine import Handle
 from commlayer.errors import CommlayerError, PayloadError, TensorMismatchError
@@ -85,6 +86,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         self._cl_names = _parameter_names(params, self._cl_named)
         self._cl_policy = _checked_policy(compression, op, self._cl_names, self._cl_named)
+        self._cl_sparse_algorithm = config_module.load().sparse_algorithm
         self._cl_passes_per_step = backward_passes_per_step
         self._cl_op = op
         self._cl_predivide = gradient_predivide_factor
@@ -144,6 +146,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         and allgathered."""
         payload = pending.compressed.payload
         if not pending.compressor.summable:
+            reduction = self._cl_sparse_reduction(name, pending)
+            if reduction is not None:
+                return reduction.handle, payload[0], reduction
             handle = ops.allgather_async(
                 wire.pack(payload), name=name, process_set=self._cl_process_set
             )
@@ -168,6 +173,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             process_set=self._cl_process_set,
         )
         return handle, payload[0], pending
+
+    def _cl_sparse_reduction(self, name: str, pending: _Pending) -> SparseReduction | None:
+        """Top-k payloads under a sparse algorithm (COMMLAYER_SPARSE_ALGORITHM other than
+        allgather) reduce sparse through the engine (algorithms/sparse/through_engine.py)."""
+        configured = self._cl_sparse_algorithm
+        if configured == "allgather" or pending.compressor.name != "topk":
+            return None
+        values, indices = pending.compressed.payload
+        shape = pending.compressed.ctx[0]
+        size = self._cl_process_set.size()
+        algorithm = engine_algorithm(configured, size, shape.numel(), values.numel())
+        if algorithm == "allgather":
+            return None
+        return SparseReduction(
+            name, values, indices, shape, algorithm, self._cl_process_set, self._cl_op
+        )
 
     def _cl_empty_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """What a rank without a gradient for ``p`` contributes: no rows of a known-sparse
@@ -215,6 +236,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     result = ops.synchronize(handle)
                     if extra is _SPARSE:
                         p.grad = self._cl_sparse_result(p, result)
+                    elif isinstance(extra, SparseReduction):
+                        if (gather := extra.advance(result)) is not None:
+                            next_rounds[p] = (gather, handles[p][1], extra)
+                        else:
+                            assert p.grad is not None and extra.value is not None
+                            p.grad.copy_(extra.value)
                     elif (following := self._cl_finish(p, result, extra)) is not None:
                         next_rounds[p] = following
                 except CommlayerError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,26 +102,32 @@ class _MPIRequest:
 
 class _ProbeRecvRequest:
     """A receive of unknown length: a nonblocking matched probe (MPI_Improbe) sizes the buffer
-    from the message's status, then MPI_Imrecv receives exactly that message (a matched probe,
-    unlike Iprobe + Irecv, cannot be overtaken by another receive)."""
+    from the message's status, then MPI_Imrecv receives exactly that message. Matched probes
+    match in the order they are made, not created, so the requests for one peer wait in a
+    queue and only its head probes: messages land in the order the receives were posted, as
+    with Irecv."""
 
-    __slots__ = ("_comm", "_dtype", "_peer", "_status", "_req", "tensor")
+    __slots__ = ("_comm", "_dtype", "_peer", "_queue", "_req", "tensor")
 
-    def __init__(self, comm: MPI.Comm, dtype: torch.dtype, peer: int) -> None:
-        self._comm, self._dtype, self._peer = comm, dtype, peer
-        self._status = MPI.Status()
+    def __init__(self, comm: MPI.Comm, dtype: torch.dtype, peer: int, queue: deque[Any]) -> None:
+        self._comm, self._dtype, self._peer, self._queue = comm, dtype, peer, queue
         self._req: MPI.Request | None = None
         self.tensor: torch.Tensor | None = None
+        queue.append(self)
+
+    def _match(self) -> bool:
+        status = MPI.Status()
+        message = self._comm.Improbe(source=self._peer, tag=_P2P_TAG, status=status)
+        if message is None:
+            return False
+        self.tensor = torch.empty(status.Get_count(_DTYPES[self._dtype]), dtype=self._dtype)
+        self._req = message.Irecv(_spec(self.tensor))
+        return True
 
     def test(self) -> bool:
-        if self._req is None:
-            message = self._comm.Improbe(source=self._peer, tag=_P2P_TAG, status=self._status)
-            if message is None:
-                return False
-            count = self._status.Get_count(_DTYPES[self._dtype])
-            self.tensor = torch.empty(count, dtype=self._dtype)
-            self._req = message.Irecv(_spec(self.tensor))
-        return bool(self._req.Test())
+        while self._req is None and self._queue[0]._match():
+            self._queue.popleft()
+        return self._req is not None and bool(self._req.Test())
 
 
 class _GatherBytesRequest:
@@ -163,6 +170,7 @@ class MPIBackend:
         me = (socket.gethostname(), os.getpid())
         self._peers: list[tuple[str, int]] = self._comm.allgather(me)
         self._shm: Any = None
+        self._probes: dict[int, deque[_ProbeRecvRequest]] = {}  # irecv_any's, per peer, in order
         shared = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         leaders = self._comm.allgather(shared.allreduce(self._rank, op=MPI.MIN))
         shared.Free()
@@ -241,7 +249,7 @@ class MPIBackend:
         return _MPIRequest(self._comm.Irecv(_spec(buf), source=peer, tag=_P2P_TAG), buf)
 
     def irecv_any(self, dtype: torch.dtype, peer: int) -> _ProbeRecvRequest:
-        return _ProbeRecvRequest(self._comm, dtype, peer)
+        return _ProbeRecvRequest(self._comm, dtype, peer, self._probes.setdefault(peer, deque()))
 
     def ibarrier(self) -> Request:
         return _MPIRequest(self._comm.Ibarrier())
