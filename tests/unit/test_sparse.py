@@ -268,3 +268,18 @@ def test_irecv_any_receives_any_length_in_order() -> None:
         CommlayerError, match="receive of torch.float32 from rank 0 got torch.int32"
     ):
         run_ranks(2, wrong)
+
+
+@pytest.mark.parametrize("size", range(1, 9))
+def test_sparse_schedules_are_valid_dense_schedules(size: int) -> None:
+    """The schedules are data: run densely by simulate() (no communication), each one sums."""
+    from commlayer.algorithms.schedule import simulate
+    from commlayer.reduce_ops import ReduceOp
+
+    g = torch.Generator().manual_seed(size)
+    dense = [torch.randint(-9, 10, (N,), generator=g).float() for _ in range(size)]
+    topology = node_layout(size)
+    for name in sorted(set(sparse.available()) - {sparse.AUTO, *sparse.NATIVE}):
+        schedules = [sparse.schedule(name, r, size, N, topology) for r in range(size)]
+        for out in simulate(schedules, dense, ReduceOp.Sum):
+            assert torch.equal(out, torch.stack(dense).sum(0)), name
