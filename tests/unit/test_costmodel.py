@@ -56,11 +56,27 @@ def test_native_curves_interpolate_log_log_and_extrapolate_at_constant_bandwidth
     assert costmodel.predict("shm", 1000, 4, no_shm) is None
 
 
-def test_auto_picks_the_fastest_prediction() -> None:
+def test_auto_picks_the_fastest_prediction_with_a_margin_for_schedules() -> None:
     for nbytes in (1024, 1 << 16, 1 << 20, 1 << 26):
         table = costmodel.table(nbytes, CAL)
         assert [t for _, t in table] == sorted(t for _, t in table)
-        assert costmodel.choose(nbytes // 4, 4, 4, 1, CAL) == table[0][0]
+        natives = [(n, t) for n, t in table if n in ("mpi", "shm")]
+        pick = costmodel.choose(nbytes // 4, 4, 4, 1, CAL)
+        if (
+            table[0][0] in ("mpi", "shm")
+            or table[0][1] * costmodel.SCHEDULE_MARGIN <= natives[0][1]
+        ):
+            assert pick == table[0][0]
+        else:
+            assert pick == natives[0][0]
+    # A schedule predicted 2x faster than every native is taken; 1.1x faster is not.
+    slow = dataclasses.replace(CAL, native={"mpi": [(1024, 1.0), (1 << 30, 2.0)]})
+    assert costmodel.choose(1 << 20, 4, 4, 1, slow) not in ("mpi", "shm")
+    ring = costmodel.predict("ring", 1 << 18, 4, CAL)
+    assert ring is not None
+    close = dataclasses.replace(CAL, native={"mpi": [(1 << 20, ring * 1.1)]})
+    assert costmodel.table(1 << 20, close)[0][0] != "mpi"
+    assert costmodel.choose(1 << 18, 4, 4, 1, close) == "mpi"
     assert costmodel.choose(256, 4, 4, 1, CAL) == "mpi"  # 5 us measured beats any schedule
     assert costmodel.choose(1 << 18, 4, 4, 1, CAL) == "shm"  # 200 us measured vs mpi's 500
 
