@@ -85,4 +85,35 @@ def mpi_threads_supported() -> bool:
     return True
 
 
+def gloo_built() -> bool:
+    """No Gloo controller: commlayer negotiates and reduces over MPI only."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    """Collectives take CPU tensors only (a GPU tensor is refused with a ValueError)."""
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    """Collectives take CPU tensors only; the CUDA compression kernels need no CUDA build."""
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
 __all__ = [name for name in dir() if not name.startswith("_")]
