@@ -148,7 +148,7 @@ def _summable(
     current: list[Compressed | None] = [compressor.compress(v, n) for v, n in zip(views, names)]
     results: list[torch.Tensor | None] = [None] * len(views)
     while not all(c.final for c in current if c is not None):
-        _allreduce_payloads([c for c in current if c is not None], group, async_op=False).wait()
+        _allreduce_payloads([c for c in current if c is not None], group).wait()
         for j, c in enumerate(current):
             if c is None:
                 continue
@@ -165,12 +165,10 @@ def _summable(
             view.copy_(result.reshape(view.shape))  # type: ignore[union-attr]
         return buffer
 
-    return _allreduce_payloads([c for c in current if c is not None], group, True).then(decompress)
+    return _allreduce_payloads([c for c in current if c is not None], group).then(decompress)
 
 
-def _allreduce_payloads(
-    rounds: Sequence[Compressed], group: Any, async_op: bool
-) -> torch.futures.Future[Any]:
+def _allreduce_payloads(rounds: Sequence[Compressed], group: Any) -> torch.futures.Future[Any]:
     """Sum every payload tensor over the group in one allreduce, written back in place (PowerSGD
     keeps the reduced Q it sent as its next warm start)."""
     payloads = [t for c in rounds for t in c.payload]
