@@ -15,6 +15,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from commlayer import algorithms, kernels
@@ -40,6 +41,7 @@ class Config:
     topology: str = ""
     sparse_algorithm: str = "allgather"
     kernels: str = "auto"
+    cuda_ptx_dir: str = ""
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -222,11 +224,24 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         "implementation of the sparse kernels: auto (default: cupy, numba, torch as available), "
         "cupy, numba, torch",
     ),
+    (
+        "COMMLAYER_CUDA_PTX_DIR",
+        "cuda_ptx_dir",
+        str,
+        "folder holding prebuilt sparse_kernels.ptx (else build/ext/cuda, else NVRTC)",
+    ),
 )
 
 _FIELDS = {field.name for field in dataclasses.fields(Config)}
 _override_lock = threading.Lock()
 _overrides: list[dict[str, Any]] = []
+
+
+def cache_dir() -> Path:
+    """Where commlayer keeps what it measured on this machine: $XDG_CACHE_HOME/commlayer, else
+    ~/.cache/commlayer. (A system variable, not a COMMLAYER_* one, read here with the others.)"""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "commlayer"
 
 
 def variables() -> list[tuple[str, str]]:

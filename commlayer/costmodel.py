@@ -178,8 +178,9 @@ def choose(numel: int, element_size: int, size: int, nodes: int, cal: Calibratio
 
 # -- storage ---------------------------------------------------------------------------------------
 def default_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "commlayer" / "calibration.json"
+    from commlayer import config  # here: config imports the algorithms, which import us
+
+    return config.cache_dir() / "calibration.json"
 
 
 def _key(size: int, nodes: int) -> str:

@@ -9,7 +9,6 @@ on the current CuPy stream. Imported only when CuPy is present; used only for CU
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,9 @@ _NAMES = {torch.float32: "f32", torch.float64: "f64", torch.int32: "i32", torch.
 @functools.lru_cache(maxsize=1)
 def module() -> Any:
     """The loaded RawModule: prebuilt PTX if found, else NVRTC on the source."""
-    for folder in (os.environ.get("COMMLAYER_CUDA_PTX_DIR", ""), _ROOT / "build" / "ext" / "cuda"):
+    from commlayer import config  # here: config imports the algorithms, which import us
+
+    for folder in (config.load().cuda_ptx_dir, _ROOT / "build" / "ext" / "cuda"):
         ptx = Path(folder) / "sparse_kernels.ptx"
         if folder and ptx.is_file():
             return cupy.RawModule(path=str(ptx))

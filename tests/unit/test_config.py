@@ -26,6 +26,7 @@ DEFAULTS = {
     "topology": "",
     "sparse_algorithm": "allgather",
     "kernels": "auto",
+    "cuda_ptx_dir": "",
 }
 
 # (variable, text, Config field, parsed value)
@@ -75,6 +76,7 @@ GOOD = [
     ("COMMLAYER_KERNELS", "torch", "kernels", "torch"),
     ("COMMLAYER_KERNELS", " Numba ", "kernels", "numba"),
     ("COMMLAYER_KERNELS", "auto", "kernels", "auto"),
+    ("COMMLAYER_CUDA_PTX_DIR", "/opt/ptx", "cuda_ptx_dir", "/opt/ptx"),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
