@@ -256,9 +256,7 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
         repeats = 3 if nbytes > 1 << 24 else 20
         rates[0, i] = _local_rate(functools.partial(torch.Tensor.add_, a, b), nbytes, repeats)
         rates[1, i] = _local_rate(functools.partial(torch.Tensor.copy_, a, b), nbytes, repeats)
-    request = backend.iallreduce(None, rates, ReduceOp.Max)
-    while not request.test():
-        os.sched_yield()
+    _finish(backend.iallreduce(None, rates, ReduceOp.Max))
     gamma, copy = float(rates[0, -1]), float(rates[1, -1])
     local = {
         kind: [(n, float(rates[row, i]) * n) for i, n in enumerate(local_sizes)]
@@ -280,9 +278,7 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
         )
 
         def exchange(buf: torch.Tensor = buf, schedule: Schedule = schedule) -> None:
-            request = ScheduleRequest(backend, schedule, buf, ReduceOp.Sum, scratch)
-            while not request.test():
-                os.sched_yield()
+            _finish(ScheduleRequest(backend, schedule, buf, ReduceOp.Sum, scratch))
 
         points.append((nbytes, run_local_collective(backend, exchange, quick)))
     alpha, beta = _fit([(float(n), t) for n, t in points])
@@ -295,9 +291,7 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
             buf = torch.zeros(nbytes // 4)
 
             def allreduce(buf: torch.Tensor = buf, allreducer: Allreducer = allreducer) -> None:
-                request = allreducer(backend, None, buf, ReduceOp.Sum)
-                while not request.test():
-                    os.sched_yield()
+                _finish(allreducer(backend, None, buf, ReduceOp.Sum))
 
             curve.append((nbytes, run_local_collective(backend, allreduce, quick)))
         native[name] = curve
@@ -316,30 +310,32 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
     )
 
 
+def _finish(request: Any) -> None:
+    """Wait for a backend request, yielding the CPU between tests (calibration runs alone)."""
+    while not request.test():
+        os.sched_yield()
+
+
 def run_local_collective(backend: Any, fn: Callable[[], object], quick: bool) -> float:
     """Median over repetitions of the slowest rank's time for fn, all ranks starting together
     (a barrier); the same number on every rank."""
     from commlayer.reduce_ops import ReduceOp
 
-    def done(request: Any) -> None:
-        while not request.test():
-            os.sched_yield()
-
     fn()
     t0 = time.perf_counter()
     fn()
     once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    done(backend.iallreduce(None, once, ReduceOp.Max))
+    _finish(backend.iallreduce(None, once, ReduceOp.Max))
     # Loops of ~2 ms: the skew of ranks leaving the barrier is spread over many calls.
     loop = max(1, min(200, int(2e-3 / max(float(once), 1e-7))))
     samples = torch.zeros(3 if quick else 7, dtype=torch.float64)
     for i in range(samples.numel()):
-        done(backend.ibarrier())
+        _finish(backend.ibarrier())
         t0 = time.perf_counter()
         for _ in range(loop):
             fn()
         samples[i] = (time.perf_counter() - t0) / loop
-    done(backend.iallreduce(None, samples, ReduceOp.Max))
+    _finish(backend.iallreduce(None, samples, ReduceOp.Max))
     return float(samples.median())
 
 

@@ -83,9 +83,6 @@ def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def pack(bucket: list[Entry], buf: torch.Tensor) -> None:
     """Copy (and prescale) each entry's source into consecutive slices of buf."""
-    if len(bucket) == 1 and bucket[0].group is not None and bucket[0].prescale == 1.0:
-        torch.cat(_flat(bucket[0].group[0]), out=buf)
-        return
     if all(e.source is not None and e.prescale == 1.0 for e in bucket):
         torch.cat([e.source.reshape(-1) for e in bucket], out=buf)  # type: ignore[union-attr]
         return
@@ -107,9 +104,6 @@ def pack(bucket: list[Entry], buf: torch.Tensor) -> None:
 
 def unpack(bucket: list[Entry], buf: torch.Tensor) -> None:
     """Copy (and postscale) consecutive slices of buf into each entry's output."""
-    if len(bucket) == 1 and bucket[0].group is not None:
-        _unpack_group(bucket[0], buf)
-        return
     pieces = buf.split([e.numel for e in bucket])
     scales = {e.postscale for e in bucket}
     if len(scales) == 1 and buf.is_floating_point():

@@ -98,7 +98,9 @@ class Allreducer:
         applies to groups of its size (the global set), others use their detected nodes."""
         self.algorithm = algorithms.check_name(algorithm)
         self._override = topology
-        self._topologies: dict[int, Topology] = {}
+        # per backend object (not its id: a removed process set's id can be reused): its
+        # topology and whether it can use the shared-memory window
+        self._facts: dict[Backend, tuple[Topology, bool]] = {}
         self._scratch = Scratch()
         self._schedules: dict[tuple[str, int, int, int, Topology], Schedule] = {}
         self._calibrations = {(c.size, c.nodes): c for c in calibrations or ()}
@@ -110,9 +112,9 @@ class Allreducer:
         ``mpi`` when the ranks are not all on one node. Every rank decides the same from the
         same facts (sizes, node layout, the calibration file of the node)."""
         name = self.algorithm
+        topology, capable = self._backend_facts(backend)
         if name == algorithms.AUTO:
-            nodes = self.topology(backend).nodes
-            capable = _shm_capable(backend)
+            nodes = topology.nodes
             key = (backend.size, nodes, numel.bit_length(), element_size, capable)
             name = self._auto.get(key, "")
             if not name:
@@ -120,7 +122,7 @@ class Allreducer:
                 cal = self._calibrations.get((backend.size, nodes))
                 name = costmodel.choose(representative, element_size, backend.size, nodes, cal)
                 self._auto[key] = name
-        if name == "shm" and not _shm_capable(backend):
+        if name == "shm" and not capable:
             return "mpi"
         return name
 
@@ -147,15 +149,17 @@ class Allreducer:
         return ScheduleRequest(backend, schedule, buf.view(-1), op, self._scratch)
 
     def topology(self, backend: Backend) -> Topology:
-        found = self._topologies.get(id(backend))
+        return self._backend_facts(backend)[0]
+
+    def _backend_facts(self, backend: Backend) -> tuple[Topology, bool]:
+        found = self._facts.get(backend)
         if found is None:
+            detected = tuple(backend.nodes())
             if self._override is not None and self._override.size == backend.size:
-                found = self._override
+                topology = self._override
             else:
-                found = Topology(tuple(backend.nodes()))
-            self._topologies[id(backend)] = found
+                topology = Topology(detected)
+            # shm needs real shared memory: the detected nodes, not an override
+            capable = hasattr(backend, "shm_iallreduce") and len(set(detected)) == 1
+            found = self._facts[backend] = (topology, capable)
         return found
-
-
-def _shm_capable(backend: Backend) -> bool:
-    return hasattr(backend, "shm_iallreduce") and len(set(backend.nodes())) == 1

@@ -172,14 +172,7 @@ class Fold:
             )
         v = self.virtual(rank)
         assert v is not None
-        body = [
-            Step(
-                tuple(Transfer(self.real(t.peer), t.start, t.stop) for t in s.sends),
-                tuple(Transfer(self.real(t.peer), t.start, t.stop) for t in s.recvs),
-                s.reduce,
-            )
-            for s in core(v)
-        ]
+        body = relabel(core(v), [self.real(u) for u in range(self.p2)])
         if rank < 2 * self.rem:
             return compact(
                 [step(recvs=[(rank - 1, 0, numel)])] + body + [step(sends=[(rank - 1, 0, numel)])]

@@ -73,7 +73,7 @@ class SharedMemoryAllreduce:
     def segment(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """Rank's segment in the half for the current chunk, as ``numel`` of ``dtype``."""
         half = self._halves[rank][self.chunks % 2]
-        return half[: numel * _itemsize(dtype)].view(dtype)
+        return half[: numel * dtype.itemsize].view(dtype)
 
     def slices(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
         """(start, stop) of each rank's slice of a chunk of ``numel`` elements."""
@@ -90,14 +90,12 @@ class SharedMemoryAllreduce:
         self.win.Free()
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 class _Request:
     """One allreduce in flight: a state machine that ``test()`` advances without waiting."""
 
-    __slots__ = ("_shm", "_src", "_out", "_op", "_offset", "_numel", "_phase", "_target", "_chunk")
+    __slots__ = (
+        "_shm", "_src", "_out", "_op", "_offset", "_numel", "_phase", "_target", "_chunk", "_slices"
+    )  # fmt: skip
 
     def __init__(
         self, shm: SharedMemoryAllreduce, src: torch.Tensor, out: torch.Tensor, op: ReduceOp
@@ -111,6 +109,7 @@ class _Request:
         self._phase = 0
         self._target = 0
         self._chunk = shm.chunk_bytes // out.element_size()
+        self._slices: list[tuple[int, int]] = []  # of the chunk in flight
 
     def test(self) -> bool:
         shm = self._shm
@@ -119,13 +118,14 @@ class _Request:
             if self._phase == 0:  # copy in, flag "arrived"
                 mine = shm.segment(shm.rank, self._out.dtype, count)
                 mine.copy_(self._src[self._offset : self._offset + count])
+                self._slices = shm.slices(count, self._out.element_size())
                 shm.raise_flag()
                 self._target = shm.seq
                 self._phase = 1
             if self._phase == 1:  # every rank's chunk is in: reduce my slice, flag "reduced"
                 if not shm.all_reached(self._target):
                     return False
-                start, stop = shm.slices(count, self._out.element_size())[shm.rank]
+                start, stop = self._slices[shm.rank]
                 if stop > start:
                     acc = shm.segment(shm.rank, self._out.dtype, count)[start:stop]
                     for r in range(shm.size):
@@ -139,7 +139,7 @@ class _Request:
                 if not shm.all_reached(self._target):
                     return False
                 out = self._out[self._offset : self._offset + count]
-                for r, (start, stop) in enumerate(shm.slices(count, self._out.element_size())):
+                for r, (start, stop) in enumerate(self._slices):
                     if stop > start:
                         out[start:stop].copy_(shm.segment(r, self._out.dtype, count)[start:stop])
                 shm.chunks += 1
