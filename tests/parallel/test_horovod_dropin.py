@@ -10,6 +10,7 @@ What does not carry over from Horovod is listed in the README ("Horovod drop-in"
 
 from __future__ import annotations
 
+import copy
 import itertools
 import warnings
 
@@ -252,12 +253,17 @@ def test_gradient_clipping_with_synchronize_and_skip_synchronize() -> None:
     torch.manual_seed(0)
     model = nn.Linear(5, 1)
     reference = [p.detach().clone() for p in model.parameters()]
+    # This rank's own gradients, from a twin without the optimizer's hooks: the wrapped model's
+    # p.grad is averaged in place by the engine while backward still runs, so a clone taken
+    # after backward may already hold the average on one rank and not on another.
+    twin = copy.deepcopy(model)
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
     )
     x, y = _data(hvd.rank())[0]
+    F.mse_loss(twin(x), y).backward()
+    local = [p.grad.clone() for p in twin.parameters()]  # type: ignore[union-attr]
     F.mse_loss(model(x), y).backward()
-    local = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     optimizer.synchronize()
     averaged = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     expected = [
