@@ -28,17 +28,22 @@ Product = ReduceOp.Product
 SUPPORTED_OPS = (Average, Sum, Min, Max, Product)
 
 
-def reduce_into(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
-    """acc <- acc (op) other, elementwise, in place. Average is reduced as Sum (scaled later)."""
+def reduce_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
+    """out <- a (op) b, elementwise; out may be a itself, not a partial overlap. Average: as Sum."""
     if op in (ReduceOp.Sum, ReduceOp.Average):
-        acc.add_(other)
+        torch.add(a, b, out=out)
     elif op == ReduceOp.Min:
-        torch.minimum(acc, other, out=acc)
+        torch.minimum(a, b, out=out)
     elif op == ReduceOp.Max:
-        torch.maximum(acc, other, out=acc)
+        torch.maximum(a, b, out=out)
     elif op == ReduceOp.Product:
-        acc.mul_(other)
+        torch.mul(a, b, out=out)
     else:
         raise ValueError(
             f"reduce op {op!r} is not supported; allowed: {[o.name for o in SUPPORTED_OPS]}"
         )
+
+
+def reduce_into(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
+    """acc <- acc (op) other, elementwise, in place. Average is reduced as Sum (scaled later)."""
+    reduce_out(acc, other, acc, op)

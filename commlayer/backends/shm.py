@@ -4,11 +4,16 @@ Between ranks of one node MPI's allreduce moves data through its own queues at ~
 (shared/ANCHORS.md), while one core copies 24-30 GB/s. Here every rank of the communicator maps
 the same window (``MPI.Win.Allocate_shared``) and an allreduce of a buffer is, per chunk:
 
-1. copy in: each rank copies its chunk into its own segment, then raises its flag;
-2. reduce: once every flag is up, rank r reduces slice r of the chunk from all segments (in rank
-   order, into its own segment), then raises its flag again;
+1. copy in: each rank copies the parts of its chunk that other ranks reduce (every slice but its
+   own) into its own segment, then raises its flag;
+2. reduce: once every flag is up, rank r reduces slice r from its own input and every other
+   segment (in rank order) straight into its own segment, then raises its flag again;
 3. copy out: once every flag is up again, each rank copies every slice into its output.
 
+Skipping the copy of a rank's own slice saves 1/p of the copying: at 64 MiB the window is cache
+resident and the input and output stream from and to DRAM, so what is left is close to one
+memory copy per rank (two concurrent 64 MiB copies take ~11 ms here, see
+benchmarks/results/algorithms_np2.md).
 Each slice is reduced by exactly one rank and copied by all, so every rank gets the same bits.
 Chunks alternate between two halves of each segment: a rank can write chunk k+2 into a half only
 after every rank raised its "reduced" flag for chunk k+1, which each does after copying chunk k
@@ -28,7 +33,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from commlayer.reduce_ops import ReduceOp, reduce_into
+from commlayer.reduce_ops import ReduceOp, reduce_into, reduce_out
 
 _FLAG_BYTES = 128  # one flag per rank, alone in its cache lines (no false sharing)
 _ALIGN = 64  # slice boundaries on cache lines
@@ -55,6 +60,7 @@ class SharedMemoryAllreduce:
             self._flags.append(raw[:8].view(np.int64))
             data = torch.from_numpy(raw[_FLAG_BYTES:])
             self._halves.append((data[: self.chunk_bytes], data[self.chunk_bytes :]))
+        self._views: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._flags[self.rank][0] = 0
         self.seq = 0  # this rank's flag value: 2 per chunk done
         self.chunks = 0  # chunks done, for the half to use
@@ -70,10 +76,14 @@ class SharedMemoryAllreduce:
         self.win.Sync()  # see the peers' flags and the data written before them
         return all(int(flag[0]) >= target for flag in self._flags)
 
-    def segment(self, rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """Rank's segment in the half for the current chunk, as ``numel`` of ``dtype``."""
-        half = self._halves[rank][self.chunks % 2]
-        return half[: numel * dtype.itemsize].view(dtype)
+    def views(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's two halves as whole chunks of ``dtype`` (made once per dtype)."""
+        views = self._views.get(dtype)
+        if views is None:
+            usable = self.chunk_bytes // dtype.itemsize * dtype.itemsize
+            views = [(a[:usable].view(dtype), b[:usable].view(dtype)) for a, b in self._halves]
+            self._views[dtype] = views
+        return views
 
     def slices(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
         """(start, stop) of each rank's slice of a chunk of ``numel`` elements."""
@@ -94,7 +104,8 @@ class _Request:
     """One allreduce in flight: a state machine that ``test()`` advances without waiting."""
 
     __slots__ = (
-        "_shm", "_src", "_out", "_op", "_offset", "_numel", "_phase", "_target", "_chunk", "_slices"
+        "_shm", "_src", "_out", "_op", "_offset", "_numel", "_phase", "_target", "_chunk",
+        "_slices", "_views", "_segments",
     )  # fmt: skip
 
     def __init__(
@@ -109,29 +120,44 @@ class _Request:
         self._phase = 0
         self._target = 0
         self._chunk = shm.chunk_bytes // out.element_size()
+        self._views = shm.views(out.dtype)
         self._slices: list[tuple[int, int]] = []  # of the chunk in flight
+        self._segments: list[torch.Tensor] = []  # every rank's segment for the chunk in flight
 
     def test(self) -> bool:
         shm = self._shm
+        me = shm.rank
         while self._offset < self._numel:
             count = min(self._chunk, self._numel - self._offset)
-            if self._phase == 0:  # copy in, flag "arrived"
-                mine = shm.segment(shm.rank, self._out.dtype, count)
-                mine.copy_(self._src[self._offset : self._offset + count])
+            if self._phase == 0:  # copy in all but my slice, flag "arrived"
+                half = shm.chunks % 2
+                self._segments = [views[half][:count] for views in self._views]
                 self._slices = shm.slices(count, self._out.element_size())
+                src = self._src[self._offset : self._offset + count]
+                mine = self._segments[me]
+                start, stop = self._slices[me]
+                if start > 0:
+                    mine[:start].copy_(src[:start])
+                if stop < count:
+                    mine[stop:].copy_(src[stop:])
                 shm.raise_flag()
                 self._target = shm.seq
                 self._phase = 1
             if self._phase == 1:  # every rank's chunk is in: reduce my slice, flag "reduced"
                 if not shm.all_reached(self._target):
                     return False
-                start, stop = self._slices[shm.rank]
+                start, stop = self._slices[me]
                 if stop > start:
-                    acc = shm.segment(shm.rank, self._out.dtype, count)[start:stop]
+                    acc = self._segments[me][start:stop]
+                    first = self._src[self._offset + start : self._offset + stop]
                     for r in range(shm.size):
-                        if r != shm.rank:
-                            other = shm.segment(r, self._out.dtype, count)[start:stop]
-                            reduce_into(acc, other, self._op)
+                        if r != me:
+                            other = self._segments[r][start:stop]
+                            if first is not None:
+                                reduce_out(first, other, acc, self._op)
+                                first = None
+                            else:
+                                reduce_into(acc, other, self._op)
                 shm.raise_flag()
                 self._target = shm.seq
                 self._phase = 2
@@ -141,7 +167,7 @@ class _Request:
                 out = self._out[self._offset : self._offset + count]
                 for r, (start, stop) in enumerate(self._slices):
                     if stop > start:
-                        out[start:stop].copy_(shm.segment(r, self._out.dtype, count)[start:stop])
+                        out[start:stop].copy_(self._segments[r][start:stop])
                 shm.chunks += 1
                 self._offset += count
                 self._phase = 0
