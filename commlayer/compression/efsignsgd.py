@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from commlayer import kernels
 from commlayer.compression import bitpack
 from commlayer.compression.base import (
     Compressed,
@@ -38,7 +39,7 @@ class EFSignSGDCompressor:
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
         flat = tensor.detach().reshape(-1)
         scale = flat.to(compute_dtype(flat.dtype)).abs().mean().float().reshape(1)
-        return Compressed([bitpack.pack_signs(flat), scale], (tensor.shape, tensor.dtype))
+        return Compressed([kernels.pack_signs(flat), scale], (tensor.shape, tensor.dtype))
 
     def decompress(self, compressed: Compressed) -> torch.Tensor:
         shape, dtype = compressed.ctx
@@ -47,9 +48,8 @@ class EFSignSGDCompressor:
         expect_numel(words, bitpack.sign_words(count), "efsignsgd sign words")
         expect_numel(scale, 1, "efsignsgd scale")
         expect_finite(scale, "efsignsgd scale", nonnegative=True)
-        positive = bitpack.unpack_signs(words, count)
-        value = scale.to(dtype)
-        return torch.where(positive, value, -value).view(shape)
+        value = scale[0].to(dtype)
+        return kernels.decode_signs(words, count, value, -value).view(shape)
 
     def wire_bytes(self, numel: int) -> int:
         return 4 * bitpack.sign_words(numel) + 4

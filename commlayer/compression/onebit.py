@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from commlayer import kernels
 from commlayer.compression import bitpack
 from commlayer.compression.base import (
     Compressed,
@@ -46,7 +47,7 @@ class OneBitCompressor:
         mean_pos = positive_sum / count.clamp(min=1)
         mean_neg = (total - positive_sum) / (x.numel() - count).clamp(min=1)
         means = torch.stack([mean_pos, mean_neg]).float()
-        return Compressed([bitpack.pack_signs(flat), means], (tensor.shape, tensor.dtype))
+        return Compressed([kernels.pack_signs(flat), means], (tensor.shape, tensor.dtype))
 
     def decompress(self, compressed: Compressed) -> torch.Tensor:
         shape, dtype = compressed.ctx
@@ -57,8 +58,8 @@ class OneBitCompressor:
         expect_finite(means, "onebit reconstruction value")
         if means[0] < 0 or means[1] > 0:
             raise PayloadError(f"onebit reconstruction values {means.tolist()} have wrong signs")
-        positive = bitpack.unpack_signs(words, count)
-        return torch.where(positive, means[0].to(dtype), means[1].to(dtype)).view(shape)
+        decoded = kernels.decode_signs(words, count, means[0].to(dtype), means[1].to(dtype))
+        return decoded.view(shape)
 
     def wire_bytes(self, numel: int) -> int:
         return 4 * bitpack.sign_words(numel) + 8

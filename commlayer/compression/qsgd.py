@@ -20,6 +20,10 @@ exactly the variance above (re-quantizing partial sums adds a second error per h
 reuses the allgather the engine already has. The cost grows with the ranks: each rank
 receives n - 1 payloads of ~1.008 bytes per element at 8 bits, against 8 (n - 1) / n bytes for
 a float32 ring allreduce, so 8-bit QSGD moves fewer bytes up to 7 ranks, 4-bit up to 15.
+
+Quantizing with packing, and unpacking with scaling, are kernels (commlayer.kernels: the torch
+reference, or one fused numba pass on the CPU); the random numbers come from torch's generator
+whichever kernel runs, so the payload is the same bits.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from commlayer import runtime
+from commlayer import kernels, runtime
 from commlayer.compression import bitpack
 from commlayer.compression.base import (
     Compressed,
@@ -82,16 +86,8 @@ class QSGDCompressor:
         x = x.view(buckets, self.bucket)
         norms = torch.linalg.vector_norm(x, dim=1)
         scale = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
-        level = x.abs().mul_(scale[:, None])
-        low = level.floor()
-        level.sub_(low)  # now the probability of rounding up
-        up = torch.rand(level.shape, generator=self._rng(), dtype=level.dtype) < level
-        signed = low.add_(up).mul_(torch.sign(x))
-        codes = signed.add_(self.levels)
-        if self.bits == 16:
-            packed = codes.sub_(self.levels).to(torch.int16).view(-1)
-        else:
-            packed = bitpack.pack_bits(codes.to(torch.uint8).view(-1), self.bits)
+        rand = torch.rand(x.shape, generator=self._rng(), dtype=x.dtype)
+        packed = kernels.qsgd_quantize(x, scale, rand, self.levels, self.bits)
         return Compressed([packed, norms.float()], (tensor.shape, tensor.dtype, count))
 
     def decompress(self, compressed: Compressed) -> torch.Tensor:
@@ -101,19 +97,13 @@ class QSGDCompressor:
         padded = buckets * self.bucket
         expect_numel(norms, buckets, "qsgd norms")
         expect_finite(norms, "qsgd norm", nonnegative=True)
-        if self.bits == 16:
-            expect_numel(packed, padded, "qsgd levels")
-            signed = packed.to(compute_dtype(dtype))
-        else:
-            expect_numel(packed, bitpack.packed_bytes(padded, self.bits), "qsgd packed levels")
-            codes = bitpack.unpack_bits(packed, self.bits, padded)
-            signed = codes.to(compute_dtype(dtype)).sub_(self.levels)
-        top = float(signed.abs().max()) if signed.numel() else 0.0
+        expect = padded if self.bits == 16 else bitpack.packed_bytes(padded, self.bits)
+        expect_numel(packed, expect, "qsgd levels" if self.bits == 16 else "qsgd packed levels")
+        step = (norms / self.levels).to(compute_dtype(dtype))
+        values, top = kernels.qsgd_dequantize(packed, step, self.levels, self.bits, self.bucket)
         if top > self.levels:
             raise PayloadError(f"qsgd level {top:g} exceeds levels={self.levels}")
-        step = (norms / self.levels).to(signed.dtype)
-        signed = signed.view(buckets, self.bucket).mul_(step[:, None])
-        return signed.view(-1)[:count].reshape(shape).to(dtype)
+        return values[:count].reshape(shape).to(dtype)
 
     def wire_bytes(self, numel: int) -> int:
         buckets = max(1, -(-numel // self.bucket))

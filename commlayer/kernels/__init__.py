@@ -1,4 +1,4 @@
-"""Kernels: the local work of the sparse allreduce and the sparsifying compressors.
+"""Kernels: the local work of the sparse allreduce and of the compressors.
 
 Every kernel has a torch reference (reference.py: the ground truth of the tests) and, where
 it pays, faster implementations picked per call by ``COMMLAYER_KERNELS``:
@@ -11,8 +11,11 @@ it pays, faster implementations picked per call by ``COMMLAYER_KERNELS``:
 | ``torch`` | torch | torch |
 
 A kernel an implementation lacks (top-k everywhere, densify/sparsify, merge under numba-cuda)
-or a dtype it does not handle (float16, bfloat16) runs the reference. Naming ``numba`` or
-``cupy`` when that library is missing is a ValueError saying so, not a silent fallback.
+or a dtype it does not handle (float16, bfloat16) runs the reference. Under ``auto`` on the CPU
+a kernel listed in ``TORCH_FASTER_ON_CPU`` runs the reference too: benchmarks/kernels.py
+measured torch at least as fast as numba for it (benchmarks/results/kernels.md). Naming
+``numba`` or ``cupy`` when that library is missing is a ValueError saying so, not a silent
+fallback.
 
 Sparse lists: (indices, values), 1-D, indices strictly increasing, int32 below 2^31
 elements and int64 from there (``index_dtype``).
@@ -33,10 +36,14 @@ __all__ = [
     "CHOICES",
     "available",
     "configured",
+    "decode_signs",
     "densify",
     "implementation",
     "index_dtype",
     "merge_sum",
+    "pack_signs",
+    "qsgd_dequantize",
+    "qsgd_quantize",
     "scatter_add_",
     "sparsify",
     "threshold_select",
@@ -49,6 +56,7 @@ _MODULES = {
     ("numba", True): "commlayer.kernels.numba_cuda",
     ("cupy", True): "commlayer.kernels.cupy_cuda",
 }
+TORCH_FASTER_ON_CPU: frozenset[str] = frozenset()
 
 
 @functools.cache
@@ -83,7 +91,8 @@ def implementation(kernel: str, tensor: torch.Tensor, choice: str | None = None)
     if choice not in CHOICES:
         raise ValueError(f"kernel implementation {choice!r}; allowed: {', '.join(CHOICES)}")
     cuda = tensor.is_cuda
-    order = {"auto": ("cupy", "numba") if cuda else ("numba",), "torch": ()}.get(choice, (choice,))
+    auto = ("cupy", "numba") if cuda else () if kernel in TORCH_FASTER_ON_CPU else ("numba",)
+    order = {"auto": auto, "torch": ()}.get(choice, (choice,))
     for name in order:
         path = _MODULES.get((name, cuda))
         if path is None:
@@ -125,3 +134,50 @@ def threshold_select(x: torch.Tensor, threshold: float, choice: str | None = Non
     """Indices, ascending, of the entries with |x| >= threshold (compared in x's dtype)."""
     impl = implementation("threshold_select", x, choice)
     return impl.threshold_select(x, threshold)  # type: ignore[no-any-return]
+
+
+def qsgd_quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    rand: torch.Tensor,
+    levels: int,
+    bits: int,
+    choice: str | None = None,
+) -> torch.Tensor:
+    """QSGD's stochastic rounding of ``x`` (buckets x bucket) with ``scale`` = levels / norm
+    per bucket and uniform ``rand``: int16 levels (``bits`` 16) or codes packed ``bits``
+    (2, 4, 8) to a code (reference.qsgd_quantize)."""
+    impl = implementation("qsgd_quantize", x, choice)
+    return impl.qsgd_quantize(x, scale, rand, levels, bits)  # type: ignore[no-any-return]
+
+
+def qsgd_dequantize(
+    packed: torch.Tensor,
+    step: torch.Tensor,
+    levels: int,
+    bits: int,
+    bucket: int,
+    choice: str | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Levels times ``step`` per bucket, flat in step's dtype, and the largest |level| met."""
+    impl = implementation("qsgd_dequantize", step, choice)
+    return impl.qsgd_dequantize(packed, step, levels, bits, bucket)  # type: ignore[no-any-return]
+
+
+def pack_signs(x: torch.Tensor, choice: str | None = None) -> torch.Tensor:
+    """One bit per element, 1 where x >= 0, 32 to an int32 word."""
+    impl = implementation("pack_signs", x, choice)
+    return impl.pack_signs(x)  # type: ignore[no-any-return]
+
+
+def decode_signs(
+    words: torch.Tensor,
+    count: int,
+    positive: torch.Tensor,
+    negative: torch.Tensor,
+    choice: str | None = None,
+) -> torch.Tensor:
+    """``count`` elements: ``positive`` where the sign bit is 1, else ``negative`` (0-dim
+    tensors of the output dtype)."""
+    impl = implementation("decode_signs", positive, choice)
+    return impl.decode_signs(words, count, positive, negative)  # type: ignore[no-any-return]

@@ -1,6 +1,7 @@
-"""Kernels on CUDA tensors through CuPy: ext/cuda/sparse_kernels.cu loaded as a RawModule.
+"""Kernels on CUDA tensors through CuPy: ext/cuda/*.cu loaded as RawModules.
 
-The module is the PTX that CMakeLists.txt builds with nvcc (looked for in
+sparse_kernels.cu (scatter-add, threshold, merge) and quantize_kernels.cu (QSGD, sign
+packing). Each module is the PTX that CMakeLists.txt builds with nvcc (looked for in
 ``$COMMLAYER_CUDA_PTX_DIR`` and ``build/ext/cuda`` of the source tree), else the .cu source
 compiled at run time by NVRTC. Tensors cross to CuPy without a copy (DLPack), and kernels run
 on the current CuPy stream. Imported only when CuPy is present; used only for CUDA tensors.
@@ -20,24 +21,33 @@ from commlayer.kernels.reference import index_dtype
 DTYPES = (torch.float32, torch.float64)
 _THREADS = 256
 _ROOT = Path(__file__).resolve().parents[2]
-_SOURCE = _ROOT / "ext" / "cuda" / "sparse_kernels.cu"
+_SOURCES = _ROOT / "ext" / "cuda"
 _NAMES = {torch.float32: "f32", torch.float64: "f64", torch.int32: "i32", torch.int64: "i64"}
 
 
-@functools.lru_cache(maxsize=1)
-def module() -> Any:
-    """The loaded RawModule: prebuilt PTX if found, else NVRTC on the source."""
+@functools.cache
+def module(name: str = "sparse_kernels") -> Any:
+    """The loaded RawModule ``name``: prebuilt PTX if found, else NVRTC on the source."""
     from commlayer import config  # here: config imports the algorithms, which import us
 
     for folder in (config.load().cuda_ptx_dir, _ROOT / "build" / "ext" / "cuda"):
-        ptx = Path(folder) / "sparse_kernels.ptx"
+        ptx = Path(folder) / f"{name}.ptx"
         if folder and ptx.is_file():
             return cupy.RawModule(path=str(ptx))
-    return cupy.RawModule(code=_SOURCE.read_text(), options=("--std=c++17",))
+    source = (_SOURCES / f"{name}.cu").read_text()
+    return cupy.RawModule(code=source, options=("--std=c++17",))
 
 
 def _kernel(kind: str, values: torch.dtype, indices: torch.dtype) -> Any:
     return module().get_function(f"{kind}_{_NAMES[values]}_{_NAMES[indices]}")
+
+
+def _quantize_kernel(kind: str, values: torch.dtype) -> Any:
+    return module("quantize_kernels").get_function(f"{kind}_{_NAMES[values]}")
+
+
+def _scalar(value: float, dtype: torch.dtype) -> Any:
+    return cupy.dtype(str(dtype).removeprefix("torch.")).type(value)
 
 
 def _cp(t: torch.Tensor) -> Any:
@@ -98,3 +108,61 @@ def merge_sum(
             (_cp(idx_a), cupy.int64(na), _cp(idx_b), _cp(val_b), cupy.int64(nb), *common),
         )  # fmt: skip
     return out_i, out_v
+
+
+def qsgd_quantize(
+    x: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, levels: int, bits: int
+) -> torch.Tensor:
+    n, bucket = x.numel(), x.shape[1]
+    args = (_cp(x), _cp(scale), _cp(rand), cupy.int64(n), cupy.int64(bucket), cupy.int64(levels))
+    if bits == 16:
+        out = torch.empty(n, dtype=torch.int16, device=x.device)
+        if n:
+            _quantize_kernel("qsgd_levels16", x.dtype)(_grid(n), (_THREADS,), (*args, _cp(out)))
+        return out
+    out = torch.empty(-(-n * bits // 8), dtype=torch.uint8, device=x.device)
+    if n:
+        _quantize_kernel("qsgd_pack", x.dtype)(
+            _grid(out.numel()), (_THREADS,),
+            (*args, cupy.int32(bits), _cp(out), cupy.int64(out.numel())),
+        )  # fmt: skip
+    return out
+
+
+def qsgd_dequantize(
+    packed: torch.Tensor, step: torch.Tensor, levels: int, bits: int, bucket: int
+) -> tuple[torch.Tensor, int]:
+    n = step.numel() * bucket
+    out = torch.empty(n, dtype=step.dtype, device=step.device)
+    top = torch.zeros(1, dtype=torch.int64, device=step.device)
+    if n:
+        head = (_cp(packed), _cp(step), cupy.int64(n), cupy.int64(bucket))
+        args: tuple[Any, ...]
+        if bits == 16:
+            kind, args = "qsgd_unpack16", (*head, _cp(out), _cp(top))
+        else:
+            kind, args = "qsgd_unpack", (*head, cupy.int64(levels), cupy.int32(bits), _cp(out),
+                                         _cp(top))  # fmt: skip
+        _quantize_kernel(kind, step.dtype)(_grid(n), (_THREADS,), args)
+    return out, int(top.item())
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    n = x.numel()
+    words = torch.empty(-(-n // 32), dtype=torch.int32, device=x.device)
+    if n:
+        args = (_cp(x.reshape(-1)), cupy.int64(n), _cp(words), cupy.int64(words.numel()))
+        _quantize_kernel("sign_pack", x.dtype)(_grid(words.numel()), (_THREADS,), args)
+    return words
+
+
+def decode_signs(
+    words: torch.Tensor, count: int, positive: torch.Tensor, negative: torch.Tensor
+) -> torch.Tensor:
+    dtype = positive.dtype
+    out = torch.empty(count, dtype=dtype, device=words.device)
+    if count:
+        args = (_cp(words), cupy.int64(count), _scalar(positive.item(), dtype),
+                _scalar(negative.item(), dtype), _cp(out))  # fmt: skip
+        _quantize_kernel("sign_decode", dtype)(_grid(count), (_THREADS,), args)
+    return out

@@ -1,4 +1,4 @@
-"""Kernels written with numba-cuda: scatter-add and threshold selection.
+"""Kernels written with numba-cuda: scatter-add, threshold selection, QSGD, sign packing.
 
 Run on a GPU with CUDA tensors (zero-copy through ``__cuda_array_interface__``), and in CI under
 the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, set before numba.cuda is first imported) on CPU
@@ -9,10 +9,15 @@ tensors, against the torch reference. Imported only when numba-cuda is present.
 2. ``threshold_select``: one thread per element; a passing element takes an output slot from an
    atomic counter (the selected set equals the reference's, in an arbitrary order), then the
    indices are sorted.
+3. ``qsgd_quantize``: one thread per output byte (8 // bits codes, or one int16 level), so
+   no two threads write one byte; the codes as numba_cpu.py computes them (math shared).
+   ``qsgd_dequantize``: one thread per element, the largest |level| by ``atomic.max``.
+4. ``pack_signs``: one thread per int32 word (32 elements); ``decode_signs``: one per element.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -37,6 +42,78 @@ def _threshold(x, threshold, out, count):  # type: ignore[no-untyped-def]
     if i < x.size and abs(x[i]) >= threshold:
         slot = cuda.atomic.add(count, 0, 1)
         out[slot] = i
+
+
+@cuda.jit(device=True)
+def _qsgd_code(x, scale, rand, levels):  # type: ignore[no-untyped-def]
+    level = abs(x) * scale  # in x's dtype; the fractional part below is exact in any precision
+    low = math.floor(level)
+    step = min(low + (1 if rand < level - low else 0), levels)
+    if x > 0:
+        return levels + step
+    if x < 0:
+        return levels - step
+    return levels
+
+
+@cuda.jit
+def _qsgd_pack(x, scale, rand, bucket, levels, bits, out):  # type: ignore[no-untyped-def]
+    b = cuda.grid(1)
+    if b < out.size:
+        per_byte = 8 // bits
+        acc = 0
+        for j in range(per_byte):
+            e = b * per_byte + j
+            if e < x.size:
+                acc |= _qsgd_code(x[e], scale[e // bucket], rand[e], levels) << (j * bits)
+        out[b] = acc
+
+
+@cuda.jit
+def _qsgd_levels16(x, scale, rand, bucket, levels, out):  # type: ignore[no-untyped-def]
+    e = cuda.grid(1)
+    if e < x.size:
+        out[e] = _qsgd_code(x[e], scale[e // bucket], rand[e], levels) - levels
+
+
+@cuda.jit
+def _qsgd_unpack(packed, step, bucket, levels, bits, out, top):  # type: ignore[no-untyped-def]
+    e = cuda.grid(1)
+    if e < out.size:
+        per_byte = 8 // bits
+        code = int(packed[e // per_byte]) >> ((e % per_byte) * bits)  # int: no uint8 wrap
+        signed = (code & ((1 << bits) - 1)) - levels
+        cuda.atomic.max(top, 0, abs(signed))
+        out[e] = signed
+        out[e] *= step[e // bucket]
+
+
+@cuda.jit
+def _levels16(packed, step, bucket, out, top):  # type: ignore[no-untyped-def]
+    e = cuda.grid(1)
+    if e < out.size:
+        signed = packed[e]
+        cuda.atomic.max(top, 0, abs(int(signed)))
+        out[e] = signed
+        out[e] *= step[e // bucket]
+
+
+@cuda.jit
+def _pack_signs(x, words):  # type: ignore[no-untyped-def]
+    w = cuda.grid(1)
+    if w < words.size:
+        acc = 0
+        for t in range(min(32, x.size - 32 * w)):
+            if x[32 * w + t] >= 0:
+                acc |= 1 << t
+        words[w] = acc - (1 << 32) if acc >= 1 << 31 else acc
+
+
+@cuda.jit
+def _decode_signs(words, positive, negative, out):  # type: ignore[no-untyped-def]
+    e = cuda.grid(1)
+    if e < out.size:
+        out[e] = positive if (words[e >> 5] >> (e & 31)) & 1 else negative
 
 
 def _array(t: torch.Tensor) -> Any:
@@ -68,3 +145,52 @@ def threshold_select(x: torch.Tensor, threshold: float) -> torch.Tensor:
         limit = x.new_tensor(threshold).item()  # compared in x's dtype, as torch does
         _threshold[_blocks(x.numel()), _THREADS](_array(x), limit, _array(out), _array(count))
     return out[: int(count.item())].sort().values
+
+
+def qsgd_quantize(
+    x: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, levels: int, bits: int
+) -> torch.Tensor:
+    flat, bucket = x.contiguous().view(-1), x.shape[1]
+    args = (_array(flat), _array(scale.contiguous()), _array(rand.contiguous().view(-1)), bucket)
+    if bits == 16:
+        out = torch.empty(flat.numel(), dtype=torch.int16, device=x.device)
+        if out.numel():
+            _qsgd_levels16[_blocks(out.numel()), _THREADS](*args, levels, _array(out))
+        return out
+    out = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8, device=x.device)
+    if out.numel():
+        _qsgd_pack[_blocks(out.numel()), _THREADS](*args, levels, bits, _array(out))
+    return out
+
+
+def qsgd_dequantize(
+    packed: torch.Tensor, step: torch.Tensor, levels: int, bits: int, bucket: int
+) -> tuple[torch.Tensor, int]:
+    out = torch.empty(step.numel() * bucket, dtype=step.dtype, device=step.device)
+    top = torch.zeros(1, dtype=torch.int64, device=step.device)
+    if out.numel():
+        args = (_array(packed.contiguous()), _array(step.contiguous()), bucket)
+        if bits == 16:
+            _levels16[_blocks(out.numel()), _THREADS](*args, _array(out), _array(top))
+        else:
+            kernel = _qsgd_unpack[_blocks(out.numel()), _THREADS]
+            kernel(*args, levels, bits, _array(out), _array(top))
+    return out, int(top.item())
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    flat = x.contiguous().view(-1)
+    words = torch.empty(-(-flat.numel() // 32), dtype=torch.int32, device=x.device)
+    if words.numel():
+        _pack_signs[_blocks(words.numel()), _THREADS](_array(flat), _array(words))
+    return words
+
+
+def decode_signs(
+    words: torch.Tensor, count: int, positive: torch.Tensor, negative: torch.Tensor
+) -> torch.Tensor:
+    out = torch.empty(count, dtype=positive.dtype, device=words.device)
+    if count:
+        kernel = _decode_signs[_blocks(count), _THREADS]
+        kernel(_array(words.contiguous()), positive.item(), negative.item(), _array(out))
+    return out

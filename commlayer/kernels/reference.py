@@ -2,6 +2,11 @@
 
 Sparse lists are (indices, values) pairs of 1-D tensors with strictly increasing indices
 (int32 below 2^31 elements, int64 above: ``index_dtype``). Works on any device torch does.
+
+Bit packing: small unsigned codes stored 8 // bits to a byte, little-endian within a byte
+(code j of a group sits at bits [j*bits, (j+1)*bits)); signs one bit per element (1 = x >= 0,
+so 0 and -0 count as non-negative, NaN as negative), every four bytes viewed as one int32
+word, so element 32 w + t is bit t of word w.
 """
 
 from __future__ import annotations
@@ -52,3 +57,93 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     k = min(k, x.numel())
     idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
     return idx.to(index_dtype(x.numel())), x[idx]
+
+
+PACKABLE_BITS = (1, 2, 4, 8)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 ``codes`` (each < 2**bits) -> ceil(n * bits / 8) bytes."""
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f"bits must be one of {PACKABLE_BITS}, got {bits!r}")
+    per_byte = 8 // bits
+    codes = codes.reshape(-1)
+    if per_byte == 1:
+        return codes.clone()
+    pad = -codes.numel() % per_byte
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    grouped = codes.view(-1, per_byte)
+    packed = grouped[:, 0].clone()
+    for j in range(1, per_byte):
+        packed.bitwise_or_(grouped[:, j] << (j * bits))
+    return packed
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``count`` uint8 codes."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return packed[:count]
+    mask = (1 << bits) - 1
+    out = torch.empty(packed.numel(), per_byte, dtype=torch.uint8, device=packed.device)
+    for j in range(per_byte):
+        torch.bitwise_and(packed >> (j * bits), mask, out=out[:, j])
+    return out.view(-1)[:count]
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """One bit per element (1 where x >= 0) -> ceil(n / 32) int32 words."""
+    packed = pack_bits((x.reshape(-1) >= 0).view(torch.uint8), 1)
+    pad = -packed.numel() % 4
+    if pad:
+        packed = torch.cat([packed, packed.new_zeros(pad)])
+    return packed.view(torch.int32)
+
+
+def unpack_signs(words: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_signs`: a bool tensor of ``count`` elements, True = x >= 0."""
+    return unpack_bits(words.contiguous().view(torch.uint8), 1, count).view(torch.bool)
+
+
+def decode_signs(
+    words: torch.Tensor, count: int, positive: torch.Tensor, negative: torch.Tensor
+) -> torch.Tensor:
+    """``count`` elements: ``positive`` where the sign bit is 1, else ``negative`` (0-dim
+    tensors of the output dtype)."""
+    return torch.where(unpack_signs(words, count), positive, negative)
+
+
+def qsgd_quantize(
+    x: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, levels: int, bits: int
+) -> torch.Tensor:
+    """QSGD's stochastic rounding of ``x`` (buckets x bucket) to signed levels, packed.
+
+    level = |x| * scale (scale: levels / ||bucket||, 0 for a zero bucket, per row), rounded up
+    where ``rand`` (uniform [0, 1), x's shape) < its fractional part, at most ``levels``
+    (float rounding can put |x| * scale a hair above levels), times sign(x). Returns
+    int16 levels for ``bits`` = 16, else the codes level + ``levels`` packed ``bits`` to a code.
+    """
+    level = x.abs().mul_(scale[:, None])
+    low = level.floor()
+    level.sub_(low)  # now the probability of rounding up
+    # clamp: |x| * (levels / norm) can round above levels when x holds the bucket's norm
+    signed = low.add_(rand < level).clamp_(max=levels).mul_(torch.sign(x))
+    if bits == 16:
+        return signed.to(torch.int16).view(-1)
+    return pack_bits(signed.add_(levels).to(torch.uint8).view(-1), bits)
+
+
+def qsgd_dequantize(
+    packed: torch.Tensor, step: torch.Tensor, levels: int, bits: int, bucket: int
+) -> tuple[torch.Tensor, int]:
+    """Inverse of :func:`qsgd_quantize` given ``step`` = ||bucket|| / levels per bucket: the
+    buckets x bucket values (flat, step's dtype) and the largest |level| met (a valid payload
+    has none above ``levels``)."""
+    buckets = step.numel()
+    if bits == 16:
+        signed = packed.to(step.dtype)
+    else:
+        signed = unpack_bits(packed, bits, buckets * bucket).to(step.dtype).sub_(levels)
+    top = int(signed.abs().max()) if signed.numel() else 0
+    return signed.view(buckets, bucket).mul_(step[:, None]).view(-1), top

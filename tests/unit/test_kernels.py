@@ -103,6 +103,107 @@ def test_topk_is_the_k_largest_magnitudes_sorted_by_index(n: int) -> None:
         assert torch.equal(idx.long(), expect)
 
 
+def qsgd_inputs(
+    n: int, bucket: int, levels: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x padded to whole buckets (zeros, one all-zero bucket when there are several), scale and
+    rand as QSGDCompressor makes them."""
+    g = torch.Generator().manual_seed(n + levels)
+    buckets = max(1, -(-n // bucket))
+    x = torch.zeros(buckets * bucket, dtype=dtype)
+    x[:n] = torch.randn(n, generator=g, dtype=dtype)
+    x[: min(n, bucket)] = 0.0 if buckets > 1 else x[: min(n, bucket)]
+    x = x.view(buckets, bucket)
+    norms = torch.linalg.vector_norm(x, dim=1)
+    scale = torch.where(norms > 0, levels / norms, torch.zeros_like(norms))
+    return x, scale, torch.rand(x.shape, generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("choice", CPU_CHOICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("levels", "bits"), [(1, 2), (7, 4), (127, 8), (1000, 16)])
+@pytest.mark.parametrize("n", SIZES[1:])
+def test_qsgd_quantize_and_dequantize_match_reference(
+    choice: str, dtype: torch.dtype, levels: int, bits: int, n: int
+) -> None:
+    for bucket in (1, 3, 512):
+        x, scale, rand = qsgd_inputs(n, bucket, levels, dtype)
+        packed = kernels.qsgd_quantize(x, scale, rand, levels, bits, choice=choice)
+        expect = reference.qsgd_quantize(x.clone(), scale, rand, levels, bits)
+        assert packed.dtype == expect.dtype and torch.equal(packed, expect), bucket
+        step = (scale.reciprocal().nan_to_num(0.0, 0.0, 0.0) * 1.0).to(dtype)
+        values, top = kernels.qsgd_dequantize(packed, step, levels, bits, bucket, choice=choice)
+        ref_values, ref_top = reference.qsgd_dequantize(packed, step, levels, bits, bucket)
+        assert values.dtype == dtype and torch.equal(values, ref_values)
+        assert top == ref_top <= levels
+        # stochastic rounding to a neighbouring level: within one step of x
+        assert bool(((values.view_as(x) - x).abs() <= step[:, None] * (1 + 1e-6)).all())
+
+
+@pytest.mark.parametrize("choice", CPU_CHOICES)
+def test_qsgd_level_never_exceeds_levels(choice: str) -> None:
+    """One element per bucket: |x| * (levels / |x|) rounds above levels for some x; rounding
+    up there would send level levels + 1, which every receiver refuses."""
+    x = torch.randn(4096, 1, generator=torch.Generator().manual_seed(0))
+    scale = 127 / x.abs().view(-1)
+    assert bool((x.abs().view(-1) * scale > 127).any()), "the case this test is about"
+    packed = kernels.qsgd_quantize(x, scale, torch.zeros_like(x), 127, 8, choice=choice)
+    assert torch.equal(packed, torch.where(x.view(-1) > 0, 254, 0).to(torch.uint8))
+
+
+@pytest.mark.parametrize("choice", CPU_CHOICES)
+def test_qsgd_dequantize_reports_the_largest_level(choice: str) -> None:
+    step = torch.ones(1)
+    packed = torch.tensor([0xFF, 0x00], dtype=torch.uint8)  # codes 15, 15, 0, 0 at 4 bits
+    values, top = kernels.qsgd_dequantize(packed, step, 7, 4, 4, choice=choice)
+    assert top == 8 and values.tolist() == [8.0, 8.0, -7.0, -7.0]
+    levels16 = torch.tensor([3, -32768, 5], dtype=torch.int16)
+    _, top = kernels.qsgd_dequantize(levels16, step, 1000, 16, 3, choice=choice)
+    assert top == 32768
+
+
+@pytest.mark.parametrize("choice", CPU_CHOICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 1001, 65537])
+def test_sign_packing_matches_reference(choice: str, dtype: torch.dtype, n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g).mul_(3).to(dtype)
+    x[:: max(n // 7, 1)] = 0  # zero is non-negative
+    if dtype.is_floating_point:
+        x[1::5] = -0.0
+        x[2::11] = float("nan")  # NaN >= 0 is false
+    words = kernels.pack_signs(x, choice=choice)
+    assert words.dtype == torch.int32 and torch.equal(words, reference.pack_signs(x))
+    for out in (torch.float32, torch.float64):
+        pos, neg = torch.tensor(0.75, dtype=out), torch.tensor(-1.0 / 3.0, dtype=out)
+        got = kernels.decode_signs(words, n, pos, neg, choice=choice)
+        assert got.dtype == out
+        assert torch.equal(got, reference.decode_signs(words, n, pos, neg))
+        assert torch.equal(got, torch.where(x >= 0, pos, neg))
+
+
+@pytest.mark.parametrize(
+    "spec", ["qsgd:levels=127", "qsgd:levels=7,bucket=64", "qsgd:levels=1000", "efsignsgd:ef=0",
+             "onebit:ef=0"],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_compressors_send_the_same_bits_with_every_kernel(spec: str, dtype: torch.dtype) -> None:
+    from commlayer import compression
+
+    x = torch.randn(4099, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[100:700] = 0.0
+    sent = {}
+    for choice in CPU_CHOICES:
+        with config.override(kernels=choice):
+            compressor = compression.create(spec)
+            compressed = compressor.compress(x, "t")
+            sent[choice] = (compressed.payload, compressor.decompress(compressed))
+    payload, decoded = sent["torch"]
+    for choice, (other, other_decoded) in sent.items():
+        assert all(torch.equal(a, b) for a, b in zip(payload, other)), choice
+        assert other_decoded.dtype == dtype and torch.equal(decoded, other_decoded), choice
+
+
 def test_dispatch_follows_the_setting() -> None:
     x = torch.zeros(4)
     assert kernels.implementation("merge_sum", x, "torch") is reference
@@ -123,3 +224,6 @@ def test_auto_uses_numba_on_cpu() -> None:
     x = torch.zeros(4)
     assert kernels.implementation("merge_sum", x, "auto") is numba_cpu
     assert kernels.implementation("merge_sum", x, "numba") is numba_cpu
+    for kernel in kernels.TORCH_FASTER_ON_CPU:  # measured faster in torch: auto keeps torch
+        assert kernels.implementation(kernel, x, "auto") is reference
+        assert kernels.implementation(kernel, x, "numba") is numba_cpu

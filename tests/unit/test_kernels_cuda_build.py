@@ -16,12 +16,22 @@ NVCC = shutil.which("nvcc") or next(
     (p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None
 )
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, /usr/local/cuda/bin)")
-KERNELS = [
-    f"{kind}_{v}_{i}"
-    for kind in ("scatter_add", "threshold", "match", "merge_a", "merge_b")
-    for v in ("f32", "f64")
-    for i in ("i32", "i64")
-]
+KERNELS = {
+    "sparse_kernels": [
+        f"{kind}_{v}_{i}"
+        for kind in ("scatter_add", "threshold", "match", "merge_a", "merge_b")
+        for v in ("f32", "f64")
+        for i in ("i32", "i64")
+    ],
+    "quantize_kernels": [
+        f"{kind}_{v}"
+        for kind in (
+            "qsgd_pack", "qsgd_levels16", "qsgd_unpack", "qsgd_unpack16", "sign_pack",
+            "sign_decode",
+        )  # fmt: skip
+        for v in ("f32", "f64")
+    ],
+}
 
 
 def entries(ptx: str) -> set[str]:
@@ -40,7 +50,9 @@ def test_nvcc_compiles_every_kernel(tmp_path: Path) -> None:
             timeout=300,
         )
         assert run.returncode == 0, run.stderr
-    assert set(KERNELS) <= entries((tmp_path / "sparse_kernels.ptx").read_text())
+    assert sorted(s.stem for s in SOURCES) == sorted(KERNELS), "a .cu file without a test"
+    for module, names in KERNELS.items():
+        assert set(names) <= entries((tmp_path / f"{module}.ptx").read_text()), module
 
 
 @needs_nvcc
@@ -52,7 +64,8 @@ def test_cmake_builds_the_ptx(tmp_path: Path) -> None:
     for command in (configure, ["cmake", "--build", str(tmp_path)]):
         run = subprocess.run(command, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stdout + run.stderr
-    assert set(KERNELS) <= entries((tmp_path / "ext" / "cuda" / "sparse_kernels.ptx").read_text())
+    for module, names in KERNELS.items():
+        assert set(names) <= entries((tmp_path / "ext" / "cuda" / f"{module}.ptx").read_text())
 
 
 def test_cupy_loader_on_a_gpu() -> None:
@@ -70,3 +83,17 @@ def test_cupy_loader_on_a_gpu() -> None:
     got = cupy_cuda.merge_sum(idx_a, val_a, idx_b, val_b)
     expect = reference.merge_sum(idx_a, val_a, idx_b, val_b)
     assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
+    x = torch.randn(1001, device="cuda")
+    x[::7] = 0.0
+    assert torch.equal(cupy_cuda.pack_signs(x), reference.pack_signs(x))
+    rows = x[:1000].view(4, 250)
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    rand = torch.rand(rows.shape, device="cuda")
+    for levels, bits in ((7, 4), (127, 8), (1000, 16)):
+        packed = cupy_cuda.qsgd_quantize(rows, levels / norms, rand, levels, bits)
+        assert torch.equal(packed, reference.qsgd_quantize(rows.clone(), levels / norms, rand,
+                                                           levels, bits))  # fmt: skip
+        step = norms / levels
+        got_v, got_top = cupy_cuda.qsgd_dequantize(packed, step, levels, bits, 250)
+        ref_v, ref_top = reference.qsgd_dequantize(packed, step, levels, bits, 250)
+        assert torch.equal(got_v, ref_v) and got_top == ref_top
