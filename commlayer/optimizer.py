@@ -186,8 +186,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         algorithm = engine_algorithm(configured, size, shape.numel(), values.numel())
         if algorithm == "allgather":
             return None
+        ps, op = self._cl_process_set, self._cl_op
+        # sink: gtopk's dropped entries go to the compressor's error feedback
         return SparseReduction(
-            name, values, indices, shape, algorithm, self._cl_process_set, self._cl_op
+            name, values, indices, shape, algorithm, ps, op, sink=pending.compressor
         )
 
     def _cl_empty_grad(self, p: torch.nn.Parameter) -> torch.Tensor:

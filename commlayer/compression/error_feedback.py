@@ -74,6 +74,16 @@ class ErrorFeedback:
     def decompress(self, compressed: Compressed) -> torch.Tensor:
         return self.inner.decompress(compressed)
 
+    def add_dropped(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None:
+        """Entries of the payload sent for ``name`` that the reduction dropped (gtopk's
+        re-selection, algorithms/sparse/gtopk.py): flat indices into the tensor. Added to the
+        residual, so they are delayed like what the compressor itself dropped, not lost."""
+        residual = self.residuals.get(name)
+        if residual is None:
+            raise ValueError(f"add_dropped({name!r}): nothing was compressed under that name")
+        flat = residual.reshape(-1).index_add(0, indices.long(), values.to(residual.dtype))
+        self.residuals[name] = flat.view(residual.shape)
+
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {name: r.clone() for name, r in self.residuals.items()}}
 

@@ -130,13 +130,13 @@ def test_irecv_any_sizes_each_message(backend: MPIBackend) -> None:
         assert torch.equal(recv.tensor, torch.full((n + left,), float(left)))
 
 
-@pytest.mark.parametrize("algorithm", ["dsar", "ssar_split_allgather", "auto", "gtopk"])
+@pytest.mark.parametrize("algorithm", [*sparse.exact()[1:], "auto"])
 def test_distributed_optimizer_reduces_topk_sparse(
     algorithm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Top-k gradients through the engine's alltoall + allgather (through_engine.py) give what
-    the allgather path gives: the simulated job of test_compression (gtopk needs
-    point-to-point steps the engine lacks, so the optimizer runs it as dsar)."""
+    """Top-k gradients through the engine's collectives (through_engine.py: alltoall +
+    allgather for the split-allgather family, one alltoall per round for the point-to-point
+    schedules) give what the allgather path gives: the simulated job of test_compression."""
     from test_compression import EXACT, SHAPES, _simulate, _train
 
     from commlayer import config, optimizer
@@ -159,3 +159,42 @@ def test_distributed_optimizer_reduces_topk_sparse(
             torch.testing.assert_close(g[name], w[name], msg=f"step {step} {name}", **EXACT)
     if algorithm != "auto":  # auto may pick allgather for these small tensors
         assert sorted(set(made)) == ["grad.v", "grad.w"]  # b is below the compression threshold
+
+
+def test_distributed_optimizer_gtopk_keeps_dropped_mass_in_the_residual() -> None:
+    """gtopk from the optimizer (op=Sum, integer-valued gradients: every sum exact): at each
+    step, sum over ranks of (gradient + residual before) = result + sum over ranks of the
+    residual after, where the residual holds what top-k and gtopk's re-selection dropped; the
+    result keeps at most k entries."""
+    from commlayer import compression, config
+
+    numel, ratio = 1500, 0.02
+    k = compression.base.kept(numel, ratio)
+    w = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float64))
+    ef = compression.create(f"topk:ratio={ratio}")
+    with config.override(sparse_algorithm="gtopk"):  # read when the optimizer is made
+        opt = cl.DistributedOptimizer(
+            torch.optim.SGD([w], lr=0.0), named_parameters=[("w", w)], compression=ef, op=cl.Sum
+        )
+    size = cl.size()
+    residuals = torch.zeros(size, numel, dtype=torch.float64)
+    for step in range(3):
+        grads = torch.stack([
+            torch.randint(-50, 51, (numel,), generator=torch.Generator().manual_seed(
+                100 * step + r)).double() for r in range(size)
+        ])  # fmt: skip
+        (w * grads[cl.rank()]).sum().backward()
+        opt.synchronize()
+        assert w.grad is not None
+        result = w.grad.clone()
+        with opt.skip_synchronize():
+            opt.step()
+        opt.zero_grad()
+        after = gathered(ef.residuals["grad.w"])
+        nnz = int((result != 0).sum())
+        assert nnz <= k, f"rank {cl.rank()}: gtopk kept {nnz} > k = {k} at step {step}"
+        torch.testing.assert_close(
+            (grads + residuals).sum(0), result + after.sum(0), rtol=0, atol=0,
+            msg=f"rank {cl.rank()}: mass lost at step {step}",
+        )  # fmt: skip
+        residuals = after

@@ -283,3 +283,42 @@ def test_sparse_schedules_are_valid_dense_schedules(size: int) -> None:
         schedules = [sparse.schedule(name, r, size, N, topology) for r in range(size)]
         for out in simulate(schedules, dense, ReduceOp.Sum):
             assert torch.equal(out, torch.stack(dense).sum(0)), name
+
+
+@pytest.mark.parametrize("size", range(1, 9))
+def test_rounds_pair_every_stream_with_its_receive(size: int) -> None:
+    """Through the engine each round is one alltoall: a stream and its receive must share a
+    round, and a rank's steps keep their order."""
+    from collections import defaultdict
+
+    from commlayer.algorithms.sparse.executor import with_residual_step
+    from commlayer.algorithms.sparse.through_engine import rounds
+
+    for name in ("ssar_recursive_doubling", "gtopk", "topo_sparse"):
+        at = rounds(name, size, N)
+        policy = sparse.policy(name)
+        sent: dict[tuple[int, int], list[int]] = defaultdict(list)
+        got: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for r in range(size):
+            steps = with_residual_step(sparse.schedule(name, r, size, N), policy, N)
+            assert len(at[r]) == len(steps)
+            assert list(at[r]) == sorted(set(at[r])), f"{name}: rank {r} steps out of order"
+            for i, step in enumerate(steps):
+                for t in step.sends:
+                    sent[r, t.peer].append(at[r][i])
+                for t in step.recvs:
+                    got[t.peer, r].append(at[r][i])
+        assert sent == got, name
+
+
+def test_add_dropped_goes_into_the_residual() -> None:
+    from commlayer import compression
+
+    ef = compression.create("topk:ratio=0.25")
+    x = torch.tensor([[4.0, -1.0], [0.5, 2.0]])
+    ef.compress(x, "g")
+    before = ef.residuals["g"].clone()
+    ef.add_dropped("g", torch.tensor([0, 3], dtype=torch.int32), torch.tensor([4.0, 2.0]))
+    assert torch.equal(ef.residuals["g"], before + torch.tensor([[4.0, 0.0], [0.0, 2.0]]))
+    with pytest.raises(ValueError, match="add_dropped\\('h'\\): nothing was compressed"):
+        ef.add_dropped("h", torch.tensor([0]), torch.tensor([1.0]))

@@ -190,6 +190,109 @@ class SparseVector:
         return SparseResult(self.numel, None, self.take(0, self.numel)[1])
 
 
+def check_stream(
+    t: Transfer, idx: torch.Tensor, val: torch.Tensor, rank: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A received stream for transfer ``t``: (indices, values), or (None, dense values) when it
+    came dense (no indices, the range's length of values); CommlayerError naming both ranks
+    when it fits neither."""
+    if idx.numel() == 0 and val.numel() == t.numel:
+        return None, val
+    if idx.numel() != val.numel() or (
+        idx.numel() and (int(idx[0]) < t.start or int(idx[-1]) >= t.stop)
+    ):
+        raise CommlayerError(
+            f"rank {rank}: sparse stream from rank {t.peer} for [{t.start}, {t.stop}) has "
+            f"{idx.numel()} indices and {val.numel()} values"
+        )
+    return idx, val
+
+
+def with_residual_step(schedule: Schedule, policy: sparse.Policy, numel: int) -> list[Step]:
+    """The steps a rank runs: ``schedule``, plus, for gtopk (``select``) with a fold, one last
+    step in which the partner returns an extra rank's dropped entries."""
+    steps = list(schedule)
+    if not policy.select or not steps:
+        return steps
+    first = steps[0]
+    if first.sends and not first.recvs:  # an extra rank: sends its vector first
+        steps.append(Step((), (Transfer(first.sends[0].peer, 0, numel),), reduce=False))
+    elif first.recvs and not first.sends:  # its partner
+        steps.append(Step((Transfer(first.recvs[0].peer, 0, numel),), (), reduce=False))
+    return steps
+
+
+Stream = tuple[Transfer, "torch.Tensor | None", torch.Tensor]
+
+
+class ScheduleRun:
+    """A schedule's steps over a SparseVector, apart from how streams travel: ``outgoing(i)``
+    is what step i sends, ``incoming(i, streams)`` applies what it received, ``finish()``
+    gives the result (and ``dropped``, gtopk)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        idx: torch.Tensor,
+        val: torch.Tensor,
+        numel: int,
+        policy: sparse.Policy,
+        k: int,
+        choice: str,
+    ) -> None:
+        bounds = sorted({0, numel, *(e for s in schedule for t in (*s.sends, *s.recvs)
+                                     for e in (t.start, t.stop))})  # fmt: skip
+        self._policy, self._k = policy, k
+        self.steps = with_residual_step(schedule, policy, numel)
+        self._residual_index = len(self.steps) - 1 if len(self.steps) > len(schedule) else -1
+        self.vec = SparseVector(bounds, idx, val, policy.switch, choice)
+        self._input = (idx, val)
+        self._lost: list[torch.Tensor] = []  # gtopk: indices dropped from vectors holding ours
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # folded-in peers' input
+        self.dropped: SparseResult | None = None
+
+    def outgoing(self, index: int) -> list[Stream]:
+        streams: list[Stream] = []
+        for t in self.steps[index].sends:
+            idx: torch.Tensor | None
+            if index == self._residual_index:
+                idx, val = self._lost_part(*self._held[t.peer])
+            else:
+                idx, val = self.vec.take(t.start, t.stop)
+            streams.append((t, idx, val))
+        return streams
+
+    def incoming(self, index: int, streams: list[Stream]) -> None:
+        step = self.steps[index]
+        if index == self._residual_index and step.recvs:
+            _, idx, val = streams[0]
+            assert idx is not None, "dropped entries travel sparse"
+            self.dropped = SparseResult(self.vec.numel, idx, val)
+            return
+        for t, idx, val in streams:
+            if self._policy.select and step.reduce and not step.sends and idx is not None:
+                self._held[t.peer] = (idx, val)  # an extra rank folded in: we account for it
+            self.vec.put(t.start, t.stop, idx, val, step.reduce)
+        if self._policy.select and step.reduce and step.sends and step.recvs:
+            self._lost.append(self.vec.select(self._k))
+
+    def _lost_part(self, idx: torch.Tensor, val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries of (idx, val) at indices dropped from a vector that carried them."""
+        if not self._lost:
+            return idx[:0], val[:0]
+        # A dense mask, not torch.isin: 25M elements, 2.5M lost: ~20 ms against ~320 ms.
+        hit = torch.zeros(self.vec.numel, dtype=torch.bool)
+        for lost in self._lost:
+            hit[lost.long()] = True
+        mask = hit[idx.long()]
+        return idx[mask], val[mask]
+
+    def finish(self) -> SparseResult:
+        if self._policy.select and self.dropped is None:
+            self.dropped = SparseResult(self.vec.numel, *self._lost_part(*self._input))
+        return self.vec.result()
+
+
 class _StreamRecv:
     """Receives one stream: the index message, then the value message."""
 
@@ -209,25 +312,16 @@ class _StreamRecv:
             self._val = self._backend.irecv_any(self._val_dtype, self.transfer.peer)
         return self._val.test()
 
-    def stream(self, rank: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def stream(self, rank: int) -> Stream:
         assert self._val is not None
         idx, val = self._idx.tensor, self._val.tensor
         assert idx is not None and val is not None
-        t = self.transfer
-        if idx.numel() == 0 and val.numel() == t.numel:
-            return None, val
-        if idx.numel() != val.numel() or (
-            idx.numel() and (int(idx[0]) < t.start or int(idx[-1]) >= t.stop)
-        ):
-            raise CommlayerError(
-                f"rank {rank}: sparse stream from rank {t.peer} for [{t.start}, {t.stop}) has "
-                f"{idx.numel()} indices and {val.numel()} values"
-            )
-        return idx, val
+        return (self.transfer, *check_stream(self.transfer, idx, val, rank))
 
 
 class SparseScheduleRequest:
-    """One sparse allreduce under a schedule; ``test()`` advances it without waiting."""
+    """One sparse allreduce under a schedule over a backend's point-to-point messages;
+    ``test()`` advances it without waiting."""
 
     def __init__(
         self,
@@ -240,55 +334,29 @@ class SparseScheduleRequest:
         k: int,
         choice: str,
     ) -> None:
-        bounds = sorted({0, numel, *(e for s in schedule for t in (*s.sends, *s.recvs)
-                                     for e in (t.start, t.stop))})  # fmt: skip
-        self._backend, self._policy, self._k = backend, policy, k
-        self._steps: list[Step] = list(schedule)
-        self._vec = SparseVector(bounds, idx, val, policy.switch, choice)
-        self._input = (idx, val)
-        self._lost: list[torch.Tensor] = []  # gtopk: indices dropped from vectors holding ours
-        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # folded-in peers' input
+        self._backend = backend
+        self._run = ScheduleRun(schedule, idx, val, numel, policy, k, choice)
         self._index = 0
         self._sends: list[Request] = []
         self._recvs: list[_StreamRecv] = []
         self._posted = False
         self.result: SparseResult | None = None
-        self.dropped: SparseResult | None = None
         self.bytes_sent = 0
-        self._residual_index = -1
-        if policy.select:
-            self._add_fold_residual_steps()
 
-    def _add_fold_residual_steps(self) -> None:
-        """gtopk with a fold: the partner returns an extra rank's dropped entries last."""
-        steps, n = self._steps, self._vec.numel
-        if steps and steps[0].sends and not steps[0].recvs:  # an extra rank: sends its vector
-            steps.append(Step((), (Transfer(steps[0].sends[0].peer, 0, n),), reduce=False))
-        elif steps and steps[0].recvs and not steps[0].sends:  # its partner
-            steps.append(Step((Transfer(steps[0].recvs[0].peer, 0, n),), (), reduce=False))
-        else:
-            return
-        self._residual_index = len(steps) - 1
-
-    def _residual_step(self) -> bool:
-        return self._index == self._residual_index
+    @property
+    def dropped(self) -> SparseResult | None:
+        return self._run.dropped
 
     def _post(self) -> None:
-        step = self._steps[self._index]
-        residual = self._residual_step()
-        for t in step.sends:
-            idx: torch.Tensor | None
-            if residual:
-                idx, val = self._lost_part(*self._held[t.peer])
-            else:
-                idx, val = self._vec.take(t.start, t.stop)
-            empty = torch.empty(0, dtype=self._vec.index_dtype)
+        vec = self._run.vec
+        for t, idx, val in self._run.outgoing(self._index):
+            empty = torch.empty(0, dtype=vec.index_dtype)
             self._sends.append(self._backend.isend(empty if idx is None else idx, t.peer))
             self._sends.append(self._backend.isend(val, t.peer))
             self.bytes_sent += (0 if idx is None else idx.nbytes) + val.nbytes
         self._recvs = [
-            _StreamRecv(self._backend, t, self._vec.index_dtype, self._vec.dtype)
-            for t in step.recvs
+            _StreamRecv(self._backend, t, vec.index_dtype, vec.dtype)
+            for t in self._run.steps[self._index].recvs
         ]
         self._posted = True
 
@@ -301,50 +369,19 @@ class SparseScheduleRequest:
                 waiting.add(peer)
         return not self._sends and not waiting
 
-    def _apply(self) -> None:
-        step, rank = self._steps[self._index], self._backend.rank
-        if self._residual_step() and step.recvs:
-            idx, val = self._recvs[0].stream(rank)
-            assert idx is not None, "dropped entries travel sparse"
-            self.dropped = SparseResult(self._vec.numel, idx, val)
-            return
-        for recv in self._recvs:
-            t = recv.transfer
-            idx, val = recv.stream(rank)
-            if self._policy.select and step.reduce and not step.sends and idx is not None:
-                self._held[t.peer] = (idx, val)  # an extra rank folded in: we account for it
-            self._vec.put(t.start, t.stop, idx, val, step.reduce)
-        if self._policy.select and step.reduce and step.sends and step.recvs:
-            self._lost.append(self._vec.select(self._k))
-
-    def _lost_part(self, idx: torch.Tensor, val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The entries of (idx, val) at indices dropped from a vector that carried them."""
-        if not self._lost:
-            return idx[:0], val[:0]
-        # A dense mask, not torch.isin: 25M elements, 2.5M lost: ~20 ms against ~320 ms.
-        hit = torch.zeros(self._vec.numel, dtype=torch.bool)
-        for lost in self._lost:
-            hit[lost.long()] = True
-        mask = hit[idx.long()]
-        return idx[mask], val[mask]
-
     def test(self) -> bool:
-        while self._index < len(self._steps):
+        while self._index < len(self._run.steps):
             if not self._posted:
                 self._post()
             if not self._ready():
                 return False
-            self._apply()
+            rank = self._backend.rank
+            self._run.incoming(self._index, [r.stream(rank) for r in self._recvs])
             self._recvs, self._posted = [], False
             self._index += 1
         if self.result is None:
-            self._finish()
+            self.result = self._run.finish()
         return True
-
-    def _finish(self) -> None:
-        self.result = self._vec.result()
-        if self._policy.select and self.dropped is None:
-            self.dropped = SparseResult(self._vec.numel, *self._lost_part(*self._input))
 
 
 class AllgatherRequest:
