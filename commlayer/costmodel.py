@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import hashlib
 import json
 import math
 import os
@@ -70,10 +69,6 @@ class Calibration:
     local: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
     host: str = ""
     date: str = ""
-
-    def digest(self) -> bytes:
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
-        return hashlib.sha256(text.encode()).digest()[:16]
 
 
 # -- prediction ----------------------------------------------------------------------------------
@@ -200,8 +195,24 @@ def save(cal: Calibration, path: Path | None = None) -> Path:
 
 
 def load(size: int, nodes: int, path: Path | None = None) -> Calibration | None:
-    raw = _read(path or default_path()).get(_key(size, nodes))
-    if raw is None:
+    return _from_raw(_read(path or default_path()).get(_key(size, nodes)))
+
+
+def load_all(path: Path | None = None) -> list[Calibration]:
+    return [cal for raw in _read(path or default_path()).values() if (cal := _from_raw(raw))]
+
+
+def to_bytes(cals: Sequence[Calibration]) -> bytes:
+    """The calibrations as one payload (the engine makes every rank use rank 0's)."""
+    return json.dumps([dataclasses.asdict(cal) for cal in cals], sort_keys=True).encode()
+
+
+def from_bytes(payload: bytes) -> list[Calibration]:
+    return [cal for raw in json.loads(payload) if (cal := _from_raw(raw))]
+
+
+def _from_raw(raw: Any) -> Calibration | None:
+    if not isinstance(raw, dict):
         return None
     try:
         raw["native"] = {k: [tuple(p) for p in v] for k, v in raw["native"].items()}
@@ -210,15 +221,6 @@ def load(size: int, nodes: int, path: Path | None = None) -> Calibration | None:
         return Calibration(**raw)
     except (TypeError, KeyError, AttributeError):
         return None  # written by another version: as if absent
-
-
-def load_all(path: Path | None = None) -> list[Calibration]:
-    out = []
-    for raw in _read(path or default_path()).values():
-        cal = load(int(raw["size"]), int(raw["nodes"]), path)
-        if cal is not None:
-            out.append(cal)
-    return out
 
 
 def _read(path: Path) -> dict[str, Any]:
