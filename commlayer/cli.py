@@ -44,6 +44,14 @@ def calibrate(args: argparse.Namespace) -> int:
     if backend.rank == 0:
         path = costmodel.save(cal, Path(args.out) if args.out else None)
         print(f"saved to {path}")
+        from commlayer.algorithms.sparse import cost as sparse_cost
+
+        rates = sparse_cost.calibrate_local(quick=args.quick)
+        print(
+            f"sparse kernels: merge {1e-6 / rates['merge_s_per_pair']:.0f} M pairs/s, scatter-add "
+            f"{1e-6 / rates['scatter_s_per_entry']:.0f} M entries/s, saved to "
+            f"{sparse_cost.local_path()}"
+        )
         _print_table(cal, [1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26])
     return 0
 
