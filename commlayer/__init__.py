@@ -3,7 +3,8 @@
 ``import commlayer as hvd`` works for horovod.torch users: same names, arguments and semantics.
 """
 
-from commlayer import compression, config
+from commlayer import compression, config, elastic
+from commlayer import runtime as _runtime
 from commlayer.compression import Compression
 from commlayer.engine import Handle
 from commlayer.errors import (
@@ -11,6 +12,7 @@ from commlayer.errors import (
     ConfigError,
     DuplicateNameError,
     HorovodInternalError,
+    HostsUpdatedInterrupt,
     NotInitializedError,
     RankDiedError,
     ShutdownError,
@@ -23,7 +25,9 @@ from commlayer.functions import (
     alltoall,
     broadcast,
     broadcast_,
+    grouped_allgather,
     grouped_allreduce,
+    grouped_reducescatter,
     reducescatter,
 )
 from commlayer.ops import (
@@ -35,12 +39,17 @@ from commlayer.ops import (
     barrier,
     broadcast_async,
     broadcast_async_,
+    grouped_allgather_async,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter_async,
     join,
     poll,
     reducescatter_async,
+    sparse_allreduce_async,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from commlayer.optimizer import DistributedOptimizer
@@ -67,6 +76,7 @@ from commlayer.state_sync import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from commlayer.sync_batch_norm import SyncBatchNorm
 
 __version__ = "0.1.0"
 
@@ -114,6 +124,13 @@ def cuda_built() -> bool:
 
 def rocm_built() -> bool:
     return False
+
+
+def allreduce_algorithm() -> str:
+    """The algorithm the running engine reduces every allreduce with (``auto`` or a name of
+    ``commlayer.algorithms.available()``): init(allreduce_algorithm=...) or
+    COMMLAYER_ALLREDUCE_ALGORITHM, the same on every rank. NotInitializedError before init()."""
+    return _runtime.engine().config.allreduce_algorithm
 
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -164,19 +164,17 @@ class Engine:
         self.stats = Stats()
         self._timeline = timeline or open_timeline(config.timeline_path, backend.rank)
         self._tracing = not isinstance(self._timeline, NullTimeline)
+        self._mark_cycles = False
         self._sets: dict[int, _SetState] = {}
         self._next_set_id = 0
         self._cv = threading.Condition()
         self._incoming: list[Operation] = []
         self._inflight: set[tuple[int, str]] = set()
         self._pool = fusion.BufferPool()
-        topo = _topology(config, backend)
         self._allreduce = Allreducer(
             config.allreduce_algorithm,
-            agreed_calibrations(backend, costmodel.load_all())
-            if config.allreduce_algorithm == "auto"
-            else None,
-            topo,
+            costmodel.load_all() if config.allreduce_algorithm == "auto" else None,
+            _topology(config, backend),
         )
         self._error: BaseException | None = None
         self._stopped = threading.Event()
@@ -238,6 +236,18 @@ class Engine:
                     timeout_s,
                 )
         self._timeline.close()
+
+    def set_timeline(
+        self, timeline: Timeline | NullTimeline, mark_cycles: bool = False
+    ) -> Timeline | NullTimeline:
+        """Trace to ``timeline`` from now on (start_timeline/stop_timeline); returns the previous
+        one for the caller to close. No lock on the engine thread's side: it reads ``_tracing``
+        and ``_timeline`` once per event, each assignment is atomic, and an event that still
+        reaches the previous timeline is written or, once it is closed, dropped."""
+        previous, self._timeline = self._timeline, timeline
+        self._tracing = not isinstance(timeline, NullTimeline)
+        self._mark_cycles = mark_cycles and self._tracing
+        return previous
 
     @property
     def peer_died(self) -> bool:
@@ -338,6 +348,8 @@ class Engine:
             self._sets[op.process_set_id].negotiator.add(op.announce, op)
         self._progress = False
         self.stats.cycles += 1
+        if self._mark_cycles:
+            self._timeline.instant("cycles", "CYCLE_START", now)
         for set_id, state in sorted(self._sets.items()):
             # Skip a set that remove_process_set (run on set 0, earlier in this loop) dropped:
             # its communicator is freed, and every member drops it in this same cycle.
@@ -592,28 +604,6 @@ class Engine:
         set_id = self._next_set_id
         self._register(tuple(ranks), backend)
         return set_id
-
-
-def agreed_calibrations(
-    backend: Backend, calibrations: list[costmodel.Calibration]
-) -> list[costmodel.Calibration]:
-    """Rank 0's calibrations, on every rank (collective, at engine start). ``auto`` must pick
-    the same algorithm for a buffer on every rank, but each node reads its own calibration file,
-    which can differ (calibrated apart, or missing on some): a difference is logged by rank 0."""
-    if backend.size == 1:
-        return calibrations
-    request, payloads = backend.iallgather_bytes(costmodel.to_bytes(calibrations))
-    while not request.test():
-        time.sleep(_MIN_BACKOFF_S)
-    differ = [r for r, payload in enumerate(payloads) if payload != payloads[0]]
-    if differ and backend.rank == 0:
-        log.warning(
-            "commlayer: rank(s) %s read calibrations that differ from rank 0's (run `commlayer "
-            "calibrate` once for the job, or copy its file to every node); every rank uses "
-            "rank 0's",
-            differ,
-        )
-    return costmodel.from_bytes(payloads[0])
 
 
 def _topology(config: Config, backend: Backend) -> Topology | None:

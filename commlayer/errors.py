@@ -42,3 +42,14 @@ class RankDiedError(ShutdownError):
 class PayloadError(CommlayerError):
     """A compressed payload received from a peer is malformed (wrong length, index out of
     range, non-finite scale): decoding it would silently corrupt the gradient."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Elastic training: hosts were added or removed; ``commlayer.elastic.run`` catches it,
+    runs the reset callbacks and calls the training function again (Horovod's name)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__(
+            "hosts were updated" + (" (removed only: state sync skipped)" if skip_sync else "")
+        )
+        self.skip_sync = skip_sync

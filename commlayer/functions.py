@@ -237,3 +237,80 @@ def reducescatter(
     return _Reducescatter.apply(
         tensor, name, resolved, prescale_factor, postscale_factor, process_set
     )
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, name: str | None, process_set: ProcessSet, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        gathered = ops.synchronize(ops.grouped_allgather_async(tensors, name, process_set))
+        ctx.dim0s, ctx.process_set = [t.shape[0] for t in tensors], process_set
+        return tuple(gathered)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ps = ctx.process_set
+        handles = [ops.allreduce_async(g, None, None, ReduceOp.Sum, 1.0, 1.0, ps) for g in grads]
+        dims = ops.synchronize(ops.allgather_async(torch.tensor([ctx.dim0s]), None, ps))
+        offsets = dims[: ps.rank()].sum(0).tolist()
+        summed = [ops.synchronize(h) for h in handles]
+        parts = [s.narrow(0, o, d) for s, o, d in zip(summed, offsets, ctx.dim0s)]
+        return (None, None, *parts)
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Allgather each tensor of a list, submitted together; differentiable like allgather."""
+    if not isinstance(tensors, (list, tuple)):
+        ops.grouped_allgather_async(tensors, name, process_set)  # raises the ValueError
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        name: str | None,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, prescale, postscale, process_set)
+        return tuple(
+            ops.synchronize(
+                ops.grouped_reducescatter_async(tensors, name, op, process_set, prescale, postscale)
+            )
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        op, prescale, postscale, process_set = ctx.args
+        gathered = ops.synchronize(ops.grouped_allgather_async(list(grads), None, process_set))
+        scale = prescale * postscale / (process_set.size() if op == ReduceOp.Average else 1)
+        return (None, None, None, None, None, *(g * scale for g in gathered))
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Reducescatter each tensor of a list, submitted together (default op Average); rank r
+    gets its block of each; differentiable like reducescatter."""
+    if not isinstance(tensors, (list, tuple)):
+        ops.grouped_reducescatter_async(tensors, name, op, process_set)  # raises the ValueError
+    resolved = ops._resolve_op(op, None, ReduceOp.Average)
+    return list(
+        _GroupedReducescatter.apply(
+            name, resolved, prescale_factor, postscale_factor, process_set, *tensors
+        )
+    )

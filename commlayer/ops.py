@@ -484,3 +484,157 @@ def register_process_set(ranks: Sequence[int]) -> int:
 
 def unregister_process_set(set_id: int) -> None:
     synchronize(_submit(REGISTER, None, [], [], global_process_set, shapes=((), (set_id,))))
+
+
+# -- grouped allgather and reducescatter, sparse allreduce ---------------------------------------
+class _CombinedHandle(Handle):
+    """A Handle over several operations: done once all are, its result ``combine(results)``
+    (computed once, on the first ``wait``)."""
+
+    __slots__ = ("_parts", "_combine", "_once")
+
+    def __init__(
+        self, name: str, parts: Sequence[Handle], combine: Callable[[list[Any]], Any]
+    ) -> None:
+        super().__init__(name)
+        self._parts = list(parts)
+        self._combine = combine
+        self._once = threading.Lock()  # two threads waiting: one combines, the other reads
+
+    def done(self) -> bool:
+        return self._done or all(part.done() for part in self._parts)
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        with self._once:
+            if not self._done:
+                try:
+                    results = [part.wait(timeout_s) for part in self._parts]
+                    self._set(self._combine(results))
+                except TimeoutError:
+                    raise  # not the operation's outcome: a later wait may still succeed
+                except BaseException as exc:  # noqa: BLE001 - raised again below, every wait
+                    self._set(error=exc)
+        return super().wait()
+
+
+def _grouped(
+    kind: str,
+    tensors: Sequence[torch.Tensor],
+    name: str | None,
+    process_set: ProcessSet,
+    start: Callable[[torch.Tensor, str], Handle],
+) -> Handle:
+    """One operation per tensor, named ``<name>.<i>``, submitted together (so they are
+    negotiated in the same cycle); synchronize() returns the list of results."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise _input_error(f"grouped_{kind} needs a non-empty list of tensors, got {tensors!r}")
+    base = _auto_name(f"grouped_{kind}", name, _set_id(process_set))
+    handles = [start(tensor, f"{base}.{i}") for i, tensor in enumerate(tensors)]
+    return _CombinedHandle(base, handles, list)
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Allgather each tensor of a list (dim 0 may differ per rank and per tensor);
+    synchronize() returns the list of gathered tensors."""
+    return _grouped(
+        "allgather", tensors, name, process_set, lambda t, n: allgather_async(t, n, process_set)
+    )
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    """Reducescatter each tensor of a list (default op Average); synchronize() returns the
+    list of this rank's blocks."""
+    return _grouped(
+        "reducescatter",
+        tensors,
+        name,
+        process_set,
+        lambda t, n: reducescatter_async(t, n, op, prescale_factor, postscale_factor, process_set),
+    )
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Handle:
+    """Sum or average a sparse COO tensor over the ranks, as Horovod does: allgather every
+    rank's indices and values (nnz may differ per rank); synchronize() returns the coalesced
+    sparse sum (entries at one index added), divided by the set's size for Average (integer
+    values truncated toward zero, as the dense Average)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.sparse_coo:
+        raise _input_error(
+            "sparse_allreduce_async expects a sparse COO tensor (torch.sparse_coo), got "
+            + (f"layout {tensor.layout}" if isinstance(tensor, torch.Tensor) else repr(tensor))
+        )
+    resolved = _resolve_op(op, None, ReduceOp.Average)
+    if resolved not in (ReduceOp.Sum, ReduceOp.Average):
+        raise _input_error(
+            f"sparse_allreduce_async: op {resolved.name} is not supported; allowed: Sum, Average"
+        )
+    base = _auto_name("sparse_allreduce", name, _set_id(process_set))
+    source = tensor.detach()
+    indices = source._indices().t().contiguous()  # (nnz, sparse_dim): dim 0 concatenates
+    values = source._values().contiguous()
+    handles = [
+        allgather_async(indices, f"{base}.indices", process_set),
+        allgather_async(values, f"{base}.values", process_set),
+    ]
+    divisor = process_set.size() if resolved == ReduceOp.Average else 1
+
+    def combine(results: list[Any]) -> torch.Tensor:
+        all_indices, all_values = results
+        summed = torch.sparse_coo_tensor(
+            all_indices.t(), all_values, source.shape, dtype=source.dtype
+        ).coalesce()
+        if divisor == 1:
+            return summed
+        divided = (
+            summed.values() / divisor
+            if summed.dtype.is_floating_point
+            else torch.div(summed.values(), divisor, rounding_mode="trunc")
+        )
+        return torch.sparse_coo_tensor(summed.indices(), divided, source.shape).coalesce()
+
+    return _CombinedHandle(base, handles, combine)
+
+
+# -- timeline --------------------------------------------------------------------------------------
+_timeline_lock = threading.Lock()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Write a Chrome trace of the engine's work to ``file_path`` from now on, as
+    COMMLAYER_TIMELINE does from init(): rank 0 writes it, or every rank its own file when the
+    path contains ``{rank}``. A timeline already running is closed first. ``mark_cycles`` adds a
+    CYCLE_START instant on a "cycles" row at each negotiation cycle. Not collective."""
+    if not isinstance(file_path, str) or not file_path:
+        raise _input_error(f"start_timeline: file_path must be a non-empty str, got {file_path!r}")
+    from commlayer.timeline import open_timeline
+
+    engine = runtime.engine()
+    with _timeline_lock:
+        timeline = open_timeline(file_path, engine.rank)  # OSError names the file and rank
+        engine.set_timeline(timeline, bool(mark_cycles)).close()
+
+
+def stop_timeline() -> None:
+    """Stop the timeline (started here or by COMMLAYER_TIMELINE) and close its file, which is
+    then valid JSON. Does nothing when no timeline runs."""
+    from commlayer.timeline import NullTimeline
+
+    engine = runtime.engine()
+    with _timeline_lock:
+        engine.set_timeline(NullTimeline()).close()

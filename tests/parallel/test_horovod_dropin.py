@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,13 +55,18 @@ cross_rank is_homogeneous mpi_threads_supported mpi_enabled mpi_built gloo_enabl
 nccl_built ddl_built ccl_built cuda_built rocm_built broadcast_parameters
 broadcast_optimizer_state broadcast_object allgather_object DistributedOptimizer Compression
 Average Sum Adasum Min Max Product ProcessSet global_process_set add_process_set
-remove_process_set HorovodInternalError
+remove_process_set HorovodInternalError grouped_allgather grouped_allgather_async
+grouped_reducescatter grouped_reducescatter_async sparse_allreduce_async start_timeline
+stop_timeline SyncBatchNorm elastic
 """.split()
+HOROVOD_ELASTIC_API = "run State ObjectState TorchState ElasticSampler".split()
 
 
 def test_horovod_names_exist() -> None:
     missing = [name for name in HOROVOD_TORCH_API if not hasattr(hvd, name)]
+    missing += [f"elastic.{n}" for n in HOROVOD_ELASTIC_API if not hasattr(hvd.elastic, n)]
     assert not missing, missing
+    assert issubclass(hvd.SyncBatchNorm, nn.modules.batchnorm._BatchNorm)
     assert hvd.is_initialized() and hvd.mpi_enabled() and hvd.mpi_built()
     assert hvd.mpi_threads_supported() is True
     built = [hvd.gloo_built(), hvd.gloo_enabled(), hvd.nccl_built(), hvd.ddl_built()]
@@ -212,6 +219,94 @@ def test_horovod_reducescatter() -> None:
     tensor = _tensor(torch.float64, 2)[: 2 * hvd.size()]
     out = hvd.reducescatter(tensor, op=hvd.Sum)
     torch.testing.assert_close(out, tensor[2 * hvd.rank() : 2 * hvd.rank() + 2] * hvd.size())
+
+
+def test_horovod_grouped_allgather_and_reducescatter() -> None:
+    me, n = hvd.rank(), hvd.size()
+    ints = torch.full((me + 1, 3), me, dtype=torch.int32)  # dim 0 differs per rank
+    floats = torch.full((2, 2, 2), float(me), dtype=torch.float64)
+    gathered = hvd.grouped_allgather([ints, floats], name="dropin.grouped_allgather")
+    handle = hvd.grouped_allgather_async([floats])
+    async_gathered = hvd.synchronize(handle)
+    blocks = [_tensor(torch.float64, 2)[: 2 * n + 1], _tensor(torch.int64, 1, seed=7)]
+    summed = hvd.grouped_reducescatter(blocks, op=hvd.Sum)
+    averaged = hvd.synchronize(hvd.grouped_reducescatter_async(blocks[:1]))
+    # Differentiable: the gradient of a grouped allgather is this rank's rows of the summed one.
+    leaf = torch.ones(me + 1, 2, requires_grad=True)
+    (out,) = hvd.grouped_allgather([leaf])
+    (out * 2).sum().backward()
+    with pytest.raises(ValueError, match=f"rank {me}: grouped_allgather needs a non-empty"):
+        hvd.grouped_allgather_async([])
+
+    expected_ints = torch.cat([torch.full((r + 1, 3), r, dtype=torch.int32) for r in range(n)])
+    assert isinstance(gathered, list) and torch.equal(gathered[0], expected_ints)
+    assert torch.equal(gathered[1], torch.cat([torch.full((2, 2, 2), float(r)) for r in range(n)]))
+    assert isinstance(async_gathered, list) and torch.equal(async_gathered[0], gathered[1])
+
+    def mine(block: torch.Tensor) -> torch.Tensor:  # the first dim0 % n ranks get one more row
+        rows = [len(block) // n + (1 if r < len(block) % n else 0) for r in range(n)]
+        return block[sum(rows[:me]) : sum(rows[: me + 1])]
+
+    torch.testing.assert_close(summed[0], mine(blocks[0]) * n)
+    assert torch.equal(summed[1], mine(blocks[1]) * n)
+    torch.testing.assert_close(averaged[0], mine(blocks[0]))
+    assert torch.equal(leaf.grad, torch.full((me + 1, 2), 2.0 * n))
+
+
+def _sparse(rank: int, values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rank r's rows {r, r + 1} of ``shape``, uncoalesced (row r twice): ranks overlap."""
+    return torch.sparse_coo_tensor(
+        torch.tensor([[rank % 6, (rank + 1) % 6, rank % 6]]), values, shape
+    )
+
+
+def test_horovod_sparse_allreduce_async() -> None:
+    me, n = hvd.rank(), hvd.size()
+    rows = torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.5, 0.5]], dtype=torch.float64)
+    sparse = _sparse(me, rows * (me + 1), (6, 2))
+    summed = hvd.synchronize(hvd.sparse_allreduce_async(sparse, name="dropin.sparse", op=hvd.Sum))
+    averaged = hvd.synchronize(hvd.sparse_allreduce_async(sparse, "dropin.sparse_avg", hvd.Average))
+    ints = _sparse(me, torch.full((3,), 3, dtype=torch.int64), (6,))
+    int_avg = hvd.synchronize(hvd.sparse_allreduce_async(ints))
+    with pytest.raises(ValueError, match=f"rank {me}: .*sparse COO tensor"):
+        hvd.sparse_allreduce_async(torch.ones(3), "dropin.dense")
+    with pytest.raises(ValueError, match=f"rank {me}: .*op Max is not supported"):
+        hvd.sparse_allreduce_async(sparse, "dropin.max", hvd.Max)
+
+    dense = sum(_sparse(r, rows * (r + 1), (6, 2)).to_dense() for r in range(n))
+    assert summed.is_sparse and summed.is_coalesced() and summed.dtype == torch.float64
+    torch.testing.assert_close(summed.to_dense(), dense)
+    torch.testing.assert_close(averaged.to_dense(), dense / n)
+    int_sum = sum(
+        _sparse(r, torch.full((3,), 3, dtype=torch.int64), (6,)).to_dense() for r in range(n)
+    )
+    # Integer Average truncates toward zero after summing, as the dense allreduce's.
+    assert torch.equal(int_avg.to_dense(), torch.div(int_sum, n, rounding_mode="trunc"))
+
+
+def test_horovod_start_and_stop_timeline(tmp_path: Path) -> None:
+    per_rank = str(tmp_path / "per_rank.{rank}.json")
+    rank0_only = tmp_path / "rank0.json"
+    hvd.start_timeline(per_rank, mark_cycles=True)
+    hvd.allreduce(torch.ones(4), name="dropin.timeline.first")
+    hvd.start_timeline(str(rank0_only))  # switches: the first file is closed
+    hvd.allreduce(torch.ones(4), name="dropin.timeline.second")
+    hvd.stop_timeline()
+    hvd.stop_timeline()  # nothing running: does nothing
+    hvd.allreduce(torch.ones(4), name="dropin.timeline.after")
+    with pytest.raises(ValueError, match="file_path"):
+        hvd.start_timeline("")
+
+    first = json.loads((tmp_path / f"per_rank.{hvd.rank()}.json").read_text())  # closed: JSON
+    rows = {e["args"]["name"] for e in first if e["name"] == "thread_name"}
+    assert "dropin.timeline.first" in rows and "dropin.timeline.second" not in rows
+    assert any(e["name"] == "CYCLE_START" for e in first)
+    assert rank0_only.exists() == (hvd.rank() == 0)
+    if hvd.rank() == 0:
+        second = json.loads(rank0_only.read_text())
+        rows = {e["args"]["name"] for e in second if e["name"] == "thread_name"}
+        assert "dropin.timeline.second" in rows and "dropin.timeline.after" not in rows
+        assert not any(e["name"] == "CYCLE_START" for e in second)
 
 
 def test_horovod_barrier_and_objects() -> None:

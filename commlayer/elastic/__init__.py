@@ -1,0 +1,105 @@
+"""Elastic training API (Horovod's ``hvd.elastic``) on a fixed MPI world.
+
+```python
+state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+
+@hvd.elastic.run
+def train(state):
+    for state.epoch in range(state.epoch, epochs):
+        ...
+        state.commit()          # every few batches: a copy in memory to roll back to
+
+train(state)
+```
+
+What differs from Horovod, and why: MPI cannot re-form its world once a process has died, so
+commlayer never adds or removes ranks. The State API works unchanged (commit saves, restore rolls
+back, sync broadcasts from rank 0, reset callbacks run on each retry). ``run`` does, in a loop:
+
+1. ``state.sync()`` (unless the last interrupt said to skip it), then call the function.
+2. On a ``HorovodInternalError`` (``CommlayerError``) while the world is intact (a mismatch, a
+   stall that was failed, a bad payload, or one raised by the function): ``state.restore()``,
+   run the reset callbacks, and go to 1, at most ``reset_limit`` times in a row.
+3. On ``HostsUpdatedInterrupt``: run the reset callbacks and go to 1.
+4. A rank that died or shut down (``RankDiedError``, ``ShutdownError``: the engine has stopped)
+   ends the job: the error is raised, as nothing can be retried without that rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from commlayer import runtime
+from commlayer.elastic.sampler import ElasticSampler
+from commlayer.elastic.state import ObjectState, State, TorchState
+from commlayer.errors import HorovodInternalError, HostsUpdatedInterrupt, ShutdownError
+
+log = logging.getLogger("commlayer")
+
+R = TypeVar("R")
+
+# Retries in a row before run() gives up: an error that repeats on a fixed world (a shape
+# mismatch in the code) would otherwise loop for ever; Horovod leaves this to --reset-limit.
+DEFAULT_RESET_LIMIT = 3
+
+
+def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -> Callable[..., R]:
+    """Wrap ``func(state, *args, **kwargs)`` so it is retried from the last commit after an
+    error the world survives (module docstring). ``reset_limit=None``: no limit."""
+    if reset_limit is not None and (
+        isinstance(reset_limit, bool) or not isinstance(reset_limit, int) or reset_limit < 0
+    ):
+        raise ValueError(f"run(reset_limit={reset_limit!r}): must be None or an int >= 0")
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
+        if not isinstance(state, State):
+            raise ValueError(
+                f"{getattr(func, '__name__', func)!r} wrapped by commlayer.elastic.run needs a "
+                f"commlayer.elastic State as its first argument, got {type(state).__name__}"
+            )
+        skip_sync, resets = False, 0
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as exc:
+                if isinstance(exc, ShutdownError) or not _world_intact():
+                    raise
+                resets += 1
+                if reset_limit is not None and resets > reset_limit:
+                    raise
+                log.warning(
+                    "commlayer rank %d: %s; restoring the last commit and retrying (%d of %s)",
+                    runtime.rank(),
+                    exc,
+                    resets,
+                    reset_limit,
+                )
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as exc:
+                skip_sync = exc.skip_sync
+            state.on_reset()
+
+    return wrapper
+
+
+def _world_intact() -> bool:
+    """Whether every rank can still take part: commlayer runs and its engine has not stopped."""
+    return runtime.is_initialized() and runtime.engine().running
+
+
+__all__ = [
+    "ElasticSampler",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "ObjectState",
+    "State",
+    "TorchState",
+    "run",
+]
