@@ -171,10 +171,13 @@ class Engine:
         self._incoming: list[Operation] = []
         self._inflight: set[tuple[int, str]] = set()
         self._pool = fusion.BufferPool()
+        topo = _topology(config, backend)
         self._allreduce = Allreducer(
             config.allreduce_algorithm,
-            costmodel.load_all() if config.allreduce_algorithm == "auto" else None,
-            _topology(config, backend),
+            agreed_calibrations(backend, costmodel.load_all())
+            if config.allreduce_algorithm == "auto"
+            else None,
+            topo,
         )
         self._error: BaseException | None = None
         self._stopped = threading.Event()
@@ -604,6 +607,28 @@ class Engine:
         set_id = self._next_set_id
         self._register(tuple(ranks), backend)
         return set_id
+
+
+def agreed_calibrations(
+    backend: Backend, calibrations: list[costmodel.Calibration]
+) -> list[costmodel.Calibration]:
+    """Rank 0's calibrations, on every rank (collective, at engine start). ``auto`` must pick
+    the same algorithm for a buffer on every rank, but each node reads its own calibration file,
+    which can differ (calibrated apart, or missing on some): a difference is logged by rank 0."""
+    if backend.size == 1:
+        return calibrations
+    request, payloads = backend.iallgather_bytes(costmodel.to_bytes(calibrations))
+    while not request.test():
+        time.sleep(_MIN_BACKOFF_S)
+    differ = [r for r, payload in enumerate(payloads) if payload != payloads[0]]
+    if differ and backend.rank == 0:
+        log.warning(
+            "commlayer: rank(s) %s read calibrations that differ from rank 0's (run `commlayer "
+            "calibrate` once for the job, or copy its file to every node); every rank uses "
+            "rank 0's",
+            differ,
+        )
+    return costmodel.from_bytes(payloads[0])
 
 
 def _topology(config: Config, backend: Backend) -> Topology | None:
