@@ -25,10 +25,8 @@ KERNELS = {
     ],
     "quantize_kernels": [
         f"{kind}_{v}"
-        for kind in (
-            "qsgd_pack", "qsgd_levels16", "qsgd_unpack", "qsgd_unpack16", "sign_pack",
-            "sign_decode",
-        )  # fmt: skip
+        for kind in ("qsgd_pack", "qsgd_levels16", "qsgd_unpack", "qsgd_unpack16")
+        + ("sign_pack", "sign_decode")
         for v in ("f32", "f64")
     ],
 }

@@ -1,6 +1,7 @@
 """numba-cuda kernels (scatter-add, threshold selection, QSGD quantize/dequantize, sign
-packing/decoding) under the CUDA simulator against the torch reference. The simulator must be chosen before numba.cuda is first imported, so the
-checks run in a fresh interpreter with NUMBA_ENABLE_CUDASIM=1."""
+packing/decoding) under the CUDA simulator against the torch reference. The simulator must be
+chosen before numba.cuda is first imported, so the checks run in a fresh interpreter with
+NUMBA_ENABLE_CUDASIM=1."""
 
 from __future__ import annotations
 
