@@ -147,17 +147,13 @@ class _Request:
                 if not shm.all_reached(self._target):
                     return False
                 start, stop = self._slices[me]
-                if stop > start:
+                if stop > start:  # size >= 2: the backend sends size 1 elsewhere
                     acc = self._segments[me][start:stop]
-                    first = self._src[self._offset + start : self._offset + stop]
-                    for r in range(shm.size):
-                        if r != me:
-                            other = self._segments[r][start:stop]
-                            if first is not None:
-                                reduce_out(first, other, acc, self._op)
-                                first = None
-                            else:
-                                reduce_into(acc, other, self._op)
+                    others = [r for r in range(shm.size) if r != me]
+                    mine = self._src[self._offset + start : self._offset + stop]
+                    reduce_out(mine, self._segments[others[0]][start:stop], acc, self._op)
+                    for r in others[1:]:
+                        reduce_into(acc, self._segments[r][start:stop], self._op)
                 shm.raise_flag()
                 self._target = shm.seq
                 self._phase = 2
