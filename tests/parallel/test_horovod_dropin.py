@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import time
 import warnings
 from pathlib import Path
 
@@ -163,12 +164,21 @@ def test_horovod_allreduce_type_error_is_runtime_error() -> None:
         hvd.allreduce(torch.ones(17, 17, dtype=dtype), name="dropin.dtype_mismatch")
 
 
+@pytest.mark.usefixtures("multi_rank")
 def test_horovod_allreduce_duplicate_name_error_is_value_error() -> None:
+    # An operation is in flight until every rank submitted it: a rank that submits late holds
+    # it open while the others submit the same name again (with one rank nothing holds it open,
+    # so, as in Horovod's own test, the test does not apply there).
     tensor = _tensor(torch.float32, 1)
-    first = hvd.allreduce_async(tensor, name="dropin.duplicate")
-    with pytest.raises(ValueError):
-        hvd.allreduce_async(tensor, name="dropin.duplicate")
-    hvd.synchronize(first)
+    for late, name in ((0, "dropin.duplicate.a"), (1, "dropin.duplicate.b")):
+        if hvd.rank() == late:
+            time.sleep(0.3)
+            handle = hvd.allreduce_async(tensor, name=name)
+        else:
+            handle = hvd.allreduce_async(tensor, name=name)
+            with pytest.raises(ValueError):
+                hvd.allreduce_async(tensor, name=name)
+        hvd.synchronize(handle)
 
 
 # -- allgather, broadcast, alltoall, reducescatter -------------------------------------------------
