@@ -9,7 +9,10 @@ from typing import Any
 
 import torch
 
+from commlayer import compression as compression_
 from commlayer import ops
+from commlayer.compression import Compressed, Compression, Compressor
+from commlayer.compression.cast import CastCompressor
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import ReduceOp
 
@@ -43,6 +46,7 @@ def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
     name: str | None = None,
+    compression: Compressor | str = Compression.none,
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -50,7 +54,12 @@ def allreduce(
 ) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks (default op Average) and return the result."""
     resolved = ops._resolve_op(op, average, ReduceOp.Average)
-    return _Allreduce.apply(tensor, name, resolved, prescale_factor, postscale_factor, process_set)
+    cast = _cast(compression, "allreduce")
+    packed = cast.compress(tensor, name or "")
+    reduced = _Allreduce.apply(
+        packed.payload[0], name, resolved, prescale_factor, postscale_factor, process_set
+    )
+    return cast.decompress(Compressed([reduced], packed.ctx))
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -88,6 +97,7 @@ def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
     name: str | None = None,
+    compression: Compressor | str = Compression.none,
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -95,11 +105,13 @@ def grouped_allreduce(
 ) -> list[torch.Tensor]:
     """Allreduce several tensors as one negotiated, fused unit."""
     resolved = ops._resolve_op(op, average, ReduceOp.Average)
-    return list(
-        _GroupedAllreduce.apply(
-            name, resolved, prescale_factor, postscale_factor, process_set, *tensors
-        )
-    )
+    cast = _cast(compression, "grouped_allreduce")
+    packed = [cast.compress(t, name or "") for t in tensors]
+    reduced = _GroupedAllreduce.apply(
+        name, resolved, prescale_factor, postscale_factor, process_set,
+        *(p.payload[0] for p in packed),
+    )  # fmt: skip
+    return [cast.decompress(Compressed([r], p.ctx)) for r, p in zip(reduced, packed, strict=True)]
 
 
 class _Allgather(torch.autograd.Function):
@@ -227,6 +239,7 @@ class _Reducescatter(torch.autograd.Function):
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
+    compression: Compressor | str = Compression.none,
     op: ReduceOp | None = None,
     process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,
@@ -234,9 +247,38 @@ def reducescatter(
 ) -> torch.Tensor:
     """Reduce over ranks (default Average); rank r gets its block of dimension 0."""
     resolved = ops._resolve_op(op, None, ReduceOp.Average)
-    return _Reducescatter.apply(
-        tensor, name, resolved, prescale_factor, postscale_factor, process_set
+    cast = _cast(compression, "reducescatter")
+    packed = cast.compress(tensor, name or "")
+    reduced = _Reducescatter.apply(
+        packed.payload[0], name, resolved, prescale_factor, postscale_factor, process_set
     )
+    return cast.decompress(Compressed([reduced], packed.ctx))
+
+
+def _cast(compression: Compressor | str, what: str) -> CastCompressor:
+    """Horovod's ``compression=`` of one collective: none, fp16 or bf16 (a cast there and back
+    around it). Other compressors need state and rounds: DistributedOptimizer runs them."""
+    compressor = compression_.create(compression)
+    if compressor.name == "none":
+        return _NO_CAST
+    if not isinstance(compressor, CastCompressor):
+        raise ops._input_error(
+            f"{what}(compression={compressor.name!r}): only none, fp16 and bf16 apply to one "
+            "collective (as in Horovod); pass other compressors to "
+            "DistributedOptimizer(compression=...)"
+        )
+    return compressor
+
+
+class _NoCast(CastCompressor):
+    name = "none"
+    wire_dtype = torch.float32
+
+    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
+        return Compressed([tensor], None)
+
+
+_NO_CAST = _NoCast()
 
 
 class _GroupedAllgather(torch.autograd.Function):

@@ -181,6 +181,29 @@ def test_horovod_allreduce_duplicate_name_error_is_value_error() -> None:
         hvd.synchronize(handle)
 
 
+def test_horovod_compression_argument_of_the_blocking_collectives() -> None:
+    # Horovod: allreduce(tensor, average, name, compression, op, ...), the same for
+    # grouped_allreduce; reducescatter(tensor, name, compression, op, ...): a cast there and back.
+    size = hvd.size()
+    x = (torch.arange(6, dtype=torch.float32) + hvd.rank()).requires_grad_()
+    summed = hvd.allreduce(x, None, "dropin.fp16", hvd.Compression.fp16, hvd.Sum)
+    expected = torch.arange(6, dtype=torch.float32) * size + sum(range(size))
+    assert summed.dtype == torch.float32 and torch.equal(summed, expected)
+    summed.sum().backward()  # the cast is part of the graph: gradients reach x
+    assert x.grad is not None and torch.equal(x.grad, torch.full((6,), float(size)))
+    grouped = hvd.grouped_allreduce(
+        [x.detach(), torch.ones(3, dtype=torch.float64)], compression=hvd.Compression.bf16
+    )
+    assert [g.dtype for g in grouped] == [torch.float32, torch.float64]
+    assert torch.equal(grouped[1], torch.ones(3, dtype=torch.float64))  # average
+    block = hvd.reducescatter(torch.ones(2 * size, 3), "dropin.rs", hvd.Compression.fp16, hvd.Sum)
+    assert block.dtype == torch.float32 and torch.equal(block, torch.full((2, 3), float(size)))
+    ints = hvd.allreduce(torch.ones(4, dtype=torch.int32), compression="fp16", op=hvd.Sum)
+    assert ints.dtype == torch.int32 and ints.tolist() == [size] * 4
+    with pytest.raises(ValueError, match=r"rank \d+: allreduce\(compression='topk'\)"):
+        hvd.allreduce(x.detach(), compression="topk:ratio=0.1")
+
+
 # -- allgather, broadcast, alltoall, reducescatter -------------------------------------------------
 def test_horovod_allgather_variable_first_dimension() -> None:
     for dtype, dim in itertools.product(DTYPES, DIMS):
