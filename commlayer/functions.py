@@ -13,6 +13,7 @@ from commlayer import compression as compression_
 from commlayer import ops
 from commlayer.compression import Compressed, Compression, Compressor
 from commlayer.compression.cast import CastCompressor
+from commlayer.compression.none import NoneCompressor
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import ReduceOp
 
@@ -255,30 +256,17 @@ def reducescatter(
     return cast.decompress(Compressed([reduced], packed.ctx))
 
 
-def _cast(compression: Compressor | str, what: str) -> CastCompressor:
+def _cast(compression: Compressor | str, what: str) -> Compressor:
     """Horovod's ``compression=`` of one collective: none, fp16 or bf16 (a cast there and back
     around it). Other compressors need state and rounds: DistributedOptimizer runs them."""
     compressor = compression_.create(compression)
-    if compressor.name == "none":
-        return _NO_CAST
-    if not isinstance(compressor, CastCompressor):
+    if not isinstance(compressor, (NoneCompressor, CastCompressor)):
         raise ops._input_error(
             f"{what}(compression={compressor.name!r}): only none, fp16 and bf16 apply to one "
             "collective (as in Horovod); pass other compressors to "
             "DistributedOptimizer(compression=...)"
         )
     return compressor
-
-
-class _NoCast(CastCompressor):
-    name = "none"
-    wire_dtype = torch.float32
-
-    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
-        return Compressed([tensor], None)
-
-
-_NO_CAST = _NoCast()
 
 
 class _GroupedAllgather(torch.autograd.Function):
