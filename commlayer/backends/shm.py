@@ -12,8 +12,8 @@ the same window (``MPI.Win.Allocate_shared``) and an allreduce of a buffer is, p
 
 Skipping the copy of a rank's own slice saves 1/p of the copying: at 64 MiB the window is cache
 resident and the input and output stream from and to DRAM, so what is left is close to one
-memory copy per rank (two concurrent 64 MiB copies take ~11 ms here, see
-benchmarks/results/algorithms_np2.md).
+memory copy per rank (on the 2-core VM of benchmarks/results/algorithms_np2.md two ranks each
+copying 64 MiB with ``Tensor.copy_`` at once took ~11 ms, the window allreduce 15-30 ms).
 Each slice is reduced by exactly one rank and copied by all, so every rank gets the same bits.
 Chunks alternate between two halves of each segment: a rank can write chunk k+2 into a half only
 after every rank raised its "reduced" flag for chunk k+1, which each does after copying chunk k
@@ -48,6 +48,7 @@ class SharedMemoryAllreduce:
         self.comm = comm
         self.rank = comm.rank
         self.size = comm.size
+        self.others = [r for r in range(self.size) if r != self.rank]  # reduction order
         self.chunk_bytes = max(_ALIGN * self.size, chunk_bytes // _ALIGN * _ALIGN)
         self._segment = _FLAG_BYTES + 2 * self.chunk_bytes
         self.win = MPI.Win.Allocate_shared(self._segment, 1, comm=comm)
@@ -149,10 +150,9 @@ class _Request:
                 start, stop = self._slices[me]
                 if stop > start:  # size >= 2: the backend sends size 1 elsewhere
                     acc = self._segments[me][start:stop]
-                    others = [r for r in range(shm.size) if r != me]
                     mine = self._src[self._offset + start : self._offset + stop]
-                    reduce_out(mine, self._segments[others[0]][start:stop], acc, self._op)
-                    for r in others[1:]:
+                    reduce_out(mine, self._segments[shm.others[0]][start:stop], acc, self._op)
+                    for r in shm.others[1:]:
                         reduce_into(acc, self._segments[r][start:stop], self._op)
                 shm.raise_flag()
                 self._target = shm.seq
