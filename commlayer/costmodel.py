@@ -2,17 +2,26 @@
 
 A schedule (algorithms/schedule.py) is costed step by step with the alpha-beta-gamma model:
 
-    step time = T(max(bytes sent, bytes received)) + (gamma | copy) * bytes received
+    step time = T(max(bytes sent, bytes received)) + (m - 1) alpha + (gamma | copy) * bytes received
+                - overlap * min(T + (m - 1) alpha, (m - 1)/m * (gamma | copy) * bytes received)
 
-with gamma when the step reduces what it receives and copy when it overwrites. T(n), the time of
+with gamma when the step reduces what it receives and copy when it overwrites; m is the number of
+messages each way (a chunked ring step sends its block in m pieces, and the executor reduces a
+piece while later ones are in flight, so up to (m - 1)/m of the local work can hide behind the
+transfers). ``overlap`` in [0, 1] is measured by ``calibrate``: how much of a local reduction
+running between posting an exchange and waiting for it is hidden. It is ~0 when the MPI library
+moves data only inside MPI calls (MPICH between ranks of one node here), and nearer 1 with
+transfers that progress on their own (RDMA NICs, progress threads). T(n), the time of
 one message each way, is alpha + beta n read off a measured curve (piecewise: MPI's eager and
 rendezvous protocols have different alphas and betas, which one line cannot follow; the fitted
 alpha and beta are kept as its summary). An algorithm's time is the largest sum over the ranks'
 schedules (ranks are sampled at large sizes). The curve is measured by ``calibrate`` with every
 rank exchanging with a partner at once through the real executor, so Python's per-step
-overhead and the contention of ranks sharing one memory bus are in it.
+overhead and the contention of ranks sharing one memory bus are in it; the executor's copy of
+the received bytes over the buffer is taken out of it (step_time adds the step's own copy or
+reduction; counting it twice overpredicted every large step).
 gamma and copy are measured on local buffers from 16 KiB (in cache) to 64 MiB, and read off
-that curve at each step's size. The two native algorithms (``mpi``, ``shm``) are
+that curve at each step's size (linearly below it). The two native algorithms (``mpi``, ``shm``) are
 not schedules; calibrate measures their time at sizes 1 KiB - 64 MiB and the model interpolates
 (log-log) between the measured sizes and extrapolates at constant bandwidth beyond them.
 
@@ -67,6 +76,9 @@ class Calibration:
     # local work per step, "reduce" and "copy": (bytes, seconds); small buffers run in cache,
     # several times faster per byte than the gamma and copy rates of large ones
     local: dict[str, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)
+    # fraction of local work hidden behind transfers in flight (0 = none, 1 = all); 0 for
+    # calibrations written before it was measured
+    overlap: float = 0.0
     host: str = ""
     date: str = ""
 
@@ -80,15 +92,30 @@ def message_time(nbytes: int, cal: Calibration) -> float:
     return cal.alpha_s + cal.beta_s_per_byte * nbytes
 
 
+def local_time(kind: str, nbytes: int, cal: Calibration) -> float:
+    """Seconds to ``kind`` ("reduce" or "copy") ``nbytes`` received bytes into the buffer: read
+    off the measured curve (linear below its smallest size), else the fitted rate."""
+    if nbytes <= 0:
+        return 0.0
+    curve = cal.local.get(kind)
+    if not curve:
+        return (cal.gamma_s_per_byte if kind == "reduce" else cal.copy_s_per_byte) * nbytes
+    smallest, seconds = min(curve)
+    if nbytes < smallest:
+        return seconds * nbytes / smallest
+    return _interpolate(curve, nbytes)
+
+
 def step_time(step: Step, element_size: int, cal: Calibration) -> float:
     sent = sum(t.numel for t in step.sends) * element_size
     received = sum(t.numel for t in step.recvs) * element_size
-    kind = "reduce" if step.reduce else "copy"
-    if received and cal.local.get(kind):
-        local = _interpolate(cal.local[kind], received)
-    else:
-        local = (cal.gamma_s_per_byte if step.reduce else cal.copy_s_per_byte) * received
-    return message_time(max(sent, received), cal) + local
+    local = local_time("reduce" if step.reduce else "copy", received, cal)
+    messages = max(len(step.sends), len(step.recvs), 1)
+    transfer = message_time(max(sent, received), cal) + (messages - 1) * cal.alpha_s
+    hidden = 0.0
+    if messages > 1 and step.early and cal.overlap > 0:
+        hidden = cal.overlap * min(transfer, local * (messages - 1) / messages)
+    return transfer + local - hidden
 
 
 def schedule_time(schedule: Schedule, element_size: int, cal: Calibration) -> float:
@@ -283,7 +310,12 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
             _finish(ScheduleRequest(backend, schedule, buf, ReduceOp.Sum, scratch))
 
         points.append((nbytes, run_local_collective(backend, exchange, quick)))
+    # The executor copied each received message over the buffer, which step_time counts on its
+    # own (local "copy"): the curve keeps the transfer alone (at least half of what was timed).
+    copying = Calibration(size, nodes, 0.0, 0.0, gamma, copy, {}, local=local)
+    points = [(n, max(t - local_time("copy", n, copying), t / 2)) for n, t in points]
     alpha, beta = _fit([(float(n), t) for n, t in points])
+    overlap = _measure_overlap(backend, partner, quick)
     native: dict[str, list[tuple[int, float]]] = {}
     native_sizes = NATIVE_SIZES[::2] if quick else NATIVE_SIZES
     for name in ("mpi", "shm") if nodes == 1 else ("mpi",):
@@ -307,9 +339,42 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
         native=native,
         exchange=points,
         local=local,
+        overlap=overlap,
         host=platform.node(),
         date=datetime.date.today().isoformat(),
     )
+
+
+def _measure_overlap(backend: Any, partner: int | None, quick: bool) -> float:
+    """How much of a 4 MiB reduction, run between posting a 4 MiB exchange with the partner
+    and waiting for it, hides behind the exchange: (comm + local - both) / min(comm, local),
+    clipped to [0, 1]; the slowest-to-hide rank's value, the same on every rank (collective;
+    a rank without a partner, the last one of an odd size, does not vote)."""
+    from commlayer.reduce_ops import ReduceOp
+
+    numel = (4 << 20) // 4
+    a, b = torch.rand(numel), torch.rand(numel)
+    out, into = torch.zeros(numel), torch.zeros(numel)
+
+    def exchange(work: bool, comm: bool = True) -> None:
+        requests = []
+        if comm and partner is not None:
+            requests = [backend.irecv(into, partner), backend.isend(out, partner)]
+        if work:
+            a.add_(b)
+        for request in requests:
+            _finish(request)
+
+    rounds = []  # the three timed back to back, several times: a load change between them
+    for _ in range(3 if quick else 7):  # (another job, a helper) would skew one round only
+        comm = run_local_collective(backend, functools.partial(exchange, False), True)
+        local = run_local_collective(backend, functools.partial(exchange, True, False), True)
+        both = run_local_collective(backend, functools.partial(exchange, True), True)
+        rounds.append((comm + local - both) / max(min(comm, local), 1e-12))
+    hidden = 1.0 if partner is None else sorted(rounds)[len(rounds) // 2]
+    result = torch.tensor([min(1.0, max(0.0, hidden))], dtype=torch.float64)
+    _finish(backend.iallreduce(None, result, ReduceOp.Min))
+    return float(result)
 
 
 def _finish(request: Any) -> None:

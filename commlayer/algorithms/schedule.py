@@ -2,10 +2,12 @@
 
 An algorithm is a function ``(rank, size, numel, topology) -> list[Step]``. A step posts all its
 sends and receives at once; sends read the buffer as it was before the step, receives land in
-scratch memory and are applied to the buffer (reduced into it, or copied over it) in order once
-every transfer of the step completed. The same list is run by the executor (executor.py),
-checked and costed without any communication (``simulate``, ``traffic`` here; costmodel.py),
-and can be exported as per-rank traces for a simulator. No algorithm is written twice.
+scratch memory and are applied to the buffer (reduced into it, or copied over it) in their
+listed order, each once it and those before it arrived and no send of the step still reads its
+range: so the executor reduces the first piece of a chunked step while the next ones are still
+on the wire. The same list is run by the executor (executor.py), checked and costed without any
+communication (``simulate``, ``traffic`` here; costmodel.py), and can be exported as per-rank
+traces for a simulator. No algorithm is written twice.
 
 Ranges are in elements of the flat buffer. Empty ranges are never listed, so buffers smaller
 than the rank count work: both ends of a transfer compute the same ranges and skip the same
@@ -43,6 +45,16 @@ class Step:
     sends: tuple[Transfer, ...] = ()
     recvs: tuple[Transfer, ...] = ()
     reduce: bool = True
+
+    @property
+    def early(self) -> bool:
+        """Receives may be applied while the step's sends are still in flight: no send range
+        overlaps a receive range (the sends' span is disjoint from the receives')."""
+        if not self.sends or not self.recvs:
+            return True
+        send_lo, send_hi = min(t.start for t in self.sends), max(t.stop for t in self.sends)
+        recv_lo, recv_hi = min(t.start for t in self.recvs), max(t.stop for t in self.recvs)
+        return send_hi <= recv_lo or recv_hi <= send_lo
 
 
 Schedule = list[Step]
@@ -89,19 +101,39 @@ def relabel(schedule: Schedule, peers: Sequence[int], offset: int = 0) -> Schedu
     ]
 
 
+# Ring steps cut a block of more than this many elements into pieces of at most this many
+# (4 MiB of float32), one message each: the executor reduces a piece while the next is in flight.
+RING_CHUNK_ELEMENTS = 1 << 20
+
+
+def pieces(peer: int, start: int, stop: int, chunk: int) -> list[tuple[int, int, int]]:
+    """[start, stop) to or from ``peer`` as ceil(len / chunk) near-equal (peer, start, stop)
+    pieces; both ends of a transfer cut it the same way."""
+    count = max(1, -(-(stop - start) // chunk))
+    return [(peer, start + a, start + b) for a, b in blocks(stop - start, count)]
+
+
 def ring_phases(
-    index: int, members: Sequence[int], ranges: Sequence[tuple[int, int]]
+    index: int,
+    members: Sequence[int],
+    ranges: Sequence[tuple[int, int]],
+    chunk: int | None = None,
 ) -> tuple[Schedule, Schedule]:
     """(reduce-scatter, allgather) of a ring over ``members`` (this rank is members[index]) on
-    one range per member; after the reduce-scatter this rank holds range (index + 1) mod g."""
+    one range per member; after the reduce-scatter this rank holds range (index + 1) mod g.
+    Blocks longer than ``chunk`` elements (default RING_CHUNK_ELEMENTS) travel in pieces."""
+    chunk = max(1, chunk or RING_CHUNK_ELEMENTS)
     g = len(members)
     right, left = members[(index + 1) % g], members[(index - 1) % g]
-    scatter, gather = [], []
+    scatter: list[Step | None] = []
+    gather: list[Step | None] = []
     for s in range(g - 1):
-        send, recv = ranges[(index - s) % g], ranges[(index - s - 1) % g]
-        scatter.append(step(sends=[(right, *send)], recvs=[(left, *recv)], reduce=True))
-        send, recv = ranges[(index + 1 - s) % g], ranges[(index - s) % g]
-        gather.append(step(sends=[(right, *send)], recvs=[(left, *recv)], reduce=False))
+        for out, into, reduce in (
+            (ranges[(index - s) % g], ranges[(index - s - 1) % g], True),
+            (ranges[(index + 1 - s) % g], ranges[(index - s) % g], False),
+        ):
+            sends, recvs = pieces(right, *out, chunk), pieces(left, *into, chunk)
+            (scatter if reduce else gather).append(step(sends, recvs, reduce))
     return compact(scatter), compact(gather)
 
 

@@ -4,8 +4,10 @@ the loopback backend, and algorithm selection through the configuration."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.engine import Engine
 from commlayer.errors import ConfigError
 from commlayer.reduce_ops import ReduceOp, reduce_into
+
+# the module (``algorithms.schedule`` is the function of the same name)
+schedule_module = importlib.import_module("commlayer.algorithms.schedule")
 
 SCHEDULES = [
     "hierarchical",
@@ -252,6 +257,127 @@ def test_engine_refuses_a_topology_that_does_not_fit() -> None:
             Engine(backend, config.load(environ={}, topology="nodes=3"))
 
     run_ranks(2, main)
+
+
+# -- chunked ring steps ----------------------------------------------------------------------------
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(schedule_module, "RING_CHUNK_ELEMENTS", 7)
+    return 7
+
+
+@pytest.mark.parametrize("name", ["ring", "hierarchical", "torus2d"])
+@pytest.mark.parametrize("size", [2, 3, 4, 6])
+def test_chunked_ring_steps_are_correct_and_keep_the_textbook_counts(
+    name: str, size: int, small_chunks: int
+) -> None:
+    topology = Topology(tuple(r // 2 for r in range(size))) if size % 2 == 0 else None
+    for numel in (0, 1, size - 1, 100, 1001):
+        tensors = inputs(size, numel, torch.int64, seed=numel)
+        expected = reference(tensors, ReduceOp.Sum)
+        for rank, result in enumerate(run_all(name, size, tensors, ReduceOp.Sum, topology)):
+            assert torch.equal(result, expected), f"{name} n={numel} rank {rank}"
+    n = size * 96  # 96-element blocks: 14 pieces of 6-7 elements each way per step
+    for rank in range(size):
+        schedule = algorithms.schedule("ring", rank, size, n)
+        assert len(schedule) == 2 * (size - 1)
+        assert traffic(schedule) == (2 * (size - 1) * n // size,) * 2
+        for s in schedule:
+            assert len(s.sends) == len(s.recvs) == 14 and s.early
+            assert max(t.numel for t in s.sends + s.recvs) <= small_chunks
+
+
+def test_unchunked_below_the_chunk_size() -> None:
+    schedule = algorithms.schedule("ring", 0, 2, 2 * schedule_module.RING_CHUNK_ELEMENTS)
+    assert all(len(s.sends) == len(s.recvs) == 1 for s in schedule)
+    schedule = algorithms.schedule("ring", 0, 2, 2 * schedule_module.RING_CHUNK_ELEMENTS + 2)
+    assert all(len(s.sends) == len(s.recvs) == 2 for s in schedule)
+
+
+def test_a_step_whose_sends_overlap_its_receives_is_not_applied_early() -> None:
+    assert Step(sends=(Transfer(1, 0, 4),), recvs=(Transfer(1, 4, 8),)).early
+    assert not Step(sends=(Transfer(1, 0, 8),), recvs=(Transfer(1, 4, 8),)).early
+    assert not algorithms.schedule("recursive_doubling", 0, 4, 100)[0].early  # full buffer
+
+
+class _Held:
+    """A loopback request that reports completion only once released (order of arrival)."""
+
+    def __init__(self, inner: Any, gate: list[bool]) -> None:
+        self.inner, self.gate = inner, gate
+
+    def test(self) -> bool:
+        return self.gate[0] and self.inner.test()
+
+
+class _HoldingBackend:
+    """Point-to-point calls of a loopback backend; every receive but the first is held (and
+    every send, with ``sends``) until the gate opens."""
+
+    def __init__(self, backend: LoopbackBackend, gate: list[bool], sends: bool = False) -> None:
+        self.backend, self.gate, self.count, self.sends = backend, gate, 0, sends
+
+    def isend(self, buf: torch.Tensor, peer: int) -> Any:
+        request = self.backend.isend(buf, peer)
+        return _Held(request, self.gate) if self.sends else request
+
+    def irecv(self, buf: torch.Tensor, peer: int) -> Any:
+        self.count += 1
+        request = self.backend.irecv(buf, peer)
+        return request if self.count == 1 else _Held(request, self.gate)
+
+
+def test_executor_reduces_the_first_piece_before_the_others_arrive(small_chunks: int) -> None:
+    """Rank 0's receives are held back except the first: after test() the first piece of the
+    step is already reduced into the buffer while the step is still in flight."""
+    from commlayer.algorithms.executor import ScheduleRequest, Scratch
+
+    def main(backend: LoopbackBackend) -> tuple[bool, bool, torch.Tensor]:
+        buf = torch.full((28,), float(backend.rank + 1))
+        schedule = algorithms.schedule("ring", backend.rank, 2, 28)  # 2 pieces of 7 per step
+        gate = [backend.rank != 0]
+        held = _HoldingBackend(backend, gate)
+        request = ScheduleRequest(held, schedule, buf, ReduceOp.Sum, Scratch())  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10.0
+        first_piece = False
+        while not request.test():
+            start, stop = schedule[0].recvs[0].start, schedule[0].recvs[0].stop
+            first_piece = first_piece or bool((buf[start:stop] == 3.0).all())
+            gate[0] = gate[0] or first_piece or time.monotonic() > deadline - 5
+            assert time.monotonic() < deadline
+            time.sleep(1e-4)
+        return backend.rank != 0 or first_piece, True, buf
+
+    for ok, _, buf in run_ranks(2, main):
+        assert ok
+        assert torch.equal(buf, torch.full((28,), 3.0))
+
+
+def test_executor_waits_for_the_sends_of_a_step_that_overlap_its_receives() -> None:
+    """Recursive doubling sends and receives the whole buffer in one step: a receive that
+    arrived is not applied while the send reading the same range is still in flight."""
+    from commlayer.algorithms.executor import ScheduleRequest, Scratch
+
+    def main(backend: LoopbackBackend) -> torch.Tensor:
+        buf = torch.full((8,), float(backend.rank + 1))
+        schedule = algorithms.schedule("recursive_doubling", backend.rank, 2, 8)
+        gate = [backend.rank != 0]
+        held = _HoldingBackend(backend, gate, sends=True)
+        request = ScheduleRequest(held, schedule, buf, ReduceOp.Sum, Scratch())  # type: ignore[arg-type]
+        for _ in range(50):
+            assert not request.test() or backend.rank != 0
+            if backend.rank == 0:
+                assert torch.equal(buf, torch.full((8,), 1.0)), "applied under a pending send"
+            time.sleep(1e-3)
+        gate[0] = True
+        deadline = time.monotonic() + 10.0
+        while not request.test():
+            assert time.monotonic() < deadline
+            time.sleep(1e-4)
+        return buf
+
+    for buf in run_ranks(2, main):
+        assert torch.equal(buf, torch.full((8,), 3.0))
 
 
 def test_blocks_cover_the_buffer_evenly() -> None:

@@ -4,6 +4,7 @@ measured native algorithms, auto's choice, storage, the fit, and the ``commlayer
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 
@@ -34,6 +35,25 @@ def test_ring_prediction_is_the_textbook_formula() -> None:
     expected = 2 * (p - 1) * (CAL.alpha_s + CAL.beta_s_per_byte * block)
     expected += (p - 1) * CAL.gamma_s_per_byte * block + (p - 1) * CAL.copy_s_per_byte * block
     assert costmodel.predict("ring", n, e, CAL) == pytest.approx(expected)
+
+
+def test_chunked_ring_steps_add_an_alpha_per_piece_and_hide_local_work_by_the_overlap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        importlib.import_module("commlayer.algorithms.schedule"), "RING_CHUNK_ELEMENTS", 250
+    )
+    p, n, e = 4, 4000, 4  # 1000-element blocks in 4 pieces of 250
+    block = n // p * e
+    transfer = CAL.alpha_s + CAL.beta_s_per_byte * block + 3 * CAL.alpha_s
+    local = (p - 1) * (CAL.gamma_s_per_byte + CAL.copy_s_per_byte) * block
+    assert costmodel.predict("ring", n, e, CAL) == pytest.approx(2 * (p - 1) * transfer + local)
+    half = dataclasses.replace(CAL, overlap=0.5)
+    hidden = 0.5 * 3 / 4 * local  # local work per step is below the transfer time here
+    assert CAL.gamma_s_per_byte * block * 3 / 4 < transfer
+    assert costmodel.predict("ring", n, e, half) == pytest.approx(
+        2 * (p - 1) * transfer + local - hidden
+    )
 
 
 def test_prediction_is_the_slowest_rank() -> None:
