@@ -15,6 +15,9 @@ cost model's prediction vs the measurement.
 4. ``auto``'s pick per size is compared with the best measured algorithm ("pick vs best": the
    pick's own column against the fastest column of the same row); auto is also timed as a
    dispatcher of its own, a separate measurement that shows the run-to-run spread.
+5. With ``COMMLAYER_TOPOLOGY`` (e.g. ``nodes=2,local=2``) the topology-aware algorithms run on
+   those pretend nodes (``hierarchical``: its shared-memory form on equal nodes); ``auto`` keeps
+   the detected nodes, which its calibration is for.
 Rank 0 prints markdown tables and writes them to ``--out``.
 """
 
@@ -32,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from commlayer import algorithms, costmodel
+from commlayer import algorithms, config, costmodel
+from commlayer.algorithms import topology
 from commlayer.algorithms.executor import Allreducer
 from commlayer.backends.mpi import MPI, MPIBackend, library_version
 from commlayer.reduce_ops import ReduceOp
@@ -85,6 +89,8 @@ def main() -> int:
     if world.rank == 0 and target:
         costmodel.save(cal, Path(target))
     names = costmodel.candidates(cal.nodes == 1)
+    pretend = config.load().topology
+    nodes = topology.build(pretend, world.size, backend.nodes())
     auto = Allreducer(algorithms.AUTO, [cal])
     sizes = []
     n = args.min_bytes
@@ -96,7 +102,8 @@ def main() -> int:
         f"# allreduce algorithms, {world.size} ranks, float32 Sum in place",
         "",
         f"{datetime.date.today()}, {platform.node()}, torch {torch.__version__}, "
-        f"{library_version()}, `{' '.join(['mpiexec -n', str(world.size), *sys.argv])}`",
+        f"{library_version()}, `{' '.join(['mpiexec -n', str(world.size), *sys.argv])}`"
+        + (f", COMMLAYER_TOPOLOGY={pretend}" if pretend else ""),
         "",
         f"Calibration (this run): alpha {cal.alpha_s * 1e6:.1f} us, beta "
         f"{1 / cal.beta_s_per_byte / 1e9:.2f} GB/s, reduce {1 / cal.gamma_s_per_byte / 1e9:.2f} "
@@ -120,7 +127,7 @@ def main() -> int:
         buf = torch.ones(nbytes // 4)
         times: dict[str, float] = {}
         for name in [*names, algorithms.AUTO]:
-            allreducer = auto if name == algorithms.AUTO else Allreducer(name)
+            allreducer = auto if name == algorithms.AUTO else Allreducer(name, topology=nodes)
 
             def run(allreducer: Allreducer = allreducer, buf: torch.Tensor = buf) -> None:
                 request = allreducer(backend, None, buf, ReduceOp.Sum)

@@ -124,8 +124,9 @@ class Allreducer:
         self.algorithm = algorithms.check_name(algorithm)
         self._override = topology
         # per backend object (not its id: a removed process set's id can be reused): its
-        # topology and whether it can use the shared-memory window
-        self._facts: dict[Backend, tuple[Topology, bool]] = {}
+        # topology, whether it can use the shared-memory window, and whether hierarchical
+        # runs as that window within nodes (see _backend_facts)
+        self._facts: dict[Backend, tuple[Topology, bool, bool]] = {}
         self._scratch = Scratch()
         self._schedules: dict[tuple[str, int, int, int, Topology], Schedule] = {}
         self._calibrations = {(c.size, c.nodes): c for c in calibrations or ()}
@@ -137,7 +138,7 @@ class Allreducer:
         ``mpi`` when the ranks are not all on one node. Every rank decides the same from the
         same facts (sizes, node layout, the calibration file of the node)."""
         name = self.algorithm
-        topology, capable = self._backend_facts(backend)
+        topology, capable, _ = self._backend_facts(backend)
         if name == algorithms.AUTO:
             nodes = topology.nodes
             key = (backend.size, nodes, numel.bit_length(), element_size, capable)
@@ -154,14 +155,37 @@ class Allreducer:
     def __call__(
         self, backend: Backend, send: torch.Tensor | None, buf: torch.Tensor, op: ReduceOp
     ) -> Request:
+        """Start the allreduce of ``buf`` (from ``send`` when given). ``hierarchical`` runs in
+        two levels, the shared-memory window in each node and ``hierarchical.INTER`` across,
+        when the backend can and the nodes allow it (``_backend_facts``); else its schedule."""
         name = self.choose(backend, buf.numel(), buf.element_size())
+        topology, _, two_level = self._backend_facts(backend)
+        if name == "hierarchical" and two_level:
+            return backend.shm_hierarchical_iallreduce(  # type: ignore[attr-defined]
+                send, buf, op, topology.node_of, lambda cross, part: self._inter(cross, part, op)
+            )
+        return self._run(name, backend, send, buf, op, topology)
+
+    def _inter(self, cross: Backend, part: torch.Tensor, op: ReduceOp) -> Request:
+        """The leg across nodes of the two-level hierarchical: ``hierarchical.INTER``, as in
+        the schedule form (the ranks of ``cross`` are one per node, so a flat topology)."""
+        return self._run(hierarchical.INTER, cross, None, part, op, Topology.flat(cross.size))
+
+    def _run(
+        self,
+        name: str,
+        backend: Backend,
+        send: torch.Tensor | None,
+        buf: torch.Tensor,
+        op: ReduceOp,
+        topology: Topology,
+    ) -> Request:
         if name == "mpi" or backend.size == 1:
             return backend.iallreduce(send, buf, op)
         if name == "shm":
             return backend.shm_iallreduce(send, buf, op)  # type: ignore[attr-defined]
         if send is not None:
             buf.copy_(send)
-        topology = self.topology(backend)
         key = (name, backend.rank, backend.size, buf.numel(), topology)
         schedule = self._schedules.get(key)
         if schedule is None:
@@ -176,7 +200,8 @@ class Allreducer:
     def topology(self, backend: Backend) -> Topology:
         return self._backend_facts(backend)[0]
 
-    def _backend_facts(self, backend: Backend) -> tuple[Topology, bool]:
+    def _backend_facts(self, backend: Backend) -> tuple[Topology, bool, bool]:
+        """(topology, shm capable, hierarchical two-level), from facts every rank shares."""
         found = self._facts.get(backend)
         if found is None:
             detected = tuple(backend.nodes())
@@ -186,5 +211,14 @@ class Allreducer:
                 topology = Topology(detected)
             # shm needs real shared memory: the detected nodes, not an override
             capable = hasattr(backend, "shm_iallreduce") and len(set(detected)) == 1
-            found = self._facts[backend] = (topology, capable)
+            # hierarchical's window per node: equal nodes (a slice of a chunk must be the same
+            # on every node), more than one (on one, the schedule the cost model predicts),
+            # each within one detected node (one machine: an override may split, not join)
+            two_level = (
+                hasattr(backend, "shm_hierarchical_iallreduce")
+                and topology.nodes > 1
+                and topology.uniform()
+                and len(set(zip(topology.node_of, detected))) == topology.nodes
+            )
+            found = self._facts[backend] = (topology, capable, two_level)
         return found

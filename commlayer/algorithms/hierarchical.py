@@ -14,6 +14,16 @@ rank ends with the same bits.
 
 Cost (groups of g, G groups, inter = ring): 2(g-1) (alpha_in + n/g beta_in) + (g-1)/g n gamma
 + 2(G-1) (alpha_out + n/(gG) beta_out) + (G-1)/(gG) n gamma.
+
+Shared-memory form (the engine's ``hierarchical`` when it can; executor.Allreducer): with more than
+one node, every node the same number of ranks and each node's ranks on one machine, steps (1)
+and (3) go through the MPI-3 shared-memory window instead (backends/shm.py), chunk by chunk: the
+window reduce-scatters a chunk, each rank allreduces its slice across nodes with ``INTER`` (over
+the ranks with its index in their node), the window allgathers. Every rank decides the same,
+from the topology and the detected nodes. Cost per chunk of c bytes and rank: copy in
+(g-1)/g c, reduce (g-1)/g c gamma, copy out c (memory copies, no message per peer) plus one
+``INTER`` allreduce of c/g bytes; the bytes between nodes are as above. Otherwise (one node,
+unequal nodes, a backend without a window such as the loopback) the schedule runs.
 """
 
 from __future__ import annotations

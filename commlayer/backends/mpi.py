@@ -11,8 +11,8 @@ import atexit
 import os
 import socket
 from collections import deque
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import mpi4py
 
@@ -25,6 +25,9 @@ from mpi4py import MPI  # noqa: E402
 
 from commlayer.backends.base import COMPLETED, Request  # noqa: E402
 from commlayer.reduce_ops import ReduceOp  # noqa: E402
+
+if TYPE_CHECKING:
+    from commlayer.backends.shm import SharedMemoryAllreduce
 
 _DTYPES: dict[torch.dtype, MPI.Datatype] = {
     torch.float32: MPI.FLOAT,
@@ -169,7 +172,9 @@ class MPIBackend:
         self._size = self._comm.size
         me = (socket.gethostname(), os.getpid())
         self._peers: list[tuple[str, int]] = self._comm.allgather(me)
-        self._shm: Any = None
+        self._shm: SharedMemoryAllreduce | None = None
+        # per node layout (shm_hierarchical_iallreduce): the backends of my node and across
+        self._levels: dict[tuple[int, ...], tuple[MPIBackend, MPIBackend]] = {}
         self._probes: dict[int, deque[_ProbeRecvRequest]] = {}  # irecv_any's, per peer, in order
         shared = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         leaders = self._comm.allgather(shared.allreduce(self._rank, op=MPI.MIN))
@@ -205,12 +210,65 @@ class MPIBackend:
         The window is made at the first call, which every rank reaches together."""
         if self._size == 1 or recv.numel() == 0:
             return self.iallreduce(send, recv, op)
+        return self._window().iallreduce(send, recv, op)
+
+    def shm_hierarchical_iallreduce(
+        self,
+        send: torch.Tensor | None,
+        recv: torch.Tensor,
+        op: ReduceOp,
+        node_of: Sequence[int],
+        inter: Callable[[MPIBackend, torch.Tensor], Request] | None = None,
+    ) -> Request:
+        """iallreduce in two levels (algorithms/hierarchical.py): a shared-memory window over
+        each node of ``node_of`` (the node of every rank: equal nodes, each on one machine), and
+        between nodes ``inter(cross, part)``, which allreduces ``part`` in place over ``cross``,
+        the backend of the ranks with this rank's index in its node (default: MPI's allreduce).
+        The communicators and the window are made at the first call for a layout, which every
+        rank reaches together."""
+        if self._size == 1 or recv.numel() == 0:
+            return self.iallreduce(send, recv, op)
+        if len(set(node_of)) == 1:
+            return self.shm_iallreduce(send, recv, op)
+        node, cross = self._two_levels(tuple(node_of))
+
+        def across(part: torch.Tensor) -> Request:
+            return cross.iallreduce(None, part, op) if inter is None else inter(cross, part)
+
+        if node.size == 1:
+            if send is not None:
+                recv.copy_(send)
+            return across(recv)
+        return node._window().iallreduce(send, recv, op, across)
+
+    def _window(self) -> SharedMemoryAllreduce:
         if self._shm is None:
             from commlayer.backends.shm import SharedMemoryAllreduce
 
             assert isinstance(self._comm, MPI.Intracomm)
             self._shm = SharedMemoryAllreduce(self._comm, _SHM_CHUNK_BYTES)
-        return self._shm.iallreduce(send, recv, op)
+        return self._shm
+
+    def _two_levels(self, node_of: tuple[int, ...]) -> tuple[MPIBackend, MPIBackend]:
+        """(my node's backend, the backend across nodes) for a layout; made once, collectively.
+        Every rank checks the whole layout, so all of them raise or none does (no hang)."""
+        levels = self._levels.get(node_of)
+        if levels is None:
+            sizes = {node_of.count(n) for n in node_of}
+            shared = len(set(zip(node_of, self._nodes))) == len(set(node_of))
+            if len(node_of) != self._size or len(sizes) != 1 or not shared:
+                raise ValueError(
+                    f"rank {self._rank}: node_of={node_of!r} does not fit a two-level allreduce "
+                    f"over {self._size} ranks: it needs a node for every rank, the same number "
+                    f"of ranks on every node, and the ranks of a node on one machine (detected "
+                    f"nodes: {self._nodes!r})"
+                )
+            mine = node_of[self._rank]
+            local = [r for r, n in enumerate(node_of) if n == mine].index(self._rank)
+            node = MPIBackend(self._comm.Split(mine, self._rank))
+            cross = MPIBackend(self._comm.Split(local, self._rank))
+            levels = self._levels[node_of] = (node, cross)
+        return levels
 
     def iallgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Request:
         req = self._comm.Iallgatherv(_spec(send), _vspec(recv, counts))
@@ -288,6 +346,9 @@ class MPIBackend:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+        for level in (level for levels in self._levels.values() for level in levels):
+            level.close()
+        self._levels.clear()
         if self._comm != MPI.COMM_WORLD and self._comm != MPI.COMM_NULL:
             self._comm.Free()
 

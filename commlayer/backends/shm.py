@@ -14,12 +14,21 @@ Skipping the copy of a rank's own slice saves 1/p of the copying: at 64 MiB the 
 resident and the input and output stream from and to DRAM, so what is left is close to one
 memory copy per rank (on the 2-core VM of benchmarks/results/algorithms_np2.md two ranks each
 copying 64 MiB with ``Tensor.copy_`` at once took ~11 ms, the window allreduce 15-30 ms).
-Each slice is reduced by exactly one rank and copied by all, so every rank gets the same bits.
+Each slice is reduced by exactly one rank and copied by all, so every rank gets the same bits
+(with ``inter``, below, too: its result is the same bits on all of its ranks).
 Chunks alternate between two halves of each segment: a rank can write chunk k+2 into a half only
 after every rank raised its "reduced" flag for chunk k+1, which each does after copying chunk k
 out, so no rank overwrites data another still reads. Flags are monotonic counters (2 per chunk)
 in a cache line of their own; ``Win.Sync`` (MPI_Win_sync, a memory barrier in the window's
 ``Lock_all`` epoch) orders data before flags, as MPI-3's shared-memory model requires.
+
+As the local leg of ``hierarchical`` (algorithms/hierarchical.py: several nodes of g ranks
+each), rank r raises its "reduced" flag only after ``inter`` has allreduced its reduced slice in
+place with the ranks of the same local index on the other nodes, which hold the same slice (same
+g, chunking and dtype). So a chunk is reduce-scattered through the window, 1/g of it per rank
+crosses between nodes, and it is allgathered through the window. The g allreduces across nodes
+run at once, on separate slices; a chunk's copy out waits for the slowest of them (chunks do not
+overlap), so the cost per chunk is the window's plus one inter-node allreduce of chunk/g bytes.
 
 ``test()`` advances as far as it can without waiting, so the engine's yield-then-sleep wait loop
 drives it like any MPI request: no busy-polling, and a dead peer is still noticed.
@@ -27,12 +36,13 @@ drives it like any MPI request: no busy-polling, and a dead peer is still notice
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from commlayer.backends.base import Request
 from commlayer.reduce_ops import ReduceOp, reduce_into, reduce_out
 
 _FLAG_BYTES = 128  # one flag per rank, alone in its cache lines (no false sharing)
@@ -93,8 +103,17 @@ class SharedMemoryAllreduce:
         step = -(-step // align) * align
         return [(min(r * step, numel), min((r + 1) * step, numel)) for r in range(self.size)]
 
-    def iallreduce(self, send: torch.Tensor | None, recv: torch.Tensor, op: ReduceOp) -> Any:
-        return _Request(self, recv.view(-1) if send is None else send.view(-1), recv.view(-1), op)
+    def iallreduce(
+        self,
+        send: torch.Tensor | None,
+        recv: torch.Tensor,
+        op: ReduceOp,
+        inter: Callable[[torch.Tensor], Request] | None = None,
+    ) -> Request:
+        """``inter``: allreduces a reduced slice in place across nodes (hierarchical's leg
+        between nodes; its peers must hold the same slice: same size, chunking and dtype)."""
+        src = recv.view(-1) if send is None else send.view(-1)
+        return _Request(self, src, recv.view(-1), op, inter)
 
     def close(self) -> None:
         self.win.Unlock_all()
@@ -105,17 +124,24 @@ class _Request:
     """One allreduce in flight: a state machine that ``test()`` advances without waiting."""
 
     __slots__ = (
-        "_shm", "_src", "_out", "_op", "_offset", "_numel", "_phase", "_target", "_chunk",
-        "_slices", "_views", "_segments",
+        "_shm", "_src", "_out", "_op", "_inter", "_across", "_offset", "_numel", "_phase",
+        "_target", "_chunk", "_slices", "_views", "_segments",
     )  # fmt: skip
 
     def __init__(
-        self, shm: SharedMemoryAllreduce, src: torch.Tensor, out: torch.Tensor, op: ReduceOp
+        self,
+        shm: SharedMemoryAllreduce,
+        src: torch.Tensor,
+        out: torch.Tensor,
+        op: ReduceOp,
+        inter: Callable[[torch.Tensor], Request] | None,
     ) -> None:
         self._shm = shm
         self._src = src
         self._out = out
         self._op = op
+        self._inter = inter
+        self._across: Request | None = None  # my slice's allreduce across nodes, in flight
         self._offset = 0
         self._numel = out.numel()
         self._phase = 0
@@ -144,7 +170,7 @@ class _Request:
                 shm.raise_flag()
                 self._target = shm.seq
                 self._phase = 1
-            if self._phase == 1:  # every rank's chunk is in: reduce my slice, flag "reduced"
+            if self._phase == 1:  # every rank's chunk is in: reduce my slice (and across nodes)
                 if not shm.all_reached(self._target):
                     return False
                 start, stop = self._slices[me]
@@ -154,10 +180,18 @@ class _Request:
                     reduce_out(mine, self._segments[shm.others[0]][start:stop], acc, self._op)
                     for r in shm.others[1:]:
                         reduce_into(acc, self._segments[r][start:stop], self._op)
+                    if self._inter is not None:
+                        self._across = self._inter(acc)
+                self._phase = 2
+            if self._phase == 2:  # my slice final: flag "reduced"
+                if self._across is not None:
+                    if not self._across.test():
+                        return False
+                    self._across = None
                 shm.raise_flag()
                 self._target = shm.seq
-                self._phase = 2
-            if self._phase == 2:  # every slice reduced: copy all of them out
+                self._phase = 3
+            if self._phase == 3:  # every slice reduced: copy all of them out
                 if not shm.all_reached(self._target):
                     return False
                 out = self._out[self._offset : self._offset + count]
