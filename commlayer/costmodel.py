@@ -43,6 +43,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,6 +58,10 @@ HEURISTIC_SHM_BYTES = 32 << 20
 SCHEDULE_MARGIN = 1.25  # a schedule must be predicted 1.25x faster than the best native one
 NATIVE_SIZES = tuple(1 << k for k in range(10, 27, 2))  # 1 KiB .. 64 MiB
 _SAMPLED_RANKS = 8
+# run_local_collective times loops of ~10 ms: the skew of ranks leaving its barrier is spread
+# over more calls, nearer the long loops of benchmarks/algorithms.py (2 ms before; the
+# difference was within this machine's noise in the one comparison made)
+_LOOP_S = 10e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,43 +297,52 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
         for row, kind in enumerate(("reduce", "copy"))
     }
 
-    # alpha, beta: every rank exchanges with a partner at once, through the executor.
+    # alpha, beta: every rank exchanges with a partner at once, through the executor; and the
+    # native algorithms' times. This machine's speed drifts by up to 2x within a minute: every
+    # size is taken in turn (its exchange and natives at one moment, as auto compares them), in
+    # rounds over all sizes, and each point is the median of its rounds.
     scratch = Scratch()
     partner = rank ^ 1 if (rank ^ 1) < size else None
-    sizes = [8, *(1 << k for k in range(10, 27, 4 if quick else 2))]  # 8 B, 1 KiB .. 64 MiB
-    points: list[tuple[int, float]] = []
-    for nbytes in sizes:
-        numel = max(nbytes // 4, 1)
-        buf = torch.zeros(numel)
-        schedule = (
-            [Step((Transfer(partner, 0, numel),), (Transfer(partner, 0, numel),), False)]
-            if partner is not None
-            else []
-        )
+    exchange_sizes = [8, *(1 << k for k in range(10, 27, 4 if quick else 2))]  # 8 B .. 64 MiB
+    native_sizes = NATIVE_SIZES[::2] if quick else NATIVE_SIZES
+    natives = {name: Allreducer(name) for name in (("mpi", "shm") if nodes == 1 else ("mpi",))}
+    timed: dict[tuple[str, int], list[float]] = {}
+    for _ in range(1 if quick else 3):
+        for nbytes in sorted({*exchange_sizes, *native_sizes}):
+            numel = max(nbytes // 4, 1)
+            buf = torch.zeros(numel)
+            jobs: list[tuple[str, Callable[[], None]]] = []
+            if nbytes in exchange_sizes:
+                schedule = []
+                if partner is not None:
+                    both = (Transfer(partner, 0, numel),)
+                    schedule.append(Step(both, both, False))
 
-        def exchange(buf: torch.Tensor = buf, schedule: Schedule = schedule) -> None:
-            _finish(ScheduleRequest(backend, schedule, buf, ReduceOp.Sum, scratch))
+                def exchange(buf: torch.Tensor = buf, schedule: Schedule = schedule) -> None:
+                    _finish(ScheduleRequest(backend, schedule, buf, ReduceOp.Sum, scratch))
 
-        points.append((nbytes, run_local_collective(backend, exchange, quick)))
+                jobs.append(("exchange", exchange))
+            if nbytes in native_sizes:
+                for name, allreducer in natives.items():
+
+                    def allreduce(
+                        buf: torch.Tensor = buf, allreducer: Allreducer = allreducer
+                    ) -> None:
+                        _finish(allreducer(backend, None, buf, ReduceOp.Sum))
+
+                    jobs.append((name, allreduce))
+            for key, fn in jobs:
+                timed.setdefault((key, nbytes), []).append(run_local_collective(backend, fn, True))
+    points = [(n, statistics.median(timed["exchange", n])) for n in exchange_sizes]
+    native = {
+        name: [(n, statistics.median(timed[name, n])) for n in native_sizes] for name in natives
+    }
     # The executor copied each received message over the buffer, which step_time counts on its
     # own (local "copy"): the curve keeps the transfer alone (at least half of what was timed).
     copying = Calibration(size, nodes, 0.0, 0.0, gamma, copy, {}, local=local)
     points = [(n, max(t - local_time("copy", n, copying), t / 2)) for n, t in points]
     alpha, beta = _fit([(float(n), t) for n, t in points])
     overlap = _measure_overlap(backend, partner, quick)
-    native: dict[str, list[tuple[int, float]]] = {}
-    native_sizes = NATIVE_SIZES[::2] if quick else NATIVE_SIZES
-    for name in ("mpi", "shm") if nodes == 1 else ("mpi",):
-        allreducer = Allreducer(name)
-        curve = []
-        for nbytes in native_sizes:
-            buf = torch.zeros(nbytes // 4)
-
-            def allreduce(buf: torch.Tensor = buf, allreducer: Allreducer = allreducer) -> None:
-                _finish(allreducer(backend, None, buf, ReduceOp.Sum))
-
-            curve.append((nbytes, run_local_collective(backend, allreduce, quick)))
-        native[name] = curve
     return Calibration(
         size=size,
         nodes=nodes,
@@ -393,8 +407,8 @@ def run_local_collective(backend: Any, fn: Callable[[], object], quick: bool) ->
     fn()
     once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     _finish(backend.iallreduce(None, once, ReduceOp.Max))
-    # Loops of ~2 ms: the skew of ranks leaving the barrier is spread over many calls.
-    loop = max(1, min(200, int(2e-3 / max(float(once), 1e-7))))
+    # Loops of ~_LOOP_S: the skew of ranks leaving the barrier is spread over many calls.
+    loop = max(1, min(200, int(_LOOP_S / max(float(once), 1e-7))))
     samples = torch.zeros(3 if quick else 7, dtype=torch.float64)
     for i in range(samples.numel()):
         _finish(backend.ibarrier())
