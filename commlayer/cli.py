@@ -36,10 +36,19 @@ def _print_table(cal: costmodel.Calibration, sizes: Sequence[int]) -> None:
 
 
 def calibrate(args: argparse.Namespace) -> int:
+    from commlayer import config
+    from commlayer.algorithms import topology
     from commlayer.backends.mpi import MPIBackend
 
     backend = MPIBackend()
-    cal = costmodel.calibrate(backend, quick=args.quick)
+    override = config.load().topology  # COMMLAYER_TOPOLOGY: one machine measured as several nodes
+    try:
+        topo = topology.build(override, backend.size, backend.nodes())
+    except ValueError as exc:
+        print(f"rank {backend.rank}: COMMLAYER_TOPOLOGY={override!r}: {exc}", file=sys.stderr)
+        backend.close()
+        return 2
+    cal = costmodel.calibrate(backend, quick=args.quick, topology=topo)
     backend.close()
     if backend.rank == 0:
         path = costmodel.save(cal, Path(args.out) if args.out else None)

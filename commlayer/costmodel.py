@@ -25,8 +25,15 @@ that curve at each step's size (linearly below it). The two native algorithms (`
 not schedules; calibrate measures their time at sizes 1 KiB - 64 MiB and the model interpolates
 (log-log) between the measured sizes and extrapolates at constant bandwidth beyond them.
 
-Multi-node topologies (inter-node alpha/beta, link-sharing contention) are not modelled yet: on
-more than one node ``auto`` keeps the MPI library's own allreduce.
+Several nodes (given a topology): a transfer to a rank on another node is read off a second
+curve, ``exchange_inter``, measured by ``calibrate`` between partners on different nodes, every
+pair at once; a step costs the slower of its parts inside and across nodes. Contention factor:
+when k ranks of a node send (receive) across nodes in the same step, that part is costed as k
+times the bytes, the node's one link carrying the k flows. Its limits: the ranks' schedules are
+assumed step-aligned (true of the symmetric algorithms; a rank ahead or behind shares less),
+each node has one full-duplex link, and links meeting in a switch are not shared. Without an
+inter curve (calibrations from before it, or of one node) every transfer is costed on the one
+curve as before, and ``auto`` on several nodes keeps the MPI library's own allreduce.
 
 ``commlayer calibrate`` (under mpiexec) measures and saves; ``commlayer algorithms --size 64MiB``
 prints the predicted table. Without a calibration for the job's size, ``auto`` uses ``shm`` for
@@ -53,6 +60,7 @@ import torch
 
 from commlayer import algorithms
 from commlayer.algorithms.schedule import Schedule, Step
+from commlayer.algorithms.topology import Topology
 
 HEURISTIC_SHM_BYTES = 32 << 20
 SCHEDULE_MARGIN = 1.25  # a schedule must be predicted 1.25x faster than the best native one
@@ -86,14 +94,26 @@ class Calibration:
     overlap: float = 0.0
     host: str = ""
     date: str = ""
+    # as ``exchange``, between partners on different nodes (every pair at once, so a node's
+    # ranks share its link); empty on one node and in calibrations from before it: see has_inter
+    exchange_inter: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+
+    @property
+    def has_inter(self) -> bool:
+        """Whether inter-node transfers were measured (``exchange_inter``); without it the
+        model costs every transfer on the one ``exchange`` curve and ``auto`` on several nodes
+        keeps ``mpi``."""
+        return bool(self.exchange_inter)
 
 
 # -- prediction ----------------------------------------------------------------------------------
-def message_time(nbytes: int, cal: Calibration) -> float:
+def message_time(nbytes: int, cal: Calibration, inter: bool = False) -> float:
     """alpha + beta n, read off the measured exchange curve where there is one (MPI switches
-    protocol with the size, which one straight line cannot follow)."""
-    if cal.exchange:
-        return _interpolate(cal.exchange, max(nbytes, 1))
+    protocol with the size, which one straight line cannot follow); ``inter``: across nodes,
+    off ``exchange_inter`` when the calibration has it."""
+    curve = cal.exchange_inter if inter and cal.has_inter else cal.exchange
+    if curve:
+        return _interpolate(curve, max(nbytes, 1))
     return cal.alpha_s + cal.beta_s_per_byte * nbytes
 
 
@@ -111,20 +131,71 @@ def local_time(kind: str, nbytes: int, cal: Calibration) -> float:
     return _interpolate(curve, nbytes)
 
 
-def step_time(step: Step, element_size: int, cal: Calibration) -> float:
+Sharing = tuple[int, int]  # ranks of a node sending, and receiving, across nodes in one step
+
+
+def step_time(
+    step: Step,
+    element_size: int,
+    cal: Calibration,
+    topology: Topology | None = None,
+    rank: int = 0,
+    sharing: Sharing = (1, 1),
+) -> float:
+    """One step of ``rank``: its transfers, then its local work less what hides behind them.
+    With a ``topology`` of several nodes and an inter curve, the transfers are the slower of
+    those inside the node and those across, these with ``sharing`` times the bytes each way."""
     sent = sum(t.numel for t in step.sends) * element_size
     received = sum(t.numel for t in step.recvs) * element_size
     local = local_time("reduce" if step.reduce else "copy", received, cal)
     messages = max(len(step.sends), len(step.recvs), 1)
-    transfer = message_time(max(sent, received), cal) + (messages - 1) * cal.alpha_s
+    if topology is None or topology.nodes == 1 or not cal.has_inter:
+        transfer = message_time(max(sent, received), cal) + (messages - 1) * cal.alpha_s
+    else:
+        transfer = max(
+            _part_time(step, element_size, cal, topology, rank, False, (1, 1)),
+            _part_time(step, element_size, cal, topology, rank, True, sharing),
+        )
     hidden = 0.0
     if messages > 1 and step.early and cal.overlap > 0:
         hidden = cal.overlap * min(transfer, local * (messages - 1) / messages)
     return transfer + local - hidden
 
 
-def schedule_time(schedule: Schedule, element_size: int, cal: Calibration) -> float:
-    return sum(step_time(s, element_size, cal) for s in schedule)
+def _part_time(
+    step: Step,
+    element_size: int,
+    cal: Calibration,
+    topology: Topology,
+    rank: int,
+    inter: bool,
+    sharing: Sharing,
+) -> float:
+    """The transfers of a step inside ``rank``'s node (or across nodes: ``inter``); 0 if none.
+    An extra piece costs the fitted alpha inside a node, the smallest measured exchange across."""
+    node = topology.node_of[rank]
+    sends = [t.numel for t in step.sends if (topology.node_of[t.peer] != node) == inter]
+    recvs = [t.numel for t in step.recvs if (topology.node_of[t.peer] != node) == inter]
+    if not sends and not recvs:
+        return 0.0
+    nbytes = max(sharing[0] * sum(sends), sharing[1] * sum(recvs)) * element_size
+    alpha = min(cal.exchange_inter)[1] if inter else cal.alpha_s
+    return message_time(nbytes, cal, inter) + (max(len(sends), len(recvs)) - 1) * alpha
+
+
+def schedule_time(
+    schedule: Schedule,
+    element_size: int,
+    cal: Calibration,
+    topology: Topology | None = None,
+    rank: int = 0,
+    sharing: Sequence[Sharing] = (),
+) -> float:
+    """The sum of ``rank``'s steps; ``sharing``: per step index (1, 1) when not given."""
+    return sum(
+        step_time(s, element_size, cal, topology, rank, sharing[i] if i < len(sharing) else (1, 1))
+        for i, s in enumerate(schedule)
+    )
 
 
 def _sampled_ranks(size: int) -> list[int]:
@@ -134,18 +205,40 @@ def _sampled_ranks(size: int) -> list[int]:
     return sorted(picks)
 
 
-def predict(name: str, numel: int, element_size: int, cal: Calibration) -> float | None:
-    """Predicted seconds for one allreduce of ``numel`` elements; None when ``name`` is a native
-    algorithm the calibration did not measure."""
+@functools.lru_cache(maxsize=256)
+def _link_sharing(name: str, numel: int, topology: Topology, node: int) -> tuple[Sharing, ...]:
+    """Per step index, how many ranks of ``node`` send across nodes and how many receive (at
+    least 1 each): the contention factor, from the schedules of all the node's ranks, which are
+    assumed step-aligned. Cached: ``choose`` and ``table`` ask for every algorithm and size."""
+    schedules = [
+        algorithms.schedule(name, r, topology.size, numel, topology) for r in topology.members(node)
+    ]
+    counts = [[0, 0] for _ in range(max((len(s) for s in schedules), default=0))]
+    for schedule in schedules:
+        for i, step in enumerate(schedule):
+            for way, transfers in enumerate((step.sends, step.recvs)):
+                counts[i][way] += any(topology.node_of[t.peer] != node for t in transfers)
+    return tuple((max(k_send, 1), max(k_recv, 1)) for k_send, k_recv in counts)
+
+
+def predict(
+    name: str, numel: int, element_size: int, cal: Calibration, topology: Topology | None = None
+) -> float | None:
+    """Predicted seconds for one allreduce of ``numel`` elements (one node unless
+    ``topology`` says otherwise); None when ``name`` is a native algorithm the calibration did
+    not measure."""
     if cal.size == 1 or numel == 0:
         return 0.0
     if name in algorithms.NATIVE:
         curve = cal.native.get(name)
         return _interpolate(curve, numel * element_size) if curve else None
-    return max(
-        schedule_time(algorithms.schedule(name, r, cal.size, numel), element_size, cal)
-        for r in _sampled_ranks(cal.size)
-    )
+    links = topology if topology is not None and topology.nodes > 1 and cal.has_inter else None
+    slowest = 0.0
+    for r in _sampled_ranks(cal.size):
+        schedule = algorithms.schedule(name, r, cal.size, numel, topology)
+        sharing = _link_sharing(name, numel, links, links.node_of[r]) if links else ()
+        slowest = max(slowest, schedule_time(schedule, element_size, cal, topology, r, sharing))
+    return slowest
 
 
 def _interpolate(curve: Sequence[tuple[int, float]], nbytes: int) -> float:
@@ -167,30 +260,54 @@ def candidates(single_node: bool) -> list[str]:
     return names if single_node else [n for n in names if n != "shm"]
 
 
-def table(nbytes: int, cal: Calibration, element_size: int = 4) -> list[tuple[str, float]]:
-    """(algorithm, predicted seconds) for a buffer of ``nbytes``, fastest first."""
+def node_major(cal: Calibration) -> Topology | None:
+    """The topology a calibration of several nodes is assumed to have when none is given: equal
+    nodes, rank r on node r // (size / nodes); None on one node or when the nodes cannot be
+    equal."""
+    if cal.nodes <= 1 or cal.size % cal.nodes:
+        return None
+    local = cal.size // cal.nodes
+    return Topology(tuple(r // local for r in range(cal.size)))
+
+
+def table(
+    nbytes: int, cal: Calibration, element_size: int = 4, topology: Topology | None = None
+) -> list[tuple[str, float]]:
+    """(algorithm, predicted seconds) for a buffer of ``nbytes``, fastest first; on the given
+    topology, else ``node_major(cal)``."""
     numel = max(nbytes // element_size, 1)
+    topology = topology if topology is not None else node_major(cal)
     rows = []
     for name in candidates(cal.nodes == 1):
-        seconds = predict(name, numel, element_size, cal)
+        seconds = predict(name, numel, element_size, cal, topology)
         if seconds is not None:
             rows.append((name, seconds))
     return sorted(rows, key=lambda row: (row[1], row[0]))
 
 
-def choose(numel: int, element_size: int, size: int, nodes: int, cal: Calibration | None) -> str:
-    """``auto``'s pick: with a calibration for this size and node count, the lowest predicted
-    time, except that a schedule must beat the best native algorithm (whose time is measured)
-    by SCHEDULE_MARGIN; else the measured rule of thumb. Every rank computes the same."""
+def choose(
+    numel: int,
+    element_size: int,
+    size: int,
+    nodes: int,
+    cal: Calibration | None,
+    topology: Topology | None = None,
+) -> str:
+    """``auto``'s pick: with a calibration for this size and node count (on several nodes: one
+    with an inter curve), the lowest predicted time on ``topology`` (else ``node_major``),
+    except that a schedule must beat the best native algorithm (whose time is measured) by
+    SCHEDULE_MARGIN; else the measured rule of thumb. Every rank computes the same."""
     if size == 1:
         return "mpi"
     if cal is None or cal.size != size or cal.nodes != nodes:
         if nodes == 1 and numel * element_size >= HEURISTIC_SHM_BYTES:
             return "shm"
         return "mpi"
-    if nodes > 1:
+    if nodes > 1 and not cal.has_inter:
         return "mpi"
-    rows = table(numel * element_size, cal, element_size)
+    if topology is not None and (topology.size != size or topology.nodes != nodes):
+        topology = None
+    rows = table(numel * element_size, cal, element_size, topology)
     native = [(name, t) for name, t in rows if name in algorithms.NATIVE]
     if not native:
         return rows[0][0]
@@ -249,6 +366,7 @@ def _from_raw(raw: Any) -> Calibration | None:
     try:
         raw["native"] = {k: [tuple(p) for p in v] for k, v in raw["native"].items()}
         raw["exchange"] = [tuple(p) for p in raw.get("exchange", [])]
+        raw["exchange_inter"] = [tuple(p) for p in raw.get("exchange_inter", [])]
         raw["local"] = {k: [tuple(p) for p in v] for k, v in raw.get("local", {}).items()}
         return Calibration(**raw)
     except (TypeError, KeyError, AttributeError):
@@ -274,15 +392,19 @@ def _local_rate(fn: Callable[[], object], nbytes: int, repeats: int = 5) -> floa
     return best / nbytes
 
 
-def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
+def calibrate(
+    backend: Any, *, quick: bool = False, topology: Topology | None = None
+) -> Calibration:
     """Measure this machine over ``backend`` (an MPI backend; collective: every rank calls it
-    together). Every number is the slowest rank's, so all ranks return the same."""
+    together) on its detected nodes, or on ``topology`` (COMMLAYER_TOPOLOGY: one machine as
+    several nodes). Every number is the slowest rank's, so all ranks return the same."""
     from commlayer.algorithms.executor import Allreducer, ScheduleRequest, Scratch
     from commlayer.algorithms.schedule import Transfer
     from commlayer.reduce_ops import ReduceOp
 
     size, rank = backend.size, backend.rank
-    nodes = len(set(backend.nodes()))
+    topology = topology or Topology(tuple(backend.nodes()))
+    nodes = topology.nodes
     local_sizes = [1 << k for k in range(14, 27, 4)]  # 16 KiB .. 64 MiB
     rates = torch.zeros(2, len(local_sizes), dtype=torch.float64)
     for i, nbytes in enumerate(local_sizes):
@@ -297,12 +419,15 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
         for row, kind in enumerate(("reduce", "copy"))
     }
 
-    # alpha, beta: every rank exchanges with a partner at once, through the executor; and the
-    # native algorithms' times. This machine's speed drifts by up to 2x within a minute: every
-    # size is taken in turn (its exchange and natives at one moment, as auto compares them), in
-    # rounds over all sizes, and each point is the median of its rounds.
+    # alpha, beta: every rank exchanges with a partner at once, through the executor (inside
+    # its node, and on several nodes also with one on another node); and the native
+    # algorithms' times. This machine's speed drifts by up to 2x within a minute: every size is
+    # taken in turn (its exchanges and natives at one moment, as auto compares them), in rounds
+    # over all sizes, and each point is the median of its rounds.
     scratch = Scratch()
-    partner = rank ^ 1 if (rank ^ 1) < size else None
+    partners = {"exchange": _partner(topology, rank, False)}
+    if nodes > 1:
+        partners["exchange_inter"] = _partner(topology, rank, True)
     exchange_sizes = [8, *(1 << k for k in range(10, 27, 4 if quick else 2))]  # 8 B .. 64 MiB
     native_sizes = NATIVE_SIZES[::2] if quick else NATIVE_SIZES
     natives = {name: Allreducer(name) for name in (("mpi", "shm") if nodes == 1 else ("mpi",))}
@@ -313,15 +438,16 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
             buf = torch.zeros(numel)
             jobs: list[tuple[str, Callable[[], None]]] = []
             if nbytes in exchange_sizes:
-                schedule = []
-                if partner is not None:
-                    both = (Transfer(partner, 0, numel),)
-                    schedule.append(Step(both, both, False))
+                for key, partner in partners.items():
+                    schedule = []
+                    if partner is not None:
+                        both = (Transfer(partner, 0, numel),)
+                        schedule.append(Step(both, both, False))
 
-                def exchange(buf: torch.Tensor = buf, schedule: Schedule = schedule) -> None:
-                    _finish(ScheduleRequest(backend, schedule, buf, ReduceOp.Sum, scratch))
+                    def exchange(buf: torch.Tensor = buf, schedule: Schedule = schedule) -> None:
+                        _finish(ScheduleRequest(backend, schedule, buf, ReduceOp.Sum, scratch))
 
-                jobs.append(("exchange", exchange))
+                    jobs.append((key, exchange))
             if nbytes in native_sizes:
                 for name, allreducer in natives.items():
 
@@ -333,16 +459,21 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
                     jobs.append((name, allreduce))
             for key, fn in jobs:
                 timed.setdefault((key, nbytes), []).append(run_local_collective(backend, fn, True))
-    points = [(n, statistics.median(timed["exchange", n])) for n in exchange_sizes]
+    # The executor copied each received message over the buffer, which step_time counts on its
+    # own (local "copy"): the curves keep the transfer alone (at least half of what was timed).
+    copying = Calibration(size, nodes, 0.0, 0.0, gamma, copy, {}, local=local)
+    medians = {
+        key: [(n, statistics.median(timed[key, n])) for n in exchange_sizes] for key in partners
+    }
+    curves = {
+        key: [(n, max(t - local_time("copy", n, copying), t / 2)) for n, t in points]
+        for key, points in medians.items()
+    }
     native = {
         name: [(n, statistics.median(timed[name, n])) for n in native_sizes] for name in natives
     }
-    # The executor copied each received message over the buffer, which step_time counts on its
-    # own (local "copy"): the curve keeps the transfer alone (at least half of what was timed).
-    copying = Calibration(size, nodes, 0.0, 0.0, gamma, copy, {}, local=local)
-    points = [(n, max(t - local_time("copy", n, copying), t / 2)) for n, t in points]
-    alpha, beta = _fit([(float(n), t) for n, t in points])
-    overlap = _measure_overlap(backend, partner, quick)
+    alpha, beta = _fit([(float(n), t) for n, t in curves["exchange"]])
+    overlap = _measure_overlap(backend, partners["exchange"], quick)
     return Calibration(
         size=size,
         nodes=nodes,
@@ -351,12 +482,30 @@ def calibrate(backend: Any, *, quick: bool = False) -> Calibration:
         gamma_s_per_byte=gamma,
         copy_s_per_byte=copy,
         native=native,
-        exchange=points,
+        exchange=curves["exchange"],
         local=local,
         overlap=overlap,
         host=platform.node(),
         date=datetime.date.today().isoformat(),
+        exchange_inter=curves.get("exchange_inter", []),
     )
+
+
+def _partner(topology: Topology, rank: int, inter: bool) -> int | None:
+    """``rank``'s partner for the exchange curves: inside the node, local index i with i ^ 1;
+    across (``inter``), the rank of the same local index on node j ^ 1 for this node j (nodes
+    in order of appearance). None when there is none: the rank still joins the timing."""
+    node = topology.node_of[rank]
+    members = topology.members(node)
+    index = members.index(rank)
+    if not inter:
+        return members[index ^ 1] if index ^ 1 < len(members) else None
+    nodes = sorted(set(topology.node_of))
+    other = nodes.index(node) ^ 1
+    if other >= len(nodes):
+        return None
+    members = topology.members(nodes[other])
+    return members[index] if index < len(members) else None
 
 
 def _measure_overlap(backend: Any, partner: int | None, quick: bool) -> float:

@@ -146,7 +146,9 @@ class Allreducer:
             if not name:
                 representative = 1 << max(numel.bit_length() - 1, 0)
                 cal = self._calibrations.get((backend.size, nodes))
-                name = costmodel.choose(representative, element_size, backend.size, nodes, cal)
+                name = costmodel.choose(
+                    representative, element_size, backend.size, nodes, cal, topology
+                )
                 self._auto[key] = name
         if name == "shm" and not capable:
             return "mpi"

@@ -69,3 +69,19 @@ def test_calibrate_writes_what_auto_and_the_table_read(run_mpi: RunMPI, tmp_path
     best = costmodel.table(64 << 20, cal)[0][0]
     assert costmodel.choose(16 << 20, 4, 2, 1, cal) in costmodel.candidates(True)
     assert best in costmodel.candidates(True)
+
+
+def test_calibrate_on_a_pretend_two_node_topology_measures_across_nodes(
+    run_mpi: RunMPI, tmp_path: Path
+) -> None:
+    out = tmp_path / "calibration.json"
+    env = {"COMMLAYER_TOPOLOGY": "nodes=2,local=2"}  # ranks 0, 1 | 2, 3: 0-2 and 1-3 cross
+    job = run_mpi("calibrate.py", 4, "--quick", "--out", str(out), env=env, timeout_s=240.0)
+    assert job.returncode == 0, job.output()
+    assert list(json.loads(out.read_text())) == ["size=4,nodes=2"]
+    cal = costmodel.load(4, 2, out)
+    assert cal is not None and cal.has_inter, job.output()
+    assert [n for n, _ in cal.exchange_inter] == [n for n, _ in cal.exchange]
+    assert all(t > 0 for _, t in cal.exchange_inter + cal.exchange)
+    assert sorted(cal.native) == ["mpi"]  # shm is no candidate on several nodes
+    assert costmodel.choose(16 << 20, 4, 4, 2, cal) in costmodel.candidates(single_node=False)

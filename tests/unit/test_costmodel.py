@@ -12,6 +12,7 @@ import pytest
 
 from commlayer import algorithms, cli, costmodel
 from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.topology import Topology
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.costmodel import Calibration
 from commlayer.engine import agreed_calibrations
@@ -184,3 +185,100 @@ def test_steps_are_costed_from_the_measured_exchange_curve() -> None:
     assert costmodel.predict("ring", n, 4, dataclasses.replace(cal, size=p)) == pytest.approx(
         expected
     )
+
+
+# -- several nodes: the inter-node curve and the contention factor ------------------------------
+def _line(alpha_s: float, beta_s_per_byte: float) -> list[tuple[int, float]]:
+    return [(1 << k, alpha_s + beta_s_per_byte * (1 << k)) for k in range(3, 31)]
+
+
+TWO_NODES = Topology((0, 0, 0, 0, 1, 1, 1, 1))
+CAL_2X4 = dataclasses.replace(
+    CAL,
+    size=8,
+    nodes=2,
+    native={"mpi": [(1024, 1.0), (1 << 30, 2.0)]},  # slow: the model's pick is a schedule
+    exchange=_line(10e-6, 1e-9),
+    exchange_inter=_line(100e-6, 10e-9),  # the network: 10x the intra-node alpha and beta
+)
+
+
+def test_topology_aware_schedules_beat_flat_ones_when_crossing_nodes_is_slow() -> None:
+    for nbytes in (1 << 20, 1 << 26):
+        times = {
+            name: costmodel.predict(name, nbytes // 4, 4, CAL_2X4, TWO_NODES)
+            for name in ("ring", "rabenseifner", "hierarchical", "shd")
+        }
+        for fast in ("hierarchical", "shd"):
+            for flat in ("ring", "rabenseifner"):
+                assert times[fast] < times[flat], (nbytes, times)
+
+
+def test_flows_sharing_a_node_link_cost_their_bytes_times_their_number() -> None:
+    n = 1 << 20  # bytes; rabenseifner's first step: ranks 0-3 each swap n/2 with ranks 4-7
+    sharing = costmodel._link_sharing("rabenseifner", n // 4, TWO_NODES, 0)
+    assert sharing == ((4, 4), (1, 1), (1, 1), (1, 1), (1, 1), (4, 4))
+    # ring: a node's last rank sends across and its first receives, one flow each way
+    assert set(costmodel._link_sharing("ring", n // 4, TWO_NODES, 0)) == {(1, 1)}
+
+    def t_in(nbytes: int) -> float:
+        return 10e-6 + 1e-9 * nbytes
+
+    def t_out(nbytes: int) -> float:
+        return 100e-6 + 10e-9 * nbytes
+
+    g, c = CAL.gamma_s_per_byte, CAL.copy_s_per_byte
+    first = algorithms.schedule("rabenseifner", 0, 8, n // 4, TWO_NODES)[0]
+    one_flow = costmodel.step_time(first, 4, CAL_2X4, TWO_NODES, 0)
+    four_flows = costmodel.step_time(first, 4, CAL_2X4, TWO_NODES, 0, (4, 4))
+    assert one_flow == pytest.approx(t_out(n // 2) + g * n / 2)
+    assert four_flows == pytest.approx(t_out(4 * n // 2) + g * n / 2)
+    expected = (
+        t_out(2 * n) + g * n / 2 + t_in(n // 4) + g * n / 4 + t_in(n // 8) + g * n / 8  # halving
+        + t_in(n // 8) + c * n / 8 + t_in(n // 4) + c * n / 4 + t_out(2 * n) + c * n / 2
+    )  # fmt: skip
+    assert costmodel.predict("rabenseifner", n // 4, 4, CAL_2X4, TWO_NODES) == pytest.approx(
+        expected
+    )
+
+
+def test_without_an_inter_curve_the_one_curve_model_is_unchanged() -> None:
+    one_curve = dataclasses.replace(CAL_2X4, exchange_inter=[])
+    assert not one_curve.has_inter and CAL_2X4.has_inter
+    numel = 1 << 18
+    for name in ("ring", "rabenseifner", "hierarchical", "shd", "tree", "swing"):
+        schedules = [algorithms.schedule(name, r, 8, numel, TWO_NODES) for r in range(8)]
+        expected = max(costmodel.schedule_time(s, 4, one_curve) for s in schedules)
+        predicted = costmodel.predict(name, numel, 4, one_curve, TWO_NODES)
+        assert predicted == pytest.approx(expected)
+    assert costmodel.predict("ring", numel, 4, one_curve, TWO_NODES) == pytest.approx(
+        costmodel.predict("ring", numel, 4, one_curve)
+    )
+
+
+def test_auto_on_several_nodes_uses_the_model_only_with_an_inter_curve() -> None:
+    numel = (1 << 24) // 4
+    one_curve = dataclasses.replace(CAL_2X4, exchange_inter=[])
+    assert costmodel.choose(numel, 4, 8, 2, one_curve, TWO_NODES) == "mpi"
+    pick = costmodel.choose(numel, 4, 8, 2, CAL_2X4, TWO_NODES)
+    assert pick == costmodel.table(1 << 24, CAL_2X4, 4, TWO_NODES)[0][0]
+    assert pick in ("hierarchical", "shd", "torus2d")
+    assert costmodel.choose(numel, 4, 8, 2, CAL_2X4) == pick  # node-major assumed, the same
+    assert "shm" not in dict(costmodel.table(1 << 24, CAL_2X4))
+
+    def main(backend: LoopbackBackend) -> str:
+        return Allreducer("auto", [CAL_2X4], TWO_NODES).choose(backend, numel, 4)
+
+    assert run_ranks(8, main) == [pick] * 8
+
+
+def test_inter_curve_round_trips_and_files_without_it_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "cal.json"
+    costmodel.save(CAL_2X4, path)
+    assert costmodel.load(8, 2, path) == CAL_2X4
+    old = dataclasses.asdict(dataclasses.replace(CAL, exchange=_line(10e-6, 1e-9)))
+    del old["exchange_inter"]
+    path.write_text(json.dumps({"size=4,nodes=1": old}))
+    loaded = costmodel.load(4, 1, path)
+    assert loaded is not None and loaded.exchange_inter == [] and not loaded.has_inter
+    assert loaded.exchange == _line(10e-6, 1e-9)
