@@ -125,6 +125,12 @@ def local_time(kind: str, nbytes: int, cal: Calibration) -> float:
     curve = cal.local.get(kind)
     if not curve:
         return (cal.gamma_s_per_byte if kind == "reduce" else cal.copy_s_per_byte) * nbytes
+    return _local_curve_time(curve, nbytes)
+
+
+def _local_curve_time(curve: Sequence[tuple[int, float]], nbytes: int) -> float:
+    """A local-work curve read at ``nbytes``: linear below its smallest size (the time of small
+    copies scales with their bytes), log-log between its points."""
     smallest, seconds = min(curve)
     if nbytes < smallest:
         return seconds * nbytes / smallest
@@ -459,14 +465,13 @@ def calibrate(
                     jobs.append((name, allreduce))
             for key, fn in jobs:
                 timed.setdefault((key, nbytes), []).append(run_local_collective(backend, fn, True))
-    # The executor copied each received message over the buffer, which step_time counts on its
-    # own (local "copy"): the curves keep the transfer alone (at least half of what was timed).
-    copying = Calibration(size, nodes, 0.0, 0.0, gamma, copy, {}, local=local)
     medians = {
         key: [(n, statistics.median(timed[key, n])) for n in exchange_sizes] for key in partners
     }
+    # The executor copied each received message over the buffer, which step_time counts on its
+    # own (local "copy"): the curves keep the transfer alone (at least half of what was timed).
     curves = {
-        key: [(n, max(t - local_time("copy", n, copying), t / 2)) for n, t in points]
+        key: [(n, max(t - _local_curve_time(local["copy"], n), t / 2)) for n, t in points]
         for key, points in medians.items()
     }
     native = {
