@@ -213,14 +213,12 @@ class Allreducer:
                 topology = Topology(detected)
             # shm needs real shared memory: the detected nodes, not an override
             capable = hasattr(backend, "shm_iallreduce") and len(set(detected)) == 1
-            # hierarchical's window per node: equal nodes (a slice of a chunk must be the same
-            # on every node), more than one (on one, the schedule the cost model predicts),
-            # each within one detected node (one machine: an override may split, not join)
+            # hierarchical's window per node: more than one node (on one, the schedule the cost
+            # model predicts), and a window per node fits (Topology.windows_fit)
             two_level = (
                 hasattr(backend, "shm_hierarchical_iallreduce")
                 and topology.nodes > 1
-                and topology.uniform()
-                and len(set(zip(topology.node_of, detected))) == topology.nodes
+                and topology.windows_fit(detected)
             )
             found = self._facts[backend] = (topology, capable, two_level)
         return found

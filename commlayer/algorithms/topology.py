@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _PART = re.compile(r"^\s*(nodes|local|torus)\s*=\s*(\d+(?:\s*x\s*\d+)?)\s*$")
@@ -39,6 +40,16 @@ class Topology:
         """Every node holds the same number of ranks."""
         counts = {self.node_of.count(n) for n in set(self.node_of)}
         return len(counts) == 1
+
+    def windows_fit(self, detected: Sequence[int]) -> bool:
+        """A shared-memory window per node can serve this layout: every node holds the same
+        number of ranks (a chunk's slices match across nodes) and lies within one ``detected``
+        node, a real machine (an override may split machines, not join them)."""
+        return (
+            len(detected) == self.size
+            and self.uniform()
+            and len(set(zip(self.node_of, detected))) == self.nodes
+        )
 
     def grid(self) -> tuple[int, int]:
         """(rows, columns) for torus2d: the given torus, else one row per node when nodes are

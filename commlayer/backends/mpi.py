@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from commlayer.algorithms.topology import Topology  # noqa: E402
 from commlayer.backends.base import COMPLETED, Request  # noqa: E402
 from commlayer.reduce_ops import ReduceOp  # noqa: E402
 
@@ -254,9 +255,7 @@ class MPIBackend:
         Every rank checks the whole layout, so all of them raise or none does (no hang)."""
         levels = self._levels.get(node_of)
         if levels is None:
-            sizes = {node_of.count(n) for n in node_of}
-            shared = len(set(zip(node_of, self._nodes))) == len(set(node_of))
-            if len(node_of) != self._size or len(sizes) != 1 or not shared:
+            if len(node_of) != self._size or not Topology(node_of).windows_fit(self._nodes):
                 raise ValueError(
                     f"rank {self._rank}: node_of={node_of!r} does not fit a two-level allreduce "
                     f"over {self._size} ranks: it needs a node for every rank, the same number "
