@@ -78,13 +78,13 @@ class State:
             raise HostsUpdatedInterrupt(all(r for t, r in seen if t > previous))
 
     def save(self) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define save() (see ObjectState)")
 
     def restore(self) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define restore() (see ObjectState)")
 
     def sync(self) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define sync() (see ObjectState)")
 
 
 class ObjectState(State):
