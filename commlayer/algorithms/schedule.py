@@ -117,12 +117,11 @@ def ring_phases(
     index: int,
     members: Sequence[int],
     ranges: Sequence[tuple[int, int]],
-    chunk: int | None = None,
 ) -> tuple[Schedule, Schedule]:
     """(reduce-scatter, allgather) of a ring over ``members`` (this rank is members[index]) on
     one range per member; after the reduce-scatter this rank holds range (index + 1) mod g.
-    Blocks longer than ``chunk`` elements (default RING_CHUNK_ELEMENTS) travel in pieces."""
-    chunk = max(1, chunk or RING_CHUNK_ELEMENTS)
+    Blocks longer than RING_CHUNK_ELEMENTS (read at each call) travel in pieces."""
+    chunk = RING_CHUNK_ELEMENTS
     g = len(members)
     right, left = members[(index + 1) % g], members[(index - 1) % g]
     scatter: list[Step | None] = []
