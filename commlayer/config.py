@@ -30,6 +30,7 @@ class Config:
     """Engine settings; units are in the field names."""
 
     fusion_threshold_bytes: int = 64 * 1024 * 1024
+    min_bucket_bytes: int = 1024 * 1024
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     compression: str = "none"
@@ -46,9 +47,12 @@ class Config:
     @property
     def idle_cycle_time_ms(self) -> float:
         """Heartbeat of a rank with nothing pending: only stall, join and shutdown news need it,
-        and a rank that gets work posts at once, so it can be 20x longer than the cycle time
-        (idle engine CPU at 1 ms heartbeat measured ~5% of a core; at 20 ms it is < 0.5%)."""
-        return max(20.0 * self.cycle_time_ms, 5.0)
+        and a rank that gets work posts at once, so it can be 100x longer than the cycle time.
+        Each heartbeat is a negotiation, a meeting of every rank's engine thread: alone on a
+        machine one costs little (idle engine CPU < 0.5% of a core at 20 ms), but while
+        forward and backward keep every core busy one costs ~1 ms of engine CPU, and at 20 ms
+        they were 20 of the 34 negotiations of a ResNet step (benchmarks/train.py)."""
+        return max(100.0 * self.cycle_time_ms, 5.0)
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
@@ -151,6 +155,13 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         "fusion_threshold_bytes",
         _parse_bytes,
         "largest fusion buffer in bytes (0 disables fusion); default 64 MiB",
+    ),
+    (
+        "COMMLAYER_MIN_BUCKET_BYTES",
+        "min_bucket_bytes",
+        _parse_bytes,
+        "DistributedOptimizer's gradients wait in the engine until this many bytes of them are "
+        "ready, step() waits for them, or 100 ms passed; 0 sends each at once; default 1 MiB",
     ),
     (
         "COMMLAYER_CYCLE_TIME",

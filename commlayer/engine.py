@@ -11,7 +11,14 @@ The constraints it answers, and how:
 3. Many small tensors waste latency, one huge buffer delays the start. -> Ready allreduces of one
    dtype and op are fused into buckets of at most ``fusion_threshold_bytes`` (fusion.py). A rank
    with new work starts a cycle at once, so tensors that arrive while a collective runs are
-   batched into the next one: no fixed wait for company.
+   batched into the next one: no fixed wait for company. Gradients from DistributedOptimizer's
+   hooks are the exception (``Operation.hold``): on a machine whose cores also run backward,
+   every negotiation and collective is a meeting of all ranks' engine threads, and a small
+   model's 50 gradients made 50 of each per step (ResNet of benchmarks/train.py: 48 ms of
+   engine CPU per 650 ms step, against 6 ms for DDP's gloo threads). So held operations wait,
+   as DDP's buckets do, until ``min_bucket_bytes`` of them are queued, an operation that is not
+   held arrives, a user thread waits on or polls one of them, or the oldest has waited
+   ``_HOLD_LIMIT_S``.
 4. On a small or oversubscribed machine a busy-polling progress loop halves training throughput
    (shared/ANCHORS.md: Horovod 0.55x DDP busy-polling, 1.35x yielding). -> The engine waits on
    collectives with Test + sched_yield (a yield keeps MPI progressing at full speed: 1 MiB
@@ -74,12 +81,13 @@ _MIN_BACKOFF_S = 50e-6
 _CONTROL_SPIN_S = 50e-6  # yield-spin this long on a negotiation before sleeping
 _CONTROL_MAX_SLEEP_S = 250e-6  # bounds the extra latency when a peer posts late
 _PEER_CHECK_S = 1.0
+_HOLD_LIMIT_S = 0.1  # longest a held operation waits for company when no one waits on it
 
 
 class Handle:
     """Result of an asynchronous operation: ``poll`` it, ``wait`` for it (via synchronize)."""
 
-    __slots__ = ("name", "_latch", "_done", "_result", "_error")
+    __slots__ = ("name", "_latch", "_done", "_result", "_error", "_release")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -90,12 +98,17 @@ class Handle:
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
+        self._release: Callable[[], None] | None = None  # set while the engine holds the op
 
     def done(self) -> bool:
+        if not self._done and self._release is not None:
+            self._release()  # polling a held operation means someone wants it
         return self._done
 
     def wait(self, timeout_s: float | None = None) -> Any:
         if not self._done:
+            if self._release is not None:
+                self._release()
             if not self._latch.acquire(timeout=-1 if timeout_s is None else timeout_s):
                 raise TimeoutError(f"operation {self.name!r} did not complete in {timeout_s} s")
             self._latch.release()  # let other waiters through
@@ -128,6 +141,7 @@ class Operation:
     remaining: int = 0
     t_submit: float = 0.0
     t_negotiate: float = 0.0
+    hold: bool = False  # may wait for company: see constraint 3 in the module docstring
 
     @property
     def name(self) -> str:
@@ -169,6 +183,8 @@ class Engine:
         self._next_set_id = 0
         self._cv = threading.Condition()
         self._incoming: list[Operation] = []
+        self._held_bytes = 0  # of the held operations in _incoming
+        self._released = False  # _incoming goes to the next cycle, held operations included
         self._inflight: set[tuple[int, str]] = set()
         self._pool = fusion.BufferPool()
         topo = _topology(config, backend)
@@ -183,6 +199,7 @@ class Engine:
         self._stopped = threading.Event()
         self._progress = False
         self._backoff_s = _MIN_BACKOFF_S
+        self._next_peer_check = 0.0  # wall-clock instant of the next pid check (_check_peers)
         self._join_handle: Handle | None = None
         self._global = self._register(tuple(range(backend.size)), backend)
         self._thread = threading.Thread(target=self._run, name="commlayer-engine", daemon=True)
@@ -213,8 +230,20 @@ class Engine:
                 )
             self._inflight.add(key)
             self._incoming.append(op)
+            if op.hold and not self._released:
+                op.handle._release = self._release_held
+                self._held_bytes += sum(t.numel() * t.element_size() for t in op.inputs)
+                if self._held_bytes < self.config.min_bucket_bytes:
+                    return op.handle  # no wake-up: the engine's wait times out at the limit
+            self._released = True
             self._cv.notify()
         return op.handle
+
+    def _release_held(self) -> None:
+        with self._cv:
+            if not self._released:
+                self._released = True
+                self._cv.notify()
 
     def join(self) -> Handle:
         with self._cv:
@@ -308,19 +337,27 @@ class Engine:
             self._stop()
 
     def _wait_for_work(self) -> None:
+        self._check_peers()
         with self._cv:
             pending = any(s.negotiator.has_work() for s in self._member_sets())
-            urgent = self._incoming or self._global.negotiator.shutting_down
+            stopping = self._global.negotiator.shutting_down
+            hold_s = math.inf
+            if self._incoming and not self._released:
+                hold_s = self._incoming[0].t_submit + _HOLD_LIMIT_S - time.perf_counter()
+                # a joined rank's peers wait for it in every collective: hold nothing
+                self._released = hold_s <= 0 or stopping or self._global.negotiator.joined
+            urgent = (self._incoming and self._released) or stopping
             if self._progress:
                 self._backoff_s = _MIN_BACKOFF_S
             if urgent or (pending and self._progress):
                 return
             if not pending:
-                self._cv.wait(self.config.idle_cycle_time_ms / 1e3)
+                check_s = self._next_peer_check - time.time()
+                self._cv.wait(max(0.0, min(self.config.idle_cycle_time_ms / 1e3, hold_s, check_s)))
                 return
             # Pending but the last cycle made no progress: peers are behind. Back off so ranks
             # that all wait on each other do not spin cycles; new local work wakes us at once.
-            self._cv.wait(self._backoff_s)
+            self._cv.wait(min(self._backoff_s, hold_s))
             self._backoff_s = min(self._backoff_s * 2, self.config.cycle_time_ms / 1e3)
 
     def _member_sets(self) -> list[_SetState]:
@@ -342,9 +379,14 @@ class Engine:
 
     def _cycle_all(self) -> bool:
         """One negotiation cycle on every process set this rank belongs to; True to stop."""
-        self._settle_burst()
-        with self._cv:
-            incoming, self._incoming = self._incoming, []
+        incoming: list[Operation] = []
+        if self._released:
+            self._settle_burst()
+            with self._cv:
+                incoming, self._incoming = self._incoming, []
+                self._released, self._held_bytes = False, 0
+                for op in incoming:
+                    op.handle._release = None
         now = time.perf_counter()
         for op in incoming:
             op.t_negotiate = now
@@ -409,7 +451,6 @@ class Engine:
         if request.test():
             return
         start = time.perf_counter()
-        next_check = start + _PEER_CHECK_S
         sleep_s = 20e-6
         while not request.test():
             now = time.perf_counter()
@@ -418,13 +459,23 @@ class Engine:
             else:
                 time.sleep(sleep_s)
                 sleep_s = min(sleep_s * 2, _CONTROL_MAX_SLEEP_S)
-            if now >= next_check:
-                next_check = now + _PEER_CHECK_S
-                dead = self._global.backend.dead_peers()
-                if dead:
-                    raise RankDiedError(
-                        f"rank {self.rank}: rank(s) {dead} exited while this rank waited on them"
-                    )
+            self._check_peers()
+
+    def _check_peers(self) -> None:
+        """Raise RankDiedError if a peer's process is gone. Checked at whole multiples of
+        ``_PEER_CHECK_S`` of the wall clock, the same instants on every rank, while waiting and
+        while idle: when one rank dies, every survivor sees it gone at the same check, before
+        any survivor has failed, shut down and exited (a survivor checking later would count
+        those as dead too)."""
+        wall = time.time()
+        if wall < self._next_peer_check:
+            return
+        self._next_peer_check = (math.floor(wall / _PEER_CHECK_S) + 1) * _PEER_CHECK_S
+        dead = self._global.backend.dead_peers()
+        if dead:
+            raise RankDiedError(
+                f"rank {self.rank}: rank(s) {dead} exited while this rank waited on them"
+            )
 
     # -- execution -------------------------------------------------------------------------------
     def _complete(

@@ -7,9 +7,11 @@ a trailing ``_`` means in place. The blocking forms are differentiable (function
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +48,19 @@ SUPPORTED_DTYPES = (
 
 _counters: dict[tuple[str, int], itertools.count[int]] = {}
 _counter_lock = threading.Lock()
+_held = contextvars.ContextVar("commlayer_held", default=False)
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Operations submitted in this block may wait in the engine for company until
+    ``min_bucket_bytes`` of them are queued or someone waits on one (engine.py, constraint 3):
+    for DistributedOptimizer's gradient hooks, where nobody needs a result before step()."""
+    token = _held.set(True)
+    try:
+        yield
+    finally:
+        _held.reset(token)
 
 
 def _input_error(message: str) -> ValueError:
@@ -142,8 +157,9 @@ def _submit(
         splits,
     )
     operation = Operation(
-        announce, inputs, outputs, set_id, float(prescale), float(postscale), finish
-    )
+        announce, inputs, outputs, set_id, float(prescale), float(postscale), finish,
+        hold=_held.get(),
+    )  # fmt: skip
     return engine.submit(operation)
 
 

@@ -2,7 +2,10 @@
 
 1. A hook per parameter (``register_post_accumulate_grad_hook``) submits the gradient to the
    engine the moment backward has finished accumulating it, so communication of the last layers
-   overlaps the backward pass of the first ones. The engine fuses what arrives together.
+   overlaps the backward pass of the first ones. The engine fuses what arrives together, and
+   holds these gradients until ``min_bucket_bytes`` (COMMLAYER_MIN_BUCKET_BYTES, 1 MiB) of them
+   are queued or step() needs them, so a model of many small tensors does not pay one
+   negotiation and one collective per tensor.
 2. ``step()`` waits only for what is still in flight (``synchronize``), then runs the wrapped
    optimizer's own step. Reading ``param_groups`` while reductions are in flight synchronizes
    first, so ``torch.amp.GradScaler`` (whose ``unscale_`` and inf check read every gradient
@@ -125,7 +128,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         passes = self._cl_passes.get(p, 0) + 1
         self._cl_passes[p] = passes
         if passes == self._cl_passes_per_step:
-            self._cl_submit(p)
+            with ops.held():  # nobody needs it before step(): may wait for a fuller bucket
+                self._cl_submit(p)
 
     def _cl_submit(self, p: torch.nn.Parameter) -> None:
         grad = p.grad

@@ -169,6 +169,30 @@ def test_backward_passes_per_step_reduces_once_per_step() -> None:
     assert sent == grad_bytes, f"{sent} payload bytes for {grad_bytes} bytes of gradients"
 
 
+def test_small_gradients_wait_for_step_and_travel_as_one_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four gradients of 36-96 bytes, far under min_bucket_bytes (1 MiB): the engine holds
+    them through backward (no collective runs, whatever the timing) and step() sends them as
+    one fused bucket. With min_bucket_bytes 0 each would go alone, as backward produces it."""
+    from commlayer import engine
+    from commlayer import runtime as engine_runtime
+
+    monkeypatch.setattr(engine, "_HOLD_LIMIT_S", 60.0)  # only step() may release them
+    model = _mlp()
+    opt = cl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _shard(_global_batch(0)[0]), _shard(_global_batch(0)[1])
+    before = cl.communication_stats()["operations"]
+    F.mse_loss(model(x), y).backward()
+    after_backward = cl.communication_stats()["operations"]
+    opt.step()
+    after_step = cl.communication_stats()["operations"]
+
+    assert engine_runtime.engine().config.min_bucket_bytes == 1 << 20
+    assert after_backward == before, "a gradient went before step() needed it"
+    assert after_step == before + 1, f"{after_step - before} collectives for 4 small gradients"
+
+
 # -- compression ---------------------------------------------------------------------------------
 # Largest |compressed - uncompressed| as a fraction of the parameters' largest change over the
 # run, measured at 1-4 ranks for SGD momentum and Adam: fp16 5e-4, bf16 4.5e-3 (8 mantissa

@@ -38,9 +38,9 @@ from commlayer.reduce_ops import ReduceOp
 
 T = TypeVar("T")
 WAIT_S = 10.0  # per handle: far above any healthy run (ms), far below the pytest timeout
-SHUTDOWN_S = 3.0  # a healthy shutdown takes one idle heartbeat (5 ms); a broken one costs this
-# Heartbeat of an idle engine is max(20 x cycle, 5 ms): 0.25 ms gives the 5 ms floor, so
-# shutdown and stall news spread in ms while idle ranks still sleep most of the time.
+SHUTDOWN_S = 3.0  # a healthy shutdown takes one idle heartbeat (25 ms); a broken one costs this
+# Heartbeat of an idle engine is max(100 x cycle, 5 ms): 0.25 ms gives 25 ms, so shutdown and
+# stall news spread in tens of ms while idle ranks still sleep most of the time.
 FAST = {"cycle_time_ms": 0.25}
 
 

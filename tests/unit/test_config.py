@@ -15,6 +15,7 @@ from commlayer.errors import ConfigError
 
 DEFAULTS = {
     "fusion_threshold_bytes": 64 * 1024 * 1024,
+    "min_bucket_bytes": 1024 * 1024,
     "cycle_time_ms": 1.0,
     "cache_capacity": 1024,
     "compression": "none",
@@ -32,6 +33,8 @@ DEFAULTS = {
 # (variable, text, Config field, parsed value)
 GOOD = [
     ("COMMLAYER_FUSION_THRESHOLD", "0", "fusion_threshold_bytes", 0),
+    ("COMMLAYER_MIN_BUCKET_BYTES", "0", "min_bucket_bytes", 0),
+    ("COMMLAYER_MIN_BUCKET_BYTES", "4MiB", "min_bucket_bytes", 4 << 20),
     ("COMMLAYER_FUSION_THRESHOLD", "1000", "fusion_threshold_bytes", 1000),
     ("COMMLAYER_FUSION_THRESHOLD", "5b", "fusion_threshold_bytes", 5),
     ("COMMLAYER_FUSION_THRESHOLD", "4K", "fusion_threshold_bytes", 4 << 10),
@@ -150,9 +153,9 @@ def test_config_is_frozen() -> None:
         Config().cycle_time_ms = 2.0  # type: ignore[misc]
 
 
-def test_idle_cycle_time_is_20_cycles_but_at_least_5_ms() -> None:
-    assert Config(cycle_time_ms=1.0).idle_cycle_time_ms == 20.0
-    assert Config(cycle_time_ms=0.1).idle_cycle_time_ms == 5.0
+def test_idle_cycle_time_is_100_cycles_but_at_least_5_ms() -> None:
+    assert Config(cycle_time_ms=1.0).idle_cycle_time_ms == 100.0
+    assert Config(cycle_time_ms=0.01).idle_cycle_time_ms == 5.0
 
 
 @pytest.mark.parametrize(("variable", "text", "field", "value"), GOOD)
