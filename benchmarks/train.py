@@ -5,7 +5,9 @@
 1. The driver (this script without ``--worker``) launches one ``mpiexec -n N`` job per
    (rank count, model, system), all in this one run, and prints a table of median step time
    and samples/s (batch per rank x ranks / step time) with the ratio to DDP measured in the same
-   run, plus a 1-process run of the plain model as the scaling reference.
+   run, plus a 1-process run of the plain model as the scaling reference. Then, per (rank
+   count, model), one paired job (``paired_worker``) trains a DDP copy and a commlayer copy
+   step by step in turn: its ratio is the one to quote on a machine whose speed drifts.
 2. Models with many mid-sized gradient tensors, as in shared/ANCHORS.md: ``mlp`` is
    10 x [Linear(768, 768), LayerNorm(768), GELU()] + Linear(768, 1000) (6.69 M parameters in
    62 tensors), ``resnet`` a small CIFAR-style ResNet (3 stages of 2 basic blocks).
@@ -114,7 +116,57 @@ def _setup(system: str, model: nn.Module) -> tuple[nn.Module, Any, dict[str, Any
     return model, optimizer, {"rank": cl.rank(), "size": cl.size()}
 
 
+def _timed_step(model: nn.Module, optimizer: Any, inputs: torch.Tensor, targets: Any) -> float:
+    t0 = time.perf_counter()
+    optimizer.zero_grad()
+    F.cross_entropy(model(inputs), targets).backward()
+    optimizer.step()
+    return time.perf_counter() - t0
+
+
+def paired_worker(args: argparse.Namespace) -> None:
+    """DDP and commlayer in one job, one step of each in turn (which goes first alternates):
+    on a VM whose speed drifts within a minute, both see the same machine, so the ratio of
+    their paired step times is steadier than the ratio of two separate runs. A step of one
+    leaves the other idle: gloo's threads block on sockets, commlayer's engine sleeps between
+    heartbeats (its idle cost is charged to DDP's steps here, against commlayer)."""
+    build, input_shape, classes = MODELS[args.model]
+    torch.manual_seed(0)
+    ddp_model, ddp_opt, ctx = _setup("ddp", build())
+    torch.manual_seed(0)
+    cl_model, cl_opt, _ = _setup("commlayer", build())
+    torch.manual_seed(1)
+    inputs = torch.randn(args.batch, *input_shape)
+    targets = torch.randint(0, classes, (args.batch,))
+    ddp_t: list[float] = []
+    cl_t: list[float] = []
+    for step in range(args.warmup + args.steps):
+        for system in ("ddp", "commlayer") if step % 2 == 0 else ("commlayer", "ddp"):
+            if system == "ddp":
+                ddp_t.append(_timed_step(ddp_model, ddp_opt, inputs, targets))
+            else:
+                cl_t.append(_timed_step(cl_model, cl_opt, inputs, targets))
+    ddp_t, cl_t = ddp_t[args.warmup :], cl_t[args.warmup :]
+    result = {
+        "system": "paired",
+        "model": args.model,
+        "ranks": ctx["size"],
+        "ddp_step_ms": statistics.median(ddp_t) * 1e3,
+        "commlayer_step_ms": statistics.median(cl_t) * 1e3,
+        # throughput ratio commlayer / DDP, per pair of neighbouring steps
+        "ratio": statistics.median(d / c for d, c in zip(ddp_t, cl_t, strict=True)),
+    }
+    import commlayer as cl
+
+    cl.shutdown()
+    if ctx["rank"] == 0:
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
 def worker(args: argparse.Namespace) -> None:
+    if args.worker == "paired":
+        paired_worker(args)
+        return
     torch.manual_seed(0)
     build, input_shape, classes = MODELS[args.model]
     model, optimizer, ctx = _setup(args.worker, build())
@@ -150,6 +202,8 @@ def worker(args: argparse.Namespace) -> None:
         result["collective_ms_per_step"] = comm_s / args.steps * 1e3
         result["waited_ms_per_step"] = optimizer.synchronize_wait_s / args.steps * 1e3
         result["overlap"] = max(0.0, 1.0 - optimizer.synchronize_wait_s / comm_s) if comm_s else 0
+        for key in ("cycles", "operations"):
+            result[f"{key}_per_step"] = (stats[key] - comm_start[key]) / args.steps
         cl.shutdown()
     if ctx["rank"] == 0:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
@@ -207,6 +261,19 @@ def table(results: list[dict[str, Any]]) -> list[str]:
     return rows
 
 
+def paired_table(results: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        "| model | ranks | DDP step ms | commlayer step ms | commlayer / DDP samples/s |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r['model']} | {r['ranks']} | {r['ddp_step_ms']:.1f} "
+            f"| {r['commlayer_step_ms']:.1f} | {r['ratio']:.2f} |"
+        )
+    return rows
+
+
 def driver(args: argparse.Namespace) -> None:
     systems = ["ddp", "commlayer"]
     notes = []
@@ -224,6 +291,7 @@ def driver(args: argparse.Namespace) -> None:
     ]
     print("\n".join(header), flush=True)
     results = []
+    paired = []
     for model in args.models:
         results.append(run_one(args, "single", model, 1))
         print(table(results)[-1], flush=True)
@@ -231,10 +299,19 @@ def driver(args: argparse.Namespace) -> None:
             for system in systems:
                 results.append(run_one(args, system, model, ranks))
                 print(table(results)[-1], flush=True)
+            paired.append(run_one(args, "paired", model, ranks))
+            print(paired_table(paired)[-1], flush=True)
     shapes = {r["model"]: (r["parameters"], r["tensors"]) for r in results}
     models = [f"{m}: {p / 1e6:.2f} M parameters in {t} tensors" for m, (p, t) in shapes.items()]
-    lines = [*header, *table(results), "", *notes, *models, ""]
-    print("\n" + "\n".join(table(results) + [""] + notes + models))
+    pairs = [
+        "",
+        "Paired: DDP and commlayer in one job, one step of each in turn, median over the run of",
+        "the ratio of neighbouring steps (steadier than two separate runs on a drifting VM):",
+        "",
+        *paired_table(paired),
+    ]
+    lines = [*header, *table(results), *pairs, "", *notes, *models, ""]
+    print("\n" + "\n".join(table(results) + pairs + [""] + notes + models))
     if args.out:
         with open(args.out, "w") as out:
             out.write("\n".join(lines))
@@ -249,7 +326,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out", help="also write the table here")
-    parser.add_argument("--worker", choices=("single", *SYSTEMS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("single", "paired", *SYSTEMS), help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
