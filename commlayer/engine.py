@@ -231,7 +231,7 @@ class Engine:
             self._inflight.add(key)
             self._incoming.append(op)
             if op.hold and not self._released:
-                op.handle._release = self._release_held
+                op.handle._release = self.release_held
                 self._held_bytes += sum(t.numel() * t.element_size() for t in op.inputs)
                 if self._held_bytes < self.config.min_bucket_bytes:
                     return op.handle  # no wake-up: the engine's wait times out at the limit
@@ -239,7 +239,8 @@ class Engine:
             self._cv.notify()
         return op.handle
 
-    def _release_held(self) -> None:
+    def release_held(self) -> None:
+        """Send what is held now: no more company is coming (or someone needs it)."""
         with self._cv:
             if not self._released:
                 self._released = True

@@ -130,6 +130,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if passes == self._cl_passes_per_step:
             with ops.held():  # nobody needs it before step(): may wait for a fuller bucket
                 self._cl_submit(p)
+            if len(self._cl_handles) == len(self._cl_hooks):
+                # the step's last gradient: no company is coming, send the bucket now rather
+                # than at step() (one negotiation round later, ~5% of an MLP step at 4 ranks)
+                runtime.engine().release_held()
 
     def _cl_submit(self, p: torch.nn.Parameter) -> None:
         grad = p.grad
