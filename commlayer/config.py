@@ -161,7 +161,8 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         "min_bucket_bytes",
         _parse_bytes,
         "DistributedOptimizer's gradients wait in the engine until this many bytes of them are "
-        "ready, step() waits for them, or 100 ms passed; 0 sends each at once; default 1 MiB",
+        "ready, the step's last one arrives, step() waits for them, or 100 ms passed; 0 sends "
+        "each at once; default 1 MiB",
     ),
     (
         "COMMLAYER_CYCLE_TIME",
