@@ -55,11 +55,13 @@ def calibrate(args: argparse.Namespace) -> int:
         print(f"saved to {path}")
         from commlayer.algorithms.sparse import cost as sparse_cost
 
-        rates = sparse_cost.calibrate_local(quick=args.quick)
+        # With --out everything measured goes beside that file, not into this machine's cache
+        # (where it would steer later runs: the system tests calibrate with --out).
+        sparse_path = path.with_suffix(".sparse.json") if args.out else sparse_cost.local_path()
+        rates = sparse_cost.calibrate_local(quick=args.quick, path=sparse_path)
         print(
             f"sparse kernels: merge {1e-6 / rates['merge_s_per_pair']:.0f} M pairs/s, scatter-add "
-            f"{1e-6 / rates['scatter_s_per_entry']:.0f} M entries/s, saved to "
-            f"{sparse_cost.local_path()}"
+            f"{1e-6 / rates['scatter_s_per_entry']:.0f} M entries/s, saved to {sparse_path}"
         )
         _print_table(cal, [1 << 10, 1 << 16, 1 << 20, 1 << 24, 1 << 26])
     return 0

@@ -69,6 +69,10 @@ def test_calibrate_writes_what_auto_and_the_table_read(run_mpi: RunMPI, tmp_path
     best = costmodel.table(64 << 20, cal)[0][0]
     assert costmodel.choose(16 << 20, 4, 2, 1, cal) in costmodel.candidates(True)
     assert best in costmodel.candidates(True)
+    # the sparse kernels' rates go beside --out, not into this machine's cache
+    sparse = json.loads(out.with_suffix(".sparse.json").read_text())
+    assert sparse["merge_s_per_pair"] > 0 and sparse["scatter_s_per_entry"] > 0
+    assert f"saved to {out.with_suffix('.sparse.json')}" in job.stdout, job.output()
 
 
 def test_calibrate_on_a_pretend_two_node_topology_measures_across_nodes(
