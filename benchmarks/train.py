@@ -180,11 +180,7 @@ def worker(args: argparse.Namespace) -> None:
 
             comm_start = cl.communication_stats()
             optimizer.synchronize_wait_s = 0.0
-        t0 = time.perf_counter()
-        optimizer.zero_grad()
-        F.cross_entropy(model(inputs), targets).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - t0)
+        times.append(_timed_step(model, optimizer, inputs, targets))
     result: dict[str, Any] = {
         "system": args.worker,
         "model": args.model,

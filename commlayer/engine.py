@@ -17,8 +17,9 @@ The constraints it answers, and how:
    model's 50 gradients made 50 of each per step (ResNet of benchmarks/train.py: 48 ms of
    engine CPU per 650 ms step, against 6 ms for DDP's gloo threads). So held operations wait,
    as DDP's buckets do, until ``min_bucket_bytes`` of them are queued, an operation that is not
-   held arrives, a user thread waits on or polls one of them, or the oldest has waited
-   ``_HOLD_LIMIT_S``.
+   held arrives, a user thread waits on or polls one of them, their owner calls
+   ``release_held`` (DistributedOptimizer at the step's last gradient), the rank shuts down or
+   joins, or the oldest has waited ``_HOLD_LIMIT_S``.
 4. On a small or oversubscribed machine a busy-polling progress loop halves training throughput
    (shared/ANCHORS.md: Horovod 0.55x DDP busy-polling, 1.35x yielding). -> The engine waits on
    collectives with Test + sched_yield (a yield keeps MPI progressing at full speed: 1 MiB

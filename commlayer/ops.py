@@ -157,9 +157,15 @@ def _submit(
         splits,
     )
     operation = Operation(
-        announce, inputs, outputs, set_id, float(prescale), float(postscale), finish,
+        announce,
+        inputs,
+        outputs,
+        set_id,
+        float(prescale),
+        float(postscale),
+        finish,
         hold=_held.get(),
-    )  # fmt: skip
+    )
     return engine.submit(operation)
 
 

@@ -4,8 +4,8 @@
    engine the moment backward has finished accumulating it, so communication of the last layers
    overlaps the backward pass of the first ones. The engine fuses what arrives together, and
    holds these gradients until ``min_bucket_bytes`` (COMMLAYER_MIN_BUCKET_BYTES, 1 MiB) of them
-   are queued or step() needs them, so a model of many small tensors does not pay one
-   negotiation and one collective per tensor.
+   are queued, the step's last one arrives or step() needs them (engine.py, constraint 3), so
+   a model of many small tensors does not pay one negotiation and one collective per tensor.
 2. ``step()`` waits only for what is still in flight (``synchronize``), then runs the wrapped
    optimizer's own step. Reading ``param_groups`` while reductions are in flight synchronizes
    first, so ``torch.amp.GradScaler`` (whose ``unscale_`` and inf check read every gradient
