@@ -157,6 +157,9 @@ def paired_worker(args: argparse.Namespace) -> None:
         "ratio": statistics.median(d / c for d, c in zip(ddp_t, cl_t, strict=True)),
     }
     import commlayer as cl
+    from commlayer import runtime
+
+    result["wait"] = "passive" if runtime.engine().passive else "active"
 
     cl.shutdown()
     if ctx["rank"] == 0:
@@ -259,13 +262,14 @@ def table(results: list[dict[str, Any]]) -> list[str]:
 
 def paired_table(results: list[dict[str, Any]]) -> list[str]:
     rows = [
-        "| model | ranks | DDP step ms | commlayer step ms | commlayer / DDP samples/s |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| model | ranks | DDP step ms | commlayer step ms | commlayer / DDP samples/s "
+        "| commlayer wait |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
         rows.append(
             f"| {r['model']} | {r['ranks']} | {r['ddp_step_ms']:.1f} "
-            f"| {r['commlayer_step_ms']:.1f} | {r['ratio']:.2f} |"
+            f"| {r['commlayer_step_ms']:.1f} | {r['ratio']:.2f} | {r['wait']} |"
         )
     return rows
 

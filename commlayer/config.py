@@ -23,6 +23,7 @@ from commlayer.algorithms import sparse, topology
 from commlayer.errors import ConfigError
 
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
+WAIT_POLICIES = ("auto", "active", "passive")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Config:
     sparse_algorithm: str = "allgather"
     kernels: str = "auto"
     cuda_ptx_dir: str = ""
+    wait_policy: str = "auto"
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -104,6 +106,13 @@ def _parse_log_level(text: str) -> str:
     return value
 
 
+def _parse_wait_policy(text: str) -> str:
+    value = text.strip().lower()
+    if value not in WAIT_POLICIES:
+        raise ValueError(value)
+    return value
+
+
 def _parse_algorithm(text: str) -> str:
     name = text.strip().lower()
     if name not in algorithms.available():
@@ -142,6 +151,7 @@ _ALLOWED = {
     _parse_positive_float: "a finite number > 0",
     _parse_nonneg_float: "a finite number >= 0 (0 disables)",
     _parse_log_level: f"one of {', '.join(_LOG_LEVELS)}",
+    _parse_wait_policy: f"one of {', '.join(WAIT_POLICIES)}",
     _parse_compression: "a compressor 'name' or 'name:key=value,...' with a valid name "
     "(none, fp16, bf16, qsgd, topk, randomk, efsignsgd, onebit, powersgd, or one registered) "
     "and valid parameters, e.g. 'topk:ratio=0.01'",
@@ -241,6 +251,15 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         "cuda_ptx_dir",
         str,
         "folder holding prebuilt sparse_kernels.ptx (else build/ext/cuda, else NVRTC)",
+    ),
+    (
+        "COMMLAYER_WAIT_POLICY",
+        "wait_policy",
+        _parse_wait_policy,
+        "how the engine thread waits on a collective: active yields the CPU between tests until "
+        "it completes (lowest latency), passive does so for 200 us and then sleeps between "
+        "tests, up to 250 us (leaves the cores to forward and backward); auto (default): "
+        "passive when this node runs more ranks than it has cores, else active",
     ),
 )
 

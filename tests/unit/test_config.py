@@ -28,6 +28,7 @@ DEFAULTS = {
     "sparse_algorithm": "allgather",
     "kernels": "auto",
     "cuda_ptx_dir": "",
+    "wait_policy": "auto",
 }
 
 # (variable, text, Config field, parsed value)
@@ -80,6 +81,9 @@ GOOD = [
     ("COMMLAYER_KERNELS", " Numba ", "kernels", "numba"),
     ("COMMLAYER_KERNELS", "auto", "kernels", "auto"),
     ("COMMLAYER_CUDA_PTX_DIR", "/opt/ptx", "cuda_ptx_dir", "/opt/ptx"),
+    ("COMMLAYER_WAIT_POLICY", " Passive ", "wait_policy", "passive"),
+    ("COMMLAYER_WAIT_POLICY", "active", "wait_policy", "active"),
+    ("COMMLAYER_WAIT_POLICY", "auto", "wait_policy", "auto"),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -91,6 +95,7 @@ _ALGORITHM = "one of auto, mpi, shm, hierarchical, rabenseifner, recursive_doubl
 _TOPOLOGY = "comma-separated nodes=N, local=L, torus=RxC"
 _SPARSE = "one of auto, allgather, dsar, gtopk, ssar_recursive_doubling, ssar_split_allgather"
 _KERNELS = "one of auto, cupy, numba, torch"
+_WAIT = "one of auto, active, passive"
 _COMPRESSOR = "a compressor 'name' or 'name:key=value,...' with a valid name (none, fp16, bf16"
 
 # (variable, text, what the message says is allowed)
@@ -134,6 +139,8 @@ BAD = [
     ("COMMLAYER_SPARSE_ALGORITHM", "dsar,gtopk", _SPARSE),
     ("COMMLAYER_KERNELS", "triton", _KERNELS),
     ("COMMLAYER_KERNELS", "cuda", _KERNELS),
+    ("COMMLAYER_WAIT_POLICY", "spin", _WAIT),
+    ("COMMLAYER_WAIT_POLICY", "1", _WAIT),
 ]
 
 

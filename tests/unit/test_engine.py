@@ -351,3 +351,53 @@ def test_held_operations_fail_at_shutdown_instead_of_waiting() -> None:
             wait(handle)
 
     run_engines(2, fn, start=True, min_bucket_bytes=1 << 20)
+
+
+class _Nodes:
+    def __init__(self, rank: int, nodes: list[int]) -> None:
+        self.rank, self._nodes = rank, nodes
+
+    def nodes(self) -> list[int]:
+        return self._nodes
+
+
+@pytest.mark.parametrize(
+    ("policy", "cores", "nodes", "rank", "passive"),
+    [
+        ("auto", 2, [0, 0, 0, 0], 0, True),  # 4 ranks on 2 cores
+        ("auto", 2, [0, 0], 1, False),  # 2 ranks on 2 cores
+        ("auto", 2, [0, 0, 0, 1], 3, False),  # the other node runs 3, this one 1
+        ("auto", 2, [0, 0, 0, 1], 2, True),
+        ("auto", 64, [0] * 8, 5, False),
+        ("active", 1, [0] * 8, 0, False),
+        ("passive", 64, [0, 0], 0, True),
+    ],
+)
+def test_wait_policy_auto_is_passive_where_a_node_runs_more_ranks_than_cores(
+    monkeypatch: pytest.MonkeyPatch,
+    policy: str,
+    cores: int,
+    nodes: list[int],
+    rank: int,
+    passive: bool,
+) -> None:
+    monkeypatch.setattr(engine_module.os, "cpu_count", lambda: cores)
+    assert engine_module._passive(policy, _Nodes(rank, nodes)) is passive  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["active", "passive"])
+def test_collectives_under_either_wait_policy(policy: str) -> None:
+    """A passive wait sleeps between tests once its spin is spent: results are the same."""
+
+    def fn(engine: Engine) -> tuple[bool, list[torch.Tensor]]:
+        if engine.rank == 1:
+            time.sleep(0.01)  # rank 0 waits far past the 200 us spin, asleep
+        handles = [
+            engine.submit(allreduce(f"t{i}", torch.full((n,), float(engine.rank + 1))))
+            for i, n in enumerate((1, 1000, 300_000))
+        ]
+        return engine.passive, [wait(h) for h in handles]
+
+    for passive, results in run_engines(3, fn, wait_policy=policy):
+        assert passive is (policy == "passive")
+        assert all(torch.equal(out, torch.full_like(out, 6.0)) for out in results)
