@@ -15,7 +15,11 @@ cost model's prediction vs the measurement.
 4. ``auto``'s pick per size is compared with the best measured algorithm ("pick vs best": the
    pick's own column against the fastest column of the same row); auto is also timed as a
    dispatcher of its own, a separate measurement that shows the run-to-run spread.
-5. With ``COMMLAYER_TOPOLOGY`` (e.g. ``nodes=2,local=2``) the topology-aware algorithms run on
+5. Paired (one node only): ``mpi`` and ``shm`` at ``--paired-bytes``, one measurement of each in
+   turn, ``--pairs`` times; the ratio of neighbouring measurements is steady where the
+   machine's speed is not (this VM's memory bandwidth switches between two levels for tens of
+   seconds at a time, and ``shm``, bound by it, moves with it while MPICH does not).
+6. With ``COMMLAYER_TOPOLOGY`` (e.g. ``nodes=2,local=2``) the topology-aware algorithms run on
    those pretend nodes (``hierarchical``: its shared-memory form on equal nodes); ``auto`` keeps
    the detected nodes, which its calibration is for.
 Rank 0 prints markdown tables and writes them to ``--out``.
@@ -69,6 +73,42 @@ def measure(fn: Callable[[], object], args: argparse.Namespace, world: MPI.Comm)
     return statistics.median(timed(fn, iters, world) for _ in range(args.reps))
 
 
+def paired(backend: MPIBackend, args: argparse.Namespace, world: MPI.Comm) -> list[str]:
+    """shm vs mpi at --paired-bytes, measured in turn: the lines of the paired section."""
+    buf = torch.ones(args.paired_bytes // 4)
+    times: dict[str, list[float]] = {"mpi": [], "shm": []}
+    for _ in range(args.pairs):
+        for name in times:
+            allreducer = Allreducer(name)
+
+            def run(allreducer: Allreducer = allreducer) -> None:
+                request = allreducer(backend, None, buf, ReduceOp.Sum)
+                while not request.test():
+                    os.sched_yield()
+
+            run()
+            first = timed(run, 1, world)
+            times[name].append(timed(run, max(1, int(args.target_s / max(first, 1e-7))), world))
+    ratios = [m / s for m, s in zip(times["mpi"], times["shm"], strict=True)]
+    lines = [
+        f"Paired, {human(args.paired_bytes)}: mpi and shm measured in turn, {args.pairs} times "
+        "(ms per call, and mpi's time / shm's per pair):",
+        "",
+        "| pair | " + " | ".join(str(i + 1) for i in range(args.pairs)) + " |",
+        "| --- | " + " | ".join("---:" for _ in ratios) + " |",
+        "| mpi ms | " + " | ".join(f"{t * 1e3:.1f}" for t in times["mpi"]) + " |",
+        "| shm ms | " + " | ".join(f"{t * 1e3:.1f}" for t in times["shm"]) + " |",
+        "| shm vs mpi | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |",
+        "",
+        f"Median {statistics.median(ratios):.2f}x; {sum(r >= 3 for r in ratios)} of "
+        f"{len(ratios)} pairs >= 3x.",
+        "",
+    ]
+    if world.rank == 0:
+        print("\n".join(lines), flush=True)
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min-bytes", type=parse_bytes, default=1 << 10)
@@ -78,6 +118,8 @@ def main() -> int:
     parser.add_argument("--max-iters", type=int, default=500)
     parser.add_argument("--calibration", help="where to save this run's calibration")
     parser.add_argument("--out", help="also write the tables here (rank 0)")
+    parser.add_argument("--paired-bytes", type=parse_bytes, default=64 << 20)
+    parser.add_argument("--pairs", type=int, default=12, help="0 skips the paired section")
     args = parser.parse_args()
 
     world = MPI.COMM_WORLD
@@ -184,8 +226,10 @@ def main() -> int:
     ]
     if world.rank == 0:
         print("\n".join(summary), flush=True)
-        if args.out:
-            Path(args.out).write_text("\n".join([*lines, *summary]))
+    if "shm" in names and args.pairs > 0:
+        summary += paired(backend, args, world)
+    if world.rank == 0 and args.out:
+        Path(args.out).write_text("\n".join([*lines, *summary]))
     backend.close()
     return 0
 
