@@ -15,7 +15,10 @@
    inputs; a step is zero_grad, forward, backward, step. Median over ``--steps`` steps after
    ``--warmup``. For commlayer the worker also reports the overlap achieved: the fraction of
    the engine's time in collectives that step() did not wait for (hidden behind backward).
-Horovod is measured when ``horovod.torch`` is importable, and reported as absent otherwise.
+Horovod is measured when ``horovod.torch`` is importable (``scripts/install-horovod.sh`` builds
+it), in separate runs only: its background thread negotiates every cycle (1 ms) even when idle,
+so in a paired job it would slow the others' steps (tried: DDP's MLP step at 4 ranks went from
+~120 to 314 ms).
 """
 
 from __future__ import annotations
