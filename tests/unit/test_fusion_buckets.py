@@ -120,6 +120,22 @@ def test_prescale_and_postscale_float(dtype: torch.dtype) -> None:
     assert torch.equal(out_a, a * 2.0 * 0.5) and torch.equal(out_b, b * 0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_postscaled_unpack_of_small_and_large_tensors(dtype: torch.dtype, large: bool) -> None:
+    """Large tensors are scaled straight into their outputs (one pass), small ones by scaling
+    the buffer and copying: the same values either way, multi-dimensional outputs included."""
+    n = fusion._ONE_PASS_NUMEL * 2 if large else 100
+    sources = [values(n, dtype, seed=1), values(n + 7, dtype, seed=2).reshape(-1, 1)]
+    outputs = [torch.empty_like(t) for t in sources]
+    bucket = [Entry(t, o, t.numel(), postscale=0.125) for t, o in zip(sources, outputs)]
+    buf = torch.empty(sum(e.numel for e in bucket), dtype=dtype)
+    pack(bucket, buf)
+    unpack(bucket, buf)
+    for source, output in zip(sources, outputs):
+        assert output.shape == source.shape and torch.equal(output, source * 0.125)
+
+
 def test_different_postscales_in_one_bucket() -> None:
     a, b = torch.arange(4.0), torch.arange(5.0)
     out_a, out_b = torch.empty(4), torch.empty(5)
