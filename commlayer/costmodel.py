@@ -37,8 +37,8 @@ curve as before, and ``auto`` on several nodes keeps the MPI library's own allre
 
 ``commlayer calibrate`` (under mpiexec) measures and saves; ``commlayer algorithms --size 64MiB``
 prints the predicted table. Without a calibration for the job's size, ``auto`` uses ``shm`` for
-buffers of 32 MiB and more when every rank is on one node (measured 1.7-2.0x MPICH at 64 MiB and
-1.5-1.9x at 256 MiB on 2 ranks of the 2-core machine, but level with it at 16 MiB), else ``mpi``.
+buffers of 1 MiB and more when every rank is on one node (``HEURISTIC_SHM_BYTES``: what was
+measured), else ``mpi``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,11 @@ from commlayer import algorithms
 from commlayer.algorithms.schedule import Schedule, Step
 from commlayer.algorithms.topology import Topology
 
-HEURISTIC_SHM_BYTES = 32 << 20
+# Without a calibration, one node uses the shared-memory window from 1 MiB: it was level with
+# or ahead of MPICH from 1 MiB at 2 and 4 ranks in benchmarks/results/algorithms_np*.md (1 MiB:
+# 0.92-1.83x, 4-16 MiB 0.92-1.85x, 64 MiB 1.06-3.49x), and in paired training runs of the MLP
+# at 2 ranks it gave 1.14-1.36 of DDP against 1.05-1.18 through MPICH below 32 MiB.
+HEURISTIC_SHM_BYTES = 1 << 20
 SCHEDULE_MARGIN = 1.25  # a schedule must be predicted 1.25x faster than the best native one
 NATIVE_SIZES = tuple(1 << k for k in range(10, 27, 2))  # 1 KiB .. 64 MiB
 _SAMPLED_RANKS = 8
