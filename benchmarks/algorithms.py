@@ -17,8 +17,9 @@ cost model's prediction vs the measurement.
    dispatcher of its own, a separate measurement that shows the run-to-run spread.
 5. Paired (one node only): ``mpi`` and ``shm`` at ``--paired-bytes``, one measurement of each in
    turn, ``--pairs`` times; the ratio of neighbouring measurements is steady where the
-   machine's speed is not (this VM's memory bandwidth switches between two levels for tens of
-   seconds at a time, and ``shm``, bound by it, moves with it while MPICH does not).
+   machine's speed is not (this VM switches between two states for tens of seconds to minutes
+   at a time: ``shm`` at 64 MiB takes ~10 ms in one and ~30 ms in the other, MPICH ~30 ms in
+   both; see benchmarks/results/algorithms_np2.md).
 6. With ``COMMLAYER_TOPOLOGY`` (e.g. ``nodes=2,local=2``) the topology-aware algorithms run on
    those pretend nodes (``hierarchical``: its shared-memory form on equal nodes); ``auto`` keeps
    the detected nodes, which its calibration is for.

@@ -29,8 +29,8 @@ The constraints it answers, and how:
    than it has cores, a yielding thread still takes its share of them from the peers' forward
    and backward (it is rescheduled at once), so there the wait on a collective is passive
    (``wait_policy``): yield for ``_PASSIVE_SPIN_S``, then sleep with backoff. Measured with
-   benchmarks/train.py, 4 ranks on 2 cores: the MLP at 0.80-0.93 of DDP's throughput active,
-   1.04-1.28 passive; ResNet 0.87-0.90 active, 0.94-0.95 passive. Alone on the cores (the
+   benchmarks/train.py, 4 ranks on 2 cores: the MLP at 0.80-1.02 of DDP's throughput active,
+   1.02-1.28 passive; ResNet 0.87-0.90 active, 0.94-0.95 passive. Alone on the cores (the
    allreduce benchmark) passive costs latency: 64 MiB 9.4 -> 18.4 ms at 2 ranks.
 5. Errors must reach every rank, named, within seconds, never a hang: mismatches become error
    responses on every rank; stalls are reported and optionally failed; a shutting-down rank
