@@ -74,19 +74,24 @@ def measure(fn: Callable[[], object], args: argparse.Namespace, world: MPI.Comm)
     return statistics.median(timed(fn, iters, world) for _ in range(args.reps))
 
 
+def blocking(allreducer: Allreducer, backend: MPIBackend, buf: torch.Tensor) -> Callable[[], None]:
+    """One in-place Sum allreduce of buf by allreducer, waited for with yields."""
+
+    def run() -> None:
+        request = allreducer(backend, None, buf, ReduceOp.Sum)
+        while not request.test():
+            os.sched_yield()
+
+    return run
+
+
 def paired(backend: MPIBackend, args: argparse.Namespace, world: MPI.Comm) -> list[str]:
     """shm vs mpi at --paired-bytes, measured in turn: the lines of the paired section."""
     buf = torch.ones(args.paired_bytes // 4)
     times: dict[str, list[float]] = {"mpi": [], "shm": []}
     for _ in range(args.pairs):
         for name in times:
-            allreducer = Allreducer(name)
-
-            def run(allreducer: Allreducer = allreducer) -> None:
-                request = allreducer(backend, None, buf, ReduceOp.Sum)
-                while not request.test():
-                    os.sched_yield()
-
+            run = blocking(Allreducer(name), backend, buf)
             run()
             first = timed(run, 1, world)
             times[name].append(timed(run, max(1, int(args.target_s / max(first, 1e-7))), world))
@@ -172,13 +177,7 @@ def main() -> int:
         times: dict[str, float] = {}
         for name in [*names, algorithms.AUTO]:
             allreducer = auto if name == algorithms.AUTO else Allreducer(name, topology=nodes)
-
-            def run(allreducer: Allreducer = allreducer, buf: torch.Tensor = buf) -> None:
-                request = allreducer(backend, None, buf, ReduceOp.Sum)
-                while not request.test():
-                    os.sched_yield()
-
-            times[name] = measure(run, args, world)
+            times[name] = measure(blocking(allreducer, backend, buf), args, world)
         best = min(times[name] for name in names)
         cells, acc_cells = [], []
         mpi_predicted = costmodel.predict("mpi", nbytes // 4, 4, cal)
