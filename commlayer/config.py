@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from commlayer import algorithms, kernels
+from commlayer import algorithms, kernels, malloc
 from commlayer.algorithms import sparse, topology
 from commlayer.errors import ConfigError
 
@@ -45,6 +45,7 @@ class Config:
     kernels: str = "auto"
     cuda_ptx_dir: str = ""
     wait_policy: str = "auto"
+    malloc_tuning: str = "on"
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -113,6 +114,13 @@ def _parse_wait_policy(text: str) -> str:
     return value
 
 
+def _parse_malloc_tuning(text: str) -> str:
+    value = text.strip().lower()
+    if value not in malloc.CHOICES:
+        raise ValueError(value)
+    return value
+
+
 def _parse_algorithm(text: str) -> str:
     name = text.strip().lower()
     if name not in algorithms.available():
@@ -152,6 +160,7 @@ _ALLOWED = {
     _parse_nonneg_float: "a finite number >= 0 (0 disables)",
     _parse_log_level: f"one of {', '.join(_LOG_LEVELS)}",
     _parse_wait_policy: f"one of {', '.join(WAIT_POLICIES)}",
+    _parse_malloc_tuning: f"one of {', '.join(malloc.CHOICES)}",
     _parse_compression: "a compressor 'name' or 'name:key=value,...' with a valid name "
     "(none, fp16, bf16, qsgd, topk, randomk, efsignsgd, onebit, powersgd, or one registered) "
     "and valid parameters, e.g. 'topk:ratio=0.01'",
@@ -261,6 +270,14 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         "tests, up to 250 us (leaves the cores to forward and backward); auto (default): "
         "passive when this node runs more ranks than it has cores, else active",
     ),
+    (
+        "COMMLAYER_MALLOC_TUNING",
+        "malloc_tuning",
+        _parse_malloc_tuning,
+        "on (default): init() sets glibc's mmap threshold to 32 MiB and its trim threshold to "
+        "64 MiB, so the memory a training step frees serves the next step without page faults "
+        "(skipped when glibc's own MALLOC_*_ or GLIBC_TUNABLES malloc settings are set); off",
+    ),
 )
 
 _FIELDS = {field.name for field in dataclasses.fields(Config)}
@@ -273,6 +290,26 @@ def cache_dir() -> Path:
     ~/.cache/commlayer. (A system variable, not a COMMLAYER_* one, read here with the others.)"""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "commlayer"
+
+
+# glibc's own malloc settings (environment variables and tunables): a user who set one has
+# chosen, and commlayer's tuning (commlayer/malloc.py) leaves malloc alone.
+_GLIBC_MALLOC_VARIABLES = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_MMAP_MAX_",
+)
+
+
+def glibc_malloc_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The glibc malloc settings present in the environment (system variables, read here with
+    the others): MALLOC_*_ thresholds, and GLIBC_TUNABLES when it names a glibc.malloc one."""
+    env = os.environ if environ is None else environ
+    found = [name for name in _GLIBC_MALLOC_VARIABLES if name in env]
+    if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+        found.append("GLIBC_TUNABLES")
+    return found
 
 
 def variables() -> list[tuple[str, str]]:

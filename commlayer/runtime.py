@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from commlayer import config as config_module
+from commlayer import malloc
 from commlayer.engine import Engine
 from commlayer.errors import NotInitializedError
 from commlayer.process_sets import ProcessSet, global_process_set
@@ -39,6 +40,9 @@ def init(
             return
         cfg = config_module.load(**settings)
         _configure_logging(cfg.log_level)
+        log.info(
+            "malloc: %s", malloc.tune(cfg.malloc_tuning, config_module.glibc_malloc_variables())
+        )
         from commlayer.backends.mpi import MPIBackend, world_rank, world_subset
 
         if isinstance(comm, (list, tuple)):

@@ -29,6 +29,7 @@ DEFAULTS = {
     "kernels": "auto",
     "cuda_ptx_dir": "",
     "wait_policy": "auto",
+    "malloc_tuning": "on",
 }
 
 # (variable, text, Config field, parsed value)
@@ -84,6 +85,8 @@ GOOD = [
     ("COMMLAYER_WAIT_POLICY", " Passive ", "wait_policy", "passive"),
     ("COMMLAYER_WAIT_POLICY", "active", "wait_policy", "active"),
     ("COMMLAYER_WAIT_POLICY", "auto", "wait_policy", "auto"),
+    ("COMMLAYER_MALLOC_TUNING", " OFF ", "malloc_tuning", "off"),
+    ("COMMLAYER_MALLOC_TUNING", "on", "malloc_tuning", "on"),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -96,6 +99,7 @@ _TOPOLOGY = "comma-separated nodes=N, local=L, torus=RxC"
 _SPARSE = "one of auto, allgather, dsar, gtopk, ssar_recursive_doubling, ssar_split_allgather"
 _KERNELS = "one of auto, cupy, numba, torch"
 _WAIT = "one of auto, active, passive"
+_MALLOC = "one of on, off"
 _COMPRESSOR = "a compressor 'name' or 'name:key=value,...' with a valid name (none, fp16, bf16"
 
 # (variable, text, what the message says is allowed)
@@ -141,6 +145,8 @@ BAD = [
     ("COMMLAYER_KERNELS", "cuda", _KERNELS),
     ("COMMLAYER_WAIT_POLICY", "spin", _WAIT),
     ("COMMLAYER_WAIT_POLICY", "1", _WAIT),
+    ("COMMLAYER_MALLOC_TUNING", "0", _MALLOC),
+    ("COMMLAYER_MALLOC_TUNING", "jemalloc", _MALLOC),
 ]
 
 
