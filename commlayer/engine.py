@@ -581,7 +581,13 @@ class Engine:
             numel = sum(e.numel for e in bucket)
             t0 = time.perf_counter()
             direct = len(bucket) == 1 and bucket[0].output is not None
-            if direct:
+            pieces = fusion.pieces(bucket, dtype)
+            request = None if pieces is None else self._allreduce.pieces(backend, *pieces, op)
+            if request is not None:  # the window reads and writes the tensors where they lie
+                t1 = time.perf_counter()
+                self._wait(request)
+                t2 = time.perf_counter()
+            elif direct:
                 entry = bucket[0]
                 assert entry.source is not None and entry.output is not None
                 send: torch.Tensor | None = entry.source

@@ -2,8 +2,10 @@
 
 Many small gradients waste latency and one huge buffer delays the start, so ready tensors are
 packed in the order all ranks agreed on into buckets of at most ``fusion_threshold_bytes``. A
-tensor alone in its bucket is reduced where it lies (no copy). Scaling (prescale, postscale and
-Average's 1/n) is folded into the pack and unpack copies, so it costs no extra pass.
+tensor alone in its bucket is reduced where it lies (no copy), and so is a bucket of large
+tensors that the shared-memory window reduces (``pieces``: the window copies in and out
+anyway). Scaling (prescale, postscale and Average's 1/n) is folded into the pack and unpack
+copies, so it costs no extra pass.
 """
 
 from __future__ import annotations
@@ -102,7 +104,26 @@ def pack(bucket: list[Entry], buf: torch.Tensor) -> None:
         offset += entry.numel
 
 
-_ONE_PASS_NUMEL = 1 << 16  # mean elements per tensor from which unpack scales into the outputs
+_ONE_PASS_NUMEL = 1 << 16  # mean elements per tensor from which a step per tensor pays off
+
+
+def pieces(
+    bucket: list[Entry], dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]] | None:
+    """The bucket as (sources, outputs, postscales), 1-D, for a collective that reads and writes
+    the tensors where they lie instead of a packed buffer. None where it must be packed: a
+    joined rank's zeros, a group, a prescale, an integer dtype (scaled in float64 by
+    ``scale_``), or small tensors (there a Python step per tensor costs more than the pass over
+    the data it saves)."""
+    if not dtype.is_floating_point or sum(e.numel for e in bucket) < _ONE_PASS_NUMEL * len(bucket):
+        return None
+    sources, outputs = [], []
+    for e in bucket:
+        if e.source is None or e.output is None or e.group is not None or e.prescale != 1.0:
+            return None
+        sources.append(e.source.reshape(-1))
+        outputs.append(e.output.view(-1))
+    return sources, outputs, [e.postscale for e in bucket]
 
 
 def unpack(bucket: list[Entry], buf: torch.Tensor) -> None:

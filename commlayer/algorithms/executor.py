@@ -168,6 +168,22 @@ class Allreducer:
             )
         return self._run(name, backend, send, buf, op, topology)
 
+    def pieces(
+        self,
+        backend: Backend,
+        sources: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        scales: list[float],
+        op: ReduceOp,
+    ) -> Request | None:
+        """Start the allreduce of a fused bucket without a fusion buffer (fusion.pieces), where
+        the algorithm for its size is the shared-memory window, which copies every byte in and
+        out of the window anyway; None elsewhere (the caller packs and calls this object)."""
+        numel = sum(t.numel() for t in sources)
+        if backend.size == 1 or self.choose(backend, numel, sources[0].element_size()) != "shm":
+            return None
+        return backend.shm_iallreduce_pieces(sources, outputs, scales, op)  # type: ignore[attr-defined,no-any-return]
+
     def _inter(self, cross: Backend, part: torch.Tensor, op: ReduceOp) -> Request:
         """The leg across nodes of the two-level hierarchical: ``hierarchical.INTER``, as in
         the schedule form (the ranks of ``cross`` are one per node, so a flat topology)."""

@@ -213,6 +213,17 @@ class MPIBackend:
             return self.iallreduce(send, recv, op)
         return self._window().iallreduce(send, recv, op)
 
+    def shm_iallreduce_pieces(
+        self,
+        sources: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        scales: list[float],
+        op: ReduceOp,
+    ) -> Request:
+        """shm_iallreduce of the concatenation of ``sources`` into ``outputs``, output i scaled
+        by ``scales[i]`` (SharedMemoryAllreduce.iallreduce_pieces; size >= 2)."""
+        return self._window().iallreduce_pieces(sources, outputs, scales, op)
+
     def shm_hierarchical_iallreduce(
         self,
         send: torch.Tensor | None,

@@ -316,3 +316,39 @@ def test_engine_grouped_allreduce_with_a_joined_rank(threshold: int, collectives
         for n, out, member in zip([5, 4, 3], group_out, members, strict=True):
             assert out is member and torch.equal(out, torch.full((n,), 3.0))
         assert operations == collectives
+
+
+def _large(numel: int = 1 << 16, dtype: torch.dtype = torch.float32) -> Entry:
+    source = torch.arange(numel, dtype=dtype)
+    return Entry(source, torch.empty(numel, dtype=dtype), numel, postscale=0.5)
+
+
+def test_a_bucket_of_large_float_tensors_goes_as_pieces() -> None:
+    bucket = [_large(1 << 17), _large((1 << 16) + 5), _large(3)]  # a small one rides along
+    found = fusion.pieces(bucket, torch.float32)
+    assert found is not None
+    sources, outputs, scales = found
+    assert [t.data_ptr() for t in sources] == [e.source.data_ptr() for e in bucket]  # type: ignore[union-attr]
+    assert [t.data_ptr() for t in outputs] == [e.output.data_ptr() for e in bucket]  # type: ignore[union-attr]
+    assert all(t.dim() == 1 for t in sources + outputs)
+    assert scales == [0.5, 0.5, 0.5]
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["small", "integer", "joined", "prescale", "group"],
+)
+def test_buckets_that_must_be_packed(why: str) -> None:
+    bucket = [_large(), _large()]
+    dtype = torch.float32
+    if why == "small":
+        bucket = [_large(1000), _large(1000)]
+    elif why == "integer":
+        bucket, dtype = [_large(dtype=torch.int32), _large(dtype=torch.int32)], torch.int32
+    elif why == "joined":
+        bucket[1].source = None
+    elif why == "prescale":
+        bucket[0].prescale = 0.5
+    else:
+        bucket[1].group = ([torch.zeros(1 << 16)], [torch.zeros(1 << 16)], [1 << 16])
+    assert fusion.pieces(bucket, dtype) is None
