@@ -12,9 +12,12 @@ cost model's prediction vs the measurement.
    rank's mean time per call over a loop targeting ``--target-s``.
 3. busbw = bytes / time * 2(n-1)/n; "vs mpi" is mpi's time / the algorithm's time (> 1 is
    faster). The accuracy of a prediction is 1 - |pred - meas| / meas.
-4. ``auto``'s pick per size is compared with the best measured algorithm ("pick vs best": the
-   pick's own column against the fastest column of the same row); auto is also timed as a
-   dispatcher of its own, a separate measurement that shows the run-to-run spread.
+4. ``auto``'s pick per size is compared with the best measured algorithm ("vs best": the
+   pick's own column against the fastest column of the same row), twice: the cost model's pick
+   alone (``COMMLAYER_AUTO_TUNING=off``), and the pick of online tuning (the default:
+   algorithms/autotune.py), after its first round of measurements at that size (9-75 calls,
+   untimed). The tuned auto is also timed as a dispatcher of its own, a separate measurement
+   that shows the run-to-run spread.
 5. Paired (one node only): ``mpi`` and ``shm`` at ``--paired-bytes``, one measurement of each in
    turn, ``--pairs`` times; the ratio of neighbouring measurements is steady where the
    machine's speed is not (this VM switches between two states for tens of seconds to minutes
@@ -41,7 +44,7 @@ from pathlib import Path
 import torch
 
 from commlayer import algorithms, config, costmodel
-from commlayer.algorithms import topology
+from commlayer.algorithms import autotune, topology
 from commlayer.algorithms.executor import Allreducer
 from commlayer.backends.mpi import MPI, MPIBackend, library_version
 from commlayer.reduce_ops import ReduceOp
@@ -139,7 +142,8 @@ def main() -> int:
     names = costmodel.candidates(cal.nodes == 1)
     pretend = config.load().topology
     nodes = topology.build(pretend, world.size, backend.nodes())
-    auto = Allreducer(algorithms.AUTO, [cal])
+    model = Allreducer(algorithms.AUTO, [cal])
+    auto = Allreducer(algorithms.AUTO, [cal], tuning=True)
     sizes = []
     n = args.min_bytes
     while n <= args.max_bytes:
@@ -159,8 +163,11 @@ def main() -> int:
         "",
         "| bytes | "
         + " | ".join(f"{name} µs (busbw GB/s, vs mpi)" for name in names)
-        + " | auto picks | pick vs best | auto µs (own run) |",
-        "| ---: | " + " | ".join("---:" for _ in names) + " | --- | ---: | ---: |",
+        + " | model picks | vs best | tuned auto picks | vs best | tuned auto µs (own run) "
+        "| own run vs best |",
+        "| ---: | "
+        + " | ".join("---:" for _ in names)
+        + " | --- | ---: | --- | ---: | ---: | ---: |",
     ]
     accuracy_rows = [
         "| bytes | "
@@ -175,9 +182,13 @@ def main() -> int:
     for nbytes in sizes:
         buf = torch.ones(nbytes // 4)
         times: dict[str, float] = {}
-        for name in [*names, algorithms.AUTO]:
-            allreducer = auto if name == algorithms.AUTO else Allreducer(name, topology=nodes)
+        for name in names:
+            allreducer = Allreducer(name, topology=nodes)
             times[name] = measure(blocking(allreducer, backend, buf), args, world)
+        run_auto = blocking(auto, backend, buf)
+        for _ in range(autotune.CANDIDATES * autotune.samples(nbytes)):  # first round, untimed
+            run_auto()
+        times[algorithms.AUTO] = measure(run_auto, args, world)
         best = min(times[name] for name in names)
         cells, acc_cells = [], []
         mpi_predicted = costmodel.predict("mpi", nbytes // 4, 4, cal)
@@ -195,11 +206,13 @@ def main() -> int:
                     ratio = t / times["mpi"]
                     relative[name].append(1 - abs(predicted / mpi_predicted - ratio) / ratio)
             acc_cells.append(f"{predicted * 1e6:,.0f} / {t * 1e6:,.0f} ({accuracy:.0%})")
+        first = model.choose(backend, nbytes // 4, 4)
         pick = auto.choose(backend, nbytes // 4, 4)
         lines.append(
             f"| {human(nbytes)} | "
             + " | ".join(cells)
-            + f" | {pick} | {best / times[pick]:.2f}x | {times['auto'] * 1e6:,.0f} |"
+            + f" | {first} | {best / times[first]:.2f}x | {pick} | {best / times[pick]:.2f}x"
+            + f" | {times['auto'] * 1e6:,.0f} | {best / times['auto']:.2f}x |"
         )
         accuracy_rows.append(f"| {human(nbytes)} | " + " | ".join(acc_cells) + " |")
         if world.rank == 0:

@@ -24,6 +24,7 @@ from commlayer.errors import ConfigError
 
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 WAIT_POLICIES = ("auto", "active", "passive")
+ON_OFF = malloc.CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Config:
     cuda_ptx_dir: str = ""
     wait_policy: str = "auto"
     malloc_tuning: str = "on"
+    auto_tuning: str = "on"
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -114,9 +116,9 @@ def _parse_wait_policy(text: str) -> str:
     return value
 
 
-def _parse_malloc_tuning(text: str) -> str:
+def _parse_on_off(text: str) -> str:
     value = text.strip().lower()
-    if value not in malloc.CHOICES:
+    if value not in ON_OFF:
         raise ValueError(value)
     return value
 
@@ -160,7 +162,7 @@ _ALLOWED = {
     _parse_nonneg_float: "a finite number >= 0 (0 disables)",
     _parse_log_level: f"one of {', '.join(_LOG_LEVELS)}",
     _parse_wait_policy: f"one of {', '.join(WAIT_POLICIES)}",
-    _parse_malloc_tuning: f"one of {', '.join(malloc.CHOICES)}",
+    _parse_on_off: f"one of {', '.join(ON_OFF)}",
     _parse_compression: "a compressor 'name' or 'name:key=value,...' with a valid name "
     "(none, fp16, bf16, qsgd, topk, randomk, efsignsgd, onebit, powersgd, or one registered) "
     "and valid parameters, e.g. 'topk:ratio=0.01'",
@@ -273,10 +275,18 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     (
         "COMMLAYER_MALLOC_TUNING",
         "malloc_tuning",
-        _parse_malloc_tuning,
+        _parse_on_off,
         "on (default): init() sets glibc's mmap threshold to 32 MiB and its trim threshold to "
         "64 MiB, so the memory a training step frees serves the next step without page faults "
         "(skipped when glibc's own MALLOC_*_ or GLIBC_TUNABLES malloc settings are set); off",
+    ),
+    (
+        "COMMLAYER_AUTO_TUNING",
+        "auto_tuning",
+        _parse_on_off,
+        "on (default): the auto algorithm times the cost model's 3 best candidates on the first "
+        "calls of each buffer size class and keeps the fastest, agreed by all ranks, measuring "
+        "it against the runner-up again every 256-4096 calls; off: the cost model's pick alone",
     ),
 )
 

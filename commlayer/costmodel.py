@@ -330,6 +330,39 @@ def choose(
     return best[0]
 
 
+def ranked(
+    numel: int,
+    element_size: int,
+    size: int,
+    nodes: int,
+    cal: Calibration | None,
+    topology: Topology | None = None,
+    count: int = 3,
+) -> list[str]:
+    """``auto``'s pick (``choose``) and then the runners-up, at most ``count`` names: the next
+    by predicted time with a calibration that fits, else the other native algorithm and the
+    bandwidth-optimal schedule (``rabenseifner``) or, below 64 KiB, the latency-optimal one
+    (``recursive_doubling``). What online tuning (algorithms/autotune.py) measures against each
+    other; every rank computes the same."""
+    pick = choose(numel, element_size, size, nodes, cal, topology)
+    if size == 1:
+        return [pick]
+    names = [pick]
+    if (
+        cal is not None
+        and cal.size == size
+        and cal.nodes == nodes
+        and (nodes == 1 or cal.has_inter)
+    ):
+        if topology is not None and (topology.size != size or topology.nodes != nodes):
+            topology = None
+        names += [name for name, _ in table(numel * element_size, cal, element_size, topology)]
+    else:
+        schedule = "rabenseifner" if numel * element_size >= 64 << 10 else "recursive_doubling"
+        names += ["mpi", "shm" if nodes == 1 else "mpi", schedule]
+    return list(dict.fromkeys(names))[:count]
+
+
 # -- storage ---------------------------------------------------------------------------------------
 def default_path() -> Path:
     from commlayer import config  # here: config imports the algorithms, which import us

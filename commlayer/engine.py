@@ -202,6 +202,7 @@ class Engine:
             if config.allreduce_algorithm == "auto"
             else None,
             topo,
+            tuning=config.auto_tuning == "on",
         )
         self._error: BaseException | None = None
         self._stopped = threading.Event()

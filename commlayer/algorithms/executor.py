@@ -10,10 +10,13 @@ step's sends do not overlap them, else once everything of the step completed.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 import torch
 
 from commlayer import algorithms, costmodel
-from commlayer.algorithms import hierarchical
+from commlayer.algorithms import autotune, hierarchical
 from commlayer.algorithms.schedule import Schedule
 from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import COMPLETED, Backend, Request
@@ -118,9 +121,11 @@ class Allreducer:
         algorithm: str,
         calibrations: list[costmodel.Calibration] | None = None,
         topology: Topology | None = None,
+        tuning: bool = False,
     ) -> None:
         """``topology``: the job's, when COMMLAYER_TOPOLOGY overrides the detected one; it
-        applies to groups of its size (the global set), others use their detected nodes."""
+        applies to groups of its size (the global set), others use their detected nodes.
+        ``tuning``: ``auto`` measures its candidates online (algorithms/autotune.py)."""
         self.algorithm = algorithms.check_name(algorithm)
         self._override = topology
         # per backend object (not its id: a removed process set's id can be reused): its
@@ -131,28 +136,52 @@ class Allreducer:
         self._schedules: dict[tuple[str, int, int, int, Topology], Schedule] = {}
         self._calibrations = {(c.size, c.nodes): c for c in calibrations or ()}
         self._auto: dict[tuple[int, int, int, int, bool], str] = {}
+        self._tuning = tuning
+        self._tuner = autotune.Tuner()
 
     def choose(self, backend: Backend, numel: int, element_size: int) -> str:
-        """The algorithm for a buffer: the configured one, or for ``auto`` the cost model's
-        pick for the buffer's power-of-two size class (costmodel.choose); ``shm`` falls back to
-        ``mpi`` when the ranks are not all on one node. Every rank decides the same from the
-        same facts (sizes, node layout, the calibration file of the node)."""
+        """The algorithm for a buffer: the configured one, or for ``auto`` the pick measured
+        by online tuning (algorithms/autotune.py) once agreed for the buffer's power-of-two size
+        class, else the cost model's pick for the class (costmodel.choose); ``shm`` falls back
+        to ``mpi`` when the ranks are not all on one node. Every rank decides the same from the
+        same facts (sizes, node layout, the calibration agreed at start, agreed measurements)."""
         name = self.algorithm
         topology, capable, _ = self._backend_facts(backend)
         if name == algorithms.AUTO:
-            nodes = topology.nodes
-            key = (backend.size, nodes, numel.bit_length(), element_size, capable)
+            decided = self._tuner.decided(self._class(backend, numel, element_size))
+            if decided:
+                return decided
+            key = (backend.size, topology.nodes, numel.bit_length(), element_size, capable)
             name = self._auto.get(key, "")
             if not name:
-                representative = 1 << max(numel.bit_length() - 1, 0)
-                cal = self._calibrations.get((backend.size, nodes))
-                name = costmodel.choose(
-                    representative, element_size, backend.size, nodes, cal, topology
-                )
+                name = self._ranked(backend, numel, element_size, 1)[0]
                 self._auto[key] = name
         if name == "shm" and not capable:
             return "mpi"
         return name
+
+    def _class(self, backend: Backend, numel: int, element_size: int) -> tuple[Any, ...]:
+        return (backend, numel.bit_length(), element_size)
+
+    def _ranked(self, backend: Backend, numel: int, element_size: int, count: int) -> list[str]:
+        """The cost model's best ``count`` for the buffer's size class, as this backend can run
+        them (``shm`` only where every rank is on one node)."""
+        topology, capable, _ = self._backend_facts(backend)
+        representative = 1 << max(numel.bit_length() - 1, 0)
+        cal = self._calibrations.get((backend.size, topology.nodes))
+        names = costmodel.ranked(
+            representative, element_size, backend.size, topology.nodes, cal, topology, count
+        )
+        return list(dict.fromkeys("mpi" if n == "shm" and not capable else n for n in names))
+
+    def _next(self, backend: Backend, numel: int, element_size: int) -> tuple[str, Any]:
+        """The algorithm of this call and, under online tuning, its size class."""
+        if not self._tuning or self.algorithm != algorithms.AUTO or backend.size == 1:
+            return self.choose(backend, numel, element_size), None
+        key = self._class(backend, numel, element_size)
+        ranked = partial(self._ranked, backend, numel, element_size, autotune.CANDIDATES)
+        runs = autotune.samples(numel * element_size)
+        return self._tuner.peek(key, ranked, runs), key
 
     def __call__(
         self, backend: Backend, send: torch.Tensor | None, buf: torch.Tensor, op: ReduceOp
@@ -160,13 +189,15 @@ class Allreducer:
         """Start the allreduce of ``buf`` (from ``send`` when given). ``hierarchical`` runs in
         two levels, the shared-memory window in each node and ``hierarchical.INTER`` across,
         when the backend can and the nodes allow it (``_backend_facts``); else its schedule."""
-        name = self.choose(backend, buf.numel(), buf.element_size())
+        name, key = self._next(backend, buf.numel(), buf.element_size())
         topology, _, two_level = self._backend_facts(backend)
         if name == "hierarchical" and two_level:
-            return backend.shm_hierarchical_iallreduce(  # type: ignore[attr-defined]
+            request = backend.shm_hierarchical_iallreduce(  # type: ignore[attr-defined]
                 send, buf, op, topology.node_of, lambda cross, part: self._inter(cross, part, op)
             )
-        return self._run(name, backend, send, buf, op, topology)
+        else:
+            request = self._run(name, backend, send, buf, op, topology)
+        return request if key is None else self._tuner.start(key, name, backend, request)
 
     def pieces(
         self,
@@ -177,12 +208,14 @@ class Allreducer:
         op: ReduceOp,
     ) -> Request | None:
         """Start the allreduce of a fused bucket without a fusion buffer (fusion.pieces), where
-        the algorithm for its size is the shared-memory window, which copies every byte in and
+        the algorithm of this call is the shared-memory window, which copies every byte in and
         out of the window anyway; None elsewhere (the caller packs and calls this object)."""
         numel = sum(t.numel() for t in sources)
-        if backend.size == 1 or self.choose(backend, numel, sources[0].element_size()) != "shm":
+        name, key = self._next(backend, numel, sources[0].element_size())
+        if backend.size == 1 or name != "shm":
             return None
-        return backend.shm_iallreduce_pieces(sources, outputs, scales, op)  # type: ignore[attr-defined,no-any-return]
+        request = backend.shm_iallreduce_pieces(sources, outputs, scales, op)  # type: ignore[attr-defined]
+        return request if key is None else self._tuner.start(key, name, backend, request)
 
     def _inter(self, cross: Backend, part: torch.Tensor, op: ReduceOp) -> Request:
         """The leg across nodes of the two-level hierarchical: ``hierarchical.INTER``, as in

@@ -26,6 +26,7 @@ from collective_reference import (
 
 import commlayer as cl
 from commlayer import algorithms, runtime
+from commlayer.algorithms import autotune
 from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.topology import Topology
 from commlayer.backends.mpi import MPIBackend
@@ -43,10 +44,17 @@ def backend() -> Iterator[MPIBackend]:
 
 
 def run(backend: MPIBackend, name: str, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    return run_with(backend, Allreducer(name), tensor, op)
+
+
+def run_with(
+    backend: MPIBackend, allreducer: Allreducer, tensor: torch.Tensor, op: ReduceOp
+) -> torch.Tensor:
     buf = tensor.clone().reshape(-1)
-    request = Allreducer(name)(backend, None, buf, op)
+    request = allreducer(backend, None, buf, op)
     deadline = time.monotonic() + 60.0
     while not request.test():
+        name = allreducer.algorithm
         assert time.monotonic() < deadline, f"rank {cl.rank()}: {name} did not complete"
         time.sleep(0)
     return buf.reshape(tensor.shape)
@@ -118,3 +126,21 @@ def test_engine_uses_the_configured_algorithm() -> None:
     # The session's engine runs with the environment's setting (auto unless a job sets it).
     engine = runtime.engine()
     assert engine._allreduce.algorithm == engine.config.allreduce_algorithm
+
+
+def test_auto_tuning_agrees_on_every_rank_and_stays_right(backend: MPIBackend) -> None:
+    # Online tuning (algorithms/autotune.py) measures up to 3 candidates per size class on the
+    # first calls, then every rank must hold the same pick, and every call must be right.
+    allreducer = Allreducer(algorithms.AUTO, tuning=True)
+    runs, picks = [], []
+    for numel in (1000, (1 << 20) + 3):
+        for step in range(autotune.CANDIDATES * autotune.samples(4 * numel) + 2):
+            inputs = every_rank_small_ints(seed_of(f"tuning.{numel}.{step}"), (numel,), torch.int32)
+            runs.append((run_with(backend, allreducer, inputs[cl.rank()], cl.Sum), inputs))
+        picks.append(allreducer.choose(backend, numel, 4))
+    everyone = cl.allgather_object(picks, name="tuning.picks")
+    for result, inputs in runs:
+        assert_reduced(result, inputs, cl.Sum)
+    assert all(theirs == picks for theirs in everyone), everyone
+    if cl.size() > 1:
+        assert allreducer._tuner.rounds == 2

@@ -30,6 +30,7 @@ DEFAULTS = {
     "cuda_ptx_dir": "",
     "wait_policy": "auto",
     "malloc_tuning": "on",
+    "auto_tuning": "on",
 }
 
 # (variable, text, Config field, parsed value)
@@ -87,6 +88,7 @@ GOOD = [
     ("COMMLAYER_WAIT_POLICY", "auto", "wait_policy", "auto"),
     ("COMMLAYER_MALLOC_TUNING", " OFF ", "malloc_tuning", "off"),
     ("COMMLAYER_MALLOC_TUNING", "on", "malloc_tuning", "on"),
+    ("COMMLAYER_AUTO_TUNING", "Off", "auto_tuning", "off"),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -147,6 +149,7 @@ BAD = [
     ("COMMLAYER_WAIT_POLICY", "1", _WAIT),
     ("COMMLAYER_MALLOC_TUNING", "0", _MALLOC),
     ("COMMLAYER_MALLOC_TUNING", "jemalloc", _MALLOC),
+    ("COMMLAYER_AUTO_TUNING", "yes", _MALLOC),
 ]
 
 

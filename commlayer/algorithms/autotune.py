@@ -1,0 +1,170 @@
+"""Online tuning of ``auto``: measured times choose among the cost model's best candidates.
+
+1. The cost model ranks the algorithms for a size class from a calibration taken once. On a
+   machine whose speed drifts that ranking can be far off: this VM has two states, and in the
+   slow one the shared-memory window is no faster than MPICH while the schedules are ~2x faster
+   (benchmarks/results/algorithms_np2.md: auto's model pick was 0.48-0.60x of the best at
+   16-256 MiB in two runs).
+2. So for each (process set, power-of-two size class) the first calls explore: each of the
+   model's ``CANDIDATES`` best (``costmodel.ranked``) runs ``samples(nbytes)`` times,
+   round-robin; its time is the median of its runs, from the start of the call to the
+   ``test()`` that completes it. Small buffers get more runs: a call of tens of microseconds is
+   at the mercy of one descheduled rank (3 runs at 3 ranks on 2 cores once took a 0.3x pick
+   at 4 KiB), and many runs of it cost little.
+3. Then every rank adds its medians to one allreduce (Sum) on the same backend, started as the
+   last exploration call completes: every rank reaches that point at the same call, as ranks
+   run the same allreduces in the same order. All ranks take the argmin of the same numbers
+   (ties: the model's order), so they agree without any other message.
+4. The pick stands for ``FIRST_INTERVAL_CALLS`` calls of its class, then it and the runner-up
+   are measured again (as many runs each, agreed the same way); the interval doubles while
+   the pick stays, up to ``MAX_INTERVAL_CALLS``, and starts over when it changes. So a change
+   of the machine's state is noticed, at the price of the runner-up's runs per interval (3 of
+   256 calls and fewer for buffers of 1 MiB and more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Hashable
+
+import torch
+
+from commlayer.backends.base import Backend, Request
+from commlayer.reduce_ops import ReduceOp
+
+CANDIDATES = 3
+SAMPLES = 3  # runs per candidate and round, buffers of 1 MiB and more
+
+
+def samples(nbytes: int) -> int:
+    """Runs per candidate and round for a buffer of ``nbytes`` (the same on every rank)."""
+    if nbytes >= 1 << 20:
+        return SAMPLES
+    return 9 if nbytes >= 64 << 10 else 25
+
+
+FIRST_INTERVAL_CALLS = 256
+MAX_INTERVAL_CALLS = 4096
+
+
+@dataclasses.dataclass
+class _SizeClass:
+    """Tuning state of one (backend, size class)."""
+
+    candidates: list[str]  # being measured now (model's order); empty once decided
+    runs: int  # per candidate and round
+    samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    started: int = 0  # measured calls started in this round
+    chosen: str = ""
+    runner_up: str = ""
+    interval: int = FIRST_INTERVAL_CALLS
+    left: int = 0  # calls of the chosen one before the next round
+
+    def current(self) -> str:
+        """The algorithm of the next call."""
+        if not self.candidates:
+            return self.chosen
+        if self.started >= len(self.candidates) * self.runs:  # a round awaiting its agreement
+            return self.chosen or self.candidates[0]
+        return self.candidates[self.started % len(self.candidates)]
+
+
+class Tuner:
+    """Per (backend, size class): which algorithm runs the next call, and what was measured."""
+
+    def __init__(self) -> None:
+        self._classes: dict[Hashable, _SizeClass] = {}
+        self.rounds = 0  # agreed decisions taken (tests, benchmarks)
+
+    def peek(self, key: Hashable, ranked: Callable[[], list[str]], runs: int = SAMPLES) -> str:
+        """The algorithm the next call of this class will run (``ranked``: the model's order,
+        asked once per class; ``runs``: per candidate and round, ``samples(nbytes)``)."""
+        state = self._classes.get(key)
+        if state is None:
+            names = ranked()
+            measured = names if len(names) > 1 else []
+            state = self._classes[key] = _SizeClass(measured, runs, chosen=names[0])
+        return state.current()
+
+    def decided(self, key: Hashable) -> str:
+        """The agreed pick of this class, or "" before its first round was agreed."""
+        state = self._classes.get(key)
+        return state.chosen if state is not None and state.runner_up else ""
+
+    def start(self, key: Hashable, name: str, backend: Backend, request: Request) -> Request:
+        """Account a call of ``name`` (the current pick, ``peek``): the request itself, or
+        wrapped to time it when this call is a measurement."""
+        state = self._classes[key]
+        if not state.candidates:
+            state.left -= 1
+            if state.left > 0 or not state.runner_up:
+                return request
+            state.candidates = [state.chosen, state.runner_up]  # a new round, from the next call
+            state.samples, state.started = {}, 0
+            return request
+        if state.started >= len(state.candidates) * state.runs:
+            return request
+        state.started += 1
+        return _Timed(self, key, name, backend, request)
+
+    def record(self, key: Hashable, name: str, seconds: float) -> list[float] | None:
+        """One measured call completed; this rank's medians when the round is complete."""
+        state = self._classes[key]
+        state.samples.setdefault(name, []).append(seconds)
+        if any(len(state.samples.get(n, ())) < state.runs for n in state.candidates):
+            return None
+        return [statistics.median(state.samples[n]) for n in state.candidates]
+
+    def decide(self, key: Hashable, totals: list[float]) -> None:
+        """Every rank's medians summed (the same numbers on every rank): take the fastest."""
+        state = self._classes[key]
+        order = sorted(range(len(totals)), key=lambda i: (totals[i], i))
+        chosen, runner_up = state.candidates[order[0]], state.candidates[order[1]]
+        if chosen == state.chosen and state.runner_up:
+            state.interval = min(2 * state.interval, MAX_INTERVAL_CALLS)
+        else:
+            state.interval = FIRST_INTERVAL_CALLS
+        state.chosen, state.runner_up = chosen, runner_up
+        state.candidates, state.samples, state.started = [], {}, 0
+        state.left = state.interval
+        self.rounds += 1
+
+
+class _Timed:
+    """A measured call: times the request to completion, then (last of a round) agrees."""
+
+    __slots__ = ("_agree", "_backend", "_done", "_key", "_name", "_request", "_start", "_tuner")
+
+    def __init__(
+        self, tuner: Tuner, key: Hashable, name: str, backend: Backend, request: Request
+    ) -> None:
+        self._tuner = tuner
+        self._key = key
+        self._name = name
+        self._backend = backend
+        self._request = request
+        self._start = time.perf_counter()
+        self._agree: tuple[Request, torch.Tensor] | None = None
+        self._done = False
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if self._agree is None:
+            if not self._request.test():
+                return False
+            seconds = time.perf_counter() - self._start
+            medians = self._tuner.record(self._key, self._name, seconds)
+            if medians is None:
+                self._done = True
+                return True
+            votes = torch.tensor(medians, dtype=torch.float64)
+            self._agree = (self._backend.iallreduce(None, votes, ReduceOp.Sum), votes)
+        request, votes = self._agree
+        if not request.test():
+            return False
+        self._tuner.decide(self._key, votes.tolist())
+        self._done = True
+        return True

@@ -1,0 +1,190 @@
+"""Online tuning of ``auto`` (algorithms/autotune.py): the order in which candidates are
+measured, the agreed decision (every rank the same pick, from everyone's times), the rounds that
+measure the pick against the runner-up again, and results that stay right throughout."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from commlayer.algorithms import autotune
+from commlayer.algorithms.autotune import SAMPLES, Tuner
+from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.topology import Topology
+from commlayer.backends.base import COMPLETED, Backend, Request
+from commlayer.backends.loopback import LoopbackBackend, run_ranks
+from commlayer.reduce_ops import ReduceOp
+
+
+class _OneRank:
+    """The one call _Timed makes on a backend: the agreement, here over a single rank."""
+
+    def iallreduce(self, send: Any, recv: torch.Tensor, op: ReduceOp) -> Request:
+        return COMPLETED
+
+
+def _call(tuner: Tuner, key: str = "k", ranked: tuple[str, ...] = ("a", "b", "c")) -> str:
+    name = tuner.peek(key, lambda: list(ranked))
+    request = tuner.start(key, name, _OneRank(), COMPLETED)  # type: ignore[arg-type]
+    assert request.test()
+    return name
+
+
+def test_candidates_are_measured_round_robin_then_the_pick_stands() -> None:
+    tuner = Tuner()
+    names = [_call(tuner) for _ in range(3 * SAMPLES)]
+    assert names == ["a", "b", "c"] * SAMPLES
+    assert tuner.rounds == 1
+    pick = tuner.decided("k")
+    assert pick in ("a", "b", "c")
+    assert {_call(tuner) for _ in range(autotune.FIRST_INTERVAL_CALLS)} == {pick}
+
+
+def test_the_fastest_by_everyones_sum_is_taken_ties_in_the_models_order() -> None:
+    tuner = Tuner()
+    tuner.peek("k", lambda: ["a", "b", "c"])
+    tuner.decide("k", [3.0, 1.0, 2.0])
+    assert tuner.decided("k") == "b"
+    tuner = Tuner()
+    tuner.peek("k", lambda: ["a", "b", "c"])
+    tuner.decide("k", [2.0, 2.0, 2.0])
+    assert tuner.decided("k") == "a"
+
+
+def test_record_gives_the_medians_once_every_candidate_has_its_samples() -> None:
+    tuner = Tuner()
+    tuner.peek("k", lambda: ["a", "b"])
+    times = {"a": [5.0, 1.0, 2.0], "b": [4.0, 9.0, 3.0]}
+    results = []
+    for i in range(SAMPLES):
+        for name in ("a", "b"):
+            results.append(tuner.record("k", name, times[name][i]))
+    assert results[:-1] == [None] * (2 * SAMPLES - 1)
+    assert results[-1] == [2.0, 4.0]
+
+
+def test_a_new_round_measures_the_pick_against_the_runner_up_and_the_interval_grows() -> None:
+    tuner = Tuner()
+    tuner.peek("k", lambda: ["a", "b", "c"])
+    tuner.decide("k", [1.0, 2.0, 3.0])  # a, then b
+    for _ in range(autotune.FIRST_INTERVAL_CALLS):
+        assert _call(tuner) == "a"
+    assert [_call(tuner) for _ in range(2 * SAMPLES)] == ["a", "b"] * SAMPLES
+    assert tuner.rounds == 2  # the agreement of that round ran on its last call
+    state = tuner._classes["k"]
+    assert state.candidates == []
+    # COMPLETED requests take ~0 s each, so either may have won; the interval follows the pick
+    kept = tuner.decided("k") == "a"
+    assert state.interval == autotune.FIRST_INTERVAL_CALLS * (2 if kept else 1)
+
+
+def test_a_changed_pick_starts_the_interval_over() -> None:
+    tuner = Tuner()
+    tuner.peek("k", lambda: ["a", "b", "c"])
+    tuner.decide("k", [1.0, 2.0, 3.0])
+    state = tuner._classes["k"]
+    state.candidates = ["a", "b"]  # as a new round sets them
+    tuner.decide("k", [1.0, 2.0])  # same pick again: the interval doubles
+    assert state.interval == 2 * autotune.FIRST_INTERVAL_CALLS
+    state.candidates = ["a", "b"]
+    tuner.decide("k", [2.0, 1.0])  # b now
+    assert tuner.decided("k") == "b"
+    assert state.interval == autotune.FIRST_INTERVAL_CALLS
+    assert state.runner_up == "a"
+
+
+def test_one_candidate_is_not_measured() -> None:
+    tuner = Tuner()
+    assert [_call(tuner, ranked=("mpi",)) for _ in range(5)] == ["mpi"] * 5
+    assert tuner.rounds == 0
+
+
+class _Slow:
+    """A request that completes ``delay_s`` after it started (and after the inner one did)."""
+
+    def __init__(self, request: Request, delay_s: float) -> None:
+        self._request, self._until = request, time.perf_counter() + delay_s
+
+    def test(self) -> bool:
+        return self._request.test() and time.perf_counter() >= self._until
+
+
+class _Delayed(Allreducer):
+    """Allreducer whose algorithms take a chosen extra time per rank."""
+
+    def __init__(self, delays: dict[str, float]) -> None:
+        super().__init__("auto", tuning=True)
+        self.delays = delays
+
+    def _run(self, name: str, backend: Backend, *args: Any) -> Request:
+        return _Slow(super()._run(name, backend, *args), self.delays.get(name, 0.0))
+
+
+def _drive(backend: Backend, allreducer: Allreducer, buf: torch.Tensor) -> None:
+    request = allreducer(backend, None, buf, ReduceOp.Sum)
+    deadline = time.monotonic() + 10.0
+    while not request.test():
+        assert time.monotonic() < deadline, "allreduce did not complete"
+        time.sleep(1e-4)
+
+
+def test_every_rank_takes_the_pick_of_everyones_times() -> None:
+    # Rank 0 finds mpi slow; ranks 1 and 2 find recursive_doubling slower still, by less each.
+    # Summed, mpi wins: rank 0 must follow the others, not its own clock.
+    delays = [
+        {"mpi": 0.010},
+        {"recursive_doubling": 0.006},
+        {"recursive_doubling": 0.006},
+    ]
+    runs = autotune.samples(400)
+
+    def main(backend: LoopbackBackend) -> tuple[list[str], str, bool]:
+        allreducer = _Delayed(delays[backend.rank])
+        seen = []
+        right = True
+        for step in range(2 * runs):  # two candidates for 400 B without a calibration
+            buf = torch.full((100,), float(backend.rank + step))
+            seen.append(allreducer._next(backend, 100, 4)[0])
+            _drive(backend, allreducer, buf)
+            right = right and torch.equal(buf, torch.full((100,), float(3 + 3 * step)))
+        return seen, allreducer.choose(backend, 100, 4), right
+
+    results = run_ranks(3, main)
+    measured = results[0][0]
+    assert set(measured) == {"mpi", "recursive_doubling"}  # small buffers, no calibration
+    for seen, pick, right in results:
+        assert seen == measured
+        assert pick == "mpi"
+        assert right
+
+
+def test_tuning_off_and_fixed_algorithms_measure_nothing() -> None:
+    def main(backend: LoopbackBackend) -> list[str]:
+        picks = []
+        for allreducer in (Allreducer("auto"), Allreducer("ring", tuning=True)):
+            for _ in range(3 * SAMPLES):
+                _drive(backend, allreducer, torch.ones(10))
+            assert allreducer._tuner.rounds == 0
+            picks.append(allreducer.choose(backend, 10, 4))
+        return picks
+
+    for picks in run_ranks(2, main):
+        assert picks == ["mpi", "ring"]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_results_stay_right_while_tuning_several_size_classes(size: int) -> None:
+    def main(backend: LoopbackBackend) -> int:
+        allreducer = Allreducer("auto", topology=Topology.flat(size), tuning=True)
+        for numel in (3, 1000, 70_000):
+            for step in range(autotune.CANDIDATES * autotune.samples(4 * numel) + 1):
+                buf = torch.full((numel,), float(backend.rank * step))
+                _drive(backend, allreducer, buf)
+                expected = float(step * sum(range(size)))
+                assert torch.equal(buf, torch.full((numel,), expected)), (numel, step)
+        return allreducer._tuner.rounds
+
+    assert run_ranks(size, main) == [3] * size
