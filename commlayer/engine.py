@@ -608,7 +608,7 @@ class Engine:
                 buf = self._pool.get(dtype, numel)
                 fusion.pack(bucket, buf)
                 t1 = time.perf_counter()
-                self._wait(self._allreduce(backend, None, buf, op))
+                self._wait(self._allreduce(backend, None, buf, op, t1 - t0))
                 t2 = time.perf_counter()
                 fusion.unpack(bucket, buf)
             t3 = time.perf_counter()

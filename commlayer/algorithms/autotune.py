@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 from collections.abc import Callable, Hashable
@@ -33,6 +34,8 @@ import torch
 
 from commlayer.backends.base import Backend, Request
 from commlayer.reduce_ops import ReduceOp
+
+log = logging.getLogger("commlayer")
 
 CANDIDATES = 3
 SAMPLES = 3  # runs per candidate and round, buffers of 1 MiB and more
@@ -55,6 +58,7 @@ class _SizeClass:
 
     candidates: list[str]  # being measured now (model's order); empty once decided
     runs: int  # per candidate and round
+    label: str = ""  # for the log
     samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     started: int = 0  # measured calls started in this round
     chosen: str = ""
@@ -78,14 +82,17 @@ class Tuner:
         self._classes: dict[Hashable, _SizeClass] = {}
         self.rounds = 0  # agreed decisions taken (tests, benchmarks)
 
-    def peek(self, key: Hashable, ranked: Callable[[], list[str]], runs: int = SAMPLES) -> str:
+    def peek(
+        self, key: Hashable, ranked: Callable[[], list[str]], runs: int = SAMPLES, label: str = ""
+    ) -> str:
         """The algorithm the next call of this class will run (``ranked``: the model's order,
-        asked once per class; ``runs``: per candidate and round, ``samples(nbytes)``)."""
+        asked once per class; ``runs``: per candidate and round, ``samples(nbytes)``;
+        ``label``: the class in words, for the log)."""
         state = self._classes.get(key)
         if state is None:
             names = ranked()
             measured = names if len(names) > 1 else []
-            state = self._classes[key] = _SizeClass(measured, runs, chosen=names[0])
+            state = self._classes[key] = _SizeClass(measured, runs, label, chosen=names[0])
         return state.current()
 
     def decided(self, key: Hashable) -> str:
@@ -93,9 +100,19 @@ class Tuner:
         state = self._classes.get(key)
         return state.chosen if state is not None and state.runner_up else ""
 
-    def start(self, key: Hashable, name: str, backend: Backend, request: Request) -> Request:
+    def start(
+        self,
+        key: Hashable,
+        name: str,
+        backend: Backend,
+        request: Request,
+        extra_s: float = 0.0,
+    ) -> Request:
         """Account a call of ``name`` (the current pick, ``peek``): the request itself, or
-        wrapped to time it when this call is a measurement."""
+        wrapped to time it when this call is a measurement. ``extra_s``: time the caller spends
+        on this call's behalf outside the request (packing a fusion buffer and unpacking it),
+        added to the measurement so that the window, which copies the tensors itself, is
+        compared with the others on the same work."""
         state = self._classes[key]
         if not state.candidates:
             state.left -= 1
@@ -107,7 +124,7 @@ class Tuner:
         if state.started >= len(state.candidates) * state.runs:
             return request
         state.started += 1
-        return _Timed(self, key, name, backend, request)
+        return _Timed(self, key, name, backend, request, extra_s)
 
     def record(self, key: Hashable, name: str, seconds: float) -> list[float] | None:
         """One measured call completed; this rank's medians when the round is complete."""
@@ -121,6 +138,12 @@ class Tuner:
         """Every rank's medians summed (the same numbers on every rank): take the fastest."""
         state = self._classes[key]
         order = sorted(range(len(totals)), key=lambda i: (totals[i], i))
+        log.debug(
+            "auto tuning, %s: %s (median ms per call, summed over ranks) -> %s",
+            state.label or key,
+            {n: round(t * 1e3, 3) for n, t in zip(state.candidates, totals, strict=True)},
+            state.candidates[order[0]],
+        )
         chosen, runner_up = state.candidates[order[0]], state.candidates[order[1]]
         if chosen == state.chosen and state.runner_up:
             state.interval = min(2 * state.interval, MAX_INTERVAL_CALLS)
@@ -138,14 +161,20 @@ class _Timed:
     __slots__ = ("_agree", "_backend", "_done", "_key", "_name", "_request", "_start", "_tuner")
 
     def __init__(
-        self, tuner: Tuner, key: Hashable, name: str, backend: Backend, request: Request
+        self,
+        tuner: Tuner,
+        key: Hashable,
+        name: str,
+        backend: Backend,
+        request: Request,
+        extra_s: float,
     ) -> None:
         self._tuner = tuner
         self._key = key
         self._name = name
         self._backend = backend
         self._request = request
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() - extra_s
         self._agree: tuple[Request, torch.Tensor] | None = None
         self._done = False
 

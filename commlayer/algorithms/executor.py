@@ -180,15 +180,24 @@ class Allreducer:
             return self.choose(backend, numel, element_size), None
         key = self._class(backend, numel, element_size)
         ranked = partial(self._ranked, backend, numel, element_size, autotune.CANDIDATES)
-        runs = autotune.samples(numel * element_size)
-        return self._tuner.peek(key, ranked, runs), key
+        nbytes = numel * element_size
+        low = (1 << max(numel.bit_length() - 1, 0)) * element_size
+        label = f"buffers of {low}-{2 * low} B on {backend.size} ranks"
+        return self._tuner.peek(key, ranked, autotune.samples(nbytes), label), key
 
     def __call__(
-        self, backend: Backend, send: torch.Tensor | None, buf: torch.Tensor, op: ReduceOp
+        self,
+        backend: Backend,
+        send: torch.Tensor | None,
+        buf: torch.Tensor,
+        op: ReduceOp,
+        packed_s: float = 0.0,
     ) -> Request:
         """Start the allreduce of ``buf`` (from ``send`` when given). ``hierarchical`` runs in
         two levels, the shared-memory window in each node and ``hierarchical.INTER`` across,
-        when the backend can and the nodes allow it (``_backend_facts``); else its schedule."""
+        when the backend can and the nodes allow it (``_backend_facts``); else its schedule.
+        ``packed_s``: what packing ``buf`` took, counted twice (pack and the unpack that
+        mirrors it) when online tuning measures this call."""
         name, key = self._next(backend, buf.numel(), buf.element_size())
         topology, _, two_level = self._backend_facts(backend)
         if name == "hierarchical" and two_level:
@@ -197,7 +206,9 @@ class Allreducer:
             )
         else:
             request = self._run(name, backend, send, buf, op, topology)
-        return request if key is None else self._tuner.start(key, name, backend, request)
+        if key is None:
+            return request
+        return self._tuner.start(key, name, backend, request, 2 * packed_s)
 
     def pieces(
         self,
