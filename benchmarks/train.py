@@ -225,18 +225,34 @@ def _horovod_importable() -> bool:
     return subprocess.run(probe, capture_output=True, timeout=120).returncode == 0
 
 
+# commlayer.init() sets these glibc thresholds in its process (commlayer/malloc.py); a DDP or
+# Horovod run labelled "+malloc" gets them through glibc's own variables, so the table shows how
+# much of a lead over them is the allocator's and how much the communication's.
+MALLOC_CONTROL = "+malloc"
+_GLIBC_THRESHOLDS = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(64 << 20),
+}
+
+
 def run_one(args: argparse.Namespace, system: str, model: str, ranks: int) -> dict[str, Any]:
+    worker = system.removesuffix(MALLOC_CONTROL)
     command = [
-        sys.executable, __file__, "--worker", system, "--model", model,
+        sys.executable, __file__, "--worker", worker, "--model", model,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
     ]  # fmt: skip
     if system != "single":
         command = [_mpiexec(), "-n", str(ranks), *command]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if system.endswith(MALLOC_CONTROL):
+        env.update(_GLIBC_THRESHOLDS)
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout_s)
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
-            return dict(json.loads(line.removeprefix(RESULT_PREFIX)))
+            result = dict(json.loads(line.removeprefix(RESULT_PREFIX)))
+            if system != worker:
+                result["system"] = system
+            return result
     raise RuntimeError(
         f"{' '.join(command)} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
     )
@@ -284,6 +300,14 @@ def driver(args: argparse.Namespace) -> None:
         systems.append("horovod")
     else:
         notes.append("Horovod: not importable here (`import horovod.torch` failed), not measured.")
+    if args.malloc_controls:
+        systems += [s + MALLOC_CONTROL for s in systems if s != "commlayer"]
+        notes.append(
+            f"`{MALLOC_CONTROL}`: the same system with glibc's mmap threshold at 32 MiB and trim "
+            "threshold at 64 MiB (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), what "
+            "commlayer.init() sets in its own process (COMMLAYER_MALLOC_TUNING); its ratio is "
+            "still to plain DDP."
+        )
     header = [
         "# training step, median of "
         f"{args.steps} steps after {args.warmup} warm-up, batch {args.batch} per rank",
@@ -328,6 +352,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument(
+        "--malloc-controls",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run DDP (and Horovod) with commlayer's glibc malloc thresholds",
+    )
     parser.add_argument("--out", help="also write the table here")
     parser.add_argument("--worker", choices=("single", "paired", *SYSTEMS), help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
