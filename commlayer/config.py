@@ -286,7 +286,8 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         _parse_on_off,
         "on (default): the auto algorithm times the cost model's 3 best candidates on the first "
         "calls of each buffer size class and keeps the fastest, agreed by all ranks, measuring "
-        "it against the runner-up again every 256-4096 calls; off: the cost model's pick alone",
+        "it against the runner-up again now and then (<= 2% of the calls); off: the cost "
+        "model's pick alone",
     ),
 )
 

@@ -15,11 +15,12 @@
    last exploration call completes: every rank reaches that point at the same call, as ranks
    run the same allreduces in the same order. All ranks take the argmin of the same numbers
    (ties: the model's order), so they agree without any other message.
-4. The pick stands for ``FIRST_INTERVAL_CALLS`` calls of its class, then it and the runner-up
-   are measured again (as many runs each, agreed the same way); the interval doubles while
-   the pick stays, up to ``MAX_INTERVAL_CALLS``, and starts over when it changes. So a change
-   of the machine's state is noticed, at the price of the runner-up's runs per interval (3 of
-   256 calls and fewer for buffers of 1 MiB and more).
+4. The pick stands for ``CALLS_PER_RUN`` calls of its class per run of a round (250 calls
+   from 1 MiB, 1250 below 64 KiB), then it and the runner-up are measured again (as many runs
+   each, agreed the same way); the interval doubles while the pick stays, up to
+   ``MAX_INTERVAL_DOUBLINGS`` times, and starts over when it changes. So a change of the
+   machine's state is noticed, at the price of at most 2% of a class's calls going to the
+   runner-up.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from commlayer.reduce_ops import ReduceOp
 log = logging.getLogger("commlayer")
 
 CANDIDATES = 3
-SAMPLES = 3  # runs per candidate and round, buffers of 1 MiB and more
+# Runs per candidate and round, buffers of 1 MiB and more: the median of 5 stands two slow runs
+# (with 3, at 4 ranks on 2 cores, one round picked shd at 256 MiB, 0.62x of the window).
+SAMPLES = 5
 
 
 def samples(nbytes: int) -> int:
@@ -48,8 +51,8 @@ def samples(nbytes: int) -> int:
     return 9 if nbytes >= 64 << 10 else 25
 
 
-FIRST_INTERVAL_CALLS = 256
-MAX_INTERVAL_CALLS = 4096
+CALLS_PER_RUN = 50  # first interval between rounds: this many calls per run of a round
+MAX_INTERVAL_DOUBLINGS = 4
 
 
 @dataclasses.dataclass
@@ -63,7 +66,7 @@ class _SizeClass:
     started: int = 0  # measured calls started in this round
     chosen: str = ""
     runner_up: str = ""
-    interval: int = FIRST_INTERVAL_CALLS
+    interval: int = 0  # calls between rounds, set at each decision
     left: int = 0  # calls of the chosen one before the next round
 
     def current(self) -> str:
@@ -146,9 +149,10 @@ class Tuner:
         )
         chosen, runner_up = state.candidates[order[0]], state.candidates[order[1]]
         if chosen == state.chosen and state.runner_up:
-            state.interval = min(2 * state.interval, MAX_INTERVAL_CALLS)
+            first = CALLS_PER_RUN * state.runs
+            state.interval = min(2 * state.interval, first << MAX_INTERVAL_DOUBLINGS)
         else:
-            state.interval = FIRST_INTERVAL_CALLS
+            state.interval = CALLS_PER_RUN * state.runs
         state.chosen, state.runner_up = chosen, runner_up
         state.candidates, state.samples, state.started = [], {}, 0
         state.left = state.interval

@@ -18,6 +18,19 @@ from commlayer.backends.base import COMPLETED, Backend, Request
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.reduce_ops import ReduceOp
 
+FIRST = autotune.CALLS_PER_RUN * SAMPLES  # calls before the first new round, 1 MiB and more
+
+
+def test_the_interval_doubles_up_to_its_cap() -> None:
+    tuner = Tuner()
+    tuner.peek("k", lambda: ["a", "b"])
+    intervals = []
+    for _ in range(7):
+        tuner._classes["k"].candidates = ["a", "b"]
+        tuner.decide("k", [1.0, 2.0])
+        intervals.append(tuner._classes["k"].interval)
+    assert intervals == [FIRST * 2**k for k in (0, 1, 2, 3, 4, 4, 4)]
+
 
 class _OneRank:
     """The one call _Timed makes on a backend: the agreement, here over a single rank."""
@@ -40,7 +53,7 @@ def test_candidates_are_measured_round_robin_then_the_pick_stands() -> None:
     assert tuner.rounds == 1
     pick = tuner.decided("k")
     assert pick in ("a", "b", "c")
-    assert {_call(tuner) for _ in range(autotune.FIRST_INTERVAL_CALLS)} == {pick}
+    assert {_call(tuner) for _ in range(autotune.CALLS_PER_RUN * SAMPLES)} == {pick}
 
 
 def test_the_fastest_by_everyones_sum_is_taken_ties_in_the_models_order() -> None:
@@ -57,20 +70,20 @@ def test_the_fastest_by_everyones_sum_is_taken_ties_in_the_models_order() -> Non
 def test_record_gives_the_medians_once_every_candidate_has_its_samples() -> None:
     tuner = Tuner()
     tuner.peek("k", lambda: ["a", "b"])
-    times = {"a": [5.0, 1.0, 2.0], "b": [4.0, 9.0, 3.0]}
+    times = {"a": [5.0, 1.0, 2.0, 7.0, 0.5], "b": [4.0, 9.0, 3.0, 8.0, 1.0]}
     results = []
     for i in range(SAMPLES):
         for name in ("a", "b"):
             results.append(tuner.record("k", name, times[name][i]))
     assert results[:-1] == [None] * (2 * SAMPLES - 1)
-    assert results[-1] == [2.0, 4.0]
+    assert results[-1] == [2.0, 4.0]  # the medians of 5
 
 
 def test_a_new_round_measures_the_pick_against_the_runner_up_and_the_interval_grows() -> None:
     tuner = Tuner()
     tuner.peek("k", lambda: ["a", "b", "c"])
     tuner.decide("k", [1.0, 2.0, 3.0])  # a, then b
-    for _ in range(autotune.FIRST_INTERVAL_CALLS):
+    for _ in range(FIRST):
         assert _call(tuner) == "a"
     assert [_call(tuner) for _ in range(2 * SAMPLES)] == ["a", "b"] * SAMPLES
     assert tuner.rounds == 2  # the agreement of that round ran on its last call
@@ -78,7 +91,7 @@ def test_a_new_round_measures_the_pick_against_the_runner_up_and_the_interval_gr
     assert state.candidates == []
     # COMPLETED requests take ~0 s each, so either may have won; the interval follows the pick
     kept = tuner.decided("k") == "a"
-    assert state.interval == autotune.FIRST_INTERVAL_CALLS * (2 if kept else 1)
+    assert state.interval == FIRST * (2 if kept else 1)
 
 
 def test_a_changed_pick_starts_the_interval_over() -> None:
@@ -88,11 +101,11 @@ def test_a_changed_pick_starts_the_interval_over() -> None:
     state = tuner._classes["k"]
     state.candidates = ["a", "b"]  # as a new round sets them
     tuner.decide("k", [1.0, 2.0])  # same pick again: the interval doubles
-    assert state.interval == 2 * autotune.FIRST_INTERVAL_CALLS
+    assert state.interval == 2 * FIRST
     state.candidates = ["a", "b"]
     tuner.decide("k", [2.0, 1.0])  # b now
     assert tuner.decided("k") == "b"
-    assert state.interval == autotune.FIRST_INTERVAL_CALLS
+    assert state.interval == FIRST
     assert state.runner_up == "a"
 
 
