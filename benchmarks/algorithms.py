@@ -15,7 +15,7 @@ cost model's prediction vs the measurement.
 4. ``auto``'s pick per size is compared with the best measured algorithm ("vs best": the
    pick's own column against the fastest column of the same row), twice: the cost model's pick
    alone (``COMMLAYER_AUTO_TUNING=off``), and the pick of online tuning (the default:
-   algorithms/autotune.py), after its first round of measurements at that size (15-75 calls,
+   algorithms/autotune.py), after its first round of measurements at that size (18-78 calls,
    untimed). The tuned auto is also timed as a dispatcher of its own, a separate measurement
    that shows the run-to-run spread.
 5. Paired (one node only): ``mpi`` and ``shm`` at ``--paired-bytes``, one measurement of each in
@@ -186,7 +186,8 @@ def main() -> int:
             allreducer = Allreducer(name, topology=nodes)
             times[name] = measure(blocking(allreducer, backend, buf), args, world)
         run_auto = blocking(auto, backend, buf)
-        for _ in range(autotune.CANDIDATES * autotune.samples(nbytes)):  # first round, untimed
+        runs = autotune.samples(nbytes)
+        for _ in range(autotune.round_calls(autotune.CANDIDATES, runs)):  # first round, untimed
             run_auto()
         times[algorithms.AUTO] = measure(run_auto, args, world)
         best = min(times[name] for name in names)

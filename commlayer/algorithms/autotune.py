@@ -6,11 +6,13 @@
    (benchmarks/results/algorithms_np2.md: auto's model pick was 0.48-0.60x of the best at
    16-256 MiB in two runs).
 2. So for each (process set, power-of-two size class) the first calls explore: each of the
-   model's ``CANDIDATES`` best (``costmodel.ranked``) runs ``samples(nbytes)`` times,
-   round-robin; its time is the median of its runs, from the start of the call to the
+   model's ``CANDIDATES`` best (``costmodel.ranked``) runs ``samples(nbytes)`` + 1 times in a
+   row; the first run of each block is not counted (the switch from another algorithm slowed
+   MPICH's next call at 256 KiB by up to 1.5x, more than the gap between candidates), and the
+   candidate's time is the median of the others, each from the start of the call to the
    ``test()`` that completes it. Small buffers get more runs: a call of tens of microseconds is
-   at the mercy of one descheduled rank (3 runs at 3 ranks on 2 cores once took a 0.3x pick
-   at 4 KiB), and many runs of it cost little.
+   at the mercy of one descheduled rank (3 runs at 3 ranks on 2 cores once took a 0.3x pick at
+   4 KiB), and many runs of it cost little.
 3. Then every rank adds its medians to one allreduce (Sum) on the same backend, started as the
    last exploration call completes: every rank reaches that point at the same call, as ranks
    run the same allreduces in the same order. All ranks take the argmin of the same numbers
@@ -55,6 +57,11 @@ CALLS_PER_RUN = 50  # first interval between rounds: this many calls per run of 
 MAX_INTERVAL_DOUBLINGS = 4
 
 
+def round_calls(candidates: int, runs: int) -> int:
+    """Calls of a round: a block of ``runs`` + 1 per candidate (the first one not counted)."""
+    return candidates * (runs + 1)
+
+
 @dataclasses.dataclass
 class _SizeClass:
     """Tuning state of one (backend, size class)."""
@@ -63,7 +70,7 @@ class _SizeClass:
     runs: int  # per candidate and round
     label: str = ""  # for the log
     samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    started: int = 0  # measured calls started in this round
+    started: int = 0  # calls started in this round (measured or not)
     chosen: str = ""
     runner_up: str = ""
     interval: int = 0  # calls between rounds, set at each decision
@@ -73,9 +80,12 @@ class _SizeClass:
         """The algorithm of the next call."""
         if not self.candidates:
             return self.chosen
-        if self.started >= len(self.candidates) * self.runs:  # a round awaiting its agreement
+        if self.started >= self.round_calls():  # a round awaiting its agreement
             return self.chosen or self.candidates[0]
-        return self.candidates[self.started % len(self.candidates)]
+        return self.candidates[self.started // (self.runs + 1)]
+
+    def round_calls(self) -> int:
+        return round_calls(len(self.candidates), self.runs)
 
 
 class Tuner:
@@ -124,10 +134,11 @@ class Tuner:
             state.candidates = [state.chosen, state.runner_up]  # a new round, from the next call
             state.samples, state.started = {}, 0
             return request
-        if state.started >= len(state.candidates) * state.runs:
+        if state.started >= state.round_calls():
             return request
+        first = state.started % (state.runs + 1) == 0  # of its block: not counted
         state.started += 1
-        return _Timed(self, key, name, backend, request, extra_s)
+        return request if first else _Timed(self, key, name, backend, request, extra_s)
 
     def record(self, key: Hashable, name: str, seconds: float) -> list[float] | None:
         """One measured call completed; this rank's medians when the round is complete."""
