@@ -134,8 +134,8 @@ def test_auto_tuning_agrees_on_every_rank_and_stays_right(backend: MPIBackend) -
     allreducer = Allreducer(algorithms.AUTO, tuning=True)
     runs, picks = [], []
     for numel in (1000, (1 << 20) + 3):
-        runs = autotune.samples(4 * numel)
-        for step in range(autotune.round_calls(autotune.CANDIDATES, runs) + 2):
+        calls = autotune.round_calls(autotune.CANDIDATES, autotune.samples(4 * numel))
+        for step in range(calls + 2):
             inputs = every_rank_small_ints(seed_of(f"tuning.{numel}.{step}"), (numel,), torch.int32)
             runs.append((run_with(backend, allreducer, inputs[cl.rank()], cl.Sum), inputs))
         picks.append(allreducer.choose(backend, numel, 4))
