@@ -17,7 +17,8 @@ cost model's prediction vs the measurement.
    alone (``COMMLAYER_AUTO_TUNING=off``), and the pick of online tuning (the default:
    algorithms/autotune.py), after its first round of measurements at that size (18-78 calls,
    untimed). The tuned auto is also timed as a dispatcher of its own, a separate measurement
-   that shows the run-to-run spread.
+   that shows the run-to-run spread, and in turn with the row's two fastest algorithms
+   (``auto_in_turn``), which compares them at the same moment.
 5. Paired (one node only): ``mpi`` and ``shm`` at ``--paired-bytes``, one measurement of each in
    turn, ``--pairs`` times; the ratio of neighbouring measurements is steady where the
    machine's speed is not (this VM switches between two states for tens of seconds to minutes
@@ -86,6 +87,34 @@ def blocking(allreducer: Allreducer, backend: MPIBackend, buf: torch.Tensor) -> 
             os.sched_yield()
 
     return run
+
+
+def auto_in_turn(
+    run_auto: Callable[[], None],
+    times: dict[str, float],
+    names: list[str],
+    backend: MPIBackend,
+    buf: torch.Tensor,
+    args: argparse.Namespace,
+    world: MPI.Comm,
+    nodes: topology.Topology,
+) -> float:
+    """The tuned auto against the row's two fastest algorithms, measured in turn (auto, then
+    each of them, ``IN_TURN_ROUNDS`` times; the same loop length for all): the median over the
+    rounds of the faster one's time / auto's. Unlike the columns, measured seconds or a minute
+    apart, this compares them at the same moment of a machine whose speed drifts."""
+    fastest = sorted(names, key=lambda name: times[name])[:2]
+    runs = [blocking(Allreducer(name, topology=nodes), backend, buf) for name in fastest]
+    iters = max(1, min(args.max_iters, int(args.target_s / max(times[fastest[0]], 1e-7))))
+    ratios = []
+    for _ in range(IN_TURN_ROUNDS):
+        mine = timed(run_auto, iters, world)
+        theirs = min(timed(run, iters, world) for run in runs)
+        ratios.append(theirs / mine)
+    return statistics.median(ratios)
+
+
+IN_TURN_ROUNDS = 3
 
 
 def paired(backend: MPIBackend, args: argparse.Namespace, world: MPI.Comm) -> list[str]:
@@ -164,10 +193,10 @@ def main() -> int:
         "| bytes | "
         + " | ".join(f"{name} µs (busbw GB/s, vs mpi)" for name in names)
         + " | model picks | vs best | tuned auto picks | vs best | tuned auto µs (own run) "
-        "| own run vs best |",
+        "| own run vs best | tuned auto vs best two, in turn |",
         "| ---: | "
         + " | ".join("---:" for _ in names)
-        + " | --- | ---: | --- | ---: | ---: | ---: |",
+        + " | --- | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     accuracy_rows = [
         "| bytes | "
@@ -191,6 +220,7 @@ def main() -> int:
             run_auto()
         times[algorithms.AUTO] = measure(run_auto, args, world)
         best = min(times[name] for name in names)
+        in_turn = auto_in_turn(run_auto, times, names, backend, buf, args, world, nodes)
         cells, acc_cells = [], []
         mpi_predicted = costmodel.predict("mpi", nbytes // 4, 4, cal)
         for name in names:
@@ -213,7 +243,7 @@ def main() -> int:
             f"| {human(nbytes)} | "
             + " | ".join(cells)
             + f" | {first} | {best / times[first]:.2f}x | {pick} | {best / times[pick]:.2f}x"
-            + f" | {times['auto'] * 1e6:,.0f} | {best / times['auto']:.2f}x |"
+            + f" | {times['auto'] * 1e6:,.0f} | {best / times['auto']:.2f}x | {in_turn:.2f}x |"
         )
         accuracy_rows.append(f"| {human(nbytes)} | " + " | ".join(acc_cells) + " |")
         if world.rank == 0:
