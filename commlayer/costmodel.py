@@ -339,15 +339,18 @@ def ranked(
     topology: Topology | None = None,
     count: int = 3,
 ) -> list[str]:
-    """``auto``'s pick (``choose``) and then the runners-up, at most ``count`` names: the next
-    by predicted time with a calibration that fits, else the other native algorithm and the
-    bandwidth-optimal schedule (``rabenseifner``) or, below 64 KiB, the latency-optimal one
-    (``recursive_doubling``). What online tuning (algorithms/autotune.py) measures against each
-    other; every rank computes the same."""
+    """What online tuning (algorithms/autotune.py) measures against each other, at most
+    ``count`` names: ``auto``'s pick (``choose``), then the native algorithms (``shm`` on one
+    node, ``mpi``), then the schedule with the lowest predicted time (with a calibration that
+    fits; else ``rabenseifner``, bandwidth-optimal, or below 64 KiB ``recursive_doubling``,
+    latency-optimal). The natives always take part: they are the fastest where they are,
+    and a calibration taken while the machine ran in another state can rank them last (at
+    2 ranks here the window is 3x MPICH in one state and level with it in the other). Every
+    rank computes the same."""
     pick = choose(numel, element_size, size, nodes, cal, topology)
     if size == 1:
         return [pick]
-    names = [pick]
+    natives = ["shm", "mpi"] if nodes == 1 else ["mpi"]
     if (
         cal is not None
         and cal.size == size
@@ -356,11 +359,11 @@ def ranked(
     ):
         if topology is not None and (topology.size != size or topology.nodes != nodes):
             topology = None
-        names += [name for name, _ in table(numel * element_size, cal, element_size, topology)]
+        rows = table(numel * element_size, cal, element_size, topology)
+        schedules = [name for name, _ in rows if name not in algorithms.NATIVE]
     else:
-        schedule = "rabenseifner" if numel * element_size >= 64 << 10 else "recursive_doubling"
-        names += ["mpi", "shm" if nodes == 1 else "mpi", schedule]
-    return list(dict.fromkeys(names))[:count]
+        schedules = ["rabenseifner" if numel * element_size >= 64 << 10 else "recursive_doubling"]
+    return list(dict.fromkeys([pick, *natives, *schedules[:1]]))[:count]
 
 
 # -- storage ---------------------------------------------------------------------------------------

@@ -282,3 +282,22 @@ def test_inter_curve_round_trips_and_files_without_it_still_load(tmp_path: Path)
     loaded = costmodel.load(4, 1, path)
     assert loaded is not None and loaded.exchange_inter == [] and not loaded.has_inter
     assert loaded.exchange == _line(10e-6, 1e-9)
+
+
+def test_tuning_candidates_are_the_pick_the_natives_and_the_best_schedule() -> None:
+    numel = 1 << 18
+    best_schedule = next(n for n, _ in costmodel.table(4 * numel, CAL) if n not in ("mpi", "shm"))
+    assert costmodel.ranked(numel, 4, 4, 1, CAL) == ["shm", "mpi", best_schedule]
+    # A calibration that ranks the natives last (taken while they were slow) still has them
+    # measured, after the pick.
+    slow = dataclasses.replace(CAL, native={k: [(1024, 1.0), (1 << 20, 1.0)] for k in CAL.native})
+    pick = costmodel.choose(numel, 4, 4, 1, slow)
+    assert pick not in ("mpi", "shm")
+    assert costmodel.ranked(numel, 4, 4, 1, slow) == [pick, "shm", "mpi"]
+
+
+def test_tuning_candidates_without_a_calibration_and_across_nodes() -> None:
+    assert costmodel.ranked(1 << 20, 4, 2, 1, None) == ["shm", "mpi", "rabenseifner"]
+    assert costmodel.ranked(16, 4, 2, 1, None) == ["mpi", "shm", "recursive_doubling"]
+    assert costmodel.ranked(1 << 20, 4, 4, 2, None) == ["mpi", "rabenseifner"]  # no window
+    assert costmodel.ranked(1 << 20, 4, 1, 1, None) == ["mpi"]  # one rank: nothing to measure
