@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 
 import torch
 
@@ -95,17 +95,18 @@ class Tuner:
         self._classes: dict[Hashable, _SizeClass] = {}
         self.rounds = 0  # agreed decisions taken (tests, benchmarks)
 
-    def peek(
-        self, key: Hashable, ranked: Callable[[], list[str]], runs: int = SAMPLES, label: str = ""
-    ) -> str:
-        """The algorithm the next call of this class will run (``ranked``: the model's order,
-        asked once per class; ``runs``: per candidate and round, ``samples(nbytes)``;
-        ``label``: the class in words, for the log)."""
+    def peek(self, key: Hashable) -> str | None:
+        """The algorithm the next call of this class will run; None for a class not seen yet
+        (``add`` it). The per-call path: one dict lookup."""
         state = self._classes.get(key)
-        if state is None:
-            names = ranked()
-            measured = names if len(names) > 1 else []
-            state = self._classes[key] = _SizeClass(measured, runs, label, chosen=names[0])
+        return None if state is None else state.current()
+
+    def add(self, key: Hashable, names: list[str], runs: int = SAMPLES, label: str = "") -> str:
+        """A new class: ``names`` the candidates in the model's order, ``runs`` per candidate
+        and round (``samples(nbytes)``), ``label`` the class in words for the log. Returns the
+        algorithm of its first call."""
+        measured = names if len(names) > 1 else []
+        state = self._classes[key] = _SizeClass(measured, runs, label, chosen=names[0])
         return state.current()
 
     def decided(self, key: Hashable) -> str:

@@ -10,7 +10,6 @@ step's sends do not overlap them, else once everything of the step completed.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -179,11 +178,14 @@ class Allreducer:
         if not self._tuning or self.algorithm != algorithms.AUTO or backend.size == 1:
             return self.choose(backend, numel, element_size), None
         key = self._class(backend, numel, element_size)
-        ranked = partial(self._ranked, backend, numel, element_size, autotune.CANDIDATES)
-        nbytes = numel * element_size
-        low = (1 << max(numel.bit_length() - 1, 0)) * element_size
-        label = f"buffers of {low}-{2 * low} B on {backend.size} ranks"
-        return self._tuner.peek(key, ranked, autotune.samples(nbytes), label), key
+        name = self._tuner.peek(key)
+        if name is None:
+            names = self._ranked(backend, numel, element_size, autotune.CANDIDATES)
+            low = (1 << max(numel.bit_length() - 1, 0)) * element_size
+            label = f"buffers of {low}-{2 * low} B on {backend.size} ranks"
+            runs = autotune.samples(numel * element_size)
+            name = self._tuner.add(key, names, runs, label)
+        return name, key
 
     def __call__(
         self,

@@ -23,7 +23,7 @@ FIRST = autotune.CALLS_PER_RUN * SAMPLES  # calls before the first new round, 1 
 
 def test_the_interval_doubles_up_to_its_cap() -> None:
     tuner = Tuner()
-    tuner.peek("k", lambda: ["a", "b"])
+    tuner.add("k", ["a", "b"])
     intervals = []
     for _ in range(7):
         tuner._classes["k"].candidates = ["a", "b"]
@@ -40,7 +40,7 @@ class _OneRank:
 
 
 def _call(tuner: Tuner, key: str = "k", ranked: tuple[str, ...] = ("a", "b", "c")) -> str:
-    name = tuner.peek(key, lambda: list(ranked))
+    name = tuner.peek(key) or tuner.add(key, list(ranked))
     request = tuner.start(key, name, _OneRank(), COMPLETED)  # type: ignore[arg-type]
     assert request.test()
     return name
@@ -58,18 +58,18 @@ def test_candidates_are_measured_round_robin_then_the_pick_stands() -> None:
 
 def test_the_fastest_by_everyones_sum_is_taken_ties_in_the_models_order() -> None:
     tuner = Tuner()
-    tuner.peek("k", lambda: ["a", "b", "c"])
+    tuner.add("k", ["a", "b", "c"])
     tuner.decide("k", [3.0, 1.0, 2.0])
     assert tuner.decided("k") == "b"
     tuner = Tuner()
-    tuner.peek("k", lambda: ["a", "b", "c"])
+    tuner.add("k", ["a", "b", "c"])
     tuner.decide("k", [2.0, 2.0, 2.0])
     assert tuner.decided("k") == "a"
 
 
 def test_record_gives_the_medians_once_every_candidate_has_its_samples() -> None:
     tuner = Tuner()
-    tuner.peek("k", lambda: ["a", "b"])
+    tuner.add("k", ["a", "b"])
     times = {"a": [5.0, 1.0, 2.0, 7.0, 0.5], "b": [4.0, 9.0, 3.0, 8.0, 1.0]}
     results = []
     for i in range(SAMPLES):
@@ -81,7 +81,7 @@ def test_record_gives_the_medians_once_every_candidate_has_its_samples() -> None
 
 def test_a_new_round_measures_the_pick_against_the_runner_up_and_the_interval_grows() -> None:
     tuner = Tuner()
-    tuner.peek("k", lambda: ["a", "b", "c"])
+    tuner.add("k", ["a", "b", "c"])
     tuner.decide("k", [1.0, 2.0, 3.0])  # a, then b
     for _ in range(FIRST):
         assert _call(tuner) == "a"
@@ -97,7 +97,7 @@ def test_a_new_round_measures_the_pick_against_the_runner_up_and_the_interval_gr
 
 def test_a_changed_pick_starts_the_interval_over() -> None:
     tuner = Tuner()
-    tuner.peek("k", lambda: ["a", "b", "c"])
+    tuner.add("k", ["a", "b", "c"])
     tuner.decide("k", [1.0, 2.0, 3.0])
     state = tuner._classes["k"]
     state.candidates = ["a", "b"]  # as a new round sets them
@@ -163,7 +163,7 @@ def test_the_pick_is_the_fastest_by_everyones_times_not_this_ranks() -> None:
     tuner = Tuner()
     backend = _Others([5.0, 1.0])
     for _ in range(autotune.round_calls(2, SAMPLES)):
-        name = tuner.peek("k", lambda: ["a", "b"])
+        name = tuner.peek("k") or tuner.add("k", ["a", "b"])
         request = tuner.start("k", name, backend, COMPLETED)  # type: ignore[arg-type]
         assert request.test()
     assert tuner.decided("k") == "b"
