@@ -8,12 +8,15 @@
 2. So for each (process set, power-of-two size class) the first calls explore: each of the
    model's ``CANDIDATES`` best (``costmodel.ranked``) runs ``samples(nbytes)`` + 1 times in a
    row; the first run of each block is not counted (the switch from another algorithm slowed
-   MPICH's next call at 256 KiB by up to 1.5x, more than the gap between candidates), and the
-   candidate's time is the median of the others, each from the start of the call to the
-   ``test()`` that completes it. Small buffers get more runs: a call of tens of microseconds is
-   at the mercy of one descheduled rank (3 runs at 3 ranks on 2 cores once took a 0.3x pick at
-   4 KiB), and many runs of it cost little.
-3. Then every rank adds its medians to one allreduce (Sum) on the same backend, started as the
+   MPICH's next call at 256 KiB by up to 1.5x, more than the gap between candidates). A
+   candidate's time is the fastest of its counted runs, each from the start of the call to the
+   ``test()`` that completes it: what a call costs when nothing else holds it up. The median
+   was tried and misled in training, where a size class mixes calls made while backward keeps
+   both cores busy (~14 ms for 3 MB) with calls after it (~1 ms): which candidate drew more of
+   the slow ones decided (rabenseifner 2.7 ms against the window's 21 ms, the reverse of their
+   uncontended times). Small buffers get more runs: a call of tens of microseconds is at the
+   mercy of one descheduled rank, and many runs of it cost little.
+3. Then every rank adds its times to one allreduce (Sum) on the same backend, started as the
    last exploration call completes: every rank reaches that point at the same call, as ranks
    run the same allreduces in the same order. All ranks take the argmin of the same numbers
    (ties: the model's order), so they agree without any other message.
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 from collections.abc import Hashable
 
@@ -41,8 +43,8 @@ from commlayer.reduce_ops import ReduceOp
 log = logging.getLogger("commlayer")
 
 CANDIDATES = 3
-# Runs per candidate and round, buffers of 1 MiB and more: the median of 5 stands two slow runs
-# (with 3, at 4 ranks on 2 cores, one round picked shd at 256 MiB, 0.62x of the window).
+# Runs per candidate and round, buffers of 1 MiB and more (with 3, at 4 ranks on 2 cores, one
+# round picked shd at 256 MiB, 0.62x of the window).
 SAMPLES = 5
 
 
@@ -142,19 +144,20 @@ class Tuner:
         return request if first else _Timed(self, key, name, backend, request, extra_s)
 
     def record(self, key: Hashable, name: str, seconds: float) -> list[float] | None:
-        """One measured call completed; this rank's medians when the round is complete."""
+        """One measured call completed; this rank's times (fastest run of each candidate) when
+        the round is complete."""
         state = self._classes[key]
         state.samples.setdefault(name, []).append(seconds)
         if any(len(state.samples.get(n, ())) < state.runs for n in state.candidates):
             return None
-        return [statistics.median(state.samples[n]) for n in state.candidates]
+        return [min(state.samples[n]) for n in state.candidates]
 
     def decide(self, key: Hashable, totals: list[float]) -> None:
-        """Every rank's medians summed (the same numbers on every rank): take the fastest."""
+        """Every rank's times summed (the same numbers on every rank): take the fastest."""
         state = self._classes[key]
         order = sorted(range(len(totals)), key=lambda i: (totals[i], i))
         log.debug(
-            "auto tuning, %s: %s (median ms per call, summed over ranks) -> %s",
+            "auto tuning, %s: %s (fastest ms per call, summed over ranks) -> %s",
             state.label or key,
             {n: round(t * 1e3, 3) for n, t in zip(state.candidates, totals, strict=True)},
             state.candidates[order[0]],
@@ -201,11 +204,11 @@ class _Timed:
             if not self._request.test():
                 return False
             seconds = time.perf_counter() - self._start
-            medians = self._tuner.record(self._key, self._name, seconds)
-            if medians is None:
+            times = self._tuner.record(self._key, self._name, seconds)
+            if times is None:
                 self._done = True
                 return True
-            votes = torch.tensor(medians, dtype=torch.float64)
+            votes = torch.tensor(times, dtype=torch.float64)
             self._agree = (self._backend.iallreduce(None, votes, ReduceOp.Sum), votes)
         request, votes = self._agree
         if not request.test():
