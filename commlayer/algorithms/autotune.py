@@ -9,13 +9,15 @@
    model's ``CANDIDATES`` best (``costmodel.ranked``) runs ``samples(nbytes)`` + 1 times in a
    row; the first run of each block is not counted (the switch from another algorithm slowed
    MPICH's next call at 256 KiB by up to 1.5x, more than the gap between candidates). A
-   candidate's time is the fastest of its counted runs, each from the start of the call to the
-   ``test()`` that completes it: what a call costs when nothing else holds it up. The median
-   was tried and misled in training, where a size class mixes calls made while backward keeps
-   both cores busy (~14 ms for 3 MB) with calls after it (~1 ms): which candidate drew more of
-   the slow ones decided (rabenseifner 2.7 ms against the window's 21 ms, the reverse of their
-   uncontended times). Small buffers get more runs: a call of tens of microseconds is at the
-   mercy of one descheduled rank, and many runs of it cost little.
+   candidate's time is the lower quartile of its counted runs (the 2nd fastest of 5), each from
+   the start of the call to the ``test()`` that completes it: about what a call costs when
+   nothing else holds it up, without trusting one lucky run. The median misled in training,
+   where a size class mixes calls made while backward keeps both cores busy (~14 ms for 3 MB)
+   with calls after it (~1 ms): which candidate drew more of the slow ones decided
+   (rabenseifner 2.7 ms against the window's 21 ms, the reverse of their uncontended times).
+   The fastest run misled at 4 ranks on 2 cores, where the window's best call at 64 KiB was
+   good and its typical one 0.82x of MPICH's. Small buffers get more runs: a call of tens of
+   microseconds is at the mercy of one descheduled rank, and many runs of it cost little.
 3. Then every rank adds its times to one allreduce (Sum) on the same backend, started as the
    last exploration call completes: every rank reaches that point at the same call, as ranks
    run the same allreduces in the same order. All ranks take the argmin of the same numbers
@@ -62,6 +64,10 @@ MAX_INTERVAL_DOUBLINGS = 4
 def round_calls(candidates: int, runs: int) -> int:
     """Calls of a round: a block of ``runs`` + 1 per candidate (the first one not counted)."""
     return candidates * (runs + 1)
+
+
+def _lower_quartile(runs: list[float]) -> float:
+    return sorted(runs)[len(runs) // 4]
 
 
 @dataclasses.dataclass
@@ -144,20 +150,20 @@ class Tuner:
         return request if first else _Timed(self, key, name, backend, request, extra_s)
 
     def record(self, key: Hashable, name: str, seconds: float) -> list[float] | None:
-        """One measured call completed; this rank's times (fastest run of each candidate) when
-        the round is complete."""
+        """One measured call completed; this rank's times (lower quartile of each candidate's
+        runs) when the round is complete."""
         state = self._classes[key]
         state.samples.setdefault(name, []).append(seconds)
         if any(len(state.samples.get(n, ())) < state.runs for n in state.candidates):
             return None
-        return [min(state.samples[n]) for n in state.candidates]
+        return [_lower_quartile(state.samples[n]) for n in state.candidates]
 
     def decide(self, key: Hashable, totals: list[float]) -> None:
         """Every rank's times summed (the same numbers on every rank): take the fastest."""
         state = self._classes[key]
         order = sorted(range(len(totals)), key=lambda i: (totals[i], i))
         log.debug(
-            "auto tuning, %s: %s (fastest ms per call, summed over ranks) -> %s",
+            "auto tuning, %s: %s (lower quartile ms per call, summed over ranks) -> %s",
             state.label or key,
             {n: round(t * 1e3, 3) for n, t in zip(state.candidates, totals, strict=True)},
             state.candidates[order[0]],
