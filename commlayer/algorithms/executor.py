@@ -147,9 +147,10 @@ class Allreducer:
         name = self.algorithm
         topology, capable, _ = self._backend_facts(backend)
         if name == algorithms.AUTO:
-            decided = self._tuner.decided(self._class(backend, numel, element_size))
-            if decided:
-                return decided
+            if self._tuning:
+                decided = self._tuner.decided(self._class(backend, numel, element_size))
+                if decided:
+                    return decided
             key = (backend.size, topology.nodes, numel.bit_length(), element_size, capable)
             name = self._auto.get(key, "")
             if not name:
