@@ -72,9 +72,13 @@ def timed(fn: Callable[[], object], iters: int, world: MPI.Comm) -> float:
     return float(world.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX))
 
 
+def loop_iters(seconds_per_call: float, args: argparse.Namespace) -> int:
+    """Calls in a timed loop of about ``--target-s``, at most ``--max-iters``."""
+    return max(1, min(args.max_iters, int(args.target_s / max(seconds_per_call, 1e-7))))
+
+
 def measure(fn: Callable[[], object], args: argparse.Namespace, world: MPI.Comm) -> float:
-    first = timed(fn, 1, world)
-    iters = max(1, min(args.max_iters, int(args.target_s / max(first, 1e-7))))
+    iters = loop_iters(timed(fn, 1, world), args)
     return statistics.median(timed(fn, iters, world) for _ in range(args.reps))
 
 
@@ -105,7 +109,7 @@ def auto_in_turn(
     apart, this compares them at the same moment of a machine whose speed drifts."""
     fastest = sorted(names, key=lambda name: times[name])[:2]
     runs = [blocking(Allreducer(name, topology=nodes), backend, buf) for name in fastest]
-    iters = max(1, min(args.max_iters, int(args.target_s / max(times[fastest[0]], 1e-7))))
+    iters = loop_iters(times[fastest[0]], args)
     ratios = []
     for _ in range(IN_TURN_ROUNDS):
         mine = timed(run_auto, iters, world)

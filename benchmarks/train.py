@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from commlayer import malloc
+
 SYSTEMS = ("commlayer", "ddp", "horovod")
 RESULT_PREFIX = "RESULT "
 
@@ -230,8 +232,8 @@ def _horovod_importable() -> bool:
 # much of a lead over them is the allocator's and how much the communication's.
 MALLOC_CONTROL = "+malloc"
 _GLIBC_THRESHOLDS = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(64 << 20),
+    "MALLOC_MMAP_THRESHOLD_": str(malloc.MMAP_THRESHOLD_BYTES),
+    "MALLOC_TRIM_THRESHOLD_": str(malloc.TRIM_THRESHOLD_BYTES),
 }
 
 

@@ -109,20 +109,6 @@ def _parse_log_level(text: str) -> str:
     return value
 
 
-def _parse_wait_policy(text: str) -> str:
-    value = text.strip().lower()
-    if value not in WAIT_POLICIES:
-        raise ValueError(value)
-    return value
-
-
-def _parse_on_off(text: str) -> str:
-    value = text.strip().lower()
-    if value not in ON_OFF:
-        raise ValueError(value)
-    return value
-
-
 def _parse_algorithm(text: str) -> str:
     name = text.strip().lower()
     if name not in algorithms.available():
@@ -137,11 +123,21 @@ def _parse_sparse_algorithm(text: str) -> str:
     return name
 
 
-def _parse_kernels(text: str) -> str:
-    name = text.strip().lower()
-    if name not in kernels.CHOICES:
-        raise ValueError(name)
-    return name
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """A parser for one of a fixed set of names, case and surrounding spaces ignored."""
+
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(value)
+        return value
+
+    return parse
+
+
+_parse_kernels = _one_of(kernels.CHOICES)
+_parse_wait_policy = _one_of(WAIT_POLICIES)
+_parse_on_off = _one_of(ON_OFF)
 
 
 def _parse_topology(text: str) -> str:

@@ -46,7 +46,7 @@ def tune(setting: str, user_variables: list[str]) -> str:
     if setting not in CHOICES:
         raise ValueError(f"malloc tuning {setting!r}: expected one of {', '.join(CHOICES)}")
     with _lock:
-        if _status is not None and _status.startswith("tuned"):
+        if _status is not None:  # set only once tuned
             return _status
         if setting == "off":
             return "off (COMMLAYER_MALLOC_TUNING=off)"

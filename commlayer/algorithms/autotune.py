@@ -169,11 +169,11 @@ class Tuner:
             state.candidates[order[0]],
         )
         chosen, runner_up = state.candidates[order[0]], state.candidates[order[1]]
-        if chosen == state.chosen and state.runner_up:
-            first = CALLS_PER_RUN * state.runs
+        first = CALLS_PER_RUN * state.runs
+        if chosen == state.chosen and state.runner_up:  # kept: wait longer before the next round
             state.interval = min(2 * state.interval, first << MAX_INTERVAL_DOUBLINGS)
         else:
-            state.interval = CALLS_PER_RUN * state.runs
+            state.interval = first
         state.chosen, state.runner_up = chosen, runner_up
         state.candidates, state.samples, state.started = [], {}, 0
         state.left = state.interval

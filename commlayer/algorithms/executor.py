@@ -154,7 +154,7 @@ class Allreducer:
             key = (backend.size, topology.nodes, numel.bit_length(), element_size, capable)
             name = self._auto.get(key, "")
             if not name:
-                name = self._ranked(backend, numel, element_size, 1)[0]
+                name = costmodel.choose(*self._model(backend, numel, element_size))
                 self._auto[key] = name
         if name == "shm" and not capable:
             return "mpi"
@@ -163,15 +163,22 @@ class Allreducer:
     def _class(self, backend: Backend, numel: int, element_size: int) -> tuple[Any, ...]:
         return (backend, numel.bit_length(), element_size)
 
+    def _model(
+        self, backend: Backend, numel: int, element_size: int
+    ) -> tuple[int, int, int, int, costmodel.Calibration | None, Topology]:
+        """What the cost model decides a buffer's size class from (``costmodel.choose`` and
+        ``costmodel.ranked``): a representative size, element size, ranks, nodes, calibration
+        and topology."""
+        topology, _, _ = self._backend_facts(backend)
+        representative = 1 << max(numel.bit_length() - 1, 0)
+        cal = self._calibrations.get((backend.size, topology.nodes))
+        return representative, element_size, backend.size, topology.nodes, cal, topology
+
     def _ranked(self, backend: Backend, numel: int, element_size: int, count: int) -> list[str]:
         """The cost model's best ``count`` for the buffer's size class, as this backend can run
         them (``shm`` only where every rank is on one node)."""
-        topology, capable, _ = self._backend_facts(backend)
-        representative = 1 << max(numel.bit_length() - 1, 0)
-        cal = self._calibrations.get((backend.size, topology.nodes))
-        names = costmodel.ranked(
-            representative, element_size, backend.size, topology.nodes, cal, topology, count
-        )
+        capable = self._backend_facts(backend)[1]
+        names = costmodel.ranked(*self._model(backend, numel, element_size), count)
         return list(dict.fromkeys("mpi" if n == "shm" and not capable else n for n in names))
 
     def _next(self, backend: Backend, numel: int, element_size: int) -> tuple[str, Any]:
