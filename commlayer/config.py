@@ -177,9 +177,12 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         "COMMLAYER_MIN_BUCKET_BYTES",
         "min_bucket_bytes",
         _parse_bytes,
-        "DistributedOptimizer's gradients wait in the engine until this many bytes of them are "
-        "ready, the step's last one arrives, step() waits for them, or 100 ms passed; 0 sends "
-        "each at once; default 1 MiB",
+        "DistributedOptimizer's bucket size: from the second step on, uncompressed gradients "
+        "travel in buckets of this many bytes (in the first step's ready order, one allreduce "
+        "each, sent when its last gradient is ready); in the first step, and for compressed "
+        "gradients, they wait in the engine until this many bytes of them are ready, the "
+        "step's last one arrives, step() waits for them, or 100 ms passed; 0 sends each "
+        "gradient alone; default 1 MiB",
     ),
     (
         "COMMLAYER_CYCLE_TIME",

@@ -542,12 +542,17 @@ class Engine:
     ) -> list[fusion.Entry]:
         average = 1.0 / n_active if response.op == ReduceOp.Average else 1.0
         if len(response.shapes) > 1:
-            # A group that fits a bucket is one entry, decided from the response alone so that
-            # every rank (a joined one included) plans the same buckets.
+            # A group of small tensors that fits a bucket is one entry (one cat, one split),
+            # decided from the response alone so that every rank (a joined one included)
+            # plans the same buckets. Large tensors stay entries of their own, which the
+            # shared-memory window reads and writes where they lie (fusion.pieces).
             numels = [math.prod(shape) for shape in response.shapes]
             total = sum(numels)
             element = _element_size(getattr(torch, response.dtype))
-            if total * element <= self.config.fusion_threshold_bytes:
+            if (
+                total * element <= self.config.fusion_threshold_bytes
+                and total < fusion.ONE_PASS_NUMEL * len(numels)
+            ):
                 if op is None:
                     return [fusion.Entry(None, None, total)]
                 op.remaining = 1

@@ -104,7 +104,7 @@ def pack(bucket: list[Entry], buf: torch.Tensor) -> None:
         offset += entry.numel
 
 
-_ONE_PASS_NUMEL = 1 << 16  # mean elements per tensor from which a step per tensor pays off
+ONE_PASS_NUMEL = 1 << 16  # mean elements per tensor from which a step per tensor pays off
 
 
 def pieces(
@@ -115,7 +115,7 @@ def pieces(
     joined rank's zeros, a group, a prescale, an integer dtype (scaled in float64 by
     ``scale_``), or small tensors (there a Python step per tensor costs more than the pass over
     the data it saves)."""
-    if not dtype.is_floating_point or sum(e.numel for e in bucket) < _ONE_PASS_NUMEL * len(bucket):
+    if not dtype.is_floating_point or sum(e.numel for e in bucket) < ONE_PASS_NUMEL * len(bucket):
         return None
     sources, outputs = [], []
     for e in bucket:
@@ -134,7 +134,7 @@ def unpack(bucket: list[Entry], buf: torch.Tensor) -> None:
         factor = scales.pop()
         if (
             factor != 1.0
-            and buf.numel() >= _ONE_PASS_NUMEL * len(bucket)
+            and buf.numel() >= ONE_PASS_NUMEL * len(bucket)
             and all(e.output is not None and e.group is None for e in bucket)
         ):
             # Large tensors: scale straight into the outputs, one pass over the data instead of

@@ -151,30 +151,50 @@ def test_float32_model_matches_single_process_training() -> None:
     _assert_close_models(model, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_backward_passes_per_step_reduces_once_per_step() -> None:
-    """Two backward passes, then step: the gradients travel once (engine byte counter)."""
+@pytest.mark.parametrize("step", [1, 2], ids=["one_by_one", "in_buckets"])
+def test_backward_passes_per_step_reduces_once_per_step(
+    step: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two backward passes, then step: the gradients are submitted once, one by one in the
+    first step and in buckets after it (the first step's end also broadcasts the buckets, so
+    the bytes are counted where the optimizer submits them, not by the engine)."""
+    from commlayer import ops
+
+    submitted: list[int] = []
+    for fn_name in ("allreduce_async_", "grouped_allreduce_async_"):
+        original = getattr(ops, fn_name)
+
+        def spy(tensors: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            group = tensors if isinstance(tensors, list) else [tensors]
+            submitted.append(sum(t.numel() * t.element_size() for t in group))
+            return _original(tensors, *args, **kwargs)
+
+        monkeypatch.setattr(ops, fn_name, spy)
     model = _mlp()
     opt = cl.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=2
     )
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     x, y = _shard(_global_batch(0)[0]), _shard(_global_batch(0)[1])
-    sent_before = cl.communication_stats()["payload_bytes"]
-    for _ in range(2):
-        F.mse_loss(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-    sent = cl.communication_stats()["payload_bytes"] - sent_before
+    for _ in range(step):
+        submitted.clear()
+        for _ in range(2):
+            F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
 
-    assert sent == grad_bytes, f"{sent} payload bytes for {grad_bytes} bytes of gradients"
+    want = 4 if step == 1 else 1  # 4 gradients, one bucket
+    assert len(submitted) == want, f"{len(submitted)} submissions, {want} expected"
+    assert sum(submitted) == grad_bytes, f"{submitted} bytes for {grad_bytes} of gradients"
 
 
 def test_small_gradients_wait_for_step_and_travel_as_one_bucket(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Four gradients of 36-96 bytes, far under min_bucket_bytes (1 MiB): the engine holds
-    them through backward (no collective runs, whatever the timing) and step() sends them as
-    one fused bucket. With min_bucket_bytes 0 each would go alone, as backward produces it."""
+    """Four gradients of 36-96 bytes, far under min_bucket_bytes (1 MiB): in the first step the
+    engine holds them through backward (no collective runs, whatever the timing) and step()
+    sends them as one fused bucket; after it they are one planned bucket. With
+    min_bucket_bytes 0 each would go alone, as backward produces it."""
     from commlayer import engine
     from commlayer import runtime as engine_runtime
 
@@ -182,15 +202,21 @@ def test_small_gradients_wait_for_step_and_travel_as_one_bucket(
     model = _mlp()
     opt = cl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = _shard(_global_batch(0)[0]), _shard(_global_batch(0)[1])
-    before = cl.communication_stats()["operations"]
-    F.mse_loss(model(x), y).backward()
-    after_backward = cl.communication_stats()["operations"]
-    opt.step()
-    after_step = cl.communication_stats()["operations"]
+    counts = []  # per step: (collectives done when backward returned, after step())
+    for _ in range(2):
+        before = cl.communication_stats()["operations"]
+        F.mse_loss(model(x), y).backward()
+        after_backward = cl.communication_stats()["operations"]
+        opt.step()
+        opt.zero_grad()
+        counts.append((after_backward - before, cl.communication_stats()["operations"] - before))
 
     assert engine_runtime.engine().config.min_bucket_bytes == 1 << 20
-    assert after_backward == before, "a gradient went before step() needed it"
-    assert after_step == before + 1, f"{after_step - before} collectives for 4 small gradients"
+    assert counts[0][0] == 0, "a gradient went before step() needed it"
+    # the first step: one fused bucket, then the broadcast of the buckets (length, data)
+    assert counts[0][1] == 1 + 2, f"{counts[0][1]} collectives in the first step"
+    # then the planned bucket (all 4 gradients), sent at the step's last gradient
+    assert counts[1][1] == 1, f"{counts[1][1]} collectives for 4 small gradients"
 
 
 # -- compression ---------------------------------------------------------------------------------
@@ -483,6 +509,89 @@ def test_synchronize_clip_then_step_matches_clipped_reference() -> None:
     assert norms[True] == pytest.approx(norms[False], rel=1e-9)
     _assert_same_on_all_ranks(gathered)
     _assert_close_models(model, ref, **EXACT)
+
+
+# -- buckets (from the second step on) ------------------------------------------------------------
+class _Branches(nn.Module):
+    """Two heads of the same shape on one trunk, computed in the order the caller picks:
+    autograd runs the head computed last first, so ranks that flip the order make their
+    gradients ready in different orders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.trunk = nn.Linear(IN, HIDDEN)
+        self.a = nn.Linear(HIDDEN, OUT)
+        self.b = nn.Linear(HIDDEN, OUT)
+        self.double()
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor, flip: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        first, second = (self.b, self.a) if flip else (self.a, self.b)
+        out_first = first(h)
+        out_second = second(h)
+        return F.mse_loss(out_first, y) + F.mse_loss(out_second, y)
+
+
+def test_ranks_whose_backward_orders_differ_share_rank_0s_buckets() -> None:
+    """Odd ranks make head a's gradients ready before head b's, even ranks the reverse. The
+    heads' shapes are equal, so buckets in each rank's own order would pair one rank's a with
+    another's b without any error: the reference comparison catches that."""
+    model = _Branches()
+    ref = copy.deepcopy(model)
+    make = OPTIMIZERS["sgd_momentum"]
+    opt = cl.DistributedOptimizer(
+        make(model.parameters()), named_parameters=model.named_parameters()
+    )
+    ref_opt = make(ref.parameters())
+    order: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, n=name: order.append(n))
+    flip = cl.rank() % 2 == 1
+    for step in range(STEPS):
+        x, y = _global_batch(step)
+        model.loss(_shard(x), _shard(y), flip).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.loss(x, y, False).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    orders = cl.allgather_object(order[:6])
+    gathered = _params_on_all_ranks(model)
+
+    if cl.size() > 1:
+        assert orders[0] != orders[1], f"the ranks' orders must differ for this test: {orders}"
+    _assert_same_on_all_ranks(gathered)
+    _assert_close_models(model, ref, **EXACT)
+
+
+def test_gradient_dtype_differing_across_ranks_after_the_first_step_is_a_clear_error() -> None:
+    """The last rank turns its model to float32 after the buckets are planned: every rank gets
+    a TensorMismatchError naming the bucket's gradients and its rank, not a hang."""
+    model = _mlp()
+    opt = cl.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    x, y = _shard(_global_batch(0)[0]), _shard(_global_batch(0)[1])
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    if cl.rank() == cl.size() - 1:
+        model.float()
+        x, y = x.float(), y.float()
+    F.mse_loss(model(x), y).backward()
+    error: BaseException | None = None
+    try:
+        opt.step()
+    except cl.TensorMismatchError as exc:
+        error = exc
+
+    if cl.size() == 1:
+        assert error is None
+    else:
+        assert error is not None, "mismatched dtypes went through"
+        assert "grad.bucket[2.bias..0.weight]" in str(error), error
+        assert f"rank {cl.rank()}" in str(error) and "float32" in str(error), error
 
 
 # -- parameters without a gradient this step -----------------------------------------------------

@@ -114,9 +114,12 @@ def _reinit(**settings: Any) -> None:
     cl.init(**settings)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["separate", "grouped"])
 def test_the_engine_reduces_large_tensors_in_place_without_packing(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, grouped: bool
 ) -> None:
+    """Separate operations fused in one cycle, or one grouped operation (DistributedOptimizer's
+    buckets): either way every tensor goes through the window where it lies."""
     if cl.size() == 1:
         pytest.skip("one rank: the window needs two")
     packed: list[int] = []
@@ -142,13 +145,17 @@ def test_the_engine_reduces_large_tensors_in_place_without_packing(
             for k, shape in enumerate(shapes)
         ]
         mine = [inputs[cl.rank()].clone() for inputs in every]
-        with ops.held():  # as DistributedOptimizer's gradients: wait for company
-            handles = [
-                cl.allreduce_async_(t, op=cl.Average, name=f"engine.pieces.{k}")
-                for k, t in enumerate(mine)
-            ]
-        runtime.engine().release_held()
-        results = [cl.synchronize(h) for h in handles]
+        if grouped:
+            group = cl.grouped_allreduce_async_(mine, op=cl.Average, name="engine.pieces.group")
+            results = cl.synchronize(group)
+        else:
+            with ops.held():  # as DistributedOptimizer's first-step gradients: wait for company
+                handles = [
+                    cl.allreduce_async_(t, op=cl.Average, name=f"engine.pieces.{k}")
+                    for k, t in enumerate(mine)
+                ]
+            runtime.engine().release_held()
+            results = [cl.synchronize(h) for h in handles]
     finally:
         _reinit()
     for result, tensor, inputs in zip(results, mine, every, strict=True):

@@ -125,7 +125,7 @@ def test_prescale_and_postscale_float(dtype: torch.dtype) -> None:
 def test_postscaled_unpack_of_small_and_large_tensors(dtype: torch.dtype, large: bool) -> None:
     """Large tensors are scaled straight into their outputs (one pass), small ones by scaling
     the buffer and copying: the same values either way, multi-dimensional outputs included."""
-    n = fusion._ONE_PASS_NUMEL * 2 if large else 100
+    n = fusion.ONE_PASS_NUMEL * 2 if large else 100
     sources = [values(n, dtype, seed=1), values(n + 7, dtype, seed=2).reshape(-1, 1)]
     outputs = [torch.empty_like(t) for t in sources]
     bucket = [Entry(t, o, t.numel(), postscale=0.125) for t, o in zip(sources, outputs)]
