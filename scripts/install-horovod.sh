@@ -26,4 +26,4 @@ HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
     HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_GLOO=1 HOROVOD_CPU_OPERATIONS=MPI \
     MAKEFLAGS="-j$(nproc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "$PY" -m pip install -q --no-build-isolation --no-deps "$src"
-"$PY" -c 'import horovod.torch as hvd; print("horovod", hvd.__version__, "mpi built:", hvd.mpi_built())'
+"$PY" -c 'import horovod, horovod.torch as hvd; print("horovod", horovod.__version__, "mpi built:", hvd.mpi_built())'
