@@ -594,6 +594,39 @@ def test_gradient_dtype_differing_across_ranks_after_the_first_step_is_a_clear_e
         assert f"rank {cl.rank()}" in str(error) and "float32" in str(error), error
 
 
+def test_process_set_trains_its_members_only() -> None:
+    """DistributedOptimizer on the set of every rank but 0 (its rank 0 is global rank 1: the
+    buckets' broadcast is rooted in the set): the members train as one job on their shards,
+    rank 0 stays out, and the members match single-process training on their batch."""
+    ranks = list(range(1, cl.size())) or [0]
+    ps = cl.add_process_set(ranks)
+    mine: nn.Module | None = None
+    gathered = None
+    try:
+        if cl.rank() in ranks:
+            model, opt, ref, ref_opt = _pair(OPTIMIZERS["adam"], process_set=ps)
+            for step in range(STEPS):
+                gen = torch.Generator().manual_seed(2000 + step)
+                x = torch.randn(ROWS * ps.size(), IN, generator=gen, dtype=F64)
+                y = torch.randn(ROWS * ps.size(), OUT, generator=gen, dtype=F64)
+                rows = slice(ps.rank() * ROWS, (ps.rank() + 1) * ROWS)
+                F.mse_loss(model(x[rows]), y[rows]).backward()
+                opt.step()
+                opt.zero_grad()
+                F.mse_loss(ref(x), y).backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+            mine = model
+            gathered = cl.allgather(_flat(model)[None], process_set=ps)
+    finally:
+        cl.remove_process_set(ps)
+
+    if mine is not None:
+        assert gathered is not None
+        _assert_same_on_all_ranks(gathered)
+        _assert_close_models(mine, ref, **EXACT)
+
+
 # -- parameters without a gradient this step -----------------------------------------------------
 class _TwoHeads(nn.Module):
     """A trunk and two heads; each row goes through head a or head b; ``unused`` never runs."""
