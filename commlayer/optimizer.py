@@ -342,8 +342,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cl_synchronized = True
 
     def _cl_wait_buckets(self) -> CommlayerError | None:
-        """Wait for every bucket in flight (the results are written in place); the first
-        error, named with its bucket's gradients."""
+        """Wait for every bucket in flight (the results are written in place); returns the
+        first error, whose operation name (``grad.bucket[first..last]``) names the bucket's
+        first and last gradients."""
         failure = None
         for bucket in self._cl_buckets:
             handle, bucket.handle, bucket.ready = bucket.handle, None, 0

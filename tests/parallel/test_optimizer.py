@@ -512,32 +512,13 @@ def test_synchronize_clip_then_step_matches_clipped_reference() -> None:
 
 
 # -- buckets (from the second step on) ------------------------------------------------------------
-class _Branches(nn.Module):
-    """Two heads of the same shape on one trunk, computed in the order the caller picks:
-    autograd runs the head computed last first, so ranks that flip the order make their
-    gradients ready in different orders."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(2)
-        self.trunk = nn.Linear(IN, HIDDEN)
-        self.a = nn.Linear(HIDDEN, OUT)
-        self.b = nn.Linear(HIDDEN, OUT)
-        self.double()
-
-    def loss(self, x: torch.Tensor, y: torch.Tensor, flip: bool) -> torch.Tensor:
-        h = torch.tanh(self.trunk(x))
-        first, second = (self.b, self.a) if flip else (self.a, self.b)
-        out_first = first(h)
-        out_second = second(h)
-        return F.mse_loss(out_first, y) + F.mse_loss(out_second, y)
-
-
 def test_ranks_whose_backward_orders_differ_share_rank_0s_buckets() -> None:
-    """Odd ranks make head a's gradients ready before head b's, even ranks the reverse. The
-    heads' shapes are equal, so buckets in each rank's own order would pair one rank's a with
-    another's b without any error: the reference comparison catches that."""
-    model = _Branches()
+    """Odd ranks make head a's gradients ready before head b's, even ranks the reverse (each
+    rank's own hook order is recorded to prove it). Buckets filled in each rank's own order
+    would differ across ranks: a stall where their names differ, one rank's head a summed with
+    another's head b where they do not (the heads' shapes are equal); the reference comparison
+    checks the values."""
+    model = _FlippedHeads()
     ref = copy.deepcopy(model)
     make = OPTIMIZERS["sgd_momentum"]
     opt = cl.DistributedOptimizer(
@@ -550,13 +531,13 @@ def test_ranks_whose_backward_orders_differ_share_rank_0s_buckets() -> None:
     flip = cl.rank() % 2 == 1
     for step in range(STEPS):
         x, y = _global_batch(step)
-        model.loss(_shard(x), _shard(y), flip).backward()
+        model.flipped_loss(_shard(x), _shard(y), flip).backward()
         opt.step()
         opt.zero_grad()
-        ref.loss(x, y, False).backward()
+        ref.flipped_loss(x, y, False).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    orders = cl.allgather_object(order[:6])
+    orders = cl.allgather_object(order[:6])  # step 1: trunk and heads; unused never runs
     gathered = _params_on_all_ranks(model)
 
     if cl.size() > 1:
@@ -648,6 +629,19 @@ class _TwoHeads(nn.Module):
             if rows.any():
                 total = total + F.mse_loss(head(h[rows]), y[rows], reduction="sum")
         return total / (x.shape[0] * OUT)
+
+
+class _FlippedHeads(_TwoHeads):
+    """Both heads on every row, computed in the order the caller picks: autograd runs the head
+    computed last first, so ranks that flip the order make their gradients ready in different
+    orders (the heads' shapes are equal)."""
+
+    def flipped_loss(self, x: torch.Tensor, y: torch.Tensor, flip: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        first, second = (self.b, self.a) if flip else (self.a, self.b)
+        out_first = first(h)
+        out_second = second(h)
+        return F.mse_loss(out_first, y) + F.mse_loss(out_second, y)
 
 
 def _train_two_heads(
