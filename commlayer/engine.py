@@ -19,7 +19,9 @@ The constraints it answers, and how:
    as DDP's buckets do, until ``min_bucket_bytes`` of them are queued, an operation that is not
    held arrives, a user thread waits on or polls one of them, their owner calls
    ``release_held`` (DistributedOptimizer at the step's last gradient), the rank shuts down or
-   joins, or the oldest has waited ``_HOLD_LIMIT_S``.
+   joins, or the oldest has waited ``_HOLD_LIMIT_S``. That is DistributedOptimizer's first
+   step and its compressed gradients; from the second step it sends uncompressed gradients in
+   fixed buckets, each one grouped operation (optimizer.py), which needs no holding.
 4. On a small or oversubscribed machine a busy-polling progress loop halves training throughput
    (shared/ANCHORS.md: Horovod 0.55x DDP busy-polling, 1.35x yielding). -> The engine waits on
    collectives with Test + sched_yield (a yield keeps MPI progressing at full speed: 1 MiB
