@@ -224,14 +224,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _cl_send_bucket(self, bucket: _Bucket) -> None:
         """One grouped in-place allreduce of the bucket's gradients. At synchronize a member
-        whose gradient backward did not produce contributes its ``grad`` (zeros if None, as
-        ``_cl_submit`` does), or, if it no longer requires grad, zeros that go nowhere: every
-        rank sends the same bucket."""
+        whose gradient backward did not produce contributes its ``grad`` (``_cl_empty_grad``
+        if None, as ``_cl_submit`` does: zeros, a bucketed gradient is never known-sparse), or,
+        if it no longer requires grad, zeros that go nowhere: every rank sends the same
+        bucket."""
         grads = []
         for p in bucket.params:
             grad = p.grad
             if grad is None or not p.requires_grad:
-                grad = torch.zeros_like(p)
+                grad = self._cl_empty_grad(p)
                 if p.requires_grad:
                     p.grad = grad
             elif grad.is_sparse:  # sparse now, dense in the recorded step: reduce it dense
