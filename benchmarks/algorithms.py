@@ -1,7 +1,7 @@
 """Allreduce algorithms benchmark: busbw of every algorithm vs the MPI library's own, and the
 cost model's prediction vs the measurement.
 
-    OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/algorithms.py [--max-bytes 256M] [--out F]
+    OMP_NUM_THREADS=1 mpiexec -bind-to core -n 2 python benchmarks/algorithms.py [--out F]
 
 1. ``commlayer calibrate`` runs first (in this job, same ranks), so the model predicts from
    numbers of this machine and this moment; it is saved to ``--calibration`` (default: a file
@@ -24,7 +24,13 @@ cost model's prediction vs the measurement.
    machine's speed is not (this VM switches between two states for tens of seconds to minutes
    at a time: ``shm`` at 64 MiB takes ~10 ms in one and ~30 ms in the other, MPICH ~30 ms in
    both; see benchmarks/results/algorithms_np2.md).
-6. With ``COMMLAYER_TOPOLOGY`` (e.g. ``nodes=2,local=2``) the topology-aware algorithms run on
+6. More ranks than cores (4 on this machine's 2): bind them, ``mpiexec -bind-to core`` (Hydra;
+   Open MPI: ``--bind-to core --oversubscribe``); the header says whether they were. Unbound, the
+   kernel moves the ranks between the cores, and the same exchange (every rank with a partner
+   at once, 1 MiB) took 311-1,318 us from one job to the next, 4x, and differed 4x between
+   partners within one job; bound, 308-319 us for every partner in two jobs (the drift of item
+   5 remains).
+7. With ``COMMLAYER_TOPOLOGY`` (e.g. ``nodes=2,local=2``) the topology-aware algorithms run on
    those pretend nodes (``hierarchical``: its shared-memory form on equal nodes); ``auto`` keeps
    the detected nodes, which its calibration is for.
 Rank 0 prints markdown tables and writes them to ``--out``.
@@ -104,21 +110,35 @@ def auto_in_turn(
     nodes: topology.Topology,
 ) -> float:
     """The tuned auto against the row's two fastest algorithms, measured in turn (auto, then
-    each of them, ``IN_TURN_ROUNDS`` times; the same loop length for all): the median over the
-    rounds of the faster one's time / auto's. Unlike the columns, measured seconds or a minute
-    apart, this compares them at the same moment of a machine whose speed drifts."""
+    each of them, ``IN_TURN_ROUNDS`` times; the same loop length for all): the faster one's
+    median over the rounds / auto's median. Unlike the columns, measured seconds or a minute
+    apart, this compares them at the same moment of a machine whose speed drifts. Medians per
+    algorithm, not the per-round minimum of the two: the smaller of two noisy times is biased
+    low (at 4 ranks, 64 KiB, auto running mpi came out at 0.82x of the two, mpi among them)."""
     fastest = sorted(names, key=lambda name: times[name])[:2]
     runs = [blocking(Allreducer(name, topology=nodes), backend, buf) for name in fastest]
     iters = loop_iters(times[fastest[0]], args)
-    ratios = []
+    mine: list[float] = []
+    theirs: list[list[float]] = [[] for _ in runs]
     for _ in range(IN_TURN_ROUNDS):
-        mine = timed(run_auto, iters, world)
-        theirs = min(timed(run, iters, world) for run in runs)
-        ratios.append(theirs / mine)
-    return statistics.median(ratios)
+        mine.append(timed(run_auto, iters, world))
+        for run, seconds in zip(runs, theirs, strict=True):
+            seconds.append(timed(run, iters, world))
+    return min(statistics.median(seconds) for seconds in theirs) / statistics.median(mine)
 
 
-IN_TURN_ROUNDS = 3
+IN_TURN_ROUNDS = 5
+
+
+def affinity(world: MPI.Comm) -> str:
+    """Each rank's allowed CPUs, for the header: binding changes what 4 ranks on 2 cores
+    measure (see the module docstring)."""
+    cpus = world.allgather(sorted(os.sched_getaffinity(0)))
+    if all(len(c) == os.cpu_count() for c in cpus):
+        return "ranks not bound to cores"
+    return "ranks bound: " + ", ".join(
+        f"{r}->{{{','.join(map(str, c))}}}" for r, c in enumerate(cpus)
+    )
 
 
 def paired(backend: MPIBackend, args: argparse.Namespace, world: MPI.Comm) -> list[str]:
@@ -188,7 +208,8 @@ def main() -> int:
         "",
         f"{datetime.date.today()}, {platform.node()}, torch {torch.__version__}, "
         f"{library_version()}, `{' '.join(['mpiexec -n', str(world.size), *sys.argv])}`"
-        + (f", COMMLAYER_TOPOLOGY={pretend}" if pretend else ""),
+        + (f", COMMLAYER_TOPOLOGY={pretend}" if pretend else "")
+        + f", {affinity(world)}",
         "",
         f"Calibration (this run): alpha {cal.alpha_s * 1e6:.1f} us, beta "
         f"{1 / cal.beta_s_per_byte / 1e9:.2f} GB/s, reduce {1 / cal.gamma_s_per_byte / 1e9:.2f} "
