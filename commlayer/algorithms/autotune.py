@@ -25,9 +25,10 @@
 4. The pick stands for ``CALLS_PER_RUN`` calls of its class per run of a round (250 calls
    from 1 MiB, 1250 below 64 KiB), then it and the runner-up are measured again (as many runs
    each, agreed the same way); the interval doubles while the pick stays, up to
-   ``MAX_INTERVAL_DOUBLINGS`` times, and starts over when it changes. So a change of the
-   machine's state is noticed, at the price of at most 2% of a class's calls going to the
-   runner-up.
+   ``MAX_INTERVAL_DOUBLINGS`` times and while the pick's calls in it take at most
+   ``MAX_INTERVAL_S`` (by the agreed times), and starts over when it changes. So a change of
+   the machine's state is noticed within seconds of the class's calls, at the price of at most
+   2% of a class's calls going to the runner-up.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def samples(nbytes: int) -> int:
 
 CALLS_PER_RUN = 50  # first interval between rounds: this many calls per run of a round
 MAX_INTERVAL_DOUBLINGS = 4
+# The interval doubles only while the pick's calls in it take less than this (by its measured
+# time): this VM switches states every tens of seconds; at 2 ranks, 16 MiB, a pick made in one
+# (shm, 2.3 ms a call) measured 1.7x slower than the schedules in the other, and its interval
+# could reach 16 x 250 calls, ~28 s at 7 ms, before it was measured again.
+MAX_INTERVAL_S = 2.0
 
 
 def round_calls(candidates: int, runs: int) -> int:
@@ -158,8 +164,12 @@ class Tuner:
             return None
         return [_lower_quartile(state.samples[n]) for n in state.candidates]
 
-    def decide(self, key: Hashable, totals: list[float]) -> None:
-        """Every rank's times summed (the same numbers on every rank): take the fastest."""
+    def decide(self, key: Hashable, totals: list[float], ranks: int = 1) -> None:
+        """Every rank's times summed over ``ranks`` ranks (the same numbers on every rank):
+        take the fastest. The interval to the next round doubles while the pick stays, up to
+        ``MAX_INTERVAL_DOUBLINGS`` times and while its calls in it take at most
+        ``MAX_INTERVAL_S`` (never below the first interval); computed from the agreed
+        numbers, so the same on every rank."""
         state = self._classes[key]
         order = sorted(range(len(totals)), key=lambda i: (totals[i], i))
         log.debug(
@@ -171,7 +181,11 @@ class Tuner:
         chosen, runner_up = state.candidates[order[0]], state.candidates[order[1]]
         first = CALLS_PER_RUN * state.runs
         if chosen == state.chosen and state.runner_up:  # kept: wait longer before the next round
-            state.interval = min(2 * state.interval, first << MAX_INTERVAL_DOUBLINGS)
+            per_call = totals[order[0]] / max(ranks, 1)
+            in_time = int(MAX_INTERVAL_S / per_call) if per_call > 0 else first
+            state.interval = min(
+                2 * state.interval, first << MAX_INTERVAL_DOUBLINGS, max(first, in_time)
+            )
         else:
             state.interval = first
         state.chosen, state.runner_up = chosen, runner_up
@@ -219,6 +233,6 @@ class _Timed:
         request, votes = self._agree
         if not request.test():
             return False
-        self._tuner.decide(self._key, votes.tolist())
+        self._tuner.decide(self._key, votes.tolist(), self._backend.size)
         self._done = True
         return True

@@ -27,13 +27,32 @@ def test_the_interval_doubles_up_to_its_cap() -> None:
     intervals = []
     for _ in range(7):
         tuner._classes["k"].candidates = ["a", "b"]
-        tuner.decide("k", [1.0, 2.0])
+        tuner.decide("k", [1e-6, 2e-6])  # 1 us a call: the time bound is far away
         intervals.append(tuner._classes["k"].interval)
     assert intervals == [FIRST * 2**k for k in (0, 1, 2, 3, 4, 4, 4)]
 
 
+def test_the_interval_stops_doubling_at_max_interval_s_of_the_picks_calls() -> None:
+    """Picks of 1 ms a call (summed over 4 ranks: 4 ms) double to 2,000 calls, 2 s of them, and
+    no further; picks slower than MAX_INTERVAL_S / FIRST keep the first interval."""
+    limit = int(autotune.MAX_INTERVAL_S / 1e-3)
+    assert FIRST < limit < FIRST << autotune.MAX_INTERVAL_DOUBLINGS  # the test means something
+    for per_call, expected in ((1e-3, limit), (1.0, FIRST)):
+        tuner = Tuner()
+        tuner.add("k", ["a", "b"])
+        intervals = []
+        for _ in range(6):
+            tuner._classes["k"].candidates = ["a", "b"]
+            tuner.decide("k", [4 * per_call, 8 * per_call], ranks=4)
+            intervals.append(tuner._classes["k"].interval)
+        assert intervals[0] == FIRST
+        assert max(intervals) == intervals[-1] == expected
+
+
 class _OneRank:
     """The one call _Timed makes on a backend: the agreement, here over a single rank."""
+
+    size = 1
 
     def iallreduce(self, send: Any, recv: torch.Tensor, op: ReduceOp) -> Request:
         return COMPLETED
@@ -101,7 +120,7 @@ def test_a_changed_pick_starts_the_interval_over() -> None:
     tuner.decide("k", [1.0, 2.0, 3.0])
     state = tuner._classes["k"]
     state.candidates = ["a", "b"]  # as a new round sets them
-    tuner.decide("k", [1.0, 2.0])  # same pick again: the interval doubles
+    tuner.decide("k", [1e-6, 2e-6])  # same pick again: the interval doubles
     assert state.interval == 2 * FIRST
     state.candidates = ["a", "b"]
     tuner.decide("k", [2.0, 1.0])  # b now
@@ -150,6 +169,8 @@ class _Others:
 
     def __init__(self, others: list[float]) -> None:
         self.others = others
+
+    size = 1
 
     def iallreduce(self, send: Any, recv: torch.Tensor, op: ReduceOp) -> Request:
         assert send is None and op == ReduceOp.Sum
