@@ -15,7 +15,7 @@ cost model's prediction vs the measurement.
 4. ``auto``'s pick per size is compared with the best measured algorithm ("vs best": the
    pick's own column against the fastest column of the same row), twice: the cost model's pick
    alone (``COMMLAYER_AUTO_TUNING=off``), and the pick of online tuning (the default:
-   algorithms/autotune.py), after its first round of measurements at that size (18-78 calls,
+   algorithms/autotune.py), after its first round of measurements at that size (24-104 calls,
    untimed). The tuned auto is also timed as a dispatcher of its own, a separate measurement
    that shows the run-to-run spread, and in turn with the row's two fastest algorithms
    (``auto_in_turn``), which compares them at the same moment.

@@ -283,10 +283,10 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         "COMMLAYER_AUTO_TUNING",
         "auto_tuning",
         _parse_on_off,
-        "on (default): the auto algorithm times the cost model's 3 best candidates on the first "
-        "calls of each buffer size class and keeps the fastest, agreed by all ranks, measuring "
-        "it against the runner-up again now and then (<= 2% of the calls); off: the cost "
-        "model's pick alone",
+        "on (default): the auto algorithm times the cost model's pick, the native algorithms "
+        "and the two schedules predicted fastest on the first calls of each buffer size class "
+        "and keeps the fastest, agreed by all ranks, measuring it against the runner-up again "
+        "now and then (<= 2% of the calls); off: the cost model's pick alone",
     ),
 )
 

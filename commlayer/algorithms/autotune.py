@@ -45,7 +45,7 @@ from commlayer.reduce_ops import ReduceOp
 
 log = logging.getLogger("commlayer")
 
-CANDIDATES = 3
+CANDIDATES = 4  # costmodel.ranked: the model's pick, the natives, the two best schedules
 # Runs per candidate and round, buffers of 1 MiB and more (with 3, at 4 ranks on 2 cores, one
 # round picked shd at 256 MiB, 0.62x of the window).
 SAMPLES = 5

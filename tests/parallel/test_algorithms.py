@@ -129,7 +129,7 @@ def test_engine_uses_the_configured_algorithm() -> None:
 
 
 def test_auto_tuning_agrees_on_every_rank_and_stays_right(backend: MPIBackend) -> None:
-    # Online tuning (algorithms/autotune.py) measures up to 3 candidates per size class on the
+    # Online tuning (algorithms/autotune.py) measures up to 4 candidates per size class on the
     # first calls, then every rank must hold the same pick, and every call must be right.
     allreducer = Allreducer(algorithms.AUTO, tuning=True)
     runs, picks = [], []
