@@ -134,8 +134,8 @@ def affinity(world: MPI.Comm) -> str:
     """Each rank's allowed CPUs, for the header: binding changes what 4 ranks on 2 cores
     measure (see the module docstring)."""
     cpus = world.allgather(sorted(os.sched_getaffinity(0)))
-    if all(len(c) == os.cpu_count() for c in cpus):
-        return "ranks not bound to cores"
+    if world.size > 1 and all(c == cpus[0] for c in cpus):  # a container may allow fewer CPUs
+        return f"ranks not bound to cores (each may run on CPUs {','.join(map(str, cpus[0]))})"
     return "ranks bound: " + ", ".join(
         f"{r}->{{{','.join(map(str, c))}}}" for r, c in enumerate(cpus)
     )

@@ -167,9 +167,10 @@ class Tuner:
     def decide(self, key: Hashable, totals: list[float], ranks: int = 1) -> None:
         """Every rank's times summed over ``ranks`` ranks (the same numbers on every rank):
         take the fastest. The interval to the next round doubles while the pick stays, up to
-        ``MAX_INTERVAL_DOUBLINGS`` times and while its calls in it take at most
-        ``MAX_INTERVAL_S`` (never below the first interval); computed from the agreed
-        numbers, so the same on every rank."""
+        ``MAX_INTERVAL_DOUBLINGS`` times, and is cut to ``MAX_INTERVAL_S`` of the pick's calls
+        at its newly measured time (a pick that got slower is measured again sooner), never
+        below the first interval; computed from the agreed numbers, so the same on every
+        rank."""
         state = self._classes[key]
         order = sorted(range(len(totals)), key=lambda i: (totals[i], i))
         log.debug(
