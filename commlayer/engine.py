@@ -551,9 +551,8 @@ class Engine:
             numels = [math.prod(shape) for shape in response.shapes]
             total = sum(numels)
             element = _element_size(getattr(torch, response.dtype))
-            if (
-                total * element <= self.config.fusion_threshold_bytes
-                and total < fusion.ONE_PASS_NUMEL * len(numels)
+            if total * element <= self.config.fusion_threshold_bytes and not fusion.per_tensor(
+                total, len(numels)
             ):
                 if op is None:
                     return [fusion.Entry(None, None, total)]

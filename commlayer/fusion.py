@@ -107,6 +107,14 @@ def pack(bucket: list[Entry], buf: torch.Tensor) -> None:
 ONE_PASS_NUMEL = 1 << 16  # mean elements per tensor from which a step per tensor pays off
 
 
+def per_tensor(total_numel: int, count: int) -> bool:
+    """Whether ``count`` tensors of ``total_numel`` elements together are large enough (a mean
+    of ``ONE_PASS_NUMEL``) that a Python step per tensor costs less than the pass over the data
+    it saves: the window reads them where they lie, unpack scales straight into them, and the
+    engine keeps such a group's tensors as entries of their own."""
+    return total_numel >= ONE_PASS_NUMEL * count
+
+
 def pieces(
     bucket: list[Entry], dtype: torch.dtype
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]] | None:
@@ -115,7 +123,7 @@ def pieces(
     joined rank's zeros, a group, a prescale, an integer dtype (scaled in float64 by
     ``scale_``), or small tensors (there a Python step per tensor costs more than the pass over
     the data it saves)."""
-    if not dtype.is_floating_point or sum(e.numel for e in bucket) < ONE_PASS_NUMEL * len(bucket):
+    if not dtype.is_floating_point or not per_tensor(sum(e.numel for e in bucket), len(bucket)):
         return None
     sources, outputs = [], []
     for e in bucket:
@@ -134,7 +142,7 @@ def unpack(bucket: list[Entry], buf: torch.Tensor) -> None:
         factor = scales.pop()
         if (
             factor != 1.0
-            and buf.numel() >= ONE_PASS_NUMEL * len(bucket)
+            and per_tensor(buf.numel(), len(bucket))
             and all(e.output is not None and e.group is None for e in bucket)
         ):
             # Large tensors: scale straight into the outputs, one pass over the data instead of
