@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from commlayer import algorithms
-from commlayer.algorithms import register
+from commlayer.algorithms import registry
+from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Schedule, blocks, relabel, ring_phases
 from commlayer.algorithms.topology import Topology
 
@@ -45,14 +45,14 @@ def two_level(
     g = len(groups[0])
     if any(len(group) != g for group in groups):
         size = sum(len(group) for group in groups)
-        return algorithms.schedule("ring", rank, size, numel)
+        return registry.schedule("ring", rank, size, numel)
     gi = next(i for i, group in enumerate(groups) if rank in group)
     li = list(groups[gi]).index(rank)
     b = blocks(numel, g)
     scatter, gather = ring_phases(li, groups[gi], b)
     start, stop = b[(li + 1) % g]
     peers = [group[li] for group in groups]
-    across = algorithms.schedule(inter, gi, len(groups), stop - start)
+    across = registry.schedule(inter, gi, len(groups), stop - start)
     return scatter + relabel(across, peers, start) + gather
 
 

@@ -13,7 +13,7 @@ Cost: 2 log2(p2) alpha + 2 (p2-1)/p2 n beta + (p2-1)/p2 n gamma (+ the fold when
 
 from __future__ import annotations
 
-from commlayer.algorithms import register
+from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Fold, Schedule, halving_doubling
 from commlayer.algorithms.topology import Topology
 

@@ -11,7 +11,7 @@ power of two.
 
 from __future__ import annotations
 
-from commlayer.algorithms import register
+from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Fold, Schedule, compact, step
 from commlayer.algorithms.topology import Topology
 

@@ -21,7 +21,7 @@ Cost: 2(p-1) (alpha + (m-1) alpha) + 2(p-1)/p n beta + (p-1)/p n gamma
 
 from __future__ import annotations
 
-from commlayer.algorithms import register
+from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Schedule, blocks, ring_phases
 from commlayer.algorithms.topology import Topology
 

@@ -30,7 +30,7 @@ bits in the other order (same cost).
 
 from __future__ import annotations
 
-from commlayer.algorithms import register
+from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Fold, Schedule, halving_doubling, relabel
 from commlayer.algorithms.topology import Topology
 

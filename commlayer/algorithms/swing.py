@@ -14,7 +14,7 @@ on the network (1 hop per step on one node).
 
 from __future__ import annotations
 
-from commlayer.algorithms import register
+from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Fold, Schedule, compact, step
 from commlayer.algorithms.topology import Topology
 

@@ -11,7 +11,7 @@ Cost: 2 ceil(log2 p) (alpha + n beta) + ceil(log2 p) n gamma.
 
 from __future__ import annotations
 
-from commlayer.algorithms import register
+from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Schedule, compact, step
 from commlayer.algorithms.topology import Topology
 

@@ -11,7 +11,7 @@ whatever the density; exact, and every rank ends with the same bits.
 from __future__ import annotations
 
 from commlayer.algorithms.schedule import Schedule
-from commlayer.algorithms.sparse import Policy, register
+from commlayer.algorithms.sparse.registry import Policy, register
 from commlayer.algorithms.sparse.ssar_split_allgather import split_allgather
 from commlayer.algorithms.topology import Topology
 

@@ -15,12 +15,12 @@ from the input it received.
 
 from __future__ import annotations
 
-from commlayer import algorithms
+from commlayer.algorithms import registry as dense
 from commlayer.algorithms.schedule import Schedule
-from commlayer.algorithms.sparse import Policy, register
+from commlayer.algorithms.sparse.registry import Policy, register
 from commlayer.algorithms.topology import Topology
 
 
 @register("gtopk", Policy(switch=False, select=True, exact=False))
 def gtopk(rank: int, size: int, numel: int, topology: Topology) -> Schedule:
-    return algorithms.schedule("recursive_doubling", rank, size, numel)
+    return dense.schedule("recursive_doubling", rank, size, numel)

@@ -11,12 +11,12 @@ Bytes sent by a rank: sum over steps of the merged nnz so far x (index + value b
 
 from __future__ import annotations
 
-from commlayer import algorithms
+from commlayer.algorithms import registry as dense
 from commlayer.algorithms.schedule import Schedule
-from commlayer.algorithms.sparse import Policy, register
+from commlayer.algorithms.sparse.registry import Policy, register
 from commlayer.algorithms.topology import Topology
 
 
 @register("ssar_recursive_doubling", Policy(switch=False))
 def ssar_recursive_doubling(rank: int, size: int, numel: int, topology: Topology) -> Schedule:
-    return algorithms.schedule("recursive_doubling", rank, size, numel)
+    return dense.schedule("recursive_doubling", rank, size, numel)

@@ -12,7 +12,7 @@ rank: (p - 1)/p of its own entries, then p - 1 copies of its merged block.
 from __future__ import annotations
 
 from commlayer.algorithms.schedule import Schedule, blocks, compact, step
-from commlayer.algorithms.sparse import Policy, register
+from commlayer.algorithms.sparse.registry import Policy, register
 from commlayer.algorithms.topology import Topology
 
 

@@ -11,12 +11,12 @@ block is summed along one chain and then copied, so every rank ends with the sam
 
 from __future__ import annotations
 
-from commlayer import algorithms
+from commlayer.algorithms import registry as dense
 from commlayer.algorithms.schedule import Schedule
-from commlayer.algorithms.sparse import Policy, register
+from commlayer.algorithms.sparse.registry import Policy, register
 from commlayer.algorithms.topology import Topology
 
 
 @register("topo_sparse", Policy(switch=True))
 def topo_sparse(rank: int, size: int, numel: int, topology: Topology) -> Schedule:
-    return algorithms.schedule("hierarchical", rank, size, numel, topology)
+    return dense.schedule("hierarchical", rank, size, numel, topology)

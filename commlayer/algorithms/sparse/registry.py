@@ -1,0 +1,113 @@
+"""The registry of sparse allreduce algorithms: names to (schedule builder, policy).
+
+A plug-in module registers its builder with ``@register("name", Policy(...))``;
+``commlayer.algorithms.sparse`` imports every plug-in. The cost model (cost.py) costs any
+registered schedule from its steps and policy, so ``auto`` considers a new exact algorithm
+with no table to edit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from commlayer.algorithms.schedule import Schedule
+from commlayer.algorithms.topology import Topology
+
+AUTO = "auto"
+NATIVE = ("allgather",)  # run by the backend's allgatherv, not as a schedule
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How the executor treats a schedule's streams.
+
+    ``switch``: a stream or block turns dense as soon as nnz * (index + value bytes) >=
+    length * value bytes. ``select``: after each step that reduces in both directions, keep the
+    k largest magnitudes and record what was dropped (gtopk). ``exact``: the result is the sum.
+    """
+
+    switch: bool
+    select: bool = False
+    exact: bool = True
+
+
+Builder = Callable[[int, int, int, Topology], Schedule]  # (rank, size, numel, topology)
+B = TypeVar("B", bound=Builder)
+_SCHEDULES: dict[str, tuple[Builder, Policy]] = {}
+_generation = 0  # bumped by every change: caches keyed by a name include it
+
+
+def register(name: str, policy: Policy) -> Callable[[B], B]:
+    """Decorator: make a sparse schedule builder available under ``name``."""
+
+    def decorate(builder: B) -> B:
+        global _generation
+        if name in _SCHEDULES or name in NATIVE or name == AUTO:
+            raise ValueError(f"a sparse allreduce algorithm named {name!r} is already registered")
+        _SCHEDULES[name] = (builder, policy)
+        _generation += 1
+        return builder
+
+    return decorate
+
+
+def unregister(name: str) -> None:
+    """Remove sparse schedule algorithm ``name`` (ValueError if it is not one)."""
+    global _generation
+    if _SCHEDULES.pop(name, None) is None:
+        raise ValueError(f"{name!r} is not a registered sparse schedule algorithm")
+    _generation += 1
+
+
+@contextlib.contextmanager
+def registered(name: str, policy: Policy, builder: Builder) -> Iterator[None]:
+    """``builder`` registered as ``name`` inside the block, removed after it (tests)."""
+    register(name, policy)(builder)
+    try:
+        yield
+    finally:
+        unregister(name)
+
+
+def generation() -> int:
+    """A number that changes whenever an algorithm is registered or removed."""
+    return _generation
+
+
+def available() -> list[str]:
+    """Every name COMMLAYER_SPARSE_ALGORITHM accepts."""
+    return [AUTO, *NATIVE, *sorted(_SCHEDULES)]
+
+
+def exact() -> list[str]:
+    """The algorithms whose result is the exact sum (``auto`` picks among these)."""
+    return [*NATIVE, *sorted(n for n, (_, p) in _SCHEDULES.items() if p.exact)]
+
+
+def check_name(name: str) -> str:
+    if name not in available():
+        raise ValueError(
+            f"unknown sparse allreduce algorithm {name!r}; allowed: {', '.join(available())}"
+        )
+    return name
+
+
+def policy(name: str) -> Policy:
+    return Policy(switch=True) if name in NATIVE else _SCHEDULES[name][1]
+
+
+def schedule(
+    name: str, rank: int, size: int, numel: int, topology: Topology | None = None
+) -> Schedule:
+    """Rank's schedule under sparse algorithm ``name`` (one node unless ``topology`` says)."""
+    if name not in _SCHEDULES:
+        raise ValueError(f"{name!r} is not a sparse schedule; schedules: {sorted(_SCHEDULES)}")
+    if size == 1 or numel == 0:
+        return []
+    topology = topology or Topology.flat(size)
+    if topology.size != size:
+        raise ValueError(f"topology of {topology.size} ranks for a group of {size}")
+    return _SCHEDULES[name][0](rank, size, numel, topology)
