@@ -1,11 +1,10 @@
-"""Runs an allreduce schedule over a backend's point-to-point calls, and picks the algorithm.
+"""The engine's allreduce: picks the algorithm for each buffer and starts it.
 
-``allreduce(backend, send, buf, op, name)`` returns a Request like the backend's own
+``Allreducer(algorithm)(backend, send, buf, op)`` returns a Request like the backend's own
 ``iallreduce``, so the engine waits on every algorithm the same way (yield, then sleep; a dead
-peer noticed). A schedule step posts its receives into scratch memory and its sends straight
-from the buffer (zero-copy slices of a contiguous tensor), and applies the receives in order
-(reduce into the buffer or copy over it), each as soon as it and those before it arrived when the
-step's sends do not overlap them, else once everything of the step completed.
+peer noticed): the backend's own for ``mpi`` and ``shm``, else the algorithm's schedule run by
+``run.ScheduleRequest`` (re-exported here with ``Scratch``). ``auto`` asks the cost model
+(costmodel/model.py) and, with online tuning, measures its best candidates (autotune.py).
 """
 
 from __future__ import annotations
@@ -14,102 +13,17 @@ from typing import Any
 
 import torch
 
-from commlayer import algorithms, costmodel
+from commlayer import algorithms
 from commlayer.algorithms import autotune, hierarchical
+from commlayer.algorithms.run import ScheduleRequest, Scratch
 from commlayer.algorithms.schedule import Schedule
 from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import COMPLETED, Backend, Request
-from commlayer.reduce_ops import ReduceOp, reduce_into
+from commlayer.costmodel import model as costmodel
+from commlayer.costmodel.calibration import Calibration
+from commlayer.reduce_ops import ReduceOp
 
-
-class Scratch:
-    """One growing receive buffer per dtype, reused by every step (one engine thread)."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
-
-    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buf = self._buffers.get(dtype)
-        if buf is None or buf.numel() < numel:
-            buf = self._buffers[dtype] = torch.empty(numel, dtype=dtype)
-        return buf[:numel]
-
-
-class ScheduleRequest:
-    """One allreduce in flight under a schedule; ``test()`` advances it without waiting.
-
-    A step's receives are applied in their listed order, each once it and every receive
-    before it completed; in a step whose sends overlap its receives (``Step.early`` false)
-    only after the sends completed too. So a chunked ring step reduces its first piece while
-    later pieces are still arriving."""
-
-    __slots__ = (
-        "_backend", "_schedule", "_buf", "_op", "_scratch", "_index", "_sends", "_recvs",
-        "_done", "_applied", "_early",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        backend: Backend,
-        schedule: Schedule,
-        buf: torch.Tensor,
-        op: ReduceOp,
-        scratch: Scratch,
-    ) -> None:
-        self._backend = backend
-        self._schedule = schedule
-        self._buf = buf
-        self._op = op
-        self._scratch = scratch
-        self._index = 0
-        self._sends: list[Request] = []
-        # (request, target range, scratch) of the step in flight; None before it is posted
-        self._recvs: list[tuple[Request, torch.Tensor, torch.Tensor]] | None = None
-        self._done: list[bool] = []
-        self._applied = 0
-        self._early = False
-
-    def _post(self) -> None:
-        step = self._schedule[self._index]
-        total = sum(t.numel for t in step.recvs)
-        space = self._scratch.get(self._buf.dtype, total)
-        offset = 0
-        recvs = []
-        for t in step.recvs:
-            room = space[offset : offset + t.numel]
-            offset += t.numel
-            recvs.append((self._backend.irecv(room, t.peer), self._buf[t.start : t.stop], room))
-        self._sends = [self._backend.isend(self._buf[t.start : t.stop], t.peer) for t in step.sends]
-        self._recvs = recvs
-        self._done = [False] * len(recvs)
-        self._applied = 0
-        self._early = step.early
-
-    def test(self) -> bool:
-        while self._index < len(self._schedule):
-            if self._recvs is None:
-                self._post()
-            recvs, done = self._recvs, self._done
-            assert recvs is not None
-            for i in range(self._applied, len(recvs)):
-                if not done[i]:
-                    done[i] = recvs[i][0].test()
-            if self._sends:
-                self._sends = [r for r in self._sends if not r.test()]
-            if self._early or not self._sends:
-                reduce = self._schedule[self._index].reduce
-                while self._applied < len(recvs) and done[self._applied]:
-                    _, target, data = recvs[self._applied]
-                    if reduce:
-                        reduce_into(target, data, self._op)
-                    else:
-                        target.copy_(data)
-                    self._applied += 1
-            if self._sends or self._applied < len(recvs):
-                return False
-            self._recvs = None
-            self._index += 1
-        return True
+__all__ = ["Allreducer", "ScheduleRequest", "Scratch"]
 
 
 class Allreducer:
@@ -118,7 +32,7 @@ class Allreducer:
     def __init__(
         self,
         algorithm: str,
-        calibrations: list[costmodel.Calibration] | None = None,
+        calibrations: list[Calibration] | None = None,
         topology: Topology | None = None,
         tuning: bool = False,
     ) -> None:
@@ -165,7 +79,7 @@ class Allreducer:
 
     def _model(
         self, backend: Backend, numel: int, element_size: int
-    ) -> tuple[int, int, int, int, costmodel.Calibration | None, Topology]:
+    ) -> tuple[int, int, int, int, Calibration | None, Topology]:
         """What the cost model decides a buffer's size class from (``costmodel.choose`` and
         ``costmodel.ranked``): a representative size, element size, ranks, nodes, calibration
         and topology."""
