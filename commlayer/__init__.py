@@ -6,7 +6,6 @@
 from commlayer import compression, config, elastic
 from commlayer import runtime as _runtime
 from commlayer.compression import Compression
-from commlayer.engine import Handle
 from commlayer.errors import (
     CommlayerError,
     ConfigError,
@@ -30,6 +29,7 @@ from commlayer.functions import (
     grouped_reducescatter,
     reducescatter,
 )
+from commlayer.future import Future, Handle
 from commlayer.ops import (
     allgather_async,
     allreduce_,

@@ -6,7 +6,7 @@ The constraints it answers, and how:
    in an order that can differ between ranks. -> Ranks negotiate (negotiation.py): an operation
    runs only once every rank of its process set submitted it, in an order all ranks share.
 2. User threads must never block on communication until they call ``synchronize``. -> ``submit``
-   only enqueues and returns a Handle; one engine thread makes every backend call (MPI thread
+   only enqueues and returns a Future; one engine thread makes every backend call (MPI thread
    level SERIALIZED would suffice).
 3. Many small tensors waste latency, one huge buffer delays the start. -> Ready allreduces of one
    dtype and op are fused into buckets of at most ``fusion_threshold_bytes`` (fusion.py). A rank
@@ -42,7 +42,6 @@ The constraints it answers, and how:
 
 from __future__ import annotations
 
-import _thread
 import dataclasses
 import logging
 import math
@@ -68,6 +67,7 @@ from commlayer.errors import (
     ShutdownError,
     TensorMismatchError,
 )
+from commlayer.future import Future, mark_engine_thread
 from commlayer.negotiation import (
     ALLGATHER,
     ALLREDUCE,
@@ -94,48 +94,6 @@ _PEER_CHECK_S = 1.0
 _HOLD_LIMIT_S = 0.1  # longest a held operation waits for company when no one waits on it
 
 
-class Handle:
-    """Result of an asynchronous operation: ``poll`` it, ``wait`` for it (via synchronize)."""
-
-    __slots__ = ("name", "_latch", "_done", "_result", "_error", "_release")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        # A held lock is the cheapest latch (0.1 us to create vs 4 us for threading.Event,
-        # which matters at 100s of operations per step).
-        self._latch = _thread.allocate_lock()
-        self._latch.acquire()
-        self._done = False
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._release: Callable[[], None] | None = None  # set while the engine holds the op
-
-    def done(self) -> bool:
-        if not self._done and self._release is not None:
-            self._release()  # polling a held operation means someone wants it
-        return self._done
-
-    def wait(self, timeout_s: float | None = None) -> Any:
-        if not self._done:
-            if self._release is not None:
-                self._release()
-            if not self._latch.acquire(timeout=-1 if timeout_s is None else timeout_s):
-                raise TimeoutError(f"operation {self.name!r} did not complete in {timeout_s} s")
-            self._latch.release()  # let other waiters through
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def _set(self, result: Any = None, error: BaseException | None = None) -> None:
-        self._result, self._error = result, error
-        self._done = True
-        self._latch.release()
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"<commlayer.Handle {self.name!r} {state}>"
-
-
 @dataclasses.dataclass
 class Operation:
     """One submitted collective, as the engine keeps it until completion."""
@@ -147,7 +105,7 @@ class Operation:
     prescale: float = 1.0
     postscale: float = 1.0
     finish: Callable[[Any], Any] | None = None  # maps the raw result to what the user gets
-    handle: Handle = dataclasses.field(default_factory=lambda: Handle(""))
+    handle: Future = dataclasses.field(default_factory=Future)
     remaining: int = 0
     t_submit: float = 0.0
     t_negotiate: float = 0.0
@@ -213,7 +171,7 @@ class Engine:
         self.passive = _passive(config.wait_policy, backend)
         self._data_spin_s = _PASSIVE_SPIN_S if self.passive else math.inf
         self._next_peer_check = 0.0  # wall-clock instant of the next pid check (_check_peers)
-        self._join_handle: Handle | None = None
+        self._join_handle: Future | None = None
         self._global = self._register(tuple(range(backend.size)), backend)
         self._thread = threading.Thread(target=self._run, name="commlayer-engine", daemon=True)
 
@@ -229,9 +187,13 @@ class Engine:
         state = self._sets.get(set_id)
         return state.ranks if state else None
 
-    def submit(self, op: Operation) -> Handle:
+    def topology(self, set_id: int) -> Topology:
+        """The topology the algorithms use for a process set this rank belongs to."""
+        return self._allreduce.topology(self._sets[set_id].backend)
+
+    def submit(self, op: Operation) -> Future:
         """Enqueue an operation; returns at once. Raises if the name is already in flight."""
-        op.handle = Handle(op.name)
+        op.handle = Future(op.name)
         op.t_submit = time.perf_counter()
         key = (op.process_set_id, op.name)
         with self._cv:
@@ -259,11 +221,11 @@ class Engine:
                 self._released = True
                 self._cv.notify()
 
-    def join(self) -> Handle:
+    def join(self) -> Future:
         with self._cv:
             self._raise_if_stopped("join")
             if self._join_handle is None:
-                self._join_handle = Handle("join")
+                self._join_handle = Future("join")
                 self._global.negotiator.joined = True
                 self._cv.notify()
             return self._join_handle
@@ -338,6 +300,7 @@ class Engine:
         # Outputs may be tensors that require grad (in-place forms of grouped ops skip the
         # per-tensor detach): the engine's writes are never part of a graph.
         torch.set_grad_enabled(False)
+        mark_engine_thread(threading.get_ident(), True)
         try:
             while True:
                 self._wait_for_work()
@@ -349,6 +312,7 @@ class Engine:
                 log.error("commlayer rank %d: engine stopped: %s", self.rank, exc)
         finally:
             self._stop()
+            mark_engine_thread(threading.get_ident(), False)
 
     def _wait_for_work(self) -> None:
         self._check_peers()

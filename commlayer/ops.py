@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from commlayer import runtime
-from commlayer.engine import Handle, Operation
+from commlayer.algorithms.topology import Topology
+from commlayer.engine import Operation
+from commlayer.future import Future, Handle
 from commlayer.negotiation import (
     ALLGATHER,
     ALLREDUCE,
@@ -478,8 +480,8 @@ def poll(handle: Handle) -> bool:
 
 def synchronize(handle: Handle) -> Any:
     """Wait for an asynchronous operation and return its result (raises its error)."""
-    if not isinstance(handle, Handle):
-        raise _input_error(f"synchronize expects a Handle from an *_async call, got {handle!r}")
+    if not isinstance(handle, Future):
+        raise _input_error(f"synchronize expects a Future from an *_async call, got {handle!r}")
     return handle.wait()
 
 
@@ -498,6 +500,12 @@ def join(device: int = -1) -> int:
     return int(runtime.engine().join().wait())
 
 
+def topology(process_set: ProcessSet = global_process_set) -> Topology:
+    """The nodes of the set's ranks as the engine's algorithms see them (the backend's, or
+    COMMLAYER_TOPOLOGY for the global set)."""
+    return runtime.engine().topology(_set_id(process_set))
+
+
 def register_process_set(ranks: Sequence[int]) -> int:
     return int(
         synchronize(_submit(REGISTER, None, [], [], global_process_set, shapes=(tuple(ranks),)))
@@ -509,34 +517,27 @@ def unregister_process_set(set_id: int) -> None:
 
 
 # -- grouped allgather and reducescatter, sparse allreduce ---------------------------------------
-class _CombinedHandle(Handle):
-    """A Handle over several operations: done once all are, its result ``combine(results)``
-    (computed once, on the first ``wait``)."""
+def _combined(name: str, parts: Sequence[Future], combine: Callable[[list[Any]], Any]) -> Future:
+    """A future over several operations: done once all are, its result ``combine(results)``
+    (or the first part's error), computed by the thread that completes the last part."""
+    out = Future(name)
+    remaining = [len(parts)]
+    lock = threading.Lock()
 
-    __slots__ = ("_parts", "_combine", "_once")
+    def one_done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        try:
+            results = [part.wait() for part in parts]  # all done: no wait, or a part's error
+            out.set_result(combine(results))
+        except BaseException as exc:  # noqa: BLE001 - the combined future's outcome
+            out.set_exception(exc)
 
-    def __init__(
-        self, name: str, parts: Sequence[Handle], combine: Callable[[list[Any]], Any]
-    ) -> None:
-        super().__init__(name)
-        self._parts = list(parts)
-        self._combine = combine
-        self._once = threading.Lock()  # two threads waiting: one combines, the other reads
-
-    def done(self) -> bool:
-        return self._done or all(part.done() for part in self._parts)
-
-    def wait(self, timeout_s: float | None = None) -> Any:
-        with self._once:
-            if not self._done:
-                try:
-                    results = [part.wait(timeout_s) for part in self._parts]
-                    self._set(self._combine(results))
-                except TimeoutError:
-                    raise  # not the operation's outcome: a later wait may still succeed
-                except BaseException as exc:  # noqa: BLE001 - raised again below, every wait
-                    self._set(error=exc)
-        return super().wait()
+    for part in parts:
+        part.add_done_callback(one_done)
+    return out
 
 
 def _grouped(
@@ -552,7 +553,7 @@ def _grouped(
         raise _input_error(f"grouped_{kind} needs a non-empty list of tensors, got {tensors!r}")
     base = _auto_name(f"grouped_{kind}", name, _set_id(process_set))
     handles = [start(tensor, f"{base}.{i}") for i, tensor in enumerate(tensors)]
-    return _CombinedHandle(base, handles, list)
+    return _combined(base, handles, list)
 
 
 def grouped_allgather_async(
@@ -630,7 +631,7 @@ def sparse_allreduce_async(
         )
         return torch.sparse_coo_tensor(summed.indices(), divided, source.shape).coalesce()
 
-    return _CombinedHandle(base, handles, combine)
+    return _combined(base, handles, combine)
 
 
 # -- timeline --------------------------------------------------------------------------------------

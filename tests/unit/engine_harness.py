@@ -22,7 +22,8 @@ import torch
 
 from commlayer import config
 from commlayer.backends.loopback import LoopbackBackend, LoopbackRequest, run_ranks
-from commlayer.engine import Engine, Handle, Operation
+from commlayer.engine import Engine, Operation
+from commlayer.future import Handle
 from commlayer.negotiation import (
     ALLGATHER,
     ALLREDUCE,

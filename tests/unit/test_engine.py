@@ -18,13 +18,14 @@ from engine_harness import (
 
 from commlayer import engine as engine_module
 from commlayer.backends.loopback import LoopbackBackend
-from commlayer.engine import Engine, Handle, Operation
+from commlayer.engine import Engine, Operation
 from commlayer.errors import (
     CommlayerError,
     DuplicateNameError,
     RankDiedError,
     ShutdownError,
 )
+from commlayer.future import Handle
 from commlayer.reduce_ops import ReduceOp
 
 FUSED = {"fusion_threshold_bytes": 1 << 20}
