@@ -82,9 +82,17 @@ from commlayer.negotiation import (
     Response,
 )
 from commlayer.reduce_ops import ReduceOp
+from commlayer.runners import allgather, allreduce, alltoall, broadcast, reducescatter
 from commlayer.timeline import NullTimeline, Timeline, open_timeline
 
 log = logging.getLogger("commlayer")
+
+_RUNNERS = {
+    ALLGATHER: allgather.run,
+    BROADCAST: broadcast.run,
+    ALLTOALL: alltoall.run,
+    REDUCESCATTER: reducescatter.run,
+}
 
 _MIN_BACKOFF_S = 50e-6
 _CONTROL_SPIN_S = 50e-6  # yield-spin this long on a negotiation before sleeping
@@ -154,7 +162,6 @@ class Engine:
         self._held_bytes = 0  # of the held operations in _incoming
         self._released = False  # _incoming goes to the next cycle, held operations included
         self._inflight: set[tuple[int, str]] = set()
-        self._pool = fusion.BufferPool()
         topo = _topology(config, backend)
         self._allreduce = Allreducer(
             config.allreduce_algorithm,
@@ -164,6 +171,7 @@ class Engine:
             topo,
             tuning=config.auto_tuning == "on",
         )
+        self._fused = allreduce.FusedAllreduce(self._allreduce, config.fusion_threshold_bytes, self)
         self._error: BaseException | None = None
         self._stopped = threading.Event()
         self._progress = False
@@ -487,12 +495,14 @@ class Engine:
                         op, error=TensorMismatchError(f"rank {self.rank}: {response.error}")
                     )
             elif response.kind == ALLREDUCE:
-                entries = self._allreduce_entries(response, op, len(active))
+                entries = allreduce.entries(
+                    response, op, len(active), self.config.fusion_threshold_bytes
+                )
                 groups.setdefault((response.dtype, response.op), []).extend(entries)
             else:
                 others.append((response, op))
         for (dtype, op_value), entries in groups.items():
-            self._run_allreduce(state.backend, getattr(torch, dtype), ReduceOp(op_value), entries)
+            self._fused.run(state.backend, getattr(torch, dtype), ReduceOp(op_value), entries)
         for response, op in others:
             try:
                 raw = self._run_other(state, response, op, active)
@@ -503,97 +513,23 @@ class Engine:
             if op is not None:
                 self._complete(op, raw)
 
-    def _allreduce_entries(
-        self, response: Response, op: Operation | None, n_active: int
-    ) -> list[fusion.Entry]:
-        average = 1.0 / n_active if response.op == ReduceOp.Average else 1.0
-        if len(response.shapes) > 1:
-            # A group of small tensors that fits a bucket is one entry (one cat, one split),
-            # decided from the response alone so that every rank (a joined one included)
-            # plans the same buckets. Large tensors stay entries of their own, which the
-            # shared-memory window reads and writes where they lie (fusion.pieces).
-            numels = [math.prod(shape) for shape in response.shapes]
-            total = sum(numels)
-            element = _element_size(getattr(torch, response.dtype))
-            if total * element <= self.config.fusion_threshold_bytes and not fusion.per_tensor(
-                total, len(numels)
-            ):
-                if op is None:
-                    return [fusion.Entry(None, None, total)]
-                op.remaining = 1
-                group = (op.inputs, op.outputs, numels)
-                scale = op.postscale * average
-                return [fusion.Entry(None, None, total, op.prescale, scale, op, group)]
-        entries = []
-        for index, shape in enumerate(response.shapes):
-            numel = math.prod(shape)
-            if op is None:
-                entries.append(fusion.Entry(None, None, numel))
-            else:
-                entries.append(
-                    fusion.Entry(
-                        op.inputs[index],
-                        op.outputs[index],
-                        numel,
-                        op.prescale,
-                        op.postscale * average,
-                        op,
-                    )
-                )
-        if op is not None:
-            op.remaining = len(entries)
-        return entries
+    # -- what the fused allreduce runner reports back (runners/allreduce.Host) ------------------
+    def wait(self, request: Request) -> None:
+        self._wait(request)
 
-    def _run_allreduce(
-        self, backend: Backend, dtype: torch.dtype, op: ReduceOp, entries: list[fusion.Entry]
-    ) -> None:
-        element = _element_size(dtype)
-        for bucket in fusion.plan_buckets(entries, element, self.config.fusion_threshold_bytes):
-            numel = sum(e.numel for e in bucket)
-            t0 = time.perf_counter()
-            direct = len(bucket) == 1 and bucket[0].output is not None
-            pieces = fusion.pieces(bucket, dtype)
-            request = None if pieces is None else self._allreduce.pieces(backend, *pieces, op)
-            if request is not None:  # the window reads and writes the tensors where they lie
-                t1 = time.perf_counter()
-                self._wait(request)
-                t2 = time.perf_counter()
-            elif direct:
-                entry = bucket[0]
-                assert entry.source is not None and entry.output is not None
-                send: torch.Tensor | None = entry.source
-                if entry.prescale != 1.0 or entry.source is entry.output:
-                    if entry.source is not entry.output:
-                        entry.output.view(-1).copy_(entry.source.reshape(-1))
-                    fusion.scale_(entry.output, entry.prescale)
-                    send = None
-                buf = entry.output.view(-1)
-                t1 = time.perf_counter()
-                self._wait(
-                    self._allreduce(backend, None if send is None else send.reshape(-1), buf, op)
-                )
-                t2 = time.perf_counter()
-                fusion.scale_(entry.output, entry.postscale)
-            else:
-                buf = self._pool.get(dtype, numel)
-                fusion.pack(bucket, buf)
-                t1 = time.perf_counter()
-                self._wait(self._allreduce(backend, None, buf, op, t1 - t0))
-                t2 = time.perf_counter()
-                fusion.unpack(bucket, buf)
-            t3 = time.perf_counter()
-            self._account(numel * element, backend.size, t2 - t1, 2.0)
-            for entry in bucket:
-                owner = entry.owner
-                if owner is None:
-                    continue
-                if self._tracing:
-                    self._timeline.span(owner.name, "FUSION_PACK", t0, t1, bucket=len(bucket))
-                    self._timeline.span(owner.name, "COLLECTIVE", t1, t2, bytes=numel * element)
-                    self._timeline.span(owner.name, "FUSION_UNPACK", t2, t3)
-                owner.remaining -= 1
-                if owner.remaining == 0:
-                    self._complete(owner, owner.outputs)
+    def account(self, nbytes: int, size: int, seconds: float, factor: float) -> None:
+        self._account(nbytes, size, seconds, factor)
+
+    def spans(self, name: str, times: tuple[float, float, float, float], **args: Any) -> None:
+        """Pack, collective and unpack of ``name``'s part of a fused bucket, when tracing."""
+        if self._tracing:
+            t0, t1, t2, t3 = times
+            self._timeline.span(name, "FUSION_PACK", t0, t1, bucket=args["bucket"])
+            self._timeline.span(name, "COLLECTIVE", t1, t2, bytes=args["bytes"])
+            self._timeline.span(name, "FUSION_UNPACK", t2, t3)
+
+    def complete(self, op: Any, result: Any) -> None:
+        self._complete(op, result)
 
     def _account(self, nbytes: int, size: int, seconds: float, factor: float) -> None:
         self.stats.operations += 1
@@ -621,12 +557,7 @@ class Engine:
                 f"ranks {sorted(set(range(backend.size)) - set(active))} "
                 "have joined"
             )
-        runner = {
-            ALLGATHER: _allgather,
-            BROADCAST: _broadcast,
-            ALLTOALL: _alltoall,
-            REDUCESCATTER: _reducescatter,
-        }[kind]
+        runner = _RUNNERS[kind]
         raw, request, nbytes, factor = runner(backend, response, op, active)
         t1 = time.perf_counter()
         self._wait(request)
@@ -694,95 +625,3 @@ def _topology(config: Config, backend: Backend) -> Topology | None:
             f"rank {backend.rank}: COMMLAYER_TOPOLOGY={config.topology!r} does not fit this job: "
             f"{exc}"
         ) from None
-
-
-_ELEMENT_SIZES: dict[torch.dtype, int] = {}
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    size = _ELEMENT_SIZES.get(dtype)
-    if size is None:
-        size = _ELEMENT_SIZES[dtype] = torch.empty((), dtype=dtype).element_size()
-    return size
-
-
-# -- the non-fused collectives: each returns (result, request, payload bytes, wire factor) -------
-def _row_numel(response: Response) -> int:
-    return math.prod(response.shapes[0][1:]) if response.shapes and response.shapes[0] else 1
-
-
-def _allgather(
-    backend: Backend, response: Response, op: Operation | None, active: list[int]
-) -> tuple[Any, Request, int, float]:
-    row = _row_numel(response)
-    dim0 = [response.dim0[r] if r in active else 0 for r in range(backend.size)]
-    rest = response.shapes[0][1:]
-    output = torch.empty((sum(dim0), *rest), dtype=response.torch_dtype)
-    send = op.inputs[0].reshape(-1) if op is not None else output.new_empty(0)
-    request = backend.iallgatherv(send, output.view(-1), [d * row for d in dim0])
-    return output, request, output.numel() * output.element_size(), 1.0
-
-
-def _broadcast(
-    backend: Backend, response: Response, op: Operation | None, active: list[int]
-) -> tuple[Any, Request, int, float]:
-    if op is None:
-        buf = torch.empty(response.shapes[0], dtype=response.torch_dtype)
-    else:
-        buf = op.outputs[0]
-        if backend.rank == response.root and op.inputs[0] is not buf:
-            buf.copy_(op.inputs[0])
-    request = backend.ibcast(buf.view(-1), response.root)
-    return buf, request, buf.numel() * buf.element_size(), 1.0
-
-
-def _alltoall(
-    backend: Backend, response: Response, op: Operation | None, active: list[int]
-) -> tuple[Any, Request, int, float]:
-    assert op is not None
-    me = backend.rank
-    row = _row_numel(response)
-    send_rows = list(response.splits[me])
-    recv_rows = [response.splits[q][me] for q in range(backend.size)]
-    rest = response.shapes[0][1:]
-    output = torch.empty((sum(recv_rows), *rest), dtype=response.torch_dtype)
-    request = backend.ialltoallv(
-        op.inputs[0].reshape(-1),
-        [r * row for r in send_rows],
-        output.view(-1),
-        [r * row for r in recv_rows],
-    )
-    received = torch.tensor(recv_rows, dtype=torch.int32)
-    return (output, received), request, op.inputs[0].numel() * output.element_size(), 1.0
-
-
-def reducescatter_rows(dim0: int, size: int) -> list[int]:
-    """Rows of the first dimension each rank receives: the first dim0 % size ranks get one more."""
-    return [dim0 // size + (1 if r < dim0 % size else 0) for r in range(size)]
-
-
-def _reducescatter(
-    backend: Backend, response: Response, op: Operation | None, active: list[int]
-) -> tuple[Any, Request, int, float]:
-    shape = response.shapes[0]
-    row = _row_numel(response)
-    rows = reducescatter_rows(shape[0] if shape else 1, backend.size)
-    dtype = response.torch_dtype
-    if op is None:
-        send = torch.zeros(math.prod(shape), dtype=dtype)
-    else:
-        send = op.inputs[0].reshape(-1)
-        if op.prescale != 1.0:
-            send = send.clone()
-            fusion.scale_(send, op.prescale)
-    output = torch.empty((rows[backend.rank], *shape[1:]), dtype=dtype)
-    reduce_op = ReduceOp(response.op)
-    request = backend.ireduce_scatter(send, output.view(-1), [r * row for r in rows], reduce_op)
-    average = 1.0 / len(active) if reduce_op == ReduceOp.Average else 1.0
-    postscale = (op.postscale if op is not None else 1.0) * average
-
-    def finish() -> torch.Tensor:
-        fusion.scale_(output, postscale)
-        return output
-
-    return finish, request, send.numel() * send.element_size(), 1.0
