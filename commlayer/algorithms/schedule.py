@@ -6,7 +6,7 @@ scratch memory and are applied to the buffer (reduced into it, or copied over it
 listed order, each once it and those before it arrived and no send of the step still reads its
 range: so the executor reduces the first piece of a chunked step while the next ones are still
 on the wire. The same list is run by the executor (executor.py), checked and costed without any
-communication (``simulate``, ``traffic`` here; costmodel.py), and can be exported as per-rank
+communication (``simulate``, ``traffic`` here; costmodel/model.py), and can be exported as per-rank
 traces for a simulator. No algorithm is written twice.
 
 Ranges are in elements of the flat buffer. Empty ranges are never listed, so buffers smaller
