@@ -1,8 +1,8 @@
 """Gradient compression: the Compressor contract, a registry, and the built-in compressors.
 
-``create("topk:ratio=0.01")`` (or ``COMMLAYER_COMPRESSION``, or
-``DistributedOptimizer(compression=...)``) picks one by name; see ``base.py`` for the contract
-and each compressor's module for its math and paper.
+``create("topk:ratio=0.01", rank=..., seed=...)`` (or ``COMMLAYER_COMPRESSION``, or
+``DistributedOptimizer(compression=...)``) picks one by name; see ``base.py`` for the contract,
+``factory.py`` for specs, and each compressor's module for its math and paper.
 """
 
 from commlayer.compression.base import (
@@ -10,12 +10,12 @@ from commlayer.compression.base import (
     Compressed,
     Compressor,
     available,
-    create,
     register,
 )
 from commlayer.compression.bf16 import BF16Compressor
 from commlayer.compression.efsignsgd import EFSignSGDCompressor
 from commlayer.compression.error_feedback import ErrorFeedback
+from commlayer.compression.factory import SPEC_HELP, check_spec, create
 from commlayer.compression.fp16 import FP16Compressor
 from commlayer.compression.none import NoneCompressor
 from commlayer.compression.onebit import OneBitCompressor
@@ -37,6 +37,7 @@ class Compression:
 __all__ = [
     "DEFAULT_MIN_NUMEL",
     "ENTRY_POINT_GROUP",
+    "SPEC_HELP",
     "BF16Compressor",
     "Compressed",
     "Compression",
@@ -52,6 +53,7 @@ __all__ = [
     "RandomKCompressor",
     "TopKCompressor",
     "available",
+    "check_spec",
     "create",
     "register",
 ]

@@ -1,5 +1,8 @@
 """Compressor contract: what a compressor is, and the registry that finds one by name.
 
+Building one from a spec (parameters, rank and seed, error feedback) is factory.py's: this module
+imports no compressor and no wrapper, so every compressor can import it.
+
 ``Compressor.compress(tensor, name) -> Compressed(payload, ctx)`` and
 ``decompress(Compressed) -> tensor``. The attribute ``summable`` tells the communicator how to
 move the payload:
@@ -14,8 +17,8 @@ move the payload:
    shape and dtype, never on its values. ``decompress`` must check a peer's payload (lengths,
    index range, finite scales) and raise :class:`~commlayer.errors.PayloadError`.
 
-Optional attributes: ``biased`` (True: ``create`` wraps the compressor in ErrorFeedback unless
-the spec says ``ef=0``), ``compresses_small_tensors`` (True for casts, which cost nothing per
+Optional attributes: ``biased`` (True: ``factory.create`` wraps the compressor in ErrorFeedback
+unless the spec says ``ef=0``), ``compresses_small_tensors`` (True for casts, which cost nothing per
 tensor; others skip tensors below the policy's threshold), ``state_dict``/``load_state_dict``.
 
 Users add their own with ``@commlayer.compression.register("name")``, or from another package
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import inspect
 import logging
 import math
 import zlib
@@ -100,65 +102,14 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create(spec: str | Compressor) -> Compressor:
-    """A compressor from ``"name"`` or ``"name:key=value,key=value"`` (or one passed through).
-
-    Biased compressors come wrapped in :class:`ErrorFeedback` unless the spec has ``ef=0``.
-    """
-    if not isinstance(spec, str):
-        return spec
-    name, _, params = spec.partition(":")
-    name = name.strip()
+def lookup(name: str) -> Callable[..., Compressor]:
+    """The factory registered as ``name``; ValueError naming the available ones."""
     if name not in _REGISTRY:
         _load_entry_points()
     factory = _REGISTRY.get(name)
     if factory is None:
         raise ValueError(f"unknown compressor {name!r}; available: {', '.join(available())}")
-    kwargs: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in params.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"compressor parameter {item!r} in {spec!r} must be key=value")
-        kwargs[key.strip()] = _number(value.strip())
-    error_feedback = kwargs.pop("ef", None)
-    allowed = _parameters(factory)
-    unknown = sorted(set(kwargs) - set(allowed)) if allowed is not None else []
-    if unknown:
-        raise ValueError(
-            f"compressor {name!r} does not take parameter(s) {unknown}; allowed: "
-            f"{', '.join([*allowed, 'ef'] if allowed else ['ef'])}"
-        )
-    try:
-        compressor = factory(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"compressor {name!r} does not take parameters {kwargs}: {exc}") from None
-    if error_feedback not in (None, 0, 1):
-        raise ValueError(f"ef={error_feedback!r} in {spec!r}: allowed 0 (off) or 1 (on)")
-    if error_feedback if error_feedback is not None else getattr(compressor, "biased", False):
-        from commlayer.compression.error_feedback import ErrorFeedback
-
-        return ErrorFeedback(compressor)
-    return compressor
-
-
-def _parameters(factory: Callable[..., Any]) -> list[str] | None:
-    """Keyword parameters ``factory`` takes, or None when it takes ``**kwargs``."""
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        return None
-    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-
-
-def _number(text: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    return factory
 
 
 # -- helpers the compressors share ---------------------------------------------------------------

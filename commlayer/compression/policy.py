@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from commlayer.compression.base import Compressor, create
+from commlayer.compression.base import Compressor
+from commlayer.compression.factory import create
 from commlayer.compression.none import NoneCompressor
 
 DEFAULT_MIN_NUMEL = 1024
@@ -32,11 +33,17 @@ class Policy:
         default: Compressor | str = "none",
         per_parameter: Mapping[str, Compressor | str] | None = None,
         min_numel: int = DEFAULT_MIN_NUMEL,
+        *,
+        rank: int | None = None,
+        seed: int | None = None,
     ) -> None:
+        """``rank``, ``seed``: passed to every compressor made from a spec (``create``)."""
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel must be an integer >= 0, got {min_numel!r}")
-        self.default = create(default)
-        self.per_parameter = {name: create(c) for name, c in (per_parameter or {}).items()}
+        self.default = create(default, rank=rank, seed=seed)
+        self.per_parameter = {
+            name: create(c, rank=rank, seed=seed) for name, c in (per_parameter or {}).items()
+        }
         self.min_numel = min_numel
 
     def __repr__(self) -> str:

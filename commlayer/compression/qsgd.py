@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from commlayer import kernels, runtime
+from commlayer import kernels
 from commlayer.compression import bitpack
 from commlayer.compression.base import (
     Compressed,
@@ -60,20 +60,25 @@ class QSGDCompressor:
     summable: ClassVar[bool] = False
     biased: ClassVar[bool] = False
 
-    def __init__(self, levels: int = 127, bucket: int = 512, seed: int = 0) -> None:
+    def __init__(
+        self, levels: int = 127, bucket: int = 512, seed: int = 0, process_rank: int | None = None
+    ) -> None:
+        """``process_rank``: this process's rank, passed in by ``create`` (None: 0, unless
+        ``create(this, rank=r)`` binds it before the first ``compress``)."""
         self.levels = check_positive_int(levels, "levels")
         if self.levels > 32767:
             raise ValueError(f"levels must be <= 32767 (16 bits), got {levels!r}")
         self.bucket = check_positive_int(bucket, "bucket")
         self.bits = _bits_for(self.levels)
         self._seed = seed
+        self.process_rank = process_rank
         self._generator: torch.Generator | None = None
 
     def _rng(self) -> torch.Generator:
         # Private, so the compressor neither consumes nor depends on the user's global RNG;
         # seeded per rank, so the ranks' rounding noise is independent and averages out.
         if self._generator is None:
-            rank = runtime.rank() if runtime.is_initialized() else 0
+            rank = self.process_rank or 0
             self._generator = torch.Generator().manual_seed(self._seed * 1_000_003 + rank)
         return self._generator
 
