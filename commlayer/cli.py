@@ -39,9 +39,11 @@ def calibrate(args: argparse.Namespace) -> int:
     from commlayer import config
     from commlayer.algorithms import topology
     from commlayer.backends.mpi import MPIBackend
+    from commlayer.registries import REGISTRIES
 
     backend = MPIBackend()
-    override = config.load().topology  # COMMLAYER_TOPOLOGY: one machine measured as several nodes
+    # COMMLAYER_TOPOLOGY: one machine measured as several nodes
+    override = config.load(registries=REGISTRIES).topology
     try:
         topo = topology.build(override, backend.size, backend.nodes())
     except ValueError as exc:

@@ -1,8 +1,12 @@
 """Configuration: every COMMLAYER_* environment variable is read here and nowhere else.
 
-Each knob is declared once in ``_VARIABLES`` (environment name, field, parser, help); ``load()``
-parses the environment into a frozen :class:`Config`; a bad value raises
+Each knob is declared once in ``_VARIABLES`` (environment name, field, Validator, help);
+``load()`` parses the environment into a frozen :class:`Config`; a bad value raises
 :class:`~commlayer.errors.ConfigError` naming the variable, the value and what is allowed.
+Settings that name something another module owns (an algorithm, a compressor, the kernels, a
+topology) are checked by the :class:`Validator` that module supplies, passed in as
+``registries`` (commlayer.registries): config imports no commlayer module but errors, and holds
+strings and numbers only. ``init()`` resolves the Config once (``runtime.config()``).
 Explicit arguments win over the environment: ``load(fusion_threshold_bytes=0)``; tests use
 ``with override(cycle_time_ms=0.5): ...``.
 """
@@ -14,17 +18,15 @@ import dataclasses
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from commlayer import algorithms, kernels, malloc
-from commlayer.algorithms import sparse, topology
 from commlayer.errors import ConfigError
 
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 WAIT_POLICIES = ("auto", "active", "passive")
-ON_OFF = malloc.CHOICES
+ON_OFF = ("on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,15 +95,6 @@ def _parse_nonneg_float(text: str) -> float:
     return value
 
 
-def _parse_compression(text: str) -> str:
-    # Imported here: the compressors import the runtime, which imports this module.
-    from commlayer.compression import create
-
-    spec = text.strip()
-    create(spec)  # ValueError for an unknown compressor, parameter or value
-    return spec
-
-
 def _parse_log_level(text: str) -> str:
     value = text.strip().lower()
     if value not in _LOG_LEVELS:
@@ -109,74 +102,58 @@ def _parse_log_level(text: str) -> str:
     return value
 
 
-def _parse_algorithm(text: str) -> str:
-    name = text.strip().lower()
-    if name not in algorithms.available():
-        raise ValueError(name)
-    return name
-
-
-def _parse_sparse_algorithm(text: str) -> str:
-    name = text.strip().lower()
-    if name not in sparse.available():
-        raise ValueError(name)
-    return name
-
-
-def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
-    """A parser for one of a fixed set of names, case and surrounding spaces ignored."""
+def one_of(choices: Callable[[], Sequence[str]]) -> Callable[[str], str]:
+    """A parser for one of a set of names (``choices()`` asked at each call, so names registered
+    later count), case and surrounding spaces ignored."""
 
     def parse(text: str) -> str:
         value = text.strip().lower()
-        if value not in choices:
+        if value not in choices():
             raise ValueError(value)
         return value
 
     return parse
 
 
-_parse_kernels = _one_of(kernels.CHOICES)
-_parse_wait_policy = _one_of(WAIT_POLICIES)
-_parse_on_off = _one_of(ON_OFF)
+@dataclasses.dataclass(frozen=True)
+class Validator:
+    """How one setting's text becomes its value: ``parse`` returns the value (ValueError when
+    the text is not allowed), ``allowed()`` says what is allowed, for the error message."""
+
+    parse: Callable[[str], Any]
+    allowed: Callable[[], str]
 
 
-def _parse_topology(text: str) -> str:
-    text = text.strip()
-    if text:
-        topology.parse(text)
-    return text
+def _fixed(parse: Callable[[str], Any], allowed: str) -> Validator:
+    return Validator(parse, lambda: allowed)
 
 
-_ALLOWED = {
-    _parse_topology: "comma-separated nodes=N, local=L, torus=RxC (e.g. nodes=2,local=2)",
-    _parse_algorithm: f"one of {', '.join(algorithms.available())}",
-    _parse_sparse_algorithm: f"one of {', '.join(sparse.available())}",
-    _parse_kernels: f"one of {', '.join(kernels.CHOICES)}",
-    _parse_bytes: "a non-negative integer number of bytes, optionally with K/M/G suffix",
-    _parse_nonneg_int: "an integer >= 0",
-    _parse_positive_float: "a finite number > 0",
-    _parse_nonneg_float: "a finite number >= 0 (0 disables)",
-    _parse_log_level: f"one of {', '.join(_LOG_LEVELS)}",
-    _parse_wait_policy: f"one of {', '.join(WAIT_POLICIES)}",
-    _parse_on_off: f"one of {', '.join(ON_OFF)}",
-    _parse_compression: "a compressor 'name' or 'name:key=value,...' with a valid name "
-    "(none, fp16, bf16, qsgd, topk, randomk, efsignsgd, onebit, powersgd, or one registered) "
-    "and valid parameters, e.g. 'topk:ratio=0.01'",
-    str: "a path",
-}
+_BYTES = _fixed(
+    _parse_bytes, "a non-negative integer number of bytes, optionally with K/M/G suffix"
+)
+_NONNEG_INT = _fixed(_parse_nonneg_int, "an integer >= 0")
+_POSITIVE_FLOAT = _fixed(_parse_positive_float, "a finite number > 0")
+_NONNEG_FLOAT = _fixed(_parse_nonneg_float, "a finite number >= 0 (0 disables)")
+_LOG_LEVEL = _fixed(_parse_log_level, f"one of {', '.join(_LOG_LEVELS)}")
+_WAIT_POLICY = _fixed(one_of(lambda: WAIT_POLICIES), f"one of {', '.join(WAIT_POLICIES)}")
+_ON_OFF = _fixed(one_of(lambda: ON_OFF), f"one of {', '.join(ON_OFF)}")
+_PATH = _fixed(str, "a path")
+# In _VARIABLES: a setting whose allowed values are names other modules own (algorithms,
+# compressors, ...); config imports none of them, their Validators are passed in.
+_REGISTERED = None
 
-# (environment variable, Config field, parser, help)
-_VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
+# (environment variable, Config field, Validator or _REGISTERED, help)
+_VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
     (
         "COMMLAYER_FUSION_THRESHOLD",
         "fusion_threshold_bytes",
-        _parse_bytes,
+        _BYTES,
         "largest fusion buffer in bytes (0 disables fusion); default 64 MiB",
     ),
     (
         "COMMLAYER_MIN_BUCKET_BYTES",
         "min_bucket_bytes",
-        _parse_bytes,
+        _BYTES,
         "DistributedOptimizer's bucket size: from the second step on, uncompressed gradients "
         "travel in buckets of this many bytes (in the first step's ready order, one allreduce "
         "each, sent when its last gradient is ready); in the first step, and for compressed "
@@ -187,50 +164,50 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     (
         "COMMLAYER_CYCLE_TIME",
         "cycle_time_ms",
-        _parse_positive_float,
+        _POSITIVE_FLOAT,
         "longest wait, in ms, of a rank with pending work before the next negotiation; default 1",
     ),
     (
         "COMMLAYER_CACHE_CAPACITY",
         "cache_capacity",
-        _parse_nonneg_int,
+        _NONNEG_INT,
         "tensors remembered so steady-state negotiation is a bit-vector allreduce; 0 disables",
     ),
     (
         "COMMLAYER_COMPRESSION",
         "compression",
-        _parse_compression,
+        _REGISTERED,
         "DistributedOptimizer's default gradient compressor, e.g. 'fp16', 'topk:ratio=0.01', "
         "'qsgd:levels=127,bucket=512'; default none",
     ),
     (
         "COMMLAYER_TIMELINE",
         "timeline_path",
-        str,
+        _PATH,
         "write a Chrome trace here (rank 0; '{rank}' in the path makes one file per rank)",
     ),
     (
         "COMMLAYER_STALL_CHECK_TIME_SECONDS",
         "stall_check_time_s",
-        _parse_nonneg_float,
+        _NONNEG_FLOAT,
         "warn, naming tensor and missing ranks, after this long; 0 disables; default 60",
     ),
     (
         "COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS",
         "stall_shutdown_time_s",
-        _parse_nonneg_float,
+        _NONNEG_FLOAT,
         "fail a stalled operation with StallError on every rank after this long; 0 = never",
     ),
     (
         "COMMLAYER_LOG_LEVEL",
         "log_level",
-        _parse_log_level,
+        _LOG_LEVEL,
         "logging level of the 'commlayer' logger; default warning",
     ),
     (
         "COMMLAYER_ALLREDUCE_ALGORITHM",
         "allreduce_algorithm",
-        _parse_algorithm,
+        _REGISTERED,
         "allreduce algorithm for fused buffers: auto (default), mpi, shm, or a schedule "
         "(hierarchical, rabenseifner, recursive_doubling, ring, shd, swing, torus2d, tree); "
         "the same on every rank",
@@ -238,34 +215,34 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     (
         "COMMLAYER_TOPOLOGY",
         "topology",
-        _parse_topology,
+        _REGISTERED,
         "override the detected topology (tests, simulation): nodes=N,local=L (rank r on node "
         "r // L) and/or torus=RxC for torus2d",
     ),
     (
         "COMMLAYER_SPARSE_ALGORITHM",
         "sparse_algorithm",
-        _parse_sparse_algorithm,
+        _REGISTERED,
         "how DistributedOptimizer reduces top-k payloads: allgather (default), auto, dsar, gtopk, "
         "ssar_recursive_doubling, ssar_split_allgather, topo_sparse; the same on every rank",
     ),
     (
         "COMMLAYER_KERNELS",
         "kernels",
-        _parse_kernels,
+        _REGISTERED,
         "implementation of the sparse kernels: auto (default: cupy, numba, torch as available), "
         "cupy, numba, torch",
     ),
     (
         "COMMLAYER_CUDA_PTX_DIR",
         "cuda_ptx_dir",
-        str,
+        _PATH,
         "folder holding prebuilt sparse_kernels.ptx (else build/ext/cuda, else NVRTC)",
     ),
     (
         "COMMLAYER_WAIT_POLICY",
         "wait_policy",
-        _parse_wait_policy,
+        _WAIT_POLICY,
         "how the engine thread waits on a collective: active yields the CPU between tests until "
         "it completes (lowest latency), passive does so for 200 us and then sleeps between "
         "tests, up to 250 us (leaves the cores to forward and backward); auto (default): "
@@ -274,7 +251,7 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     (
         "COMMLAYER_MALLOC_TUNING",
         "malloc_tuning",
-        _parse_on_off,
+        _REGISTERED,
         "on (default): init() sets glibc's mmap threshold to 32 MiB and its trim threshold to "
         "64 MiB, so the memory a training step frees serves the next step without page faults "
         "(skipped when glibc's own MALLOC_*_ or GLIBC_TUNABLES malloc settings are set); off",
@@ -282,7 +259,7 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     (
         "COMMLAYER_AUTO_TUNING",
         "auto_tuning",
-        _parse_on_off,
+        _ON_OFF,
         "on (default): the auto algorithm times the cost model's pick, the native algorithms "
         "and the two schedules predicted fastest on the first calls of each buffer size class "
         "and keeps the fastest, agreed by all ranks, measuring it against the runner-up again "
@@ -291,6 +268,8 @@ _VARIABLES: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
 )
 
 _FIELDS = {field.name for field in dataclasses.fields(Config)}
+# The fields that need a Validator passed in (commlayer.registries.REGISTRIES has one each).
+REGISTERED_FIELDS = tuple(field for _, field, found, _ in _VARIABLES if found is _REGISTERED)
 _override_lock = threading.Lock()
 _overrides: list[dict[str, Any]] = []
 
@@ -327,20 +306,46 @@ def variables() -> list[tuple[str, str]]:
     return [(name, help_text) for name, _, _, help_text in _VARIABLES]
 
 
-def parse_variable(name: str, text: str) -> Any:
+Registries = Mapping[str, Validator]  # Config field -> its Validator, for REGISTERED_FIELDS
+_installed: Registries = {}
+
+
+def install_registries(registries: Registries) -> None:
+    """The registries used when a caller passes none (``load()``, ``override()``,
+    ``parse_variable()``); commlayer.runtime installs commlayer.registries.REGISTRIES on import."""
+    global _installed
+    _installed = dict(registries)
+
+
+def _validator(field: str, declared: Validator | None, registries: Registries | None) -> Validator:
+    if declared is not None:
+        return declared
+    found = (_installed if registries is None else registries).get(field)
+    if found is None:
+        raise ConfigError(
+            f"setting {field} names something config does not know: pass its registry "
+            f"(config.load(registries=commlayer.registries.REGISTRIES))"
+        )
+    return found
+
+
+def parse_variable(name: str, text: str, registries: Registries | None = None) -> Any:
     """Parse one variable's text; ConfigError names the variable, value and what is allowed."""
-    for var, _, parser, _ in _VARIABLES:
+    for var, field, declared, _ in _VARIABLES:
         if var == name:
+            validator = _validator(field, declared, registries)
             try:
-                return parser(text)
+                return validator.parse(text)
             except ValueError:
                 raise ConfigError(
-                    f"{name}={text!r} is not valid: expected {_ALLOWED[parser]}"
+                    f"{name}={text!r} is not valid: expected {validator.allowed()}"
                 ) from None
     raise ConfigError(f"unknown commlayer variable {name!r}")
 
 
-def _check_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+def _check_settings(
+    settings: Mapping[str, Any], registries: Registries | None = None
+) -> dict[str, Any]:
     """Explicit settings (``load(**kw)``, ``init(**kw)``, ``override(**kw)``) parsed by the same
     parsers as the environment, so ``cache_capacity=-3`` is refused like
     ``COMMLAYER_CACHE_CAPACITY=-3`` instead of breaking the engine later. None means unset."""
@@ -348,17 +353,18 @@ def _check_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     if bad:
         raise ConfigError(f"unknown setting(s) {bad}; known: {sorted(_FIELDS)}")
     checked: dict[str, Any] = {}
-    for var, field, parser, _ in _VARIABLES:
+    for var, field, declared, _ in _VARIABLES:
         value = settings.get(field)
         if value is None:
             continue
+        validator = _validator(field, declared, registries)
         try:
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 raise ValueError(value)
-            checked[field] = parser(str(value))
+            checked[field] = validator.parse(str(value))
         except ValueError:
             raise ConfigError(
-                f"setting {field}={value!r} (or {var}) is not valid: expected {_ALLOWED[parser]}"
+                f"setting {field}={value!r} (or {var}) is not valid: expected {validator.allowed()}"
             ) from None
     return checked
 
@@ -373,24 +379,29 @@ def _check_unknown(environ: Mapping[str, str]) -> None:
         )
 
 
-def load(environ: Mapping[str, str] | None = None, **explicit: Any) -> Config:
-    """Config from the environment, then active overrides, then explicit keyword arguments."""
+def load(
+    environ: Mapping[str, str] | None = None,
+    *,
+    registries: Registries | None = None,
+    **explicit: Any,
+) -> Config:
+    """Config from the environment, then active overrides, then explicit keyword arguments.
+    ``registries``: the Validators of REGISTERED_FIELDS (default: the installed ones)."""
     env = os.environ if environ is None else environ
     _check_unknown(env)
     values: dict[str, Any] = {}
     for var, field, _, _ in _VARIABLES:
         if var in env and env[var] != "":
-            values[field] = parse_variable(var, env[var])
-    with _override_lock:
-        for layer in _overrides:
-            values.update(layer)
-    values.update(_check_settings(explicit))
+            values[field] = parse_variable(var, env[var], registries)
+    values.update(overrides())
+    values.update(_check_settings(explicit, registries))
     return Config(**values)
 
 
 @contextlib.contextmanager
 def override(**settings: Any) -> Iterator[None]:
-    """Temporarily override settings (tests): ``with override(cycle_time_ms=0.5): ...``."""
+    """Temporarily override settings (tests): ``with override(cycle_time_ms=0.5): ...``.
+    Seen by ``load()``, ``runtime.config()`` and the kernels' dispatch, also after ``init()``."""
     layer = _check_settings(settings)
     with _override_lock:
         _overrides.append(layer)
@@ -401,9 +412,21 @@ def override(**settings: Any) -> Iterator[None]:
             _overrides[:] = [other for other in _overrides if other is not layer]
 
 
-def launcher_environ() -> dict[str, str]:
+def overrides() -> dict[str, Any]:
+    """The settings of the active ``override()`` blocks, innermost winning; {} outside any (the
+    common case returns at the first test: the kernels' dispatch asks on every call)."""
+    if not _overrides:
+        return {}
+    merged: dict[str, Any] = {}
+    with _override_lock:
+        for layer in _overrides:
+            merged.update(layer)
+    return merged
+
+
+def launcher_environ(registries: Registries | None = None) -> dict[str, str]:
     """A copy of this process's whole environment, COMMLAYER_* validated (ConfigError), for a
     launcher to hand to the ranks it starts."""
     env = dict(os.environ)
-    load(environ=env)
+    load(environ=env, registries=registries)
     return env

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from commlayer import config
+from commlayer.registries import REGISTRIES
 
 _NO_MPI = (
     "commlayerrun: no MPI launcher (mpiexec or mpirun) was found. Install one, e.g.\n"
@@ -171,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_NO_MPI, file=sys.stderr)
         return 127
     try:
-        env = launch_environ(args.np, args.hosts, config.launcher_environ())
+        env = launch_environ(args.np, args.hosts, config.launcher_environ(REGISTRIES))
     except ValueError as exc:
         print(f"commlayerrun: {exc}", file=sys.stderr)
         return 2

@@ -11,17 +11,27 @@ from collections.abc import Sequence
 from typing import Any
 
 from commlayer import config as config_module
-from commlayer import malloc
+from commlayer import kernels, malloc
+from commlayer.config import Config
 from commlayer.engine import Engine
 from commlayer.errors import NotInitializedError
 from commlayer.process_sets import ProcessSet, global_process_set
+from commlayer.registries import REGISTRIES
+
+# config.load() and config.override() called without registries (tests, tools) check names
+# against the same registries as init().
+config_module.install_registries(REGISTRIES)
 
 log = logging.getLogger("commlayer")
 
 _lock = threading.Lock()
 _engine: Engine | None = None
+_config: Config | None = None  # what init() resolved: every consumer reads this one
 _topology: dict[str, int] = {}
 _atexit_registered = False
+_NOT_INITIALIZED = (
+    "commlayer has not been initialized; call commlayer.init() first (or it was shut down)"
+)
 
 
 def init(
@@ -33,13 +43,17 @@ def init(
     ``process_sets``: ProcessSet objects to register (collective: same list on every rank).
     ``settings``: explicit Config fields, which win over COMMLAYER_* variables.
     Calling init again while running does nothing.
+
+    The environment is read here, once: the resolved Config goes to the engine, is handed
+    down to the kernels (``kernels.use``) and is ``config()`` for the layers above.
     """
-    global _engine, _atexit_registered
+    global _engine, _config, _atexit_registered
     with _lock:
         if _engine is not None and _engine.running:
             return
-        cfg = config_module.load(**settings)
+        cfg = config_module.load(registries=REGISTRIES, **settings)
         _configure_logging(cfg.log_level)
+        kernels.use(cfg.kernels, cuda_ptx_dir=cfg.cuda_ptx_dir)
         log.info(
             "malloc: %s", malloc.tune(cfg.malloc_tuning, config_module.glibc_malloc_variables())
         )
@@ -61,7 +75,7 @@ def init(
             _check_ranks(ps, backend.size)
             ps.process_set_id, _ = engine.register_process_set(ps.ranks)
         engine.start()
-        _engine = engine
+        _engine, _config = engine, cfg
         # Move every object alive now (torch's, the model's) out of the cyclic GC's reach: a
         # full collection walks them all and paused the engine ~100 ms every few thousand
         # operations (measured: 100 async allreduces took 8-100 ms before, 3-6 ms after).
@@ -108,9 +122,9 @@ def _check_ranks(ps: ProcessSet, size: int) -> None:
 
 def shutdown() -> None:
     """Stop the engine (telling the other ranks); collectives fail afterwards until init()."""
-    global _engine
+    global _engine, _config
     with _lock:
-        engine, _engine = _engine, None
+        engine, _engine, _config = _engine, None, None
     if engine is None:
         return
     engine.shutdown()
@@ -124,10 +138,18 @@ def engine() -> Engine:
     """The running engine; NotInitializedError if init() was not called."""
     current = _engine
     if current is None:
-        raise NotInitializedError(
-            "commlayer has not been initialized; call commlayer.init() first (or it was shut down)"
-        )
+        raise NotInitializedError(_NOT_INITIALIZED)
     return current
+
+
+def config() -> Config:
+    """The Config that init() resolved (environment and init() arguments), with the settings
+    of any active ``config.override()`` block (tests) on top; NotInitializedError before."""
+    current = _config
+    if current is None:
+        raise NotInitializedError(_NOT_INITIALIZED)
+    layer = config_module.overrides()
+    return dataclasses.replace(current, **layer) if layer else current
 
 
 def communication_stats() -> dict[str, float]:
@@ -205,6 +227,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 __all__ = [
     "init",
     "shutdown",
+    "config",
     "rank",
     "size",
     "local_rank",

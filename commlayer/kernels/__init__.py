@@ -1,7 +1,8 @@
 """Kernels: the local work of the sparse allreduce and of the compressors.
 
 Every kernel has a torch reference (reference.py: the ground truth of the tests) and, where
-it pays, faster implementations picked per call by ``COMMLAYER_KERNELS``:
+it pays, faster implementations picked per call by ``COMMLAYER_KERNELS`` (resolved once by
+``init()``, which hands it down with ``use()``; a call may name one with ``choice=``):
 
 | setting | CPU tensors | CUDA tensors |
 | --- | --- | --- |
@@ -29,6 +30,7 @@ from types import ModuleType
 
 import torch
 
+from commlayer import config
 from commlayer.kernels import reference
 from commlayer.kernels.reference import densify, index_dtype, sparsify, topk
 
@@ -36,6 +38,7 @@ __all__ = [
     "CHOICES",
     "available",
     "configured",
+    "cuda_ptx_dir",
     "decode_signs",
     "densify",
     "implementation",
@@ -48,6 +51,7 @@ __all__ = [
     "sparsify",
     "threshold_select",
     "topk",
+    "use",
 ]
 
 CHOICES = ("auto", "cupy", "numba", "torch")
@@ -57,6 +61,8 @@ _MODULES = {
     ("cupy", True): "commlayer.kernels.cupy_cuda",
 }
 TORCH_FASTER_ON_CPU: frozenset[str] = frozenset()
+_choice = "auto"  # set once by use(): init() hands down its Config's kernels
+_cuda_ptx_dir = ""
 
 
 @functools.cache
@@ -77,15 +83,29 @@ def available() -> dict[str, bool]:
     }
 
 
-def configured() -> str:
-    """COMMLAYER_KERNELS."""
-    from commlayer import config  # here: config imports the algorithms, which import us
+def use(choice: str, cuda_ptx_dir: str = "") -> None:
+    """Set this process's implementation (``init()`` hands down its resolved COMMLAYER_KERNELS
+    and COMMLAYER_CUDA_PTX_DIR; the kernels never read the environment). Before any call:
+    ``auto``."""
+    global _choice, _cuda_ptx_dir
+    if choice not in CHOICES:
+        raise ValueError(f"kernel implementation {choice!r}; allowed: {', '.join(CHOICES)}")
+    _choice, _cuda_ptx_dir = choice, cuda_ptx_dir
 
-    return str(config.load().kernels)
+
+def configured() -> str:
+    """The implementation set by ``use()`` (``auto`` before), or the one an active
+    ``config.override(kernels=...)`` block names (tests)."""
+    return str(config.overrides().get("kernels", _choice))
+
+
+def cuda_ptx_dir() -> str:
+    """Folder of a prebuilt sparse_kernels.ptx set by ``use()`` ("" : none given)."""
+    return _cuda_ptx_dir
 
 
 def implementation(kernel: str, tensor: torch.Tensor, choice: str | None = None) -> ModuleType:
-    """The module whose ``kernel`` runs on ``tensor``: ``choice`` (default COMMLAYER_KERNELS)
+    """The module whose ``kernel`` runs on ``tensor``: ``choice`` (default ``configured()``)
     resolved as in the table above."""
     choice = choice or configured()
     if choice not in CHOICES:

@@ -1,0 +1,43 @@
+"""Registries: the names each setting may take, collected from the modules that own them.
+
+config.py checks a setting that names an algorithm, a sparse algorithm, a kernel
+implementation, a compressor, a topology or the malloc tuning against the :class:`Validator`
+given here, and imports none of those modules (they sit above it). ``REGISTRIES`` goes to
+``config.load(registries=...)`` from ``init()``, the launcher and the CLI; commlayer.runtime also
+installs it as config's default, for ``config.load()`` and ``config.override()`` called bare.
+Names are asked for at each check, so an algorithm or compressor registered later is accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from commlayer import algorithms, compression, kernels, malloc
+from commlayer.algorithms import sparse, topology
+from commlayer.config import Registries, Validator, one_of
+
+
+def _names(choices: Callable[[], Sequence[str]]) -> Validator:
+    """One of ``choices()``, case and surrounding spaces ignored."""
+    return Validator(one_of(choices), lambda: f"one of {', '.join(choices())}")
+
+
+def _topology(text: str) -> str:
+    text = text.strip()
+    if text:
+        topology.parse(text)  # ValueError on a bad part
+    return text
+
+
+# One per config.REGISTERED_FIELDS (tests/unit/test_config_consumers.py checks the two agree).
+REGISTRIES: Registries = {
+    "allreduce_algorithm": _names(algorithms.available),
+    "sparse_algorithm": _names(sparse.available),
+    "kernels": _names(lambda: kernels.CHOICES),
+    "compression": Validator(compression.check_spec, lambda: compression.SPEC_HELP),
+    "topology": Validator(
+        _topology,
+        lambda: "comma-separated nodes=N, local=L, torus=RxC (e.g. nodes=2,local=2)",
+    ),
+    "malloc_tuning": _names(lambda: malloc.CHOICES),
+}
