@@ -8,20 +8,13 @@ The constraints it answers, and how:
 2. User threads must never block on communication until they call ``synchronize``. -> ``submit``
    only enqueues and returns a Future; one engine thread makes every backend call (MPI thread
    level SERIALIZED would suffice).
-3. Many small tensors waste latency, one huge buffer delays the start. -> Ready allreduces of one
-   dtype and op are fused into buckets of at most ``fusion_threshold_bytes`` (fusion.py). A rank
-   with new work starts a cycle at once, so tensors that arrive while a collective runs are
-   batched into the next one: no fixed wait for company. Gradients from DistributedOptimizer's
-   hooks are the exception (``Operation.hold``): on a machine whose cores also run backward,
-   every negotiation and collective is a meeting of all ranks' engine threads, and a small
-   model's 50 gradients made 50 of each per step (ResNet of benchmarks/train.py: 48 ms of
-   engine CPU per 650 ms step, against 6 ms for DDP's gloo threads). So held operations wait,
-   as DDP's buckets do, until ``min_bucket_bytes`` of them are queued, an operation that is not
-   held arrives, a user thread waits on or polls one of them, their owner calls
-   ``release_held`` (DistributedOptimizer at the step's last gradient), the rank shuts down or
-   joins, or the oldest has waited ``_HOLD_LIMIT_S``. That is DistributedOptimizer's first
-   step and its compressed gradients; from the second step it sends uncompressed gradients in
-   fixed buckets, each one grouped operation (optimizer.py), which needs no holding.
+3. Many small tensors waste latency, one huge buffer delays the start. -> The caller batches:
+   DistributedOptimizer's bucketer (optimizer.py, the one batching policy) hands whole buckets
+   as grouped operations, and ``submit_all`` queues operations given together with one wake-up,
+   so they are negotiated in one cycle. The engine executes what it is given at once, with no
+   wait for company: ready allreduces of one dtype and op are fused into buffers of at most
+   ``fusion_threshold_bytes`` (fusion.py), and tensors that arrive while a collective runs go
+   in the next cycle.
 4. On a small or oversubscribed machine a busy-polling progress loop halves training throughput
    (shared/ANCHORS.md: Horovod 0.55x DDP busy-polling, 1.35x yielding). -> The engine waits on
    collectives with Test + sched_yield (a yield keeps MPI progressing at full speed: 1 MiB
@@ -99,7 +92,6 @@ _CONTROL_SPIN_S = 50e-6  # yield-spin this long on a negotiation before sleeping
 _CONTROL_MAX_SLEEP_S = 250e-6  # bounds the extra latency when a peer posts late
 _PASSIVE_SPIN_S = 200e-6  # a passive wait on a collective yield-spins this long, then sleeps
 _PEER_CHECK_S = 1.0
-_HOLD_LIMIT_S = 0.1  # longest a held operation waits for company when no one waits on it
 
 
 @dataclasses.dataclass
@@ -117,7 +109,9 @@ class Operation:
     remaining: int = 0
     t_submit: float = 0.0
     t_negotiate: float = 0.0
-    hold: bool = False  # may wait for company: see constraint 3 in the module docstring
+
+    def __post_init__(self) -> None:
+        self.handle.name = self.announce.name
 
     @property
     def name(self) -> str:
@@ -159,8 +153,6 @@ class Engine:
         self._next_set_id = 0
         self._cv = threading.Condition()
         self._incoming: list[Operation] = []
-        self._held_bytes = 0  # of the held operations in _incoming
-        self._released = False  # _incoming goes to the next cycle, held operations included
         self._inflight: set[tuple[int, str]] = set()
         topo = _topology(config, backend)
         self._allreduce = Allreducer(
@@ -200,34 +192,30 @@ class Engine:
         return self._allreduce.topology(self._sets[set_id].backend)
 
     def submit(self, op: Operation) -> Future:
-        """Enqueue an operation; returns at once. Raises if the name is already in flight."""
-        op.handle = Future(op.name)
-        op.t_submit = time.perf_counter()
-        key = (op.process_set_id, op.name)
-        with self._cv:
-            self._raise_if_stopped(op.name)
-            if key in self._inflight:
-                raise DuplicateNameError(
-                    f"rank {self.rank}: an operation named {op.name!r} is already in flight; "
-                    "names must be unique among outstanding operations"
-                )
-            self._inflight.add(key)
-            self._incoming.append(op)
-            if op.hold and not self._released:
-                op.handle._release = self.release_held
-                self._held_bytes += sum(t.numel() * t.element_size() for t in op.inputs)
-                if self._held_bytes < self.config.min_bucket_bytes:
-                    return op.handle  # no wake-up: the engine's wait times out at the limit
-            self._released = True
-            self._cv.notify()
+        """Enqueue an operation; returns its future at once (``submit_all`` for several)."""
+        self.submit_all([op])
         return op.handle
 
-    def release_held(self) -> None:
-        """Send what is held now: no more company is coming (or someone needs it)."""
+    def submit_all(self, ops: Sequence[Operation]) -> None:
+        """Enqueue operations together: one wake-up of the engine thread, so operations given
+        together are negotiated together; returns at once. All or none: raises, queuing
+        nothing, if the engine stopped or a name is already in flight (or given twice)."""
+        now = time.perf_counter()
         with self._cv:
-            if not self._released:
-                self._released = True
-                self._cv.notify()
+            for op in ops:
+                self._raise_if_stopped(op.name)
+            keys = [(op.process_set_id, op.name) for op in ops]
+            for key, op in zip(keys, ops):
+                if key in self._inflight or keys.count(key) > 1:
+                    raise DuplicateNameError(
+                        f"rank {self.rank}: an operation named {op.name!r} is already in "
+                        "flight; names must be unique among outstanding operations"
+                    )
+            for key, op in zip(keys, ops):
+                op.t_submit = now
+                self._inflight.add(key)
+                self._incoming.append(op)
+            self._cv.notify()
 
     def join(self) -> Future:
         with self._cv:
@@ -327,52 +315,27 @@ class Engine:
         with self._cv:
             pending = any(s.negotiator.has_work() for s in self._member_sets())
             stopping = self._global.negotiator.shutting_down
-            hold_s = math.inf
-            if self._incoming and not self._released:
-                hold_s = self._incoming[0].t_submit + _HOLD_LIMIT_S - time.perf_counter()
-                # a joined rank's peers wait for it in every collective: hold nothing
-                self._released = hold_s <= 0 or stopping or self._global.negotiator.joined
-            urgent = (self._incoming and self._released) or stopping
+            urgent = self._incoming or stopping
             if self._progress:
                 self._backoff_s = _MIN_BACKOFF_S
             if urgent or (pending and self._progress):
                 return
             if not pending:
                 check_s = self._next_peer_check - time.time()
-                self._cv.wait(max(0.0, min(self.config.idle_cycle_time_ms / 1e3, hold_s, check_s)))
+                self._cv.wait(max(0.0, min(self.config.idle_cycle_time_ms / 1e3, check_s)))
                 return
             # Pending but the last cycle made no progress: peers are behind. Back off so ranks
             # that all wait on each other do not spin cycles; new local work wakes us at once.
-            self._cv.wait(min(self._backoff_s, hold_s))
+            self._cv.wait(self._backoff_s)
             self._backoff_s = min(self._backoff_s * 2, self.config.cycle_time_ms / 1e3)
 
     def _member_sets(self) -> list[_SetState]:
         return [s for _, s in sorted(self._sets.items()) if s.negotiator is not None]
 
-    def _settle_burst(self) -> None:
-        """When a burst is arriving (2+ operations queued), wait until it stops growing, at most
-        one cycle time: negotiating while the submitting thread still runs makes both fight for
-        the GIL (100 async allreduces: 4 ms ping-ponging vs ~1.5 ms batched). A lone operation
-        goes at once."""
-        deadline = time.perf_counter() + self.config.cycle_time_ms / 1e3
-        queued = len(self._incoming)
-        while queued >= 2 and time.perf_counter() < deadline:
-            time.sleep(_MIN_BACKOFF_S)
-            now_queued = len(self._incoming)
-            if now_queued == queued:
-                return
-            queued = now_queued
-
     def _cycle_all(self) -> bool:
         """One negotiation cycle on every process set this rank belongs to; True to stop."""
-        incoming: list[Operation] = []
-        if self._released:
-            self._settle_burst()
-            with self._cv:
-                incoming, self._incoming = self._incoming, []
-                self._released, self._held_bytes = False, 0
-                for op in incoming:
-                    op.handle._release = None
+        with self._cv:
+            incoming, self._incoming = self._incoming, []
         now = time.perf_counter()
         for op in incoming:
             op.t_negotiate = now

@@ -10,7 +10,6 @@ Every ``*_async`` call returns one. It answers ``wait()``, ``value()``, ``done()
    (``TensorMismatchError``, ``RankDiedError``...) are caught by type in user code.
 2. Creation is cheap (a held lock is the latch: 0.1 us, against ~2 us for a torch Future),
    which counts at 100s of operations per step.
-3. Waiting on or polling an operation the engine holds for company sends it at once.
 
 Callbacks run on the thread that completes the future: the engine's thread for an operation
 (or the caller's, if it was already done). They must be short and must not wait on another
@@ -52,7 +51,7 @@ def mark_engine_thread(ident: int | None, running: bool) -> None:
 class Future:
     """Result of an asynchronous operation (module docstring)."""
 
-    __slots__ = ("name", "_latch", "_done", "_result", "_error", "_release", "_callbacks")
+    __slots__ = ("name", "_latch", "_done", "_result", "_error", "_callbacks")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
@@ -61,21 +60,16 @@ class Future:
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
-        self._release: Callable[[], None] | None = None  # set while the engine holds the op
         self._callbacks: list[Callable[[Future], None]] | None = None
 
     # -- torch.futures.Future's interface ----------------------------------------------------
     def done(self) -> bool:
         """Whether the operation has completed (with a result or an error)."""
-        if not self._done and self._release is not None:
-            self._release()  # polling a held operation means someone wants it
         return self._done
 
     def wait(self, timeout_s: float | None = None) -> Any:
         """Block until done; return the result or raise the operation's error."""
         if not self._done:
-            if self._release is not None:
-                self._release()
             if _thread.get_ident() in _engine_threads:
                 raise RuntimeError(
                     f"operation {self.name!r} waited on from a callback the engine runs: it "

@@ -50,19 +50,39 @@ SUPPORTED_DTYPES = (
 
 _counters: dict[tuple[str, int], itertools.count[int]] = {}
 _counter_lock = threading.Lock()
-_held = contextvars.ContextVar("commlayer_held", default=False)
+_batch: contextvars.ContextVar[list[Operation] | None] = contextvars.ContextVar(
+    "commlayer_batch", default=None
+)
 
 
 @contextlib.contextmanager
-def held() -> Iterator[None]:
-    """Operations submitted in this block may wait in the engine for company until
-    ``min_bucket_bytes`` of them are queued or someone waits on one (engine.py, constraint 3):
-    for DistributedOptimizer's gradient hooks, where nobody needs a result before step()."""
-    token = _held.set(True)
+def batch() -> Iterator[None]:
+    """Operations started in this block are handed to the engine together when it ends (one
+    wake-up, negotiated in one cycle) instead of one by one: the caller batches, the engine
+    does not wait for company (engine.py, constraint 3). Do not wait on them inside the block:
+    they are not submitted yet. A nested block joins the outer one."""
+    if _batch.get() is not None:
+        yield
+        return
+    pending: list[Operation] = []
+    token = _batch.set(pending)
     try:
         yield
     finally:
-        _held.reset(token)
+        _batch.reset(token)
+        if pending:
+            _submit_all(pending)
+
+
+def _submit_all(operations: list[Operation]) -> None:
+    """Queue ``operations``, all or none: if they cannot be (a duplicate name, a stopped
+    engine), each future fails with the error the caller gets."""
+    try:
+        runtime.engine().submit_all(operations)
+    except Exception as exc:
+        for op in operations:
+            op.handle.set_exception(exc)
+        raise
 
 
 def _input_error(message: str) -> ValueError:
@@ -166,9 +186,12 @@ def _submit(
         float(prescale),
         float(postscale),
         finish,
-        hold=_held.get(),
     )
-    return engine.submit(operation)
+    pending = _batch.get()
+    if pending is None:
+        return engine.submit(operation)
+    pending.append(operation)
+    return operation.handle
 
 
 def _in_place(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[Any], Any]]:
@@ -552,7 +575,8 @@ def _grouped(
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise _input_error(f"grouped_{kind} needs a non-empty list of tensors, got {tensors!r}")
     base = _auto_name(f"grouped_{kind}", name, _set_id(process_set))
-    handles = [start(tensor, f"{base}.{i}") for i, tensor in enumerate(tensors)]
+    with batch():
+        handles = [start(tensor, f"{base}.{i}") for i, tensor in enumerate(tensors)]
     return _combined(base, handles, list)
 
 

@@ -1,17 +1,18 @@
 """DistributedOptimizer: wrap any torch.optim optimizer so gradients are averaged across ranks.
 
-1. A hook per parameter (``register_post_accumulate_grad_hook``) submits the gradient to the
-   engine the moment backward has finished accumulating it, so communication of the last layers
-   overlaps the backward pass of the first ones. The engine fuses what arrives together, and
-   holds these gradients until ``min_bucket_bytes`` (COMMLAYER_MIN_BUCKET_BYTES, 1 MiB) of them
-   are queued, the step's last one arrives or step() needs them (engine.py, constraint 3), so
-   a model of many small tensors does not pay one negotiation and one collective per tensor.
-   From the second step on, gradients without compression travel in fixed buckets, as DDP's
-   do: the first complete step records the order in which backward made them ready, rank 0's
-   order is broadcast, and each bucket (``min_bucket_bytes`` of gradients of one dtype, in that
-   order) is one grouped allreduce, submitted when its last gradient is ready. A hook is then a
-   counter: on the ResNet of benchmarks/train.py the 47 per-gradient submissions cost ~110 us
-   each during backward (12 us alone: backward leaves Python's caches cold), 5 ms a step.
+1. A hook per parameter (``register_post_accumulate_grad_hook``) counts the gradient ready the
+   moment backward has finished accumulating it, so communication of the last layers overlaps
+   the backward pass of the first ones. The bucketer here is commlayer's one batching policy
+   (the engine executes what it is given, engine.py constraint 3): in the first step, ready
+   gradients wait until ``min_bucket_bytes`` (COMMLAYER_MIN_BUCKET_BYTES, 1 MiB) of them are
+   ready or the step's last one is, then go together (``ops.batch``: negotiated and fused in
+   one cycle). That step records the order in which backward made them ready; at its end rank
+   0's order is broadcast, and from then on gradients travel in fixed buckets, as DDP's do:
+   ``min_bucket_bytes`` of gradients of one dtype and one compressor, in that order, reduced
+   together by the compression communicator as soon as the bucket's last gradient is ready. A
+   hook is then a counter: on the ResNet of benchmarks/train.py the 47 per-gradient
+   submissions cost ~110 us each during backward (12 us alone: backward leaves Python's caches
+   cold), 5 ms a step. Sparse gradients and parameters added later go one by one.
 2. ``step()`` waits only for what is still in flight (``synchronize``), then runs the wrapped
    optimizer's own step. Reading ``param_groups`` while reductions are in flight synchronizes
    first, so ``torch.amp.GradScaler`` (whose ``unscale_`` and inf check read every gradient
@@ -21,12 +22,12 @@
    gradient another rank never produces.
 3. ``backward_passes_per_step=k`` accumulates k backward passes locally and reduces once.
 4. Compression (``compression=``: a compressor, a spec such as ``"topk:ratio=0.01"``, a
-   ``compression.Policy``, or None for ``COMMLAYER_COMPRESSION``): the policy picks a
-   compressor per gradient. Summable payloads are allreduced in place (a multi-round compressor,
-   PowerSGD, submits its next round from ``synchronize`` as each round completes, named
-   ``<name>.round<k>``); the others are packed into one byte record and allgathered under the
-   gradient's name, and every rank's record is decoded and summed (``compression.wire``). The
-   compressors' state (error-feedback residuals) travels in ``state_dict()``.
+   ``compression.Policy``, or None for the ``compression`` init() resolved, default
+   COMMLAYER_COMPRESSION): the policy picks a compressor per gradient, and how its payload
+   travels is the communicator's business (compression/communicator.py: allreduce for
+   summable payloads, PowerSGD's rounds chained as they complete, one gathered record for the
+   others, or the configured sparse algorithm for top-k). The compressors' state
+   (error-feedback residuals, keyed by gradient name) travels in ``state_dict()``.
 5. The wrapper is a dynamic subclass of the optimizer's own class that shares the original
    object's state, so ``isinstance``, ``param_groups``, ``state_dict``, ``add_param_group``, LR
    schedulers, step hooks and custom subclasses keep working; LBFGS is refused (its closure
@@ -36,7 +37,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -44,44 +44,36 @@ from typing import Any
 
 import torch
 
-from commlayer import config as config_module
 from commlayer import ops, runtime
-from commlayer.algorithms.sparse.through_engine import SparseReduction, engine_algorithm
-from commlayer.compression import Compressed, Compressor, Policy, wire
-from commlayer.engine import Handle
-from commlayer.errors import CommlayerError, PayloadError, TensorMismatchError
+from commlayer.compression import Compressor, Policy, create
+from commlayer.compression.communicator import Communicator, EngineTransport
+from commlayer.errors import CommlayerError, TensorMismatchError
+from commlayer.future import Future
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import ReduceOp
 
-_SPARSE = object()  # marks a handle whose result is gathered sparse rows
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A compressed gradient in flight: who compressed it, the current round's payload."""
-
-    compressor: Compressor
-    compressed: Compressed
-    round: int = 1
 
 
 class _Bucket:
     """Gradients reduced as one grouped allreduce once the last of them is ready."""
 
-    __slots__ = ("params", "name", "ready", "handle")
+    __slots__ = ("params", "name", "compressor", "ready", "handle")
 
-    def __init__(self, params: list[torch.nn.Parameter], name: str) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], name: str, compressor: Compressor) -> None:
         self.params = params
         self.name = name
+        self.compressor = compressor  # the policy's choice for every member
         self.ready = 0  # parameters whose gradient is final this step
-        self.handle: Handle | None = None  # while its allreduce is in flight
+        self.handle: Future | None = None  # while its reduction is in flight
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the dynamic subclass (see ``DistributedOptimizer``)."""
 
-    _cl_handles: dict[torch.nn.Parameter, tuple[Handle, torch.Tensor, Any]]
+    # In flight since the last synchronize: a parameter's future, and whether its gradient
+    # is sparse (rows to sum into p.grad); dense ones are reduced in p.grad itself.
+    _cl_handles: dict[torch.nn.Parameter, tuple[Future, bool]]
 
     def _cl_setup(
         self,
@@ -107,7 +99,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         self._cl_names = _parameter_names(params, self._cl_named)
         self._cl_policy = _checked_policy(compression, op, self._cl_names, self._cl_named)
-        self._cl_sparse_algorithm = config_module.load().sparse_algorithm
+        self._cl_comm = Communicator(
+            EngineTransport(process_set, runtime.config().sparse_algorithm),
+            op,
+            gradient_predivide_factor,
+            what="gradient",
+        )
         self._cl_passes_per_step = backward_passes_per_step
         self._cl_op = op
         self._cl_predivide = gradient_predivide_factor
@@ -116,13 +113,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cl_handles = {}
         self._cl_passes: dict[torch.nn.Parameter, int] = {}
         self._cl_ready = 0  # parameters whose gradient is final since the last synchronize
+        self._cl_bucket_bytes = runtime.config().min_bucket_bytes
         self._cl_buckets: list[_Bucket] = []
         self._cl_bucket_of: dict[torch.nn.Parameter, _Bucket] = {}
-        # Ready order of this step's gradients, recorded until the buckets are planned; None
-        # where gradients go one by one for good (compression picks per gradient).
-        self._cl_order: list[torch.nn.Parameter] | None = (
-            [] if _uncompressed(self._cl_policy) else None
-        )
+        # Gradients ready but not in a bucket (the first step, sparse ones, parameters added
+        # later), sent together once they hold min_bucket_bytes, or at the step's last one.
+        self._cl_unsent: list[torch.nn.Parameter] = []
+        self._cl_unsent_bytes = 0
+        # Ready order of this step's gradients, recorded until the buckets are planned.
+        self._cl_order: list[torch.nn.Parameter] | None = []
         # sparse_dim of parameters seen with a sparse gradient: when such a parameter has no
         # gradient on this rank, it joins the others' allgather with zero rows.
         self._cl_sparse_dims: dict[torch.nn.Parameter, int] = {}
@@ -164,12 +163,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             if self._cl_order is not None:
                 self._cl_order.append(p)
-            with ops.held():  # nobody needs it before step(): may wait for a fuller bucket
-                self._cl_submit(p)
+            self._cl_unsent.append(p)
+            self._cl_unsent_bytes += p.numel() * p.element_size()
+            if self._cl_unsent_bytes >= self._cl_bucket_bytes:
+                self._cl_send_unsent()
         if self._cl_ready == len(self._cl_hooks):
-            # the step's last gradient: no company is coming, send the bucket now rather
-            # than at step() (one negotiation round later, ~5% of an MLP step at 4 ranks)
-            runtime.engine().release_held()
+            # the step's last gradient: no company is coming, send now rather than at
+            # step() (one negotiation round later, ~5% of an MLP step at 4 ranks)
+            self._cl_send_unsent()
+
+    def _cl_send_unsent(self) -> None:
+        """Submit the gradients waiting outside buckets, together (the engine negotiates and
+        fuses what arrives together), instead of one collective per small gradient."""
+        unsent, self._cl_unsent, self._cl_unsent_bytes = self._cl_unsent, [], 0
+        with ops.batch():
+            for p in unsent:
+                self._cl_submit(p)
 
     def _cl_submit(self, p: torch.nn.Parameter) -> None:
         grad = p.grad
@@ -177,53 +186,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grad = p.grad = self._cl_empty_grad(p)
         if grad.is_sparse:
             if not self._cl_sparse_as_dense:
-                self._cl_handles[p] = self._cl_sparse_submit(p, grad)
+                self._cl_handles[p] = (self._cl_sparse_submit(p, grad), True)
                 return
             grad = p.grad = grad.to_dense()
         name = self._cl_names[p]
         compressor = self._cl_policy.choose(name.removeprefix("grad."), grad)
-        pending = _Pending(compressor, compressor.compress(grad, name))
-        self._cl_handles[p] = self._cl_send(name, pending)
-
-    def _cl_send(self, name: str, pending: _Pending) -> tuple[Handle, torch.Tensor, Any]:
-        """Submit the current round's payload: allreduced in place if summable, else packed
-        and allgathered."""
-        payload = pending.compressed.payload
-        if not pending.compressor.summable:
-            reduction = self._cl_sparse_reduction(name, pending)
-            if reduction is not None:
-                return reduction.handle, payload[0], reduction
-            handle = ops.allgather_async(
-                wire.pack(payload), name=name, process_set=self._cl_process_set
-            )
-            return handle, payload[0], pending
-        if len(payload) != 1:
-            raise ValueError(
-                f"summable compressor {pending.compressor.name!r} returned {len(payload)} "
-                f"payload tensors for {name!r}; a summable payload is one tensor"
-            )
-        op, prescale, postscale = self._cl_scaling(payload[0].dtype)
-        handle = ops.allreduce_async_(
-            payload[0],
-            name=name if pending.round == 1 else f"{name}.round{pending.round}",
-            op=op,
-            prescale_factor=prescale,
-            postscale_factor=postscale,
-            process_set=self._cl_process_set,
-        )
-        return handle, payload[0], pending
-
-    def _cl_scaling(self, dtype: torch.dtype) -> tuple[ReduceOp, float, float]:
-        """(op, prescale, postscale) of a summable payload of ``dtype``."""
-        if self._cl_op == ReduceOp.Average and dtype == torch.float16:
-            # Divide before summing: n float16 gradients can overflow 65504 when summed.
-            return ReduceOp.Sum, 1.0 / self._cl_process_set.size(), 1.0
-        if self._cl_op == ReduceOp.Average:
-            return self._cl_op, 1.0 / self._cl_predivide, self._cl_predivide
-        return self._cl_op, 1.0, 1.0
+        self._cl_handles[p] = (self._cl_comm.reduce([grad], compressor, name), False)
 
     def _cl_send_bucket(self, bucket: _Bucket) -> None:
-        """One grouped in-place allreduce of the bucket's gradients. At synchronize a member
+        """The bucket's gradients reduced together (the communicator: one grouped allreduce
+        uncompressed, one collective a round compressed), in place. At synchronize a member
         whose gradient backward did not produce contributes its ``grad`` (``_cl_empty_grad``
         if None, as ``_cl_submit`` does: zeros, a bucketed gradient is never known-sparse), or,
         if it no longer requires grad, zeros that go nowhere: every rank sends the same
@@ -238,33 +210,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             elif grad.is_sparse:  # sparse now, dense in the recorded step: reduce it dense
                 grad = p.grad = grad.to_dense()
             grads.append(grad)
-        op, prescale, postscale = self._cl_scaling(grads[0].dtype)
-        bucket.handle = ops.grouped_allreduce_async_(
-            grads,
-            name=bucket.name,
-            op=op,
-            prescale_factor=prescale,
-            postscale_factor=postscale,
-            process_set=self._cl_process_set,
-        )
-
-    def _cl_sparse_reduction(self, name: str, pending: _Pending) -> SparseReduction | None:
-        """Top-k payloads under a sparse algorithm (COMMLAYER_SPARSE_ALGORITHM other than
-        allgather) reduce sparse through the engine (algorithms/sparse/through_engine.py)."""
-        configured = self._cl_sparse_algorithm
-        if configured == "allgather" or pending.compressor.name != "topk":
-            return None
-        values, indices = pending.compressed.payload
-        shape = pending.compressed.ctx[0]
-        size = self._cl_process_set.size()
-        algorithm = engine_algorithm(configured, size, shape.numel(), values.numel())
-        if algorithm == "allgather":
-            return None
-        ps, op = self._cl_process_set, self._cl_op
-        # sink: gtopk's dropped entries go to the compressor's error feedback
-        return SparseReduction(
-            name, values, indices, shape, algorithm, ps, op, sink=pending.compressor
-        )
+        names = [self._cl_names[p] for p in bucket.params]
+        bucket.handle = self._cl_comm.reduce(grads, bucket.compressor, bucket.name, names)
 
     def _cl_empty_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """What a rank without a gradient for ``p`` contributes: no rows of a known-sparse
@@ -276,9 +223,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         values = torch.empty((0, *p.shape[sparse_dim:]), dtype=p.dtype)
         return torch.sparse_coo_tensor(indices, values, p.shape)
 
-    def _cl_sparse_submit(
-        self, p: torch.nn.Parameter, grad: torch.Tensor
-    ) -> tuple[Handle, torch.Tensor, Any]:
+    def _cl_sparse_submit(self, p: torch.nn.Parameter, grad: torch.Tensor) -> Future:
         """Sparse gradients: one allgather of every rank's rows (index, value) packed as bytes;
         the sum of the gathered sparse tensor reduces duplicates. One operation with the
         parameter's own name: a rank that has no gradient and has never seen this parameter's
@@ -289,47 +234,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         nnz = grad.values().shape[0]
         index_rows = _byte_rows(grad.indices().t(), nnz)
         rows = torch.cat([index_rows, _byte_rows(grad.values(), nnz)], dim=1)
-        handle = ops.allgather_async(rows, name=self._cl_names[p], process_set=self._cl_process_set)
-        return handle, grad, _SPARSE
+        return ops.allgather_async(rows, name=self._cl_names[p], process_set=self._cl_process_set)
 
     # -- step side ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for every gradient's reduction and write the results into ``p.grad``."""
+        self._cl_send_unsent()
         late = []  # gradients backward did not produce: submitted now, zeros if None
-        for group in self.__dict__["param_groups"]:  # not the property: it synchronizes
-            for p in group["params"]:
-                if p.requires_grad and p not in self._cl_handles and p not in self._cl_bucket_of:
-                    self._cl_submit(p)
-                    late.append(p)
-        for bucket in self._cl_buckets:
-            # A bucket of parameters that all stopped requiring grad stays home, as a frozen
-            # parameter does on the path one by one.
-            if bucket.handle is None and any(p.requires_grad for p in bucket.params):
-                self._cl_send_bucket(bucket)
+        with ops.batch():
+            for group in self.__dict__["param_groups"]:  # not the property: it synchronizes
+                for p in group["params"]:
+                    if (
+                        p.requires_grad
+                        and p not in self._cl_handles
+                        and p not in self._cl_bucket_of
+                    ):
+                        self._cl_submit(p)
+                        late.append(p)
+            for bucket in self._cl_buckets:
+                # A bucket of parameters that all stopped requiring grad stays home, as a
+                # frozen parameter does on the path one by one.
+                if bucket.handle is None and any(p.requires_grad for p in bucket.params):
+                    self._cl_send_bucket(bucket)
         start = time.perf_counter()
         failure = self._cl_wait_buckets()
-        # Every handle is waited for even after one failed, so that none is left in flight
+        # Every future is waited for even after one failed, so that none is left in flight
         # (its name would be a duplicate at the next step) and the error is raised once.
-        # A multi-round compressor's next round is submitted as its previous one completes.
-        handles = self._cl_handles
-        while handles:
-            next_rounds = {}
-            for p, (handle, _, extra) in handles.items():
-                try:
-                    result = ops.synchronize(handle)
-                    if extra is _SPARSE:
-                        p.grad = self._cl_sparse_result(p, result)
-                    elif isinstance(extra, SparseReduction):
-                        if (gather := extra.advance(result)) is not None:
-                            next_rounds[p] = (gather, handles[p][1], extra)
-                        else:
-                            assert p.grad is not None and extra.value is not None
-                            p.grad.copy_(extra.value)
-                    elif (following := self._cl_finish(p, result, extra)) is not None:
-                        next_rounds[p] = following
-                except CommlayerError as exc:
-                    failure = failure or _with_hint(exc, self._cl_names[p])
-            handles = next_rounds
+        for p, (future, sparse) in self._cl_handles.items():
+            try:
+                result = future.wait()
+                if sparse:
+                    p.grad = self._cl_sparse_result(p, result)
+            except CommlayerError as exc:
+                failure = failure or _with_hint(exc, self._cl_names[p])
         self.synchronize_wait_s += time.perf_counter() - start
         self._cl_handles.clear()
         self._cl_passes.clear()
@@ -352,7 +289,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if handle is None:
                 continue
             try:
-                ops.synchronize(handle)
+                handle.wait()
             except CommlayerError as exc:
                 failure = failure or exc
         return failure
@@ -375,53 +312,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             process_set=self._cl_process_set,
         )
         by_name = {name: p for p, name in self._cl_names.items()}
-        bucket_bytes = runtime.engine().config.min_bucket_bytes
+        compressor_of = {
+            p: self._cl_policy.choose(name.removeprefix("grad."), p)
+            for p, name in self._cl_names.items()
+        }
         for part in (names[:split], names[split:]):
             members = [by_name[name] for name in part]
-            for params in _bucket_plan(members, bucket_bytes):
+            for params in _bucket_plan(members, self._cl_bucket_bytes, compressor_of):
                 first, last = (
                     self._cl_names[p].removeprefix("grad.") for p in (params[0], params[-1])
                 )
-                self._cl_buckets.append(_Bucket(params, f"grad.bucket[{first}..{last}]"))
+                name = f"grad.bucket[{first}..{last}]"
+                self._cl_buckets.append(_Bucket(params, name, compressor_of[params[0]]))
         self._cl_bucket_of = {p: b for b in self._cl_buckets for p in b.params}
-
-    def _cl_finish(
-        self, p: torch.nn.Parameter, result: Any, pending: _Pending
-    ) -> tuple[Handle, torch.Tensor, Any] | None:
-        """Decode a completed round into ``p.grad``, or submit the next round."""
-        name, compressor = self._cl_names[p], pending.compressor
-        if not pending.compressed.final:
-            following = compressor.next_round(pending.compressed, name)  # type: ignore[attr-defined]
-            pending.compressed, pending.round = following, pending.round + 1
-            return self._cl_send(name, pending)
-        try:
-            if compressor.summable:
-                value = compressor.decompress(pending.compressed)
-            else:
-                value = self._cl_gathered_sum(result, pending)
-        except PayloadError as exc:
-            rank = runtime.rank()
-            raise PayloadError(f"rank {rank}: gradient {name!r}: malformed {exc}") from None
-        if value is not p.grad:
-            assert p.grad is not None
-            p.grad.copy_(value)
-        return None
-
-    def _cl_gathered_sum(self, gathered: torch.Tensor, pending: _Pending) -> torch.Tensor:
-        """Decode every rank's record and sum (Average: over the ranks that sent one, so
-        ranks that joined do not count, as in the engine's allreduce)."""
-        local = pending.compressed
-        records = wire.split(gathered, [t.dtype for t in local.payload])
-        total: torch.Tensor | None = None
-        for source, payload in enumerate(records):
-            try:
-                part = pending.compressor.decompress(Compressed(payload, local.ctx))
-            except PayloadError as exc:
-                what = pending.compressor.name
-                raise PayloadError(f"{what} payload from rank {source}: {exc}") from None
-            total = part.clone() if total is None else total.add_(part)
-        assert total is not None  # this rank's own record is always there
-        return total.div_(len(records)) if self._cl_op == ReduceOp.Average else total
 
     def _cl_sparse_result(self, p: torch.nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
         """Unpack the gathered (index, value) rows and sum duplicates."""
@@ -514,25 +417,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 _DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]
 
 
-def _uncompressed(policy: Policy) -> bool:
-    """Whether every gradient goes as it is (the only case that travels in buckets)."""
-    return all(c.name == "none" for c in policy.compressors().values())
-
-
 def _bucket_plan(
-    params: list[torch.nn.Parameter], bucket_bytes: int
+    params: list[torch.nn.Parameter],
+    bucket_bytes: int,
+    compressor_of: dict[torch.nn.Parameter, Compressor] | None = None,
 ) -> list[list[torch.nn.Parameter]]:
-    """``params`` in order, per dtype, cut into buckets of at least ``bucket_bytes`` (the last
-    of each dtype may be smaller; 0: one parameter a bucket)."""
+    """``params`` in order, per dtype and compressor, cut into buckets of at least
+    ``bucket_bytes`` (the last of each kind may be smaller; 0: one parameter a bucket)."""
     buckets: list[list[torch.nn.Parameter]] = []
-    filling: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-    filled: dict[torch.dtype, int] = {}
+    filling: dict[tuple[torch.dtype, int], list[torch.nn.Parameter]] = {}
+    filled: dict[tuple[torch.dtype, int], int] = {}
     for p in params:
-        filling.setdefault(p.dtype, []).append(p)
-        filled[p.dtype] = filled.get(p.dtype, 0) + p.numel() * p.element_size()
-        if filled[p.dtype] >= bucket_bytes:
-            buckets.append(filling.pop(p.dtype))
-            del filled[p.dtype]
+        key = (p.dtype, id(compressor_of[p]) if compressor_of else 0)
+        filling.setdefault(key, []).append(p)
+        filled[key] = filled.get(key, 0) + p.numel() * p.element_size()
+        if filled[key] >= bucket_bytes:
+            buckets.append(filling.pop(key))
+            del filled[key]
     return buckets + list(filling.values())
 
 
@@ -606,7 +507,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
     wrapped.__dict__ = optimizer.__dict__  # share param_groups, state, defaults, hooks
     wrapped._cl_setup(
         named_parameters,
-        compression if isinstance(compression, Policy) else Policy(_default(compression)),
+        _policy(compression),
         backward_passes_per_step,
         ReduceOp(op),
         gradient_predivide_factor,
@@ -616,8 +517,16 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
     return wrapped  # type: ignore[no-any-return]
 
 
-def _default(compression: Compressor | str | None) -> Compressor | str:
-    return config_module.load().compression if compression is None else compression
+def _policy(compression: Compressor | str | Policy | None) -> Policy:
+    """The policy for ``compression`` (None: the ``compression`` init() resolved), its
+    compressors told this process's rank (QSGD's rounding noise differs per rank)."""
+    rank = runtime.rank()
+    if not isinstance(compression, Policy):
+        default = runtime.config().compression if compression is None else compression
+        return Policy(default, rank=rank)
+    for compressor in compression.compressors().values():
+        create(compressor, rank=rank)  # binds a compressor made without a rank
+    return compression
 
 
 def _checked_policy(

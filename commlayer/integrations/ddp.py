@@ -16,42 +16,40 @@ The GradBucket contract (torch ``ddp_comm_hooks``): the hook gets a bucket whose
 2. For the first ``dense_iters`` iterations, allreduce the buffer as is: DDP rebuilds its buckets
    after the first iteration, so a residual or a warm start kept for bucket ``i`` before then
    would belong to other parameters.
-3. Summable compressors (none, fp16, bf16, randomk): compress the whole buffer and allreduce
-   the payload. Multi-round ones (PowerSGD) compress each parameter's view of the buffer (they
-   need the matrix shape), concatenate the payloads and allreduce them in one collective per
-   round, the earlier rounds synchronously, the last one asynchronously. Decompress into the
-   buffer.
-4. Gathered compressors (topk, qsgd, efsignsgd, onebit): compress the whole flat buffer,
-   ``all_gather`` each payload tensor, decompress every rank's payload with the local context and
-   sum into the buffer.
+3. Otherwise hand the buffer to commlayer's compression communicator
+   (compression/communicator.py, the one DistributedOptimizer uses), which compresses, moves the
+   payload as the compressor declares (allreduce for summable ones, one gathered record for the
+   others) and decompresses into the buffer. A multi-round compressor (PowerSGD) gets each
+   parameter's view of the buffer (it needs the matrix shapes), all views' payloads in one
+   collective per round.
+4. Return the communicator's future chained to the buffer: no thread, no wait for the last
+   round.
 
 ``algorithm="auto"`` runs every collective over ``torch.distributed`` (gloo on CPU, NCCL on GPU),
 so the hook needs no ``commlayer.init()``. A named algorithm (``"ring"``, ``"rabenseifner"``, any
-of ``commlayer.algorithms.available()``) runs the bucket's allreduces and allgathers through
-commlayer's public collectives instead, which reduce with the algorithm commlayer was initialised
-with: it must be the one named (``commlayer.init(allreduce_algorithm="ring")`` or
+of ``commlayer.algorithms.available()``) runs the bucket's collectives through commlayer's
+engine instead, which reduces with the algorithm commlayer was initialised with: it must be the
+one named (``commlayer.init(allreduce_algorithm="ring")`` or
 ``COMMLAYER_ALLREDUCE_ALGORITHM=ring``), since the engine runs one algorithm for every allreduce
-of the job and all ranks must agree on it. A thread per process turns commlayer's handles into the
-futures DDP waits on.
+of the job and all ranks must agree on it.
 
 Error-feedback residuals (and PowerSGD's warm start) are keyed by ``bucket.index()``:
 ``"bucket3"`` (whole buffer) or ``"bucket3.p1"`` (per parameter, multi-round).
 ``CommState.state_dict()`` returns them for a checkpoint.
 
-Every collective is launched from the hook itself, on the thread DDP calls it from, so all
-ranks launch them in the same order; torch's ``powerSGD_hook`` launches its second allreduce in
-a future's callback, whose timing differs between ranks, and with several buckets on gloo we saw
-it hang or abort with "Received data size doesn't match expected size".
+Round order: commlayer's engine negotiates an order every rank shares, so there each round
+starts from the previous one's callback. gloo does not: torch's ``powerSGD_hook`` launches its
+second allreduce in a future's callback, whose timing differs between ranks, and with several
+buckets on gloo we saw it hang or abort with "Received data size doesn't match expected size".
+So over torch.distributed a multi-round compressor's earlier rounds are waited for in the hook,
+on the thread DDP calls it from, and only the last round is left in flight.
 
 This module has no ``from __future__ import annotations``: DDP compares the hook's return
 annotation with the real ``torch.futures.Future[torch.Tensor]`` object, not a string.
 """
 
-import atexit
 import itertools
-import queue
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,9 +58,13 @@ import torch.distributed as dist
 import commlayer
 from commlayer import algorithms
 from commlayer.compression import Compressed, Compressor, create
+from commlayer.compression.communicator import Communicator, EngineTransport
+from commlayer.compression.none import NoneCompressor
+from commlayer.reduce_ops import ReduceOp
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 _state_ids = itertools.count()
+_NONE = NoneCompressor()
 
 
 class CommState:
@@ -91,7 +93,8 @@ class CommState:
         if isinstance(dense_iters, bool) or not isinstance(dense_iters, int) or dense_iters < 0:
             raise ValueError(f"CommState(dense_iters={dense_iters!r}): must be an integer >= 0")
         self.process_group = process_group
-        self.compressor: Compressor = create(compression)
+        rank = dist.get_rank() if dist.is_initialized() else None  # QSGD's noise per rank
+        self.compressor: Compressor = create(compression, rank=rank)
         self.algorithm = algorithm
         self.dense_iters = dense_iters
         self.iteration = 0
@@ -145,115 +148,82 @@ def _check_algorithm(algorithm: str) -> None:
         )
 
 
-class _TorchComm:
-    """Collectives of a torch.distributed process group."""
+class _TorchTransport:
+    """torch.distributed's collectives of a process group, as a communicator's transport.
+
+    gloo needs every rank to launch collectives in the same order, which callbacks do not
+    keep: a multi-round compressor's earlier rounds are waited for in the hook
+    (``chains_rounds``), as the module docstring says."""
+
+    __slots__ = ("group", "rank", "size")
+    chains_rounds = False
 
     def __init__(self, group: Any) -> None:
         self.group = group
+        self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
-    def allreduce_(self, tensor: torch.Tensor, name: str) -> torch.futures.Future[Any]:
-        """Sum ``tensor`` over the group, in place."""
-        return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
-
-    def all_gather(self, tensor: torch.Tensor, name: str) -> torch.futures.Future[Any]:
-        """Every rank's ``tensor`` (same shape on all), as a list in rank order."""
-        out = [torch.empty_like(tensor) for _ in range(self.size)]
-        work = dist.all_gather(out, tensor, group=self.group, async_op=True)
-        return work.get_future().then(lambda _: out)
-
-
-class _CommlayerComm:
-    """commlayer's collectives (the global process set), reduced with its configured algorithm;
-    names ``ddp<state id>.<name>``."""
-
-    def __init__(self, state_id: int, group: Any) -> None:
-        self.size = commlayer.size()
-        if dist.get_world_size(group) != self.size:
-            raise ValueError(
-                f"rank {commlayer.rank()}: CommState(algorithm=...) reduces over all "
-                f"{self.size} commlayer ranks, but the process group has "
-                f"{dist.get_world_size(group)}; use algorithm='auto' for a subgroup"
-            )
-        self.prefix = f"ddp{state_id}."
-
-    def allreduce_(self, tensor: torch.Tensor, name: str) -> torch.futures.Future[Any]:
-        handle = commlayer.allreduce_async_(tensor, name=self.prefix + name, op=commlayer.Sum)
-        return _future_of(handle, lambda result: result)
-
-    def all_gather(self, tensor: torch.Tensor, name: str) -> torch.futures.Future[Any]:
-        shape = tensor.shape
-        handle = commlayer.allgather_async(tensor.reshape(1, -1), name=self.prefix + name)
-        return _future_of(handle, lambda rows: [row.view(shape) for row in rows])
-
-
-_Completion = tuple[Any, torch.futures.Future[Any], Callable[[Any], Any]]
-_completions: queue.SimpleQueue[_Completion | None] = queue.SimpleQueue()
-_completer_lock = threading.Lock()
-_completer: threading.Thread | None = None
-
-
-def _future_of(handle: Any, convert: Callable[[Any], Any]) -> torch.futures.Future[Any]:
-    """A torch Future completed with ``convert(result)`` once the commlayer handle is: DDP waits
-    on futures, not handles. One daemon thread per process waits on the handles in the order
-    they were submitted (the engine completes them in about that order)."""
-    global _completer
-    future: torch.futures.Future[Any] = torch.futures.Future()
-    _completions.put((handle, future, convert))
-    with _completer_lock:
-        if _completer is None:
-            _completer = threading.Thread(target=_complete, name="commlayer-ddp", daemon=True)
-            _completer.start()
-            atexit.register(_stop_completer)
-    return future
-
-
-def _stop_completer() -> None:
-    """End the thread before the interpreter finalizes: a daemon thread still blocked then
-    aborted the process at exit (SIGABRT, seen in 4 of 6 test sessions)."""
-    global _completer
-    with _completer_lock:
-        thread, _completer = _completer, None
-    if thread is not None:
-        _completions.put(None)
-        thread.join(timeout=10.0)
-
-
-def _complete() -> None:
-    while True:
-        item = _completions.get()
-        if item is None:
-            return
-        handle, future, convert = item
-        try:
-            result = convert(commlayer.synchronize(handle))
-        except BaseException as exc:  # noqa: BLE001 - DDP raises it from future.wait()
-            future.set_exception(exc)
+    def allreduce_(
+        self, tensors: list[torch.Tensor], name: str, op: ReduceOp, prescale: float,
+        postscale: float,
+    ) -> torch.futures.Future[Any]:  # fmt: skip
+        """Sum every tensor over the group in one allreduce, written back in place (PowerSGD
+        keeps the reduced Q it sent as its next warm start)."""
+        if op != ReduceOp.Sum or prescale != 1.0 or postscale != 1.0:
+            raise ValueError(f"the DDP hook sums pre-divided buckets; got {op.name} for {name!r}")
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            flat = tensors[0]
         else:
-            future.set_result(result)
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        future = dist.all_reduce(flat, group=self.group, async_op=True).get_future()
+        if flat is tensors[0]:
+            return future
+
+        def unpack(_: Any) -> None:
+            for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                tensor.copy_(part.view(tensor.shape))
+
+        return future.then(unpack)
+
+    def allgather_bytes(self, record: torch.Tensor, name: str) -> torch.futures.Future[Any]:
+        """Every rank's record (the same length on every rank for one compressor and bucket)."""
+        out = [torch.empty_like(record) for _ in range(self.size)]
+        work = dist.all_gather(out, record, group=self.group, async_op=True)
+        return work.get_future().then(lambda _: torch.cat(out))
+
+    def sparse(self, *_: Any) -> None:
+        return None
 
 
-def _comm(state: CommState) -> _TorchComm | _CommlayerComm:
+def _transport(state: CommState) -> _TorchTransport | EngineTransport:
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     if state.algorithm == algorithms.AUTO:
-        return _TorchComm(group)
-    return _CommlayerComm(state._id, group)
+        return _TorchTransport(group)
+    size = commlayer.size()
+    if dist.get_world_size(group) != size:
+        raise ValueError(
+            f"rank {commlayer.rank()}: CommState(algorithm=...) reduces over all "
+            f"{size} commlayer ranks, but the process group has "
+            f"{dist.get_world_size(group)}; use algorithm='auto' for a subgroup"
+        )
+    return EngineTransport(prefix=f"ddp{state._id}.")
 
 
 def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` over ``state.process_group`` with ``state.compressor`` (module doc)."""
-    comm = _comm(state)
+    communicator = Communicator(_transport(state), ReduceOp.Sum, what="bucket")
     buffer = bucket.buffer()
-    buffer.div_(comm.size)
+    buffer.div_(communicator.transport.size)
     dense = state.iteration < state.dense_iters
     if bucket.is_last():
         state.iteration += 1
     name = f"bucket{bucket.index()}"
     if dense:
-        return comm.allreduce_(buffer, name + ".dense").then(lambda _: buffer)
-    if state.compressor.summable:
-        return _summable(state.compressor, comm, bucket, buffer)
-    return _gathered(state.compressor, comm, name, buffer)
+        reduced = communicator.reduce([buffer], _NONE, name + ".dense")
+    else:
+        views = _views(state.compressor, buffer, bucket)
+        reduced = communicator.reduce(views, state.compressor, name)
+    return reduced.then(lambda _: buffer).to_torch()
 
 
 def _views(
@@ -270,80 +240,6 @@ def _views(
     if sum(sizes) != buffer.numel():
         return [buffer]  # not a plain concatenation (never seen): compress it whole
     return [part.view(shape) for part, shape in zip(buffer.split(sizes), shapes)]
-
-
-def _summable(
-    compressor: Compressor, comm: Any, bucket: dist.GradBucket, buffer: torch.Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    views = _views(compressor, buffer, bucket)
-    names = [
-        f"bucket{bucket.index()}" + (f".p{j}" if v is not buffer else "")
-        for j, v in enumerate(views)
-    ]
-    current: list[Compressed | None] = [compressor.compress(v, n) for v, n in zip(views, names)]
-    results: list[torch.Tensor | None] = [None] * len(views)
-    rounds = 0
-    while not all(c.final for c in current if c is not None):
-        _allreduce_payloads([c for c in current if c is not None], comm, names[0], rounds).wait()
-        rounds += 1
-        for j, c in enumerate(current):
-            if c is None:
-                continue
-            if c.final:
-                results[j], current[j] = compressor.decompress(c), None
-            else:
-                current[j] = compressor.next_round(c, names[j])  # type: ignore[attr-defined]
-
-    def decompress(_: Any) -> torch.Tensor:
-        for j, c in enumerate(current):
-            if c is not None:
-                results[j] = compressor.decompress(c)
-        for view, result in zip(views, results):
-            view.copy_(result.reshape(view.shape))  # type: ignore[union-attr]
-        return buffer
-
-    last = _allreduce_payloads([c for c in current if c is not None], comm, names[0], rounds)
-    return last.then(decompress)
-
-
-def _allreduce_payloads(
-    rounds: Sequence[Compressed], comm: Any, name: str, round_index: int
-) -> torch.futures.Future[Any]:
-    """Sum every payload tensor over the group in one allreduce, written back in place (PowerSGD
-    keeps the reduced Q it sent as its next warm start)."""
-    payloads = [t for c in rounds for t in c.payload]
-    name = f"{name}.r{round_index}"
-    if len(payloads) == 1 and payloads[0].is_contiguous():
-        return comm.allreduce_(payloads[0], name).then(lambda _: None)  # reduced in place
-    flat = torch.cat([t.reshape(-1) for t in payloads]) if payloads else torch.zeros(0)
-
-    def unpack(_: Any) -> None:
-        for tensor, part in zip(payloads, flat.split([t.numel() for t in payloads])):
-            tensor.copy_(part.view(tensor.shape))
-
-    return comm.allreduce_(flat, name).then(unpack)
-
-
-def _gathered(
-    compressor: Compressor, comm: Any, name: str, buffer: torch.Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    compressed = compressor.compress(buffer, name)
-    futures = [
-        comm.all_gather(tensor.contiguous(), f"{name}.g{i}")
-        for i, tensor in enumerate(compressed.payload)
-    ]
-
-    def decompress(_: Any) -> torch.Tensor:
-        gathered = [f.value() for f in futures]
-        total = torch.zeros_like(buffer).reshape(-1)
-        for peer in range(comm.size):
-            payload = [out[peer] for out in gathered]
-            part = compressor.decompress(Compressed(payload, compressed.ctx))
-            total += part.reshape(-1).to(buffer.dtype)
-        buffer.copy_(total.view(buffer.shape))
-        return buffer
-
-    return torch.futures.collect_all(futures).then(decompress)
 
 
 def compress_wrapper(inner: Hook, compression: str | Compressor) -> Hook:

@@ -28,9 +28,9 @@ _NAMES = {torch.float32: "f32", torch.float64: "f64", torch.int32: "i32", torch.
 @functools.cache
 def module(name: str = "sparse_kernels") -> Any:
     """The loaded RawModule ``name``: prebuilt PTX if found, else NVRTC on the source."""
-    from commlayer import config  # here: config imports the algorithms, which import us
+    from commlayer import kernels  # the package, which loads this module by name
 
-    for folder in (config.load().cuda_ptx_dir, _ROOT / "build" / "ext" / "cuda"):
+    for folder in (kernels.cuda_ptx_dir(), _ROOT / "build" / "ext" / "cuda"):
         ptx = Path(folder) / f"{name}.ptx"
         if folder and ptx.is_file():
             return cupy.RawModule(path=str(ptx))

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from restart import reinit
 from torch import nn
 
 import commlayer as cl
@@ -171,12 +172,22 @@ def test_per_parameter_policy() -> None:
 
 
 def test_compression_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """COMMLAYER_COMPRESSION is read by init() (once): set when commlayer starts, it is the
+    optimizer's default; set after, it changes nothing until the next init()."""
     monkeypatch.setenv("COMMLAYER_COMPRESSION", "topk:ratio=0.05")
-    got, opt = _train(None, steps=1)  # type: ignore[arg-type]
+    reinit()
+    try:
+        got, opt = _train(None, steps=1)  # type: ignore[arg-type]
+        monkeypatch.setenv("COMMLAYER_COMPRESSION", "fp16")
+        _, later = _train(None, steps=1)  # type: ignore[arg-type]
+    finally:
+        monkeypatch.delenv("COMMLAYER_COMPRESSION")
+        reinit()
     want = _simulate("topk:ratio=0.05", steps=1)
 
     assert isinstance(opt._cl_policy.default, ErrorFeedback)  # type: ignore[attr-defined]
     torch.testing.assert_close(got[0]["w"], want[0]["w"], **EXACT)
+    assert isinstance(later._cl_policy.default, ErrorFeedback)  # type: ignore[attr-defined]
 
 
 def test_bad_compression_arguments() -> None:

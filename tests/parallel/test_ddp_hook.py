@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from restart import reinit
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
@@ -146,15 +147,9 @@ def test_bad_settings_are_value_errors() -> None:
 
 
 # -- a named algorithm: the hook's collectives through commlayer ---------------------------------
-def _reinit(**settings: Any) -> None:
-    cl.barrier()
-    cl.shutdown()
-    cl.init(**settings)
-
-
 @pytest.mark.parametrize("algorithm", ["ring", "rabenseifner"])
 def test_named_algorithm_runs_through_commlayer(algorithm: str) -> None:
-    _reinit(allreduce_algorithm=algorithm)
+    reinit(allreduce_algorithm=algorithm)
     stopped = False
     try:
         running = cl.allreduce_algorithm()
@@ -174,7 +169,7 @@ def test_named_algorithm_runs_through_commlayer(algorithm: str) -> None:
         if stopped:
             cl.init()
         else:
-            _reinit()
+            reinit()
     assert running == algorithm
     # 3 runs of 6 steps went through commlayer (at least a fused collective per step each; 0
     # if the hook had used torch.distributed).

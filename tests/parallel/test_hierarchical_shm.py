@@ -26,6 +26,7 @@ from collective_reference import (
     random_floats,
     seed_of,
 )
+from restart import reinit
 
 import commlayer as cl
 from commlayer import runtime
@@ -165,18 +166,12 @@ def test_float_results_are_the_same_bits_on_every_rank(
 
 
 # -- through the engine: COMMLAYER_ALLREDUCE_ALGORITHM=hierarchical + COMMLAYER_TOPOLOGY ----------
-def _reinit(**settings: Any) -> None:
-    cl.barrier()
-    cl.shutdown()
-    cl.init(**settings)
-
-
 def test_through_the_engine() -> None:
     size = cl.size()
     if size == 1:
         pytest.skip("one rank: no nodes to pretend")
     local = 2 if size == 4 else 1
-    _reinit(allreduce_algorithm="hierarchical", topology=f"nodes={size // local},local={local}")
+    reinit(allreduce_algorithm="hierarchical", topology=f"nodes={size // local},local={local}")
     try:
         small = [
             every_rank_small_ints(seed_of(f"engine.{k}"), (k + 1,), torch.int32) for k in range(9)
@@ -200,7 +195,7 @@ def test_through_the_engine() -> None:
         used = list(backend._levels)
         algorithm = cl.allreduce_algorithm()
     finally:
-        _reinit()
+        reinit()
     assert algorithm == "hierarchical"
     assert used == [tuple(r // local for r in range(size))], used
     for result, inputs in zip(small_results, small):

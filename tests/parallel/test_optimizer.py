@@ -188,35 +188,29 @@ def test_backward_passes_per_step_reduces_once_per_step(
     assert sum(submitted) == grad_bytes, f"{submitted} bytes for {grad_bytes} of gradients"
 
 
-def test_small_gradients_wait_for_step_and_travel_as_one_bucket(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_small_gradients_travel_as_one_bucket_from_the_first_step() -> None:
     """Four gradients of 36-96 bytes, far under min_bucket_bytes (1 MiB): in the first step the
-    engine holds them through backward (no collective runs, whatever the timing) and step()
-    sends them as one fused bucket; after it they are one planned bucket. With
-    min_bucket_bytes 0 each would go alone, as backward produces it."""
-    from commlayer import engine
+    optimizer's bucketer keeps them until the step's last one is ready, then hands them to the
+    engine together (one fused collective, during backward); after it they are one planned
+    bucket. With min_bucket_bytes 0 each would go alone, as backward produces it."""
     from commlayer import runtime as engine_runtime
 
-    monkeypatch.setattr(engine, "_HOLD_LIMIT_S", 60.0)  # only step() may release them
     model = _mlp()
     opt = cl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = _shard(_global_batch(0)[0]), _shard(_global_batch(0)[1])
-    counts = []  # per step: (collectives done when backward returned, after step())
+    counts = []  # per step: collectives after step()
     for _ in range(2):
         before = cl.communication_stats()["operations"]
         F.mse_loss(model(x), y).backward()
-        after_backward = cl.communication_stats()["operations"]
         opt.step()
         opt.zero_grad()
-        counts.append((after_backward - before, cl.communication_stats()["operations"] - before))
+        counts.append(cl.communication_stats()["operations"] - before)
 
-    assert engine_runtime.engine().config.min_bucket_bytes == 1 << 20
-    assert counts[0][0] == 0, "a gradient went before step() needed it"
+    assert engine_runtime.config().min_bucket_bytes == 1 << 20
     # the first step: one fused bucket, then the broadcast of the buckets (length, data)
-    assert counts[0][1] == 1 + 2, f"{counts[0][1]} collectives in the first step"
+    assert counts[0] == 1 + 2, f"{counts[0]} collectives in the first step"
     # then the planned bucket (all 4 gradients), sent at the step's last gradient
-    assert counts[1][1] == 1, f"{counts[1][1]} collectives for 4 small gradients"
+    assert counts[1] == 1, f"{counts[1]} collectives for 4 small gradients"
 
 
 # -- compression ---------------------------------------------------------------------------------

@@ -26,9 +26,10 @@ from collective_reference import (
     random_floats,
     seed_of,
 )
+from restart import reinit
 
 import commlayer as cl
-from commlayer import fusion, ops, runtime
+from commlayer import fusion, ops
 from commlayer.backends import shm
 from commlayer.backends.mpi import _SHM_CHUNK_BYTES, MPIBackend
 from commlayer.reduce_ops import ReduceOp
@@ -108,12 +109,6 @@ def test_float_results_are_the_same_bits_on_every_rank(
 
 
 # -- through the engine: a burst of large tensors fused under the window ------------------------
-def _reinit(**settings: Any) -> None:
-    cl.barrier()
-    cl.shutdown()
-    cl.init(**settings)
-
-
 @pytest.mark.parametrize("grouped", [False, True], ids=["separate", "grouped"])
 def test_the_engine_reduces_large_tensors_in_place_without_packing(
     monkeypatch: pytest.MonkeyPatch, grouped: bool
@@ -137,7 +132,7 @@ def test_the_engine_reduces_large_tensors_in_place_without_packing(
 
     monkeypatch.setattr(fusion, "pack", spy_pack)
     monkeypatch.setattr(shm.SharedMemoryAllreduce, "iallreduce_pieces", spy_pieces)
-    _reinit(allreduce_algorithm="shm")
+    reinit(allreduce_algorithm="shm")
     try:
         shapes = [(300, 700), (700,), (512, 1024), (3,), (1 << 18,)]  # small ones ride along
         every = [
@@ -149,15 +144,14 @@ def test_the_engine_reduces_large_tensors_in_place_without_packing(
             group = cl.grouped_allreduce_async_(mine, op=cl.Average, name="engine.pieces.group")
             results = cl.synchronize(group)
         else:
-            with ops.held():  # as DistributedOptimizer's first-step gradients: wait for company
+            with ops.batch():  # as DistributedOptimizer's first-step gradients: together
                 handles = [
                     cl.allreduce_async_(t, op=cl.Average, name=f"engine.pieces.{k}")
                     for k, t in enumerate(mine)
                 ]
-            runtime.engine().release_held()
             results = [cl.synchronize(h) for h in handles]
     finally:
-        _reinit()
+        reinit()
     for result, tensor, inputs in zip(results, mine, every, strict=True):
         assert result is tensor
         assert_reduced(result, inputs, cl.Average)

@@ -139,8 +139,9 @@ def test_distributed_optimizer_reduces_topk_sparse(
     schedules) give what the allgather path gives: the simulated job of test_compression."""
     from test_compression import EXACT, SHAPES, _simulate, _train
 
-    from commlayer import config, optimizer
-    from commlayer.algorithms.sparse.through_engine import SparseReduction
+    from commlayer import config
+    from commlayer.compression import communicator
+    from commlayer.compression.sparse_reduction import SparseReduction
 
     made: list[str] = []
 
@@ -149,7 +150,7 @@ def test_distributed_optimizer_reduces_topk_sparse(
             made.append(name)
             super().__init__(name, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(optimizer, "SparseReduction", Counted)
+    monkeypatch.setattr(communicator, "SparseReduction", Counted)
     spec = "topk:ratio=0.05"
     with config.override(sparse_algorithm=algorithm):
         got, _ = _train(spec)

@@ -18,7 +18,7 @@ from engine_harness import (
 
 from commlayer import engine as engine_module
 from commlayer.backends.loopback import LoopbackBackend
-from commlayer.engine import Engine, Operation
+from commlayer.engine import Engine
 from commlayer.errors import (
     CommlayerError,
     DuplicateNameError,
@@ -273,85 +273,34 @@ def test_a_pytest_check_failing_on_one_rank_fails_the_run() -> None:
         run_engines(2, fn)
 
 
-# -- held operations (DistributedOptimizer's gradients) --------------------------------------------
-def held(name: str, numel: int, rank: int) -> Operation:
-    op = allreduce(name, torch.full((numel,), float(rank + 1)))
-    op.hold = True
-    return op
+# -- submission: the caller batches, the engine does not wait for company --------------------------
+def test_operations_submitted_together_are_negotiated_and_fused_together() -> None:
+    """Four small allreduces given to submit_all go in one cycle and one fused collective on
+    every rank, with nobody waiting on them yet."""
 
-
-@pytest.fixture
-def long_hold(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Held operations wait for company far longer than any test step takes."""
-    monkeypatch.setattr(engine_module, "_HOLD_LIMIT_S", 60.0)
-
-
-@pytest.mark.usefixtures("long_hold")
-def test_held_operations_wait_until_min_bucket_bytes_then_go_as_one_bucket() -> None:
-    """Three 40-byte gradients stay queued; the 400-byte one that reaches 480 >= 400 bytes
-    releases all four, which every rank negotiates in one cycle and fuses into one bucket."""
-    gate = threading.Barrier(2)
-
-    def fn(engine: Engine) -> tuple[int, int, int, list[torch.Tensor]]:
-        handles = [engine.submit(held(f"g{i}", 10, engine.rank)) for i in range(3)]
-        gate.wait(WAIT_S)
-        time.sleep(0.2)  # many idle heartbeats (25 ms here): none may take a held operation
-        ran_before, done_before = engine.stats.operations, sum(h._done for h in handles)
-        handles.append(engine.submit(held("g3", 100, engine.rank)))
-        results = [wait(h) for h in handles]
-        return ran_before, done_before, engine.stats.operations, results
-
-    for ran_before, done_before, ran, results in run_engines(2, fn, min_bucket_bytes=400):
-        assert (ran_before, done_before) == (0, 0)  # nothing ran while held
-        assert ran == 1  # then all four in one fused collective
-        assert all(torch.equal(out, torch.full_like(out, 3.0)) for out in results)
-
-
-@pytest.mark.usefixtures("long_hold")
-@pytest.mark.parametrize("how", ["wait", "poll", "not held"])
-def test_held_operations_go_when_someone_waits_polls_or_an_unheld_one_arrives(how: str) -> None:
-    def fn(engine: Engine) -> list[torch.Tensor]:
-        handles = [engine.submit(held(f"g{i}", 10, engine.rank)) for i in range(2)]
-        if how == "poll":
-            deadline = time.perf_counter() + WAIT_S
-            while not handles[0].done():  # a poll releases what the engine holds
-                assert time.perf_counter() < deadline, "polling did not release held gradients"
-                time.sleep(0.001)
-        elif how == "not held":
-            handles.append(engine.submit(allreduce("plain", torch.ones(1))))
-            while not all(h._done for h in handles):  # no wait() and no poll: _done, read raw
-                time.sleep(0.001)
-        return [wait(h) for h in handles]
-
-    for results in run_engines(2, fn, min_bucket_bytes=1 << 20):
-        assert all(torch.equal(out, torch.full_like(out, 3.0 if out.numel() > 1 else 2.0))
-                   for out in results)  # fmt: skip
-
-
-def test_held_operations_go_after_the_hold_limit_unasked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_module, "_HOLD_LIMIT_S", 0.05)
-
-    def fn(engine: Engine) -> torch.Tensor:
-        handle = engine.submit(held("g", 10, engine.rank))
+    def fn(engine: Engine) -> tuple[int, list[torch.Tensor]]:
+        ops = [allreduce(f"g{i}", torch.full((10,), float(engine.rank + 1))) for i in range(4)]
+        engine.submit_all(ops)
         deadline = time.perf_counter() + WAIT_S
-        while not handle._done:  # nobody waits or polls: only the limit can release it
-            assert time.perf_counter() < deadline, "held gradient never went"
-            time.sleep(0.005)
-        return wait(handle)
+        while not all(op.handle._done for op in ops):  # no wait() and no poll: _done, raw
+            assert time.perf_counter() < deadline, "submitted operations never ran"
+            time.sleep(0.001)
+        return engine.stats.operations, [wait(op.handle) for op in ops]
 
-    for out in run_engines(2, fn, min_bucket_bytes=1 << 20):
-        assert torch.equal(out, torch.full((10,), 3.0))
+    for ran, results in run_engines(2, fn):
+        assert ran == 1
+        assert all(torch.equal(out, torch.full((10,), 3.0)) for out in results)
 
 
-@pytest.mark.usefixtures("long_hold")
-def test_held_operations_fail_at_shutdown_instead_of_waiting() -> None:
-    def fn(engine: Engine) -> None:
-        handle = engine.submit(held(f"only{engine.rank}", 10, engine.rank))
-        engine.shutdown(timeout_s=WAIT_S)
-        with pytest.raises(ShutdownError):
-            wait(handle)
+def test_submit_all_queues_all_or_none() -> None:
+    def fn(engine: Engine) -> torch.Tensor:
+        first = allreduce("a", torch.ones(2))
+        with pytest.raises(DuplicateNameError, match="'b' is already in flight"):
+            engine.submit_all([first, allreduce("b", torch.ones(2)), allreduce("b", torch.ones(2))])
+        return wait(engine.submit(first))  # "a" was not queued by the refused batch
 
-    run_engines(2, fn, start=True, min_bucket_bytes=1 << 20)
+    for out in run_engines(2, fn):
+        assert torch.equal(out, torch.full((2,), 2.0))
 
 
 class _Nodes:

@@ -292,7 +292,7 @@ def test_rounds_pair_every_stream_with_its_receive(size: int) -> None:
     from collections import defaultdict
 
     from commlayer.algorithms.sparse.executor import with_residual_step
-    from commlayer.algorithms.sparse.through_engine import rounds
+    from commlayer.compression.sparse_reduction import rounds
 
     for name in ("ssar_recursive_doubling", "gtopk", "topo_sparse"):
         at = rounds(name, size, N)

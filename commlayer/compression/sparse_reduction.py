@@ -1,4 +1,5 @@
-"""Top-k gradients reduced sparse by DistributedOptimizer, through the engine's collectives.
+"""Top-k payloads reduced sparse through the engine's collectives (the communicator's sparse
+path: compression/communicator.py, its only caller; API layer, like the communicator).
 
 The engine negotiates and runs whole collectives (it has no point-to-point operations), so
 every sparse algorithm is cast as a sequence of them:
@@ -15,9 +16,9 @@ every sparse algorithm is cast as a sequence of them:
    peers (no bytes to the others). Rounds line the ranks' steps up (``rounds``): a step and
    the step that receives its streams share a round, a rank's steps keep their order, and a
    rank with no step in a round (an extra rank while the others double) sends nothing. The
-   local work is executor.ScheduleRun's, the same as over MPI point-to-point.
-   ``topo_sparse`` runs on a flat topology here (one node: a sparse ring): the optimizer does
-   not pass the job's node layout yet.
+   local work is executor.ScheduleRun's, the same as over MPI point-to-point. The schedules
+   get the process set's real topology (the backend's nodes, or COMMLAYER_TOPOLOGY), so
+   ``topo_sparse`` reduces within nodes first, as it does over MPI.
 
 The result is the exact sum of the ranks' top-k vectors, the same bits on every rank, except
 for gtopk, whose result keeps k entries (gtopk.py): the entries of this rank's payload dropped
@@ -51,8 +52,8 @@ from commlayer.algorithms.sparse.executor import (
 )
 from commlayer.algorithms.topology import Topology
 from commlayer.compression import wire
-from commlayer.engine import Handle
 from commlayer.errors import PayloadError
+from commlayer.future import Handle
 from commlayer.process_sets import ProcessSet
 from commlayer.reduce_ops import ReduceOp
 
@@ -74,13 +75,17 @@ def engine_algorithm(configured: str, size: int, numel: int, nnz: int) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def rounds(name: str, size: int, numel: int) -> tuple[tuple[int, ...], ...]:
-    """Per rank, the round of each of its steps (flat topology), so that the k-th stream rank
-    r sends to rank q and the k-th q receives from r share a round, and a rank's steps keep
-    their order. A fixed point: rounds only grow, bounded by the total number of steps."""
+def rounds(
+    name: str, size: int, numel: int, topology: Topology | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the round of each of its steps (on ``topology``, default flat), so that the
+    k-th stream rank r sends to rank q and the k-th q receives from r share a round, and a
+    rank's steps keep their order. A fixed point: rounds only grow, bounded by the total
+    number of steps."""
     policy = sparse.policy(name)
+    topology = topology or Topology.flat(size)
     steps = [
-        with_residual_step(sparse.schedule(name, r, size, numel), policy, numel)
+        with_residual_step(sparse.schedule(name, r, size, numel, topology), policy, numel)
         for r in range(size)
     ]
     at = [list(range(len(s))) for s in steps]
@@ -121,13 +126,14 @@ class _Rounds:
         val: torch.Tensor,
         numel: int,
         process_set: ProcessSet,
+        topology: Topology,
     ) -> None:
         self.name, self.process_set = name, process_set
         rank, size = process_set.rank(), process_set.size()
-        schedule = sparse.schedule(algorithm, rank, size, numel, Topology.flat(size))
+        schedule = sparse.schedule(algorithm, rank, size, numel, topology)
         policy, k = sparse.policy(algorithm), max(idx.numel(), 1)
         self.run = ScheduleRun(schedule, idx, val, numel, policy, k, kernels.configured())
-        everyone = rounds(algorithm, size, numel)
+        everyone = rounds(algorithm, size, numel, topology)
         self._step_of = {at: i for i, at in enumerate(everyone[rank])}
         # at least one round, so there is a handle even with nothing to exchange (one rank)
         self._total = 1 + max((at for r in everyone for at in r), default=0)
@@ -211,6 +217,7 @@ class SparseReduction:
         process_set: ProcessSet,
         op: ReduceOp,
         sink: object = None,
+        topology: Topology | None = None,
     ) -> None:
         self.name, self.shape, self.op, self.process_set = name, shape, op, process_set
         self.numel, self.dtype = shape.numel(), values.dtype
@@ -220,7 +227,8 @@ class SparseReduction:
         self._rounds: _Rounds | None = None
         if algorithm not in ENGINE_ALGORITHMS:
             idx, val = prepare(indices, values, self.numel)
-            self._rounds = _Rounds(name, algorithm, idx, val, self.numel, process_set)
+            topology = topology or Topology.flat(process_set.size())
+            self._rounds = _Rounds(name, algorithm, idx, val, self.numel, process_set, topology)
             self.handle: Handle = self._rounds.handle
             return
         size = process_set.size()

@@ -1,0 +1,368 @@
+"""Communicator: compress -> move the payload -> decompress, for the optimizer and the DDP hook.
+
+``Communicator(transport).reduce(tensors, compressor, name)`` returns a future; when it is done
+every tensor of ``tensors`` holds its reduction over the transport's ranks (written in place).
+Callers choose what to compress and when; how the payload travels is decided here, from what
+the compressor declares (compression/base.py):
+
+1. ``summable`` (none, fp16, bf16, randomk, powersgd): each tensor's payload is allreduced in
+   place, all of the call's payloads in one grouped operation, then decompressed. A multi-round
+   compressor (PowerSGD: ``final=False``, ``next_round``) has its next round sent as the
+   previous one completes, named ``<name>.round<k>``. ``Average`` of float16 payloads sums
+   values divided before the sum, so n ranks cannot overflow 65504.
+2. Not summable (qsgd, topk, efsignsgd, onebit): every payload tensor of the call is packed
+   into one byte record (compression/wire.py) and gathered; each rank's record is decoded with
+   the local context and summed; ``Average`` divides by the records received (a joined rank
+   sends none). A peer's malformed payload is a PayloadError naming this rank, the tensor and
+   the peer.
+3. Top-k payloads under a sparse algorithm (``sparse_algorithm`` other than allgather) are
+   reduced sparse through the engine instead (sparse_reduction.py), on the process set's
+   topology; gtopk's dropped entries go to the compressor's error feedback.
+
+The transport moves bytes and returns futures: :class:`EngineTransport` (commlayer's engine,
+on a process set) here, a torch.distributed one in integrations/ddp.py. Rounds chain on the
+transport's futures with no thread and no wait, except where a transport cannot take
+collectives in an order that differs between ranks (``chains_rounds = False``, gloo): there the
+earlier rounds are waited for by the caller, and only the last one is returned as a future.
+
+This module, like sparse_reduction.py, is in the API layer (it moves bytes through
+commlayer.ops); ``commlayer.compression`` itself does not import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from commlayer import ops, runtime
+from commlayer.algorithms.topology import Topology
+from commlayer.compression import wire
+from commlayer.compression.base import Compressed, Compressor
+from commlayer.compression.sparse_reduction import SparseReduction, engine_algorithm
+from commlayer.errors import PayloadError
+from commlayer.future import Future
+from commlayer.process_sets import ProcessSet, global_process_set
+from commlayer.reduce_ops import ReduceOp
+
+
+class FutureLike(Protocol):
+    """What transports return: a commlayer Future or a torch.futures.Future."""
+
+    def wait(self) -> Any: ...
+
+    def value(self) -> Any: ...
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None: ...
+
+
+class Transport(Protocol):
+    """How payloads travel among ``size`` ranks (this one ``rank``)."""
+
+    rank: int
+    size: int
+    chains_rounds: bool  # may a round's collective start from the previous one's callback?
+
+    def allreduce_(
+        self, tensors: list[torch.Tensor], name: str, op: ReduceOp, prescale: float,
+        postscale: float,
+    ) -> FutureLike:  # fmt: skip
+        """Reduce each tensor over the ranks, in place."""
+        ...
+
+    def allgather_bytes(self, record: torch.Tensor, name: str) -> FutureLike:
+        """Every rank's uint8 ``record``, concatenated in rank order."""
+        ...
+
+    def sparse(
+        self, name: str, compressed: Compressed, compressor: Compressor, op: ReduceOp
+    ) -> FutureLike | None:
+        """A top-k payload reduced sparse (future of the dense result), or None: gather it."""
+        ...
+
+
+class EngineTransport:
+    """commlayer's collectives on a process set (the optimizer's transport)."""
+
+    __slots__ = ("rank", "size", "process_set", "sparse_algorithm", "prefix", "_topology")
+    chains_rounds = True  # the engine negotiates an order every rank shares
+
+    def __init__(
+        self,
+        process_set: ProcessSet = global_process_set,
+        sparse_algorithm: str = "allgather",
+        prefix: str = "",
+    ) -> None:
+        """``prefix`` goes before every operation name (the DDP hook's ``ddp<id>.``)."""
+        self.rank = runtime.rank()
+        self.size = process_set.size()
+        self.process_set = process_set
+        self.sparse_algorithm = sparse_algorithm
+        self.prefix = prefix
+        self._topology: Topology | None = None
+
+    def allreduce_(
+        self, tensors: list[torch.Tensor], name: str, op: ReduceOp, prescale: float,
+        postscale: float,
+    ) -> Future:  # fmt: skip
+        name = self.prefix + name
+        if len(tensors) == 1:
+            return ops.allreduce_async_(
+                tensors[0], name=name, op=op, prescale_factor=prescale,
+                postscale_factor=postscale, process_set=self.process_set,
+            )  # fmt: skip
+        return ops.grouped_allreduce_async_(
+            tensors, name=name, op=op, prescale_factor=prescale, postscale_factor=postscale,
+            process_set=self.process_set,
+        )  # fmt: skip
+
+    def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
+        return ops.allgather_async(record, name=self.prefix + name, process_set=self.process_set)
+
+    def sparse(
+        self, name: str, compressed: Compressed, compressor: Compressor, op: ReduceOp
+    ) -> Future | None:
+        if self.sparse_algorithm == "allgather" or compressor.name != "topk":
+            return None
+        values, indices = compressed.payload
+        shape = compressed.ctx[0]
+        algorithm = engine_algorithm(
+            self.sparse_algorithm, self.size, shape.numel(), values.numel()
+        )
+        if algorithm == "allgather":
+            return None
+        if self._topology is None:
+            self._topology = ops.topology(self.process_set)
+        reduction = SparseReduction(
+            name, values, indices, shape, algorithm, self.process_set, op,
+            sink=compressor, topology=self._topology,
+        )  # fmt: skip
+        return chain(reduction.handle, reduction.advance, lambda: reduction.value)
+
+
+def chain(
+    first: FutureLike, advance: Callable[[Any], FutureLike | None], final: Callable[[], Any]
+) -> Future:
+    """A future over rounds: ``advance(result)`` takes a round's result and returns the next
+    round's future, or None when the last is done; the value is then ``final()``. Each round
+    is started from the previous one's callback."""
+    out = Future()
+
+    def done(fut: Any) -> None:
+        try:
+            following = advance(fut.value())
+        except BaseException as exc:  # noqa: BLE001 - the chained future's outcome
+            out.set_exception(exc)
+            return
+        if following is None:
+            _settle(out, final)
+        else:
+            following.add_done_callback(done)
+
+    first.add_done_callback(done)
+    return out
+
+
+def _settle(out: Future, compute: Callable[[], Any]) -> None:
+    try:
+        result = compute()
+    except BaseException as exc:  # noqa: BLE001 - the future's outcome
+        out.set_exception(exc)
+    else:
+        out.set_result(result)
+
+
+class Communicator:
+    """compress -> move -> decompress (module docstring), over ``transport``.
+
+    ``op``: Average or Sum. ``predivide``: Average divides by this before the sum and by
+    size / predivide after (Horovod's gradient_predivide_factor). ``what``: how errors name
+    the tensor ("gradient").
+    """
+
+    __slots__ = ("transport", "op", "predivide", "what")
+
+    def __init__(
+        self,
+        transport: Transport,
+        op: ReduceOp = ReduceOp.Average,
+        predivide: float = 1.0,
+        what: str = "tensor",
+    ) -> None:
+        self.transport, self.op, self.predivide, self.what = transport, op, predivide, what
+
+    def reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        compressor: Compressor,
+        name: str,
+        names: Sequence[str] | None = None,
+    ) -> Future:
+        """Reduce ``tensors`` in place; a future whose value is the list of them. Several
+        tensors travel together (one collective a round, named ``name``); each is compressed
+        alone under its own name (``names``; default ``<name>.p<j>``, or ``name`` for a single
+        one), which keys the compressor's state (error-feedback residuals, warm starts)."""
+        tensors = list(tensors)
+        if names is None:
+            names = [name] if len(tensors) == 1 else [f"{name}.p{j}" for j in range(len(tensors))]
+        names = list(names)
+        compressed = [compressor.compress(t, n) for t, n in zip(tensors, names)]
+        if compressor.summable:
+            return self._summable(tensors, names, compressed, compressor, name)
+        return self._gathered(tensors, names, compressed, compressor, name)
+
+    def scaling(self, dtype: torch.dtype) -> tuple[ReduceOp, float, float]:
+        """(op, prescale, postscale) of a summed payload of ``dtype``."""
+        if self.op == ReduceOp.Average and dtype == torch.float16:
+            # Divide before summing: n float16 gradients can overflow 65504 when summed.
+            return ReduceOp.Sum, 1.0 / self.transport.size, 1.0
+        if self.op == ReduceOp.Average:
+            return self.op, 1.0 / self.predivide, self.predivide
+        return self.op, 1.0, 1.0
+
+    # -- 1. summable -----------------------------------------------------------------------------
+    def _summable(
+        self,
+        tensors: list[torch.Tensor],
+        names: list[str],
+        compressed: list[Compressed],
+        compressor: Compressor,
+        name: str,
+    ) -> Future:
+        pending = list(enumerate(compressed))
+        for payload in compressed:
+            if len(payload.payload) != 1:
+                raise ValueError(
+                    f"summable compressor {compressor.name!r} returned "
+                    f"{len(payload.payload)} payload tensors for {name!r}; a summable payload "
+                    "is one tensor"
+                )
+        round_index = [1]
+
+        def send() -> FutureLike:
+            payloads = [c.payload[0] for _, c in pending]
+            op, prescale, postscale = self.scaling(payloads[0].dtype)
+            label = name if round_index[0] == 1 else f"{name}.round{round_index[0]}"
+            return self.transport.allreduce_(payloads, label, op, prescale, postscale)
+
+        def advance(_: Any) -> FutureLike | None:
+            following = []
+            for j, c in pending:
+                if c.final:
+                    _write(tensors[j], compressor.decompress(c))
+                else:
+                    following.append((j, compressor.next_round(c, names[j])))  # type: ignore[attr-defined]
+            pending[:] = following
+            if not pending:
+                return None
+            round_index[0] += 1
+            return send()
+
+        first = send()
+        if not self.transport.chains_rounds:
+            while any(not c.final for _, c in pending):
+                result = first.wait()
+                following = advance(result)
+                assert following is not None  # a round that was not final has a next one
+                first = following
+        return chain(first, advance, lambda: tensors)
+
+    # -- 2. and 3. gathered, or sparse -----------------------------------------------------------
+    def _gathered(
+        self,
+        tensors: list[torch.Tensor],
+        names: list[str],
+        compressed: list[Compressed],
+        compressor: Compressor,
+        name: str,
+    ) -> Future:
+        parts: list[FutureLike] = []
+        rest = []  # tensors not reduced sparse: gathered together
+        for j, tensor in enumerate(tensors):
+            sparse = self.transport.sparse(names[j], compressed[j], compressor, self.op)
+            if sparse is None:
+                rest.append(j)
+            else:
+                parts.append(chain(sparse, functools.partial(_write, tensor), lambda: None))
+        if rest:
+            record = wire.pack([t for j in rest for t in compressed[j].payload])
+            gathered = self.transport.allgather_bytes(record, name)
+            mine = [tensors[j] for j in rest]
+            local = [compressed[j] for j in rest]
+
+            def decode(result: Any) -> None:
+                self._sum_records(result, mine, local, compressor, name)
+
+            parts.append(chain(gathered, decode, lambda: None))
+        return _all(parts, tensors)
+
+    def _sum_records(
+        self,
+        gathered: torch.Tensor,
+        tensors: list[torch.Tensor],
+        compressed: list[Compressed],
+        compressor: Compressor,
+        name: str,
+    ) -> None:
+        """Decode every rank's record and sum, per tensor, into the tensors."""
+        counts = [len(c.payload) for c in compressed]
+        dtypes = [t.dtype for c in compressed for t in c.payload]
+        try:
+            records = wire.split(gathered, dtypes)
+        except PayloadError as exc:
+            raise self._malformed(name, exc) from None
+        start = 0
+        for tensor, local, count in zip(tensors, compressed, counts):
+            total: torch.Tensor | None = None
+            for source, record in enumerate(records):
+                payload = record[start : start + count]
+                try:
+                    part = compressor.decompress(Compressed(payload, local.ctx))
+                except PayloadError as exc:
+                    raise self._malformed(
+                        name, PayloadError(f"{compressor.name} payload from rank {source}: {exc}")
+                    ) from None
+                total = part.clone() if total is None else total.add_(part)
+            assert total is not None  # this rank's own record is always there
+            if self.op == ReduceOp.Average:
+                total.div_(len(records))
+            _write(tensor, total)
+            start += count
+
+    def _malformed(self, name: str, exc: PayloadError) -> PayloadError:
+        return PayloadError(f"rank {self.transport.rank}: {self.what} {name!r}: malformed {exc}")
+
+
+def _all(parts: list[FutureLike], value: Any) -> Future:
+    """A future done with ``value`` once every part is (or with the first part's error)."""
+    out = Future()
+    remaining = [len(parts)]
+    lock = threading.Lock()
+
+    def finish() -> Any:
+        for part in parts:
+            part.wait()  # done: raises a part's error
+        return value
+
+    def one_done(_: Any) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        _settle(out, finish)
+
+    if not parts:
+        out.set_result(value)
+
+    for part in parts:
+        part.add_done_callback(one_done)
+    return out
+
+
+def _write(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """The reduced value into the caller's tensor (nothing to do when reduced in place)."""
+    if value is not tensor:
+        tensor.copy_(value.reshape(tensor.shape))
