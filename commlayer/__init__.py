@@ -31,6 +31,7 @@ from commlayer.functions import (
 )
 from commlayer.future import Future, Handle
 from commlayer.ops import (
+    add_process_set,
     allgather_async,
     allreduce_,
     allreduce_async,
@@ -47,6 +48,7 @@ from commlayer.ops import (
     join,
     poll,
     reducescatter_async,
+    remove_process_set,
     sparse_allreduce_async,
     start_timeline,
     stop_timeline,
@@ -56,7 +58,6 @@ from commlayer.optimizer import DistributedOptimizer
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from commlayer.runtime import (
-    add_process_set,
     communication_stats,
     cross_rank,
     cross_size,
@@ -66,7 +67,6 @@ from commlayer.runtime import (
     local_rank,
     local_size,
     rank,
-    remove_process_set,
     shutdown,
     size,
 )

@@ -32,7 +32,7 @@ from commlayer.negotiation import (
     dtype_name,
     shapes_of,
 )
-from commlayer.process_sets import ProcessSet, global_process_set
+from commlayer.process_sets import ProcessSet, check_ranks, global_process_set
 from commlayer.reduce_ops import SUPPORTED_OPS, ReduceOp
 
 SUPPORTED_DTYPES = (
@@ -537,6 +537,23 @@ def register_process_set(ranks: Sequence[int]) -> int:
 
 def unregister_process_set(set_id: int) -> None:
     synchronize(_submit(REGISTER, None, [], [], global_process_set, shapes=((), (set_id,))))
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set while running; collective: every rank calls it, same ranks."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    check_ranks(ps, runtime.size())
+    ps.process_set_id = register_process_set(ps.ranks)
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set (collective over all ranks)."""
+    if process_set.process_set_id in (None, 0):
+        return False
+    unregister_process_set(process_set.process_set_id)
+    process_set.process_set_id = None
+    return True
 
 
 # -- grouped allgather and reducescatter, sparse allreduce ---------------------------------------

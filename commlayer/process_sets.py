@@ -4,6 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from commlayer.errors import NotInitializedError
+
+# (rank, size) of this process in the running job, told by runtime.init() and cleared by
+# shutdown(): the sets answer rank() and included() without importing the runtime above them.
+_world: tuple[int, int] | None = None
+
+
+def bind(world: tuple[int, int] | None) -> None:
+    """Set (``init``) or clear (``shutdown``) this process's (rank, size)."""
+    global _world
+    _world = world
+
+
+def _this_process() -> tuple[int, int]:
+    if _world is None:
+        raise NotInitializedError(
+            "commlayer has not been initialized; call commlayer.init() first (or it was shut down)"
+        )
+    return _world
+
 
 class ProcessSet:
     """A subset of ranks. Register it with ``init(process_sets=[...])`` or ``add_process_set``
@@ -25,10 +45,8 @@ class ProcessSet:
 
     def included(self) -> bool:
         """Whether this process belongs to the set."""
-        from commlayer import runtime
-
         self._check()
-        return runtime.rank() in self.ranks
+        return _this_process()[0] in self.ranks
 
     def size(self) -> int:
         self._check()
@@ -36,10 +54,8 @@ class ProcessSet:
 
     def rank(self) -> int:
         """This process's rank within the set (-1 if not included)."""
-        from commlayer import runtime
-
         self._check()
-        me = runtime.rank()
+        me = _this_process()[0]
         return self.ranks.index(me) if me in self.ranks else -1
 
     def __eq__(self, other: object) -> bool:
@@ -52,6 +68,15 @@ class ProcessSet:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 
+def check_ranks(ps: ProcessSet, size: int) -> None:
+    """ValueError unless ``ps`` is a non-empty subset of the job's ``size`` ranks."""
+    bad = [r for r in ps.ranks if r >= size]
+    if bad or not ps.ranks:
+        raise ValueError(
+            f"process set ranks {ps.ranks!r} must be a non-empty subset of [0, {size})"
+        )
+
+
 class _GlobalProcessSet(ProcessSet):
     """All ranks; always registered with id 0."""
 
@@ -60,9 +85,7 @@ class _GlobalProcessSet(ProcessSet):
         self.process_set_id = 0
 
     def _check(self) -> None:
-        from commlayer import runtime
-
-        size = runtime.size()  # raises NotInitializedError before init()
+        size = _this_process()[1]  # raises NotInitializedError before init()
         if len(self.ranks) != size:  # rebuilt only after a new init(): this runs on every op
             self.ranks = list(range(size))
 

@@ -12,10 +12,11 @@ from typing import Any
 
 from commlayer import config as config_module
 from commlayer import kernels, malloc
+from commlayer import process_sets as process_sets_module
 from commlayer.config import Config
 from commlayer.engine import Engine
 from commlayer.errors import NotInitializedError
-from commlayer.process_sets import ProcessSet, global_process_set
+from commlayer.process_sets import ProcessSet, check_ranks, global_process_set
 from commlayer.registries import REGISTRIES
 
 # config.load() and config.override() called without registries (tests, tools) check names
@@ -72,10 +73,11 @@ def init(
         _topology.clear()
         _topology.update(_derive_topology(backend.rank, backend.nodes()))
         for ps in process_sets or ():
-            _check_ranks(ps, backend.size)
+            check_ranks(ps, backend.size)
             ps.process_set_id, _ = engine.register_process_set(ps.ranks)
         engine.start()
         _engine, _config = engine, cfg
+        process_sets_module.bind((backend.rank, backend.size))
         # Move every object alive now (torch's, the model's) out of the cyclic GC's reach: a
         # full collection walks them all and paused the engine ~100 ms every few thousand
         # operations (measured: 100 async allreduces took 8-100 ms before, 3-6 ms after).
@@ -112,19 +114,12 @@ def _derive_topology(rank: int, nodes: list[int]) -> dict[str, int]:
     }
 
 
-def _check_ranks(ps: ProcessSet, size: int) -> None:
-    bad = [r for r in ps.ranks if r >= size]
-    if bad or not ps.ranks:
-        raise ValueError(
-            f"process set ranks {ps.ranks!r} must be a non-empty subset of [0, {size})"
-        )
-
-
 def shutdown() -> None:
     """Stop the engine (telling the other ranks); collectives fail afterwards until init()."""
     global _engine, _config
     with _lock:
         engine, _engine, _config = _engine, None, None
+        process_sets_module.bind(None)
     if engine is None:
         return
     engine.shutdown()
@@ -203,27 +198,6 @@ def is_homogeneous() -> bool:
     return size() == local_size() * cross_size()
 
 
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a process set while running; collective: every rank calls it, same ranks."""
-    from commlayer import ops
-
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    _check_ranks(ps, size())
-    ps.process_set_id = ops.register_process_set(ps.ranks)
-    return ps
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister a process set (collective over all ranks)."""
-    from commlayer import ops
-
-    if process_set.process_set_id in (None, 0):
-        return False
-    ops.unregister_process_set(process_set.process_set_id)
-    process_set.process_set_id = None
-    return True
-
-
 __all__ = [
     "init",
     "shutdown",
@@ -235,7 +209,5 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "is_initialized",
-    "add_process_set",
-    "remove_process_set",
     "global_process_set",
 ]
