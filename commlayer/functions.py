@@ -54,7 +54,7 @@ def allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks (default op Average) and return the result."""
-    resolved = ops._resolve_op(op, average, ReduceOp.Average)
+    resolved = ops._resolve_op(op, average, ReduceOp.Average, ops.ALLREDUCE_OPS)
     cast = _cast(compression, "allreduce")
     packed = cast.compress(tensor, name or "")
     reduced = _Allreduce.apply(
@@ -105,7 +105,7 @@ def grouped_allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """Allreduce several tensors as one negotiated, fused unit."""
-    resolved = ops._resolve_op(op, average, ReduceOp.Average)
+    resolved = ops._resolve_op(op, average, ReduceOp.Average, ops.ALLREDUCE_OPS)
     cast = _cast(compression, "grouped_allreduce")
     packed = [cast.compress(t, name or "") for t in tensors]
     reduced = _GroupedAllreduce.apply(

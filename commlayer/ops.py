@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from commlayer import runtime
+from commlayer import adasum, runtime
 from commlayer.algorithms.topology import Topology
 from commlayer.engine import Operation
 from commlayer.future import Future, Handle
@@ -35,6 +35,7 @@ from commlayer.negotiation import (
 from commlayer.process_sets import ProcessSet, check_ranks, global_process_set
 from commlayer.reduce_ops import SUPPORTED_OPS, ReduceOp
 
+ALLREDUCE_OPS = (*SUPPORTED_OPS, ReduceOp.Adasum)  # Adasum: allreduce only (adasum.py)
 SUPPORTED_DTYPES = (
     torch.uint8,
     torch.int8,
@@ -125,16 +126,21 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
     return tensor.detach()
 
 
-def _resolve_op(op: ReduceOp | None, average: bool | None, default: ReduceOp) -> ReduceOp:
+def _resolve_op(
+    op: ReduceOp | None,
+    average: bool | None,
+    default: ReduceOp,
+    allowed: tuple[ReduceOp, ...] = SUPPORTED_OPS,
+) -> ReduceOp:
     if op is not None and average is not None:
         raise _input_error("pass either op= or the deprecated average=, not both")
     if average is not None:
         return ReduceOp.Average if average else ReduceOp.Sum
     resolved = default if op is None else ReduceOp(op)
-    if resolved not in SUPPORTED_OPS:
+    if resolved not in allowed:
         raise _input_error(
-            f"reduce op {resolved.name} is not supported; allowed: "
-            f"{', '.join(o.name for o in SUPPORTED_OPS)}"
+            f"reduce op {resolved.name} is not supported here; allowed: "
+            f"{', '.join(o.name for o in allowed)}"
         )
     return resolved
 
@@ -161,6 +167,8 @@ def _submit(
     finish: Callable[[Any], Any] | None = None,
     shapes: tuple[tuple[int, ...], ...] | None = None,
 ) -> Handle:
+    if kind == ALLREDUCE and op == ReduceOp.Adasum:
+        return _adasum(name, inputs, outputs, process_set, prescale, postscale, finish)
     engine = runtime.engine()
     set_id = _set_id(process_set)
     dtype = dtype_name(inputs[0].dtype) if inputs else "uint8"
@@ -209,6 +217,41 @@ def _in_place(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[
     return work, finish
 
 
+def _adasum(
+    name: str | None,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    process_set: ProcessSet,
+    prescale: float,
+    postscale: float,
+    finish: Callable[[Any], Any] | None,
+) -> Future:
+    """allreduce(op=Adasum): every rank's tensors gathered, one allgather each, and combined
+    in Horovod's tree on every rank (adasum.py); the results are written to ``outputs``."""
+    bad = [dtype_name(t.dtype) for t in inputs if not t.is_floating_point()]
+    if bad:
+        raise _input_error(f"Adasum needs floating-point tensors, got {', '.join(bad)}")
+    base = _auto_name(ALLREDUCE, name, _set_id(process_set))
+    with batch():
+        parts = [
+            allgather_async(
+                (t * prescale if prescale != 1.0 else t).reshape(1, -1),
+                name=base if len(inputs) == 1 else f"{base}.{i}",
+                process_set=process_set,
+            )
+            for i, t in enumerate(inputs)
+        ]
+
+    def combine(gathered: list[torch.Tensor]) -> Any:
+        for rows, out in zip(gathered, outputs):
+            out.view(-1).copy_(adasum.combine(rows))
+            if postscale != 1.0:
+                out.mul_(postscale)
+        return finish(outputs) if finish is not None else outputs
+
+    return _combined(base, parts, combine)
+
+
 # -- allreduce -----------------------------------------------------------------------------------
 def allreduce_async(
     tensor: torch.Tensor,
@@ -228,7 +271,7 @@ def allreduce_async(
         [source],
         [output],
         process_set,
-        op=_resolve_op(op, average, ReduceOp.Average),
+        op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
         prescale=prescale_factor,
         postscale=postscale_factor,
         finish=lambda outs: outs[0],
@@ -252,7 +295,7 @@ def allreduce_async_(
         [work],
         [work],
         process_set,
-        op=_resolve_op(op, average, ReduceOp.Average),
+        op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
         prescale=prescale_factor,
         postscale=postscale_factor,
         finish=finish,
@@ -295,7 +338,7 @@ def grouped_allreduce_async(
         sources,
         outputs,
         process_set,
-        op=_resolve_op(op, average, ReduceOp.Average),
+        op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
         prescale=prescale_factor,
         postscale=postscale_factor,
         finish=list,
@@ -328,7 +371,7 @@ def grouped_allreduce_async_(
         list(works),
         list(works),
         process_set,
-        op=_resolve_op(op, average, ReduceOp.Average),
+        op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
         prescale=prescale_factor,
         postscale=postscale_factor,
         finish=done,
@@ -504,7 +547,9 @@ def poll(handle: Handle) -> bool:
 def synchronize(handle: Handle) -> Any:
     """Wait for an asynchronous operation and return its result (raises its error)."""
     if not isinstance(handle, Future):
-        raise _input_error(f"synchronize expects a Future from an *_async call, got {handle!r}")
+        raise _input_error(
+            f"synchronize expects a Handle (Future) from an *_async call, got {handle!r}"
+        )
     return handle.wait()
 
 

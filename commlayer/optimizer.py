@@ -95,6 +95,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
+        if op == ReduceOp.Adasum:
+            raise ValueError(
+                f"rank {runtime.rank()}: DistributedOptimizer(op=Adasum) is not supported: "
+                "Horovod applies Adasum to each "
+                "step's parameter change in an optimizer of its own; use op=Average or op=Sum, "
+                "or commlayer.allreduce(tensor, op=Adasum) on what you want combined"
+            )
         self._cl_named = _name_map(named_parameters)
         params = [p for group in self.param_groups for p in group["params"]]
         self._cl_names = _parameter_names(params, self._cl_named)

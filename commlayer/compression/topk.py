@@ -13,7 +13,10 @@ Selection, ``mode``:
    candidates |x| >= threshold (one comparison and one compaction over the tensor) and run
    ``torch.topk`` on the candidates only. Whenever at least k candidates pass, the k largest
    are all among them, so the result equals exact top-k; when too few pass (the sample
-   overestimated the threshold, rare with the 25% margin) it falls back to exact.
+   overestimated the threshold, rare with the 25% margin) it falls back to exact. The
+   compaction is ``kernels.threshold_select``, dispatched by the tensor's device and
+   COMMLAYER_KERNELS (numba on the CPU: 2.7x torch's in benchmarks/results/kernels.md; the CUDA
+   kernels on a GPU).
 
 Payload: values (the tensor's dtype) and int32 indices, 2 x 4 bytes per kept float32 element;
 reduced by allgather (each rank's k pairs are scattered and summed locally).
@@ -25,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+from commlayer import kernels
 from commlayer.compression.base import (
     Compressed,
     check_ratio,
@@ -76,7 +80,7 @@ class TopKCompressor:
         positions = torch.randint(0, count, (sample,), generator=self._generator)
         top_in_sample = min(sample, int(_MARGIN * k / count * sample) + 1)
         threshold = torch.topk(magnitude[positions], top_in_sample, sorted=False).values.min()
-        candidates = torch.nonzero(magnitude >= threshold).view(-1)
+        candidates = kernels.threshold_select(magnitude, float(threshold)).long()
         if candidates.numel() < k:
             self.fallbacks += 1
             return torch.topk(magnitude, k, sorted=False).indices

@@ -11,7 +11,7 @@ it pays, faster implementations picked per call by ``COMMLAYER_KERNELS`` (resolv
 | ``cupy`` | torch (CuPy has no CPU path) | ext/cuda via CuPy (cupy_cuda.py) |
 | ``torch`` | torch | torch |
 
-A kernel an implementation lacks (top-k everywhere, densify/sparsify, merge under numba-cuda)
+A kernel an implementation lacks (top-k everywhere, densify, merge under numba-cuda)
 or a dtype it does not handle (float16, bfloat16) runs the reference. Under ``auto`` on the CPU
 a kernel listed in ``TORCH_FASTER_ON_CPU`` runs the reference too: benchmarks/kernels.py
 measured torch at least as fast as numba for it (benchmarks/results/kernels.md). Naming
@@ -32,7 +32,7 @@ import torch
 
 from commlayer import config
 from commlayer.kernels import reference
-from commlayer.kernels.reference import densify, index_dtype, sparsify, topk
+from commlayer.kernels.reference import densify, index_dtype, topk
 
 __all__ = [
     "CHOICES",
@@ -48,7 +48,6 @@ __all__ = [
     "qsgd_dequantize",
     "qsgd_quantize",
     "scatter_add_",
-    "sparsify",
     "threshold_select",
     "topk",
     "use",

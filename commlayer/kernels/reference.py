@@ -41,12 +41,6 @@ def densify(idx: torch.Tensor, val: torch.Tensor, numel: int) -> torch.Tensor:
     return scatter_add_(out, idx, val)
 
 
-def sparsify(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The nonzero entries of a 1-D tensor, indices ascending."""
-    idx = torch.nonzero(dense).view(-1)
-    return idx.to(index_dtype(dense.numel())), dense[idx]
-
-
 def threshold_select(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Indices (ascending) of the entries with |x| >= threshold."""
     return torch.nonzero(x.abs() >= threshold).view(-1).to(index_dtype(x.numel()))

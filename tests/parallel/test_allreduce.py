@@ -329,3 +329,30 @@ def test_average_of_bool_is_refused(call: Any) -> None:
     """A mean of booleans has no bool value; Sum/Max (or) and Min/Product (and) do."""
     with pytest.raises(ValueError, match=f"rank {cl.rank()}: .*Average is not defined for bool"):
         call(torch.ones(cl.size(), dtype=torch.bool))
+
+
+# -- Adasum ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["out_of_place", "in_place", "grouped"])
+def test_adasum_combines_every_rank_in_horovods_tree(form: str) -> None:
+    """allreduce(op=Adasum) on every rank equals the Adasum tree of all ranks' tensors computed
+    locally (commlayer/adasum.py): the same bits everywhere."""
+    from commlayer import adasum
+
+    every = [
+        torch.randn(6, 5, generator=torch.Generator().manual_seed(40 + r)) for r in range(cl.size())
+    ]
+    mine = every[cl.rank()].clone()
+    want = adasum.combine(torch.stack([t * 0.5 for t in every])).view(6, 5) * 2.0
+    if form == "out_of_place":
+        got = cl.allreduce(mine, op=cl.Adasum, prescale_factor=0.5, postscale_factor=2.0)
+        assert torch.equal(mine, every[cl.rank()])
+    elif form == "in_place":
+        got = cl.allreduce_(mine, op=cl.Adasum, prescale_factor=0.5, postscale_factor=2.0)
+        assert got is mine
+    else:
+        got, other = cl.grouped_allreduce(
+            [mine, mine[:2]], op=cl.Adasum, prescale_factor=0.5, postscale_factor=2.0
+        )
+        first_rows = adasum.combine(torch.stack([t[:2] * 0.5 for t in every])).view(2, 5) * 2.0
+        assert torch.equal(other, first_rows)
+    assert torch.equal(got, want)

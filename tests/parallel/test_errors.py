@@ -41,7 +41,17 @@ CASES: dict[str, tuple[Callable[[], Any], str]] = {
     "none_allgather": (lambda: cl.allgather(None), "Tensor"),
     "numpy_broadcast": (lambda: cl.broadcast(_x().numpy(), 0), "Tensor"),
     "sparse_allreduce": (lambda: cl.allreduce(_x().to_sparse()), "sparse"),
-    "adasum_op": (lambda: cl.allreduce(_x(), op=cl.Adasum), "Adasum"),
+    "adasum_reducescatter": (lambda: cl.reducescatter(_x(), op=cl.Adasum), "Adasum"),
+    "adasum_integers": (
+        lambda: cl.allreduce_async(_x().long(), op=cl.Adasum),
+        "Adasum needs floating-point tensors, got int64",
+    ),
+    "adasum_optimizer": (
+        lambda: cl.DistributedOptimizer(
+            torch.optim.SGD([torch.nn.Parameter(_x())], lr=0.1), op=cl.Adasum
+        ),
+        "Adasum",
+    ),
     "op_and_average": (lambda: cl.allreduce(_x(), average=True, op=cl.Sum), "average"),
     "scalar_allgather": (lambda: cl.allgather(torch.tensor(1.0)), "dimension"),
     "scalar_alltoall": (lambda: cl.alltoall(torch.tensor(1.0)), "dimension"),

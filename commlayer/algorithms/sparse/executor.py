@@ -174,7 +174,7 @@ class SparseVector:
         assert block.idx is not None, "gtopk keeps its vector sparse"
         if block.val.numel() <= k:
             return block.idx[:0]
-        keep = torch.topk(block.val.abs(), k, sorted=False).indices.sort().values
+        keep = kernels.topk(block.val, k)[0].long()  # positions in the block, ascending
         mask = torch.ones(block.val.numel(), dtype=torch.bool)
         mask[keep] = False
         dropped = block.idx[mask]
