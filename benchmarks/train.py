@@ -14,7 +14,7 @@
 3. Every system trains the same model from the same seed with SGD momentum 0.9 on random
    inputs; a step is zero_grad, forward, backward, step. Median over ``--steps`` steps after
    ``--warmup``. For commlayer the worker also reports the overlap achieved: the fraction of
-   the engine's time in collectives that step() did not wait for (hidden behind backward).
+   the engine's time in collectives that passed outside step() (hidden behind backward).
 Horovod is measured when ``horovod.torch`` is importable (``scripts/install-horovod.sh`` builds
 it), in separate runs only: its background thread negotiates every cycle (1 ms) even when idle,
 so in a paired job it would slow the others' steps (tried: DDP's MLP step at 4 ranks went from
@@ -121,12 +121,65 @@ def _setup(system: str, model: nn.Module) -> tuple[nn.Module, Any, dict[str, Any
     return model, optimizer, {"rank": cl.rank(), "size": cl.size()}
 
 
-def _timed_step(model: nn.Module, optimizer: Any, inputs: torch.Tensor, targets: Any) -> float:
+def _timed_step(
+    model: nn.Module,
+    optimizer: Any,
+    inputs: torch.Tensor,
+    targets: Any,
+    in_step: list[float] | None = None,
+) -> float:
+    """One step's seconds; ``in_step``: commlayer's collective time that passed inside step()
+    is added to its one element (what backward did not hide)."""
     t0 = time.perf_counter()
     optimizer.zero_grad()
     F.cross_entropy(model(inputs), targets).backward()
-    optimizer.step()
+    if in_step is None:
+        optimizer.step()
+    else:
+        import commlayer as cl
+
+        before = cl.communication_stats()["collective_now_s"]
+        optimizer.step()
+        in_step[0] += cl.communication_stats()["collective_now_s"] - before
     return time.perf_counter() - t0
+
+
+class _HookTimer:
+    """Seconds spent inside post-accumulate-grad hooks (the per-gradient path of the optimizer):
+    every hook registered while installed is wrapped with a timer, whatever its owner calls it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._register = torch.Tensor.register_post_accumulate_grad_hook
+
+    def __enter__(self) -> _HookTimer:
+        timer, register = self, self._register
+
+        def timed_register(tensor: torch.Tensor, hook: Any) -> Any:
+            def timed(param: torch.Tensor) -> None:
+                t0 = time.perf_counter()
+                hook(param)
+                timer.seconds += time.perf_counter() - t0
+                timer.calls += 1
+
+            return register(tensor, timed)
+
+        torch.Tensor.register_post_accumulate_grad_hook = timed_register  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.Tensor.register_post_accumulate_grad_hook = self._register  # type: ignore[method-assign]
+
+
+def _engine_cpu_s() -> float:
+    """CPU seconds of commlayer's engine thread so far (0 where it cannot be read)."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "commlayer-engine" and thread.ident is not None:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return 0.0
 
 
 def paired_worker(args: argparse.Namespace) -> None:
@@ -139,13 +192,18 @@ def paired_worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     ddp_model, ddp_opt, ctx = _setup("ddp", build())
     torch.manual_seed(0)
-    cl_model, cl_opt, _ = _setup("commlayer", build())
+    with _HookTimer() as hooks:
+        cl_model, cl_opt, _ = _setup("commlayer", build())
     torch.manual_seed(1)
     inputs = torch.randn(args.batch, *input_shape)
     targets = torch.randint(0, classes, (args.batch,))
     ddp_t: list[float] = []
     cl_t: list[float] = []
+    hook_s = engine_s = 0.0
+    calls = 0
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            hook_s, calls, engine_s = hooks.seconds, hooks.calls, _engine_cpu_s()
         for system in ("ddp", "commlayer") if step % 2 == 0 else ("commlayer", "ddp"):
             if system == "ddp":
                 ddp_t.append(_timed_step(ddp_model, ddp_opt, inputs, targets))
@@ -160,6 +218,10 @@ def paired_worker(args: argparse.Namespace) -> None:
         "commlayer_step_ms": statistics.median(cl_t) * 1e3,
         # throughput ratio commlayer / DDP, per pair of neighbouring steps
         "ratio": statistics.median(d / c for d, c in zip(ddp_t, cl_t, strict=True)),
+        # commlayer's cost on the user's thread during backward, and its engine thread's CPU
+        "hook_ms_per_step": (hooks.seconds - hook_s) / args.steps * 1e3,
+        "hook_us_per_call": (hooks.seconds - hook_s) / max(hooks.calls - calls, 1) * 1e6,
+        "engine_cpu_ms_per_step": (_engine_cpu_s() - engine_s) / args.steps * 1e3,
     }
     import commlayer as cl
     from commlayer import runtime
@@ -182,13 +244,15 @@ def worker(args: argparse.Namespace) -> None:
     targets = torch.randint(0, classes, (args.batch,))
     times: list[float] = []
     comm_start: dict[str, float] = {}
+    in_step: list[float] | None = None
     for step in range(args.warmup + args.steps):
         if step == args.warmup and args.worker == "commlayer":
             import commlayer as cl
 
             comm_start = cl.communication_stats()
             optimizer.synchronize_wait_s = 0.0
-        times.append(_timed_step(model, optimizer, inputs, targets))
+            in_step = [0.0]
+        times.append(_timed_step(model, optimizer, inputs, targets, in_step))
     result: dict[str, Any] = {
         "system": args.worker,
         "model": args.model,
@@ -202,10 +266,12 @@ def worker(args: argparse.Namespace) -> None:
         import commlayer as cl
 
         stats = cl.communication_stats()
-        comm_s = stats["collective_s"] - comm_start["collective_s"]
+        comm_s = stats["collective_now_s"] - comm_start["collective_now_s"]
         result["collective_ms_per_step"] = comm_s / args.steps * 1e3
         result["waited_ms_per_step"] = optimizer.synchronize_wait_s / args.steps * 1e3
-        result["overlap"] = max(0.0, 1.0 - optimizer.synchronize_wait_s / comm_s) if comm_s else 0
+        # hidden: collective time that passed outside step(), i.e. behind forward and backward
+        assert in_step is not None
+        result["overlap"] = max(0.0, 1.0 - in_step[0] / comm_s) if comm_s else 0
         for key in ("cycles", "operations"):
             result[f"{key}_per_step"] = (stats[key] - comm_start[key]) / args.steps
         cl.shutdown()
@@ -284,13 +350,15 @@ def table(results: list[dict[str, Any]]) -> list[str]:
 def paired_table(results: list[dict[str, Any]]) -> list[str]:
     rows = [
         "| model | ranks | DDP step ms | commlayer step ms | commlayer / DDP samples/s "
-        "| commlayer wait |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
+        "| commlayer wait | hooks ms/step (us/call) | engine CPU ms/step |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for r in results:
         rows.append(
             f"| {r['model']} | {r['ranks']} | {r['ddp_step_ms']:.1f} "
-            f"| {r['commlayer_step_ms']:.1f} | {r['ratio']:.2f} | {r['wait']} |"
+            f"| {r['commlayer_step_ms']:.1f} | {r['ratio']:.2f} | {r['wait']} "
+            f"| {r['hook_ms_per_step']:.2f} ({r['hook_us_per_call']:.0f}) "
+            f"| {r['engine_cpu_ms_per_step']:.1f} |"
         )
     return rows
 
@@ -322,6 +390,11 @@ def driver(args: argparse.Namespace) -> None:
     results = []
     paired = []
     for model in args.models:
+        if args.paired_only:
+            for ranks in args.np:
+                paired.append(run_one(args, "paired", model, ranks))
+                print(paired_table(paired)[-1], flush=True)
+            continue
         results.append(run_one(args, "single", model, 1))
         print(table(results)[-1], flush=True)
         for ranks in args.np:
@@ -362,6 +435,11 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also run DDP (and Horovod) with commlayer's glibc malloc thresholds",
+    )
+    parser.add_argument(
+        "--paired-only",
+        action="store_true",
+        help="only the paired DDP/commlayer jobs (a before/after check of a change)",
     )
     parser.add_argument("--out", help="also write the table here")
     parser.add_argument("--worker", choices=("single", "paired", *SYSTEMS), help=argparse.SUPPRESS)

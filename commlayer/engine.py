@@ -146,6 +146,9 @@ class Engine:
         self.rank = backend.rank
         self.size = backend.size
         self.stats = Stats()
+        # perf_counter() when the collective in progress started (None between collectives):
+        # collective_now_s() counts the elapsed part of the running one too.
+        self._collective_since: float | None = None
         self._timeline = timeline or open_timeline(config.timeline_path, backend.rank)
         self._tracing = not isinstance(self._timeline, NullTimeline)
         self._mark_cycles = False
@@ -478,6 +481,8 @@ class Engine:
 
     # -- what the fused allreduce runner reports back (runners/allreduce.Host) ------------------
     def wait(self, request: Request) -> None:
+        """Wait on a collective's request (counted by ``account`` once done)."""
+        self._collective_since = time.perf_counter()
         self._wait(request)
 
     def account(self, nbytes: int, size: int, seconds: float, factor: float) -> None:
@@ -494,11 +499,19 @@ class Engine:
     def complete(self, op: Any, result: Any) -> None:
         self._complete(op, result)
 
+    def collective_now_s(self) -> float:
+        """Seconds in collectives so far, the running one's elapsed part included (any thread):
+        ``stats.collective_s`` grows only when a collective ends, so a reader comparing it
+        before and after a wait would count a collective that started before as all waited."""
+        since = self._collective_since
+        return self.stats.collective_s + (time.perf_counter() - since if since else 0.0)
+
     def _account(self, nbytes: int, size: int, seconds: float, factor: float) -> None:
         self.stats.operations += 1
         self.stats.payload_bytes += nbytes
         self.stats.wire_bytes += nbytes * factor * (size - 1) / max(size, 1)
         self.stats.collective_s += seconds
+        self._collective_since = None
 
     def _run_other(
         self, state: _SetState, response: Response, op: Operation | None, active: list[int]
@@ -523,7 +536,7 @@ class Engine:
         runner = _RUNNERS[kind]
         raw, request, nbytes, factor = runner(backend, response, op, active)
         t1 = time.perf_counter()
-        self._wait(request)
+        self.wait(request)
         t2 = time.perf_counter()
         self._account(nbytes, backend.size, t2 - t1, factor)
         if op is not None and self._tracing:

@@ -134,8 +134,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cl_sparse_dims: dict[torch.nn.Parameter, int] = {}
         self._cl_synchronized = False
         self._cl_should_synchronize = True
-        # Seconds step()/synchronize() spent blocked on reductions: communication that backward
-        # did not hide. overlap = 1 - synchronize_wait_s / (engine collective time).
+        # Seconds step()/synchronize() spent blocked on reductions: the collective time that
+        # passed meanwhile (communication_stats()["collective_now_s"] before and after: what
+        # backward did not hide) plus the wait outside collectives (negotiation, queueing).
         self.synchronize_wait_s = 0.0
         self._cl_hooks: list[Any] = []
         self._cl_hook(params)

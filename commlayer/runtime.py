@@ -150,8 +150,11 @@ def config() -> Config:
 def communication_stats() -> dict[str, float]:
     """Counters of this rank's engine since init: operations (collectives run, fused buckets
     counted once), payload_bytes reduced or moved, wire_bytes (estimate of bytes a bandwidth-
-    optimal algorithm sends from this rank), collective_s (time inside collectives), cycles."""
-    return dataclasses.asdict(engine().stats)
+    optimal algorithm sends from this rank), collective_s (time inside collectives that
+    ended), collective_now_s (the same, with the elapsed part of the one running now: the
+    figure to take before and after a wait), cycles."""
+    current = engine()
+    return {**dataclasses.asdict(current.stats), "collective_now_s": current.collective_now_s()}
 
 
 def is_initialized() -> bool:

@@ -75,20 +75,17 @@ DEMO_MODEL = {"channels": (32, 64), "hidden": 256}
 
 
 class Ledger:
-    """Splits this rank's time in collectives (``communication_stats()["collective_s"]``, the
-    engine's time inside collectives) by what the training thread was doing when each one
-    completed, so that the parts add up:
+    """Splits this rank's time in collectives (``communication_stats()["collective_now_s"]``,
+    the engine's time inside collectives, the running one's elapsed part included) by what the
+    training thread was doing meanwhile, so that the parts add up:
 
-    1. ``seconds["step"]``: collectives that completed while ``step()`` ran (it waits for the
+    1. ``seconds["step"]``: collective time that passed while ``step()`` ran (it waits for the
        gradients still in flight); ``seconds["blocking"]``: while a blocking call of this
        script ran (broadcasts, the per-epoch loss and accuracy allreduces).
-    2. hidden = total - both: completed while forward or backward ran. A collective still
-       running when ``step()`` begins counts as waited for in full, so this is a lower bound
-       of what backward hid.
+    2. hidden = total - both: collective time that passed while forward or backward ran.
     3. ``step()``'s wait (``DistributedOptimizer.synchronize_wait_s``) = ``seconds["step"]`` +
        the wait outside any collective: negotiating while the peer is still in backward,
-       queueing behind the engine thread, packing and unpacking buckets (slightly understated
-       when a collective straddles the start of ``step()``).
+       queueing behind the engine thread, packing and unpacking buckets.
     """
 
     __slots__ = ("seconds",)
@@ -98,10 +95,10 @@ class Ledger:
 
     @contextmanager
     def completing(self, during: str) -> Iterator[None]:
-        """Add to ``seconds[during]`` the collective time that completes inside the block."""
-        before = cl.communication_stats()["collective_s"]
+        """Add to ``seconds[during]`` the collective time that passes inside the block."""
+        before = cl.communication_stats()["collective_now_s"]
         yield
-        self.seconds[during] += cl.communication_stats()["collective_s"] - before
+        self.seconds[during] += cl.communication_stats()["collective_now_s"] - before
 
 
 def train(args: argparse.Namespace) -> float:
@@ -155,7 +152,7 @@ def report(
     stats = cl.communication_stats()
     if cl.rank() != 0:
         return
-    total = stats["collective_s"]
+    total = stats["collective_now_s"]
     in_step, blocking = ledger.seconds["step"], ledger.seconds["blocking"]
     hidden = total - in_step - blocking
     gradients = hidden + in_step  # the gradient reductions DistributedOptimizer ran
