@@ -10,32 +10,65 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from commlayer.algorithms.schedule import Schedule
 from commlayer.algorithms.topology import Topology
 
 Builder = Callable[[int, int, int, Topology], Schedule]  # (rank, size, numel, topology)
 B = TypeVar("B", bound=Builder)
+V = TypeVar("V")
 
 NATIVE = ("mpi", "shm")  # run by the backend, not as a schedule
 ONE_NODE = ("shm",)  # natives that need every rank on one node
 AUTO = "auto"
-_SCHEDULES: dict[str, Builder] = {}
-# Bumped by every change of the registry: caches keyed by an algorithm's name include it, so a
-# name registered again (tests) is never answered from its predecessor's entry.
-_generation = 0
+
+
+class Registry(Generic[V]):
+    """Names to plug-in values (a builder; for sparse algorithms, with its policy), and a
+    generation bumped by every change: caches keyed by an algorithm's name include it, so a
+    name registered again (tests) is never answered from its predecessor's entry. The dense
+    and the sparse registries are two of these."""
+
+    __slots__ = ("entries", "generation", "_reserved", "_kind")
+
+    def __init__(self, kind: str, reserved: tuple[str, ...]) -> None:
+        self.entries: dict[str, V] = {}
+        self.generation = 0
+        self._reserved = reserved  # names taken by natives and auto
+        self._kind = kind  # "allreduce algorithm", "sparse allreduce algorithm"
+
+    def add(self, name: str, value: V) -> None:
+        if name in self.entries or name in self._reserved:
+            article = "an" if self._kind[0] in "aeiou" else "a"
+            raise ValueError(f"{article} {self._kind} named {name!r} is already registered")
+        self.entries[name] = value
+        self.generation += 1
+
+    def remove(self, name: str) -> None:
+        if self.entries.pop(name, None) is None:
+            what = self._kind.replace("allreduce algorithm", "schedule algorithm")
+            raise ValueError(f"{name!r} is not a registered {what}")
+        self.generation += 1
+
+    @contextlib.contextmanager
+    def temporarily(self, name: str, value: V) -> Iterator[None]:
+        """``value`` registered as ``name`` inside the block, removed after it (tests)."""
+        self.add(name, value)
+        try:
+            yield
+        finally:
+            self.remove(name)
+
+
+_SCHEDULES: Registry[Builder] = Registry("allreduce algorithm", (*NATIVE, AUTO))
 
 
 def register(name: str) -> Callable[[B], B]:
     """Decorator: make a schedule builder available under ``name``."""
 
     def decorate(builder: B) -> B:
-        global _generation
-        if name in _SCHEDULES or name in NATIVE or name == AUTO:
-            raise ValueError(f"an allreduce algorithm named {name!r} is already registered")
-        _SCHEDULES[name] = builder
-        _generation += 1
+        _SCHEDULES.add(name, builder)
         return builder
 
     return decorate
@@ -43,35 +76,27 @@ def register(name: str) -> Callable[[B], B]:
 
 def unregister(name: str) -> None:
     """Remove schedule algorithm ``name`` (ValueError if it is not one)."""
-    global _generation
-    if _SCHEDULES.pop(name, None) is None:
-        raise ValueError(f"{name!r} is not a registered schedule algorithm")
-    _generation += 1
+    _SCHEDULES.remove(name)
 
 
-@contextlib.contextmanager
-def registered(name: str, builder: Builder) -> Iterator[None]:
+def registered(name: str, builder: Builder) -> contextlib.AbstractContextManager[None]:
     """``builder`` registered as ``name`` inside the block, removed after it (tests)."""
-    register(name)(builder)
-    try:
-        yield
-    finally:
-        unregister(name)
+    return _SCHEDULES.temporarily(name, builder)
 
 
 def generation() -> int:
     """A number that changes whenever an algorithm is registered or removed."""
-    return _generation
+    return _SCHEDULES.generation
 
 
 def schedules() -> list[str]:
     """The registered schedule algorithms, sorted."""
-    return sorted(_SCHEDULES)
+    return sorted(_SCHEDULES.entries)
 
 
 def available() -> list[str]:
     """Every name COMMLAYER_ALLREDUCE_ALGORITHM accepts."""
-    return [AUTO, *NATIVE, *sorted(_SCHEDULES)]
+    return [AUTO, *NATIVE, *sorted(_SCHEDULES.entries)]
 
 
 def schedule(
@@ -79,10 +104,10 @@ def schedule(
 ) -> Schedule:
     """Rank's schedule under algorithm ``name`` for a buffer of ``numel`` elements (one node
     unless ``topology`` says otherwise)."""
-    builder = _SCHEDULES.get(name)
+    builder = _SCHEDULES.entries.get(name)
     if builder is None:
         raise ValueError(
-            f"{name!r} is not a schedule algorithm; schedules: {', '.join(sorted(_SCHEDULES))}"
+            f"{name!r} is not a schedule algorithm; schedules: {', '.join(schedules())}"
         )
     if size == 1 or numel == 0:
         return []

@@ -9,10 +9,11 @@ with no table to edit.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from commlayer.algorithms.registry import Registry
 from commlayer.algorithms.schedule import Schedule
 from commlayer.algorithms.topology import Topology
 
@@ -36,19 +37,16 @@ class Policy:
 
 Builder = Callable[[int, int, int, Topology], Schedule]  # (rank, size, numel, topology)
 B = TypeVar("B", bound=Builder)
-_SCHEDULES: dict[str, tuple[Builder, Policy]] = {}
-_generation = 0  # bumped by every change: caches keyed by a name include it
+_SCHEDULES: Registry[tuple[Builder, Policy]] = Registry(
+    "sparse allreduce algorithm", (*NATIVE, AUTO)
+)
 
 
 def register(name: str, policy: Policy) -> Callable[[B], B]:
     """Decorator: make a sparse schedule builder available under ``name``."""
 
     def decorate(builder: B) -> B:
-        global _generation
-        if name in _SCHEDULES or name in NATIVE or name == AUTO:
-            raise ValueError(f"a sparse allreduce algorithm named {name!r} is already registered")
-        _SCHEDULES[name] = (builder, policy)
-        _generation += 1
+        _SCHEDULES.add(name, (builder, policy))
         return builder
 
     return decorate
@@ -56,35 +54,29 @@ def register(name: str, policy: Policy) -> Callable[[B], B]:
 
 def unregister(name: str) -> None:
     """Remove sparse schedule algorithm ``name`` (ValueError if it is not one)."""
-    global _generation
-    if _SCHEDULES.pop(name, None) is None:
-        raise ValueError(f"{name!r} is not a registered sparse schedule algorithm")
-    _generation += 1
+    _SCHEDULES.remove(name)
 
 
-@contextlib.contextmanager
-def registered(name: str, policy: Policy, builder: Builder) -> Iterator[None]:
+def registered(
+    name: str, policy: Policy, builder: Builder
+) -> contextlib.AbstractContextManager[None]:
     """``builder`` registered as ``name`` inside the block, removed after it (tests)."""
-    register(name, policy)(builder)
-    try:
-        yield
-    finally:
-        unregister(name)
+    return _SCHEDULES.temporarily(name, (builder, policy))
 
 
 def generation() -> int:
     """A number that changes whenever an algorithm is registered or removed."""
-    return _generation
+    return _SCHEDULES.generation
 
 
 def available() -> list[str]:
     """Every name COMMLAYER_SPARSE_ALGORITHM accepts."""
-    return [AUTO, *NATIVE, *sorted(_SCHEDULES)]
+    return [AUTO, *NATIVE, *sorted(_SCHEDULES.entries)]
 
 
 def exact() -> list[str]:
     """The algorithms whose result is the exact sum (``auto`` picks among these)."""
-    return [*NATIVE, *sorted(n for n, (_, p) in _SCHEDULES.items() if p.exact)]
+    return [*NATIVE, *sorted(n for n, (_, p) in _SCHEDULES.entries.items() if p.exact)]
 
 
 def check_name(name: str) -> str:
@@ -96,18 +88,20 @@ def check_name(name: str) -> str:
 
 
 def policy(name: str) -> Policy:
-    return Policy(switch=True) if name in NATIVE else _SCHEDULES[name][1]
+    return Policy(switch=True) if name in NATIVE else _SCHEDULES.entries[name][1]
 
 
 def schedule(
     name: str, rank: int, size: int, numel: int, topology: Topology | None = None
 ) -> Schedule:
     """Rank's schedule under sparse algorithm ``name`` (one node unless ``topology`` says)."""
-    if name not in _SCHEDULES:
-        raise ValueError(f"{name!r} is not a sparse schedule; schedules: {sorted(_SCHEDULES)}")
+    if name not in _SCHEDULES.entries:
+        raise ValueError(
+            f"{name!r} is not a sparse schedule; schedules: {sorted(_SCHEDULES.entries)}"
+        )
     if size == 1 or numel == 0:
         return []
     topology = topology or Topology.flat(size)
     if topology.size != size:
         raise ValueError(f"topology of {topology.size} ranks for a group of {size}")
-    return _SCHEDULES[name][0](rank, size, numel, topology)
+    return _SCHEDULES.entries[name][0](rank, size, numel, topology)
