@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -160,6 +161,40 @@ def test_distributed_optimizer_reduces_topk_sparse(
             torch.testing.assert_close(g[name], w[name], msg=f"step {step} {name}", **EXACT)
     if algorithm != "auto":  # auto may pick allgather for these small tensors
         assert sorted(set(made)) == ["grad.v", "grad.w"]  # b is below the compression threshold
+
+
+def test_topo_sparse_from_the_optimizer_runs_on_the_jobs_topology(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """topo_sparse through the optimizer gets the process set's topology (here
+    COMMLAYER_TOPOLOGY's two nodes of two ranks), not a flat one, and still gives what the
+    allgather path gives."""
+    if cl.size() != 4:
+        pytest.skip("two nodes of two ranks: 4 ranks")
+    from restart import reinit
+    from test_compression import EXACT, SHAPES, _simulate, _train
+
+    from commlayer.compression import communicator
+    from commlayer.compression.sparse_reduction import SparseReduction
+
+    seen: list[tuple[int, ...]] = []
+
+    class Seen(SparseReduction):
+        def __init__(self, *args: object, topology: Any = None, **kwargs: object) -> None:
+            seen.append(topology.node_of)
+            super().__init__(*args, topology=topology, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(communicator, "SparseReduction", Seen)
+    reinit(topology="nodes=2,local=2", sparse_algorithm="topo_sparse")
+    try:
+        got, _ = _train("topk:ratio=0.05")
+    finally:
+        reinit()
+    want = _simulate("topk:ratio=0.05")
+    for step, (g, w) in enumerate(zip(got, want)):
+        for name in SHAPES:
+            torch.testing.assert_close(g[name], w[name], msg=f"step {step} {name}", **EXACT)
+    assert seen and set(seen) == {(0, 0, 1, 1)}, seen
 
 
 def test_distributed_optimizer_gtopk_keeps_dropped_mass_in_the_residual() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -322,3 +323,34 @@ def test_add_dropped_goes_into_the_residual() -> None:
     assert torch.equal(ef.residuals["g"], before + torch.tensor([[4.0, 0.0], [0.0, 2.0]]))
     with pytest.raises(ValueError, match="add_dropped\\('h'\\): nothing was compressed"):
         ef.add_dropped("h", torch.tensor([0]), torch.tensor([1.0]))
+
+
+def test_topo_sparse_defaults_to_the_backends_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct API without a topology runs topo_sparse on the backend's nodes (here 2 nodes
+    of 2 loopback ranks), not flat: the schedule it builds is the one for that layout."""
+    from commlayer.algorithms.sparse import executor
+
+    seen: list[tuple[int, ...]] = []
+    original = executor.sparse.schedule
+
+    def spy(name: str, rank: int, size: int, numel: int, topology: Topology | None = None) -> Any:
+        assert topology is not None
+        seen.append(topology.node_of)
+        return original(name, rank, size, numel, topology)
+
+    monkeypatch.setattr(executor.sparse, "schedule", spy)
+    n = 64
+    inputs = supports("overlapping", 4, n, seed=5)
+
+    def rank(b: LoopbackBackend) -> SparseResult:
+        req = sparse_allreduce(b, *inputs[b.rank], n, "topo_sparse")
+        deadline = time.monotonic() + 20.0
+        while not req.test():
+            assert time.monotonic() < deadline, "topo_sparse did not complete"
+            time.sleep(0)
+        assert req.result is not None
+        return req.result
+
+    for result in run_ranks(4, rank, nodes=[0, 0, 1, 1]):
+        assert torch.equal(result.dense(), dense_sum(inputs, n))
+    assert seen and set(seen) == {(0, 0, 1, 1)}

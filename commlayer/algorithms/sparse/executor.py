@@ -547,8 +547,11 @@ def sparse_allreduce(
     """Start summing every rank's sparse vector (``indices`` in any order, repeats summed) of
     ``numel`` elements; poll ``test()``, then read ``result`` (and ``dropped`` for gtopk, which
     keeps ``k`` entries). Every rank passes the same algorithm, numel and k. ``choice``: the
-    kernels (COMMLAYER_KERNELS when None)."""
+    kernels (COMMLAYER_KERNELS when None). ``topology``: default the backend's nodes (ranks
+    sharing a machine), so topo_sparse reduces within nodes first; pass one to override."""
     sparse.check_name(algorithm)
+    if topology is None:
+        topology = Topology(tuple(backend.nodes()))
     idx, val = prepare(indices, values, numel)
     if algorithm == sparse.AUTO:
         return AutoRequest(backend, idx, val, numel, k, topology, choice)
