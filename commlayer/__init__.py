@@ -38,6 +38,7 @@ from commlayer.ops import (
     allreduce_async_,
     alltoall_async,
     barrier,
+    batch,
     broadcast_async,
     broadcast_async_,
     grouped_allgather_async,

@@ -154,12 +154,10 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "COMMLAYER_MIN_BUCKET_BYTES",
         "min_bucket_bytes",
         _BYTES,
-        "DistributedOptimizer's bucket size: from the second step on, uncompressed gradients "
-        "travel in buckets of this many bytes (in the first step's ready order, one allreduce "
-        "each, sent when its last gradient is ready); in the first step, and for compressed "
-        "gradients, they wait in the engine until this many bytes of them are ready, the "
-        "step's last one arrives, step() waits for them, or 100 ms passed; 0 sends each "
-        "gradient alone; default 1 MiB",
+        "DistributedOptimizer's bucket size: gradients are reduced in buckets of this many "
+        "bytes, each sent when its last gradient is ready (the first step in backward's ready "
+        "order, then fixed buckets in rank 0's order of that step, one dtype and compressor a "
+        "bucket); 0 sends each gradient alone; default 1 MiB",
     ),
     (
         "COMMLAYER_CYCLE_TIME",
