@@ -199,11 +199,15 @@ def paired_worker(args: argparse.Namespace) -> None:
     targets = torch.randint(0, classes, (args.batch,))
     ddp_t: list[float] = []
     cl_t: list[float] = []
-    hook_s = engine_s = 0.0
+    hook_s = engine_s = engine_end_s = 0.0
     calls = 0
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             hook_s, calls, engine_s = hooks.seconds, hooks.calls, _engine_cpu_s()
+        if step == args.warmup + args.steps - 1:
+            # read before the last step, not after the loop: a peer that finished may shut
+            # down, and this rank's engine thread ends with it (its CPU clock then reads 0)
+            engine_end_s = _engine_cpu_s()
         for system in ("ddp", "commlayer") if step % 2 == 0 else ("commlayer", "ddp"):
             if system == "ddp":
                 ddp_t.append(_timed_step(ddp_model, ddp_opt, inputs, targets))
@@ -221,7 +225,7 @@ def paired_worker(args: argparse.Namespace) -> None:
         # commlayer's cost on the user's thread during backward, and its engine thread's CPU
         "hook_ms_per_step": (hooks.seconds - hook_s) / args.steps * 1e3,
         "hook_us_per_call": (hooks.seconds - hook_s) / max(hooks.calls - calls, 1) * 1e6,
-        "engine_cpu_ms_per_step": (_engine_cpu_s() - engine_s) / args.steps * 1e3,
+        "engine_cpu_ms_per_step": (engine_end_s - engine_s) / max(args.steps - 1, 1) * 1e3,
     }
     import commlayer as cl
     from commlayer import runtime
