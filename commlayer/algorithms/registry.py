@@ -109,6 +109,14 @@ def schedule(
         raise ValueError(
             f"{name!r} is not a schedule algorithm; schedules: {', '.join(schedules())}"
         )
+    return build(builder, rank, size, numel, topology)
+
+
+def build(
+    builder: Builder, rank: int, size: int, numel: int, topology: Topology | None
+) -> Schedule:
+    """``builder``'s schedule for ``rank`` (dense or sparse: the checks both registries make):
+    nothing to do alone or for an empty buffer; one node unless ``topology`` says otherwise."""
     if size == 1 or numel == 0:
         return []
     topology = topology or Topology.flat(size)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from commlayer.algorithms.registry import Registry
+from commlayer.algorithms.registry import Registry, build
 from commlayer.algorithms.schedule import Schedule
 from commlayer.algorithms.topology import Topology
 
@@ -99,9 +99,4 @@ def schedule(
         raise ValueError(
             f"{name!r} is not a sparse schedule; schedules: {sorted(_SCHEDULES.entries)}"
         )
-    if size == 1 or numel == 0:
-        return []
-    topology = topology or Topology.flat(size)
-    if topology.size != size:
-        raise ValueError(f"topology of {topology.size} ranks for a group of {size}")
-    return _SCHEDULES.entries[name][0](rank, size, numel, topology)
+    return build(_SCHEDULES.entries[name][0], rank, size, numel, topology)
