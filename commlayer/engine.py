@@ -354,7 +354,7 @@ class Engine:
                 continue
             result = state.negotiator.cycle()
             for op, error in result.failed:
-                self._complete(op, error=error)
+                self.complete(op, error=error)
             self._execute(set_id, state, result)
             if set_id == 0:
                 if result.all_joined_last is not None:
@@ -390,7 +390,7 @@ class Engine:
             )
         )
         for op in leftovers:
-            self._complete(op, error=error)
+            self.complete(op, error=error)
         if join is not None:
             join._set(error=error)
 
@@ -433,7 +433,7 @@ class Engine:
             )
 
     # -- execution -------------------------------------------------------------------------------
-    def _complete(
+    def complete(
         self, op: Operation, result: Any = None, error: BaseException | None = None
     ) -> None:
         with self._cv:
@@ -457,7 +457,7 @@ class Engine:
                 self._timeline.span(op.name, "NEGOTIATING", op.t_negotiate, now)
             if response.error is not None:
                 if op is not None:
-                    self._complete(
+                    self.complete(
                         op, error=TensorMismatchError(f"rank {self.rank}: {response.error}")
                     )
             elif response.kind == ALLREDUCE:
@@ -474,19 +474,16 @@ class Engine:
                 raw = self._run_other(state, response, op, active)
             except CommlayerError as exc:
                 if op is not None:
-                    self._complete(op, error=exc)
+                    self.complete(op, error=exc)
                 continue
             if op is not None:
-                self._complete(op, raw)
+                self.complete(op, raw)
 
     # -- what the fused allreduce runner reports back (runners/allreduce.Host) ------------------
     def wait(self, request: Request) -> None:
         """Wait on a collective's request (counted by ``account`` once done)."""
         self._collective_since = time.perf_counter()
         self._wait(request)
-
-    def account(self, nbytes: int, size: int, seconds: float, factor: float) -> None:
-        self._account(nbytes, size, seconds, factor)
 
     def spans(self, name: str, times: tuple[float, float, float, float], **args: Any) -> None:
         """Pack, collective and unpack of ``name``'s part of a fused bucket, when tracing."""
@@ -496,9 +493,6 @@ class Engine:
             self._timeline.span(name, "COLLECTIVE", t1, t2, bytes=args["bytes"])
             self._timeline.span(name, "FUSION_UNPACK", t2, t3)
 
-    def complete(self, op: Any, result: Any) -> None:
-        self._complete(op, result)
-
     def collective_now_s(self) -> float:
         """Seconds in collectives so far, the running one's elapsed part included (any thread):
         ``stats.collective_s`` grows only when a collective ends, so a reader comparing it
@@ -506,7 +500,7 @@ class Engine:
         since = self._collective_since
         return self.stats.collective_s + (time.perf_counter() - since if since else 0.0)
 
-    def _account(self, nbytes: int, size: int, seconds: float, factor: float) -> None:
+    def account(self, nbytes: int, size: int, seconds: float, factor: float) -> None:
         self.stats.operations += 1
         self.stats.payload_bytes += nbytes
         self.stats.wire_bytes += nbytes * factor * (size - 1) / max(size, 1)
@@ -538,7 +532,7 @@ class Engine:
         t1 = time.perf_counter()
         self.wait(request)
         t2 = time.perf_counter()
-        self._account(nbytes, backend.size, t2 - t1, factor)
+        self.account(nbytes, backend.size, t2 - t1, factor)
         if op is not None and self._tracing:
             self._timeline.span(op.name, "COLLECTIVE", t1, t2, bytes=nbytes, kind=kind)
             self._timeline.span(op.name, "FUSION_PACK", t0, t1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import _thread
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -152,6 +152,35 @@ class Future:
 
 
 Handle = Future  # Horovod's name for what an *_async call returns
+
+
+def combined(name: str, parts: Sequence[Any], combine: Callable[[list[Any]], Any]) -> Future:
+    """A future over several (commlayer or torch) futures: done once all are, its result
+    ``combine(results)`` (or the first part's error), computed by the thread that completes the
+    last part; done at once, with ``combine([])``, when there are none."""
+    out = Future(name)
+    remaining = [len(parts)]
+    lock = threading.Lock()
+
+    def finish() -> None:
+        try:
+            results = [part.wait() for part in parts]  # all done: no wait, or a part's error
+            out.set_result(combine(results))
+        except BaseException as exc:  # noqa: BLE001 - the combined future's outcome
+            out.set_exception(exc)
+
+    def one_done(_: Any) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        finish()
+
+    if not parts:
+        finish()
+    for part in parts:
+        part.add_done_callback(one_done)
+    return out
 
 
 def _run(callback: Callable[[Future], None], future: Future) -> None:

@@ -19,7 +19,7 @@ import torch
 from commlayer import adasum, runtime
 from commlayer.algorithms.topology import Topology
 from commlayer.engine import Operation
-from commlayer.future import Future, Handle
+from commlayer.future import Future, Handle, combined
 from commlayer.negotiation import (
     ALLGATHER,
     ALLREDUCE,
@@ -249,7 +249,7 @@ def _adasum(
                 out.mul_(postscale)
         return finish(outputs) if finish is not None else outputs
 
-    return _combined(base, parts, combine)
+    return combined(base, parts, combine)
 
 
 # -- allreduce -----------------------------------------------------------------------------------
@@ -602,29 +602,6 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 # -- grouped allgather and reducescatter, sparse allreduce ---------------------------------------
-def _combined(name: str, parts: Sequence[Future], combine: Callable[[list[Any]], Any]) -> Future:
-    """A future over several operations: done once all are, its result ``combine(results)``
-    (or the first part's error), computed by the thread that completes the last part."""
-    out = Future(name)
-    remaining = [len(parts)]
-    lock = threading.Lock()
-
-    def one_done(_: Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        try:
-            results = [part.wait() for part in parts]  # all done: no wait, or a part's error
-            out.set_result(combine(results))
-        except BaseException as exc:  # noqa: BLE001 - the combined future's outcome
-            out.set_exception(exc)
-
-    for part in parts:
-        part.add_done_callback(one_done)
-    return out
-
-
 def _grouped(
     kind: str,
     tensors: Sequence[torch.Tensor],
@@ -639,7 +616,7 @@ def _grouped(
     base = _auto_name(f"grouped_{kind}", name, _set_id(process_set))
     with batch():
         handles = [start(tensor, f"{base}.{i}") for i, tensor in enumerate(tensors)]
-    return _combined(base, handles, list)
+    return combined(base, handles, list)
 
 
 def grouped_allgather_async(
@@ -717,7 +694,7 @@ def sparse_allreduce_async(
         )
         return torch.sparse_coo_tensor(summed.indices(), divided, source.shape).coalesce()
 
-    return _combined(base, handles, combine)
+    return combined(base, handles, combine)
 
 
 # -- timeline --------------------------------------------------------------------------------------

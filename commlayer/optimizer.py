@@ -114,7 +114,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         )
         self._cl_passes_per_step = backward_passes_per_step
         self._cl_op = op
-        self._cl_predivide = gradient_predivide_factor
         self._cl_sparse_as_dense = sparse_as_dense
         self._cl_process_set = process_set
         self._cl_handles = {}

@@ -32,7 +32,6 @@ commlayer.ops); ``commlayer.compression`` itself does not import it.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -44,7 +43,7 @@ from commlayer.compression import wire
 from commlayer.compression.base import Compressed, Compressor
 from commlayer.compression.sparse_reduction import SparseReduction, engine_algorithm
 from commlayer.errors import PayloadError
-from commlayer.future import Future
+from commlayer.future import Future, combined
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import ReduceOp
 
@@ -303,7 +302,7 @@ class Communicator:
                 self._sum_records(result, mine, local, compressor, name)
 
             parts.append(chain(gathered, decode, lambda: None))
-        return _all(parts, tensors)
+        return combined(name, parts, lambda _: tensors)
 
     def _sum_records(
         self,
@@ -340,32 +339,6 @@ class Communicator:
 
     def _malformed(self, name: str, exc: PayloadError) -> PayloadError:
         return PayloadError(f"rank {self.transport.rank}: {self.what} {name!r}: malformed {exc}")
-
-
-def _all(parts: list[FutureLike], value: Any) -> Future:
-    """A future done with ``value`` once every part is (or with the first part's error)."""
-    out = Future()
-    remaining = [len(parts)]
-    lock = threading.Lock()
-
-    def finish() -> Any:
-        for part in parts:
-            part.wait()  # done: raises a part's error
-        return value
-
-    def one_done(_: Any) -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        _settle(out, finish)
-
-    if not parts:
-        out.set_result(value)
-
-    for part in parts:
-        part.add_done_callback(one_done)
-    return out
 
 
 def _write(tensor: torch.Tensor, value: torch.Tensor) -> None:
