@@ -1,19 +1,26 @@
 """commlayerrun: launch a training script on N processes through the available mpiexec.
 
-    commlayerrun -np 4 [-H host1:2,host2:2 | --hostfile FILE] python train.py ...
+    commlayerrun -np 4 [-H host1:2,host2:2 | --hostfile FILE] [--launcher-exec PATH] python ...
     commlayerrun --check-build
 
 Wraps MPICH's (the ``mpich`` wheel's, or a system one) or Open MPI's launcher, passes every
 COMMLAYER_* variable to all ranks, and sets defaults that suit small or oversubscribed machines:
 one OpenMP thread per rank when there are more ranks than cores (torch would start one thread
 per core in every rank), no core binding, and Open MPI's yield-when-idle.
+
+Hosts of the namespace cluster of ``scripts/cluster.sh`` (node1, node2, ...: their state is in
+CLUSTER_DIR) are recognised: mpiexec then starts on the first host of the job, as on a cluster's
+login node, and enters the others through the cluster's launcher in place of ssh, with the
+environment the cluster's MPI needs (its ``mpi.env``: TCP between hosts, shared memory within).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -23,6 +30,9 @@ from pathlib import Path
 
 from commlayer import config
 from commlayer.registries import REGISTRIES
+
+# Written by scripts/cluster.sh up, removed by its down.
+CLUSTER_DIR = Path("/run/commlayer-cluster")
 
 _NO_MPI = (
     "commlayerrun: no MPI launcher (mpiexec or mpirun) was found. Install one, e.g.\n"
@@ -63,23 +73,84 @@ def build_command(
     hostfile: str | None,
     command: Sequence[str],
     environ: dict[str, str],
+    launcher_exec: str | None = None,
+    passed: Sequence[str] = (),
 ) -> list[str]:
-    """The full launcher command line for ``command`` on ``np`` ranks."""
-    names = sorted(k for k in environ if k.startswith("COMMLAYER_") or k == "OMP_NUM_THREADS")
+    """The full launcher command line for ``command`` on ``np`` ranks. ``launcher_exec``: the
+    program that starts the launcher's daemon on another host in place of ssh, called as ssh
+    is (``PATH [options] HOST COMMAND``). ``passed``: more variables of ``environ`` to pass to
+    every rank beside COMMLAYER_* and OMP_NUM_THREADS."""
+    ours = (k for k in environ if k.startswith("COMMLAYER_") or k == "OMP_NUM_THREADS")
+    names = sorted({*ours, *(k for k in passed if k in environ)})
     if kind == "openmpi":
         cmd = [mpiexec, "-np", str(np), "--bind-to", "none", "--oversubscribe"]
         cmd += ["--mca", "mpi_yield_when_idle", "1"]
+        cmd += ["--mca", "plm_rsh_agent", launcher_exec] if launcher_exec else []
         cmd += ["-H", hosts] if hosts else []
         cmd += ["--hostfile", hostfile] if hostfile else []
         for name in names:
             cmd += ["-x", name]
     else:
         cmd = [mpiexec, "-n", str(np)]
+        cmd += ["-launcher", "ssh", "-launcher-exec", launcher_exec] if launcher_exec else []
         cmd += ["-hosts", hosts] if hosts else []
         cmd += ["-f", hostfile] if hostfile else []
         if names:
             cmd += ["-genvlist", ",".join(names)]
     return cmd + list(command)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The namespace cluster a job's hosts belong to (scripts/cluster.sh)."""
+
+    launch: str  # hydra's launcher-exec: enters a host, as ssh would log in
+    environ: dict[str, str]  # what MPI needs there (mpi.env)
+    first_host: str  # where mpiexec runs
+
+
+def cluster_of(names: Sequence[str], state: Path | None = None) -> Cluster | None:
+    """The cluster that is up when every host named is one of its hosts; None when no cluster
+    is up or no name looks like one of its hosts (nodeK): real machines; ValueError else (a
+    mix, or a host the cluster does not have)."""
+    state = CLUSTER_DIR if state is None else state
+    if not names or not (state / "launch").exists():
+        return None
+    alike = [name for name in names if re.fullmatch(r"node[0-9]+", name)]
+    up = [name for name in alike if (state / name).is_dir()]
+    if not alike:
+        return None
+    if len(up) != len(names):
+        others = sorted(set(names) - set(up))
+        raise ValueError(
+            f"{', '.join(others)}: not hosts of the cluster that is up (bash scripts/cluster.sh "
+            "status); a job runs on the cluster's hosts only, or on none of them"
+        )
+    environ = {}
+    for line in (state / "mpi.env").read_text().splitlines():
+        key, equals, value = line.partition("=")
+        if equals and not line.startswith("#"):
+            environ[key.strip()] = value.strip()
+    return Cluster(str(state / "launch"), environ, names[0])
+
+
+def host_names(hosts: str | None, hostfile: str | None) -> list[str]:
+    """The hosts of ``-H host1:2,host2`` or of a hostfile (``host[:N]`` or ``host slots=N``
+    lines, '#' comments), in order."""
+    if hosts:
+        entries = hosts.split(",")
+    elif hostfile:
+        fields = (line.split("#", 1)[0].split() for line in Path(hostfile).read_text().splitlines())
+        entries = [words[0] for words in fields if words]
+    else:
+        return []
+    return [entry.partition(":")[0] for entry in entries]
+
+
+def on_cluster(cluster: Cluster, cmd: Sequence[str]) -> list[str]:
+    """``cmd`` (mpiexec's) run on the cluster's first host through its launcher, which takes
+    one shell command as ssh does."""
+    return [cluster.launch, cluster.first_host, shlex.join(cmd)]
 
 
 def launch_environ(np: int, hosts: str | None, environ: dict[str, str]) -> dict[str, str]:
@@ -151,10 +222,45 @@ def _parser() -> argparse.ArgumentParser:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", help="host1:slots,host2:slots")
     where.add_argument("--hostfile", help="file with one 'host slots=N' (or host:N) per line")
+    parser.add_argument(
+        "--launcher-exec",
+        metavar="PATH",
+        help="start the MPI daemons on other hosts with PATH in place of ssh (called as ssh is: "
+        "PATH HOST COMMAND); scripts/cluster.sh's hosts get the cluster's own",
+    )
     parser.add_argument("--check-build", action="store_true", help="print what is available")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return parser
+
+
+def _plan(
+    args: argparse.Namespace, command: Sequence[str], mpiexec: str
+) -> tuple[list[str], dict[str, str], list[str]]:
+    """(the command to run, its environment, the command as --dry-run shows it: with the
+    cluster's variables in front, so that it can be pasted into a shell)."""
+    cluster = cluster_of(host_names(args.hosts, args.hostfile))
+    hosts = args.hosts
+    if cluster is not None:
+        _local_ranks(args.np, hosts)  # only to refuse a bad -H, as on real machines
+        hosts = None  # the cluster's hosts share this machine's cores: every rank is local
+    env = launch_environ(args.np, hosts, config.launcher_environ(REGISTRIES))
+    kind = flavor(mpiexec)
+    where = (args.np, args.hosts, args.hostfile, command)
+    if cluster is None:
+        cmd = build_command(mpiexec, kind, *where, env, args.launcher_exec)
+        return cmd, env, cmd
+    if kind == "openmpi":
+        raise ValueError(
+            f"the cluster's launcher serves MPICH's hydra, and {mpiexec} is Open MPI's: "
+            "pip install mpich (commlayerrun uses the mpiexec beside python first)"
+        )
+    env = {**cluster.environ, **env}  # the user's own settings win
+    mpi = build_command(
+        mpiexec, kind, *where, env, args.launcher_exec, passed=list(cluster.environ)
+    )
+    cmd = on_cluster(cluster, mpi)
+    return cmd, env, [f"{name}={env[name]}" for name in cluster.environ] + cmd
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,13 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_NO_MPI, file=sys.stderr)
         return 127
     try:
-        env = launch_environ(args.np, args.hosts, config.launcher_environ(REGISTRIES))
-    except ValueError as exc:
+        cmd, env, shown = _plan(args, command, mpiexec)
+    except (ValueError, OSError) as exc:
         print(f"commlayerrun: {exc}", file=sys.stderr)
         return 2
-    cmd = build_command(mpiexec, flavor(mpiexec), args.np, args.hosts, args.hostfile, command, env)
     if args.dry_run:
-        print(shlex.join(cmd))  # quoted: it can be pasted into a shell as it is
+        print(shlex.join(shown))  # quoted: it can be pasted into a shell as it is
         return 0
     return subprocess.call(cmd, env=env)
 
