@@ -1,0 +1,329 @@
+"""commlayer across hosts: the namespace cluster of scripts/cluster.sh (issue 21).
+
+1. ``cluster.sh`` itself: up (twice), status, set, link down/up, exec, shrinking, and down
+   removing everything, processes left inside included; bad options refused before anything is
+   made.
+2. One job of 2 hosts x 2 ranks over 1 Gbit/s links, started as a user starts it
+   (``commlayerrun -np 4 -H node1:2,node2:2``), whose worker (scripts/cluster_worker.py)
+   reports: the topology commlayer detects (no COMMLAYER_TOPOLOGY), every collective and every
+   allreduce algorithm exact across the hosts, DistributedOptimizer equal to training in one
+   process, the bytes each host's cable carried (a 16 MiB allreduce must move at least 16 MiB
+   each way over it: every element of one host's sum needs the other host's part), and where
+   the shared-memory windows are (inside a host, never across).
+
+Needs root and network namespaces: skipped, with the reason, where they are not permitted, or
+where a cluster is already up (these tests bring their own up and always take it down).
+Job startup is 8-10 s of the file's ~40 s on the loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from commlayer import algorithms, launcher
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER_SH = REPO / "scripts" / "cluster.sh"
+STATE = launcher.CLUSTER_DIR
+WORKER = Path(__file__).parent / "scripts" / "cluster_worker.py"
+HOSTS, PER_HOST = 2, 2
+RATE = "1gbit"
+# Measured: 25 s on the 2-core machine while other jobs loaded it (load average 4.5); 11
+# init()/shutdown() rounds, one per algorithm, with a 16 MiB allreduce each.
+JOB_TIMEOUT_S = 100.0
+BIG_BYTES = 16 << 20  # cluster_worker.BIG_NUMEL float32
+NOISE_BYTES = 64 << 10  # negotiation and hydra's own messages during a measured allreduce
+
+
+def _why_not_permitted() -> str | None:
+    if os.geteuid() != 0:
+        return f"needs root for network namespaces, veth links and tc (euid {os.geteuid()})"
+    missing = [tool for tool in ("ip", "tc", "nsenter", "unshare") if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not found (iproute2, util-linux)"
+    probe = f"cl-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"'ip netns add' is not permitted here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if STATE.exists():
+        return (
+            f"a cluster is already up ({STATE}); these tests bring their own up and down: "
+            "run 'bash scripts/cluster.sh down' first"
+        )
+    return None
+
+
+@pytest.fixture(scope="module")
+def permitted() -> None:
+    reason = _why_not_permitted()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def cluster(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        ["bash", str(CLUSTER_SH), *args], capture_output=True, text=True, timeout=60
+    )
+    if check:
+        assert done.returncode == 0, f"cluster.sh {' '.join(args)}: {done.stdout}{done.stderr}"
+    return done
+
+
+def _namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    return {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
+
+
+def _root_links() -> set[str]:
+    listed = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
+    return {line.split(":")[1].strip() for line in listed.stdout.splitlines()}
+
+
+def _leftovers(namespaces: set[str], links: set[str], etc_netns: bool) -> list[str]:
+    """What is there now that was not before ``up``."""
+    found = [f"namespace {ns}" for ns in sorted(_namespaces() - namespaces)]
+    found += [f"link {link}" for link in sorted(_root_links() - links)]
+    found += [str(STATE)] if STATE.exists() else []
+    found += ["/etc/netns"] if Path("/etc/netns").exists() and not etc_netns else []
+    found += [str(p) for p in Path("/etc/netns").glob("node*")]
+    return found
+
+
+def test_cluster_lifecycle_leaves_nothing_behind(permitted: None) -> None:
+    before = (_namespaces(), _root_links(), Path("/etc/netns").exists())
+    refused = cluster("up", "2", "--rate", "fast", check=False)
+    assert refused.returncode != 0 and "bad rate 'fast'" in refused.stderr, refused
+    assert _leftovers(*before) == []
+    sleeper: subprocess.Popen[bytes] | None = None
+    try:
+        cluster("up", "3", "--rate", "100mbit")
+        cluster("up", "3", "--rate", "100mbit")  # twice is fine
+        assert {"node1", "node2", "node3", "cl-switch"} <= _namespaces()
+        assert _root_links() == before[1], "a link appeared in the root namespace"
+        for k in (1, 2, 3):
+            assert cluster("exec", f"node{k}", "hostname").stdout.strip() == f"node{k}"
+        hosts = cluster("exec", "node1", "cat", "/etc/hosts").stdout
+        assert "10.213.0.3 node3" in hosts, hosts
+        routes = cluster("exec", "node2", "ip", "route").stdout
+        assert "default" not in routes and "10.213.0.0/24" in routes, routes
+        cluster("set", "node2", "--rate", "200mbit", "--loss", "1%")
+        qdiscs = cluster("exec", "node2", "tc", "qdisc", "show", "dev", "eth0").stdout
+        assert "rate 200Mbit" in qdiscs, qdiscs
+        filters = cluster("exec", "node2", "tc", "filter", "show", "dev", "eth0", "egress").stdout
+        assert "bpf" in filters and "direct-action" in filters, filters
+        cluster("set", "node2", "--loss", "0%")
+        filters = cluster("exec", "node2", "tc", "filter", "show", "dev", "eth0", "egress").stdout
+        assert "bpf" not in filters, filters
+        cluster("link", "node3", "down")
+        assert "node3:eth0 -> switch: DOWN" in cluster("status").stdout
+        cluster("link", "node3", "up")
+        status = cluster("status").stdout
+        assert "node3  10.213.0.3  hostname node3  link 100mbit" in status, status
+        assert "node2  10.213.0.2  hostname node2  link 200mbit delay 0us loss 0%" in status
+        cluster("up", "2", "--rate", "100mbit")  # fewer hosts: node3 goes
+        assert "node3" not in _namespaces()
+        # a process left behind on a host: down ends it
+        sleeper = subprocess.Popen(
+            ["bash", str(CLUSTER_SH), "exec", "node1", "sleep", "600"], start_new_session=True
+        )
+        time.sleep(0.5)
+        assert sleeper.poll() is None
+    finally:
+        down = cluster("down", check=False)
+        if sleeper is not None:
+            try:
+                sleeper.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(sleeper.pid, signal.SIGKILL)
+                raise
+    assert down.returncode == 0, down
+    assert sleeper.returncode is not None
+    assert _leftovers(*before) == []
+    again = cluster("down")
+    assert "nothing was up" in again.stdout, again
+
+
+# -- one job across 2 hosts ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def harness(pytestconfig: pytest.Config) -> ModuleType:
+    """This directory's conftest.py as pytest loaded it (as in test_launcher_demo.py)."""
+    path = Path(__file__).with_name("conftest.py").resolve()
+    for plugin in pytestconfig.pluginmanager.get_plugins():
+        if getattr(plugin, "__file__", None) and Path(plugin.__file__).resolve() == path:
+            return plugin
+    pytest.fail(f"{path} is not loaded as a conftest")
+
+
+class Job:
+    """What the worker's ranks reported, and everything the job printed."""
+
+    def __init__(self, returncode: int, output: str, records: list[dict[str, Any]]) -> None:
+        self.returncode, self.output, self.records = returncode, output, records
+
+    def each_rank(self, event: str) -> list[dict[str, Any]]:
+        """The ``event`` record of every rank, in rank order."""
+        found = sorted((r for r in self.records if r["event"] == event), key=lambda r: r["rank"])
+        assert [r["rank"] for r in found] == list(range(HOSTS * PER_HOST)), self.output
+        return found
+
+
+@pytest.fixture(scope="module")
+def job(
+    permitted: None, harness: ModuleType, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Job]:
+    """The cluster up (2 hosts, 1 Gbit/s links), one worker job on it, the cluster down at the
+    end whatever happened."""
+    out_dir = tmp_path_factory.mktemp("cluster")
+    try:
+        cluster("up", str(HOSTS), "--rate", RATE)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
+        env.update(
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            SYSTEST_OUT_DIR=str(out_dir),
+            SYSTEST_WATCHDOG_S=str(JOB_TIMEOUT_S + 10),
+        )
+        hosts = ",".join(f"node{k}:{PER_HOST}" for k in range(1, HOSTS + 1))
+        command = [
+            _commlayerrun(), "-np", str(HOSTS * PER_HOST), "-H", hosts,
+            sys.executable, str(WORKER),
+        ]  # fmt: skip
+        code, stdout, stderr = harness.run_limited(
+            command, env, JOB_TIMEOUT_S, cwd=REPO, dump_stacks_of=str(WORKER)
+        )
+        output = f"$ {' '.join(command)}\nexit code {code}\n{stdout}\n--- stderr ---\n{stderr}"
+        records = [
+            json.loads(line)
+            for path in sorted(out_dir.glob("rank*.jsonl"))
+            for line in path.read_text().splitlines()
+            if line.strip()
+        ]
+        yield Job(code, output, records)
+    finally:
+        cluster("down")
+
+
+def _commlayerrun() -> str:
+    path = Path(sysconfig.get_path("scripts")) / "commlayerrun"
+    if not path.exists():
+        pytest.fail(f"{path} not found: install commlayer (pip install -e '.[mpich]')")
+    return str(path)
+
+
+def test_job_completes(job: Job) -> None:
+    assert job.returncode == 0, job.output
+    assert len(job.each_rank("done")) == HOSTS * PER_HOST
+
+
+def test_topology_is_detected_not_configured(job: Job) -> None:
+    for r, record in enumerate(job.each_rank("topology")):
+        host, local = divmod(r, PER_HOST)
+        assert record["hostname"] == f"node{host + 1}", job.output
+        assert record["override"] is None  # no COMMLAYER_TOPOLOGY
+        assert record["size"] == HOSTS * PER_HOST
+        assert (record["local_rank"], record["local_size"]) == (local, PER_HOST), record
+        assert (record["cross_rank"], record["cross_size"]) == (host, HOSTS), record
+        assert record["nodes"] == [q // PER_HOST for q in range(HOSTS * PER_HOST)], record
+        assert record["ucx_tls"] == "tcp,self", record  # set by commlayerrun from mpi.env
+
+
+def test_collectives_exact_across_hosts(job: Job) -> None:
+    for record in job.each_rank("collectives"):
+        wrong = [name for name, ok in record["results"].items() if not ok]
+        assert not wrong, f"rank {record['rank']}: {wrong} differ from the reference"
+        assert len(record["results"]) == 13, record
+
+
+def _algorithms(job: Job) -> dict[str, list[dict[str, Any]]]:
+    """Every algorithm's records, in rank order."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for record in sorted(job.records, key=lambda r: r["rank"]):
+        if record["event"] == "algorithm":
+            found.setdefault(record["name"], []).append(record)
+    assert list(found) == algorithms.available(), job.output
+    assert all(len(ranks) == HOSTS * PER_HOST for ranks in found.values()), job.output
+    return found
+
+
+def test_every_allreduce_algorithm_exact_across_hosts(job: Job) -> None:
+    for name, ranks in _algorithms(job).items():
+        assert all(r["exact"] for r in ranks), f"{name}: inexact on some rank: {ranks}"
+        expected = "mpi" if name in ("auto", "shm") else name  # auto: whatever it picked
+        ran = {r["ran"] for r in ranks}
+        assert len(ran) == 1, f"{name}: ranks ran different algorithms {ran}"
+        assert name == "auto" or ran == {expected}, f"{name} ran as {ran}"
+
+
+def test_allreduce_bytes_cross_the_link(job: Job) -> None:
+    """Each host's eth0 sent and received at least the buffer: every element of node2's sum
+    needs node1's part (or node1's the sum), whatever the algorithm. Nothing went through lo."""
+    for name, ranks in _algorithms(job).items():
+        for record in ranks[::PER_HOST]:  # one rank per host: the host's counters
+            moved = record["bytes"]
+            assert moved["eth0_tx"] >= BIG_BYTES and moved["eth0_rx"] >= BIG_BYTES, (name, moved)
+            assert moved["lo_tx"] < NOISE_BYTES, (name, moved)
+
+
+def test_shared_memory_window_inside_hosts_never_across(job: Job) -> None:
+    found = _algorithms(job)
+    # shm over all ranks would span the hosts: it runs as MPI's allreduce, with no window.
+    for record in found["shm"]:
+        assert record["ran"] == "mpi" and not record["global_window"], record
+    # hierarchical: a window per host over that host's ranks; the level across hosts has none.
+    for r, record in enumerate(found["hierarchical"]):
+        assert not record["global_window"], record
+        [level] = record["levels"]
+        assert level["node_hosts"] == [f"node{r // PER_HOST + 1}"], record
+        assert level["node_window"] and level["node_size"] == PER_HOST, record
+        assert level["cross_hosts"] == [f"node{k}" for k in range(1, HOSTS + 1)], record
+        assert not level["cross_window"], record
+    # only the leg across hosts crossed: half the buffer per local rank each way, where ring
+    # (through the hosts in rank order) carries 1.5 buffers
+    for record in found["hierarchical"][::PER_HOST]:
+        assert record["bytes"]["eth0_tx"] < BIG_BYTES + NOISE_BYTES, record
+    for record in found["ring"][::PER_HOST]:
+        assert record["bytes"]["eth0_tx"] > 1.4 * BIG_BYTES, record
+
+
+def test_ranks_of_a_host_talk_through_shared_memory(job: Job) -> None:
+    """A 16 MiB allreduce within each host moved nothing over eth0 or lo: MPI's shared memory
+    (with UCX_TLS=tcp,self, MPICH's own), not TCP."""
+    for record in job.each_rank("intra_host"):
+        assert record["exact"], record
+        host = record["rank"] // PER_HOST
+        assert record["ranks"] == list(range(host * PER_HOST, (host + 1) * PER_HOST)), record
+        moved = record["bytes"]
+        assert max(moved.values()) < NOISE_BYTES, record
+
+
+def test_distributed_optimizer_matches_one_process(job: Job) -> None:
+    for record in job.each_rank("optimizer"):
+        assert record["close"] and record["same_on_all_ranks"], record
+        assert record["moved"] > 1e-3, record  # the steps did change the parameters
+
+
+def test_commlayerrun_dry_run_on_the_cluster(job: Job, capsys: pytest.CaptureFixture[str]) -> None:
+    """commlayerrun prints a command that can be pasted: the cluster's variables, then its
+    launcher entering node1, where mpiexec runs."""
+    assert launcher.main(["-np", "4", "-H", "node1:2,node2:2", "--dry-run", "python", "t.py"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith(f"HYDRA_LAUNCHER=ssh HYDRA_LAUNCHER_EXEC={STATE / 'launch'} ")
+    assert "UCX_TLS=tcp,self" in printed, printed
+    assert f" {STATE / 'launch'} node1 '" in printed, printed
+    assert "-hosts node1:2,node2:2" in printed, printed
