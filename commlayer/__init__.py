@@ -17,6 +17,7 @@ from commlayer.errors import (
     ShutdownError,
     StallError,
     TensorMismatchError,
+    UnsupportedOpError,
 )
 from commlayer.functions import (
     allgather,

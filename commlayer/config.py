@@ -26,6 +26,7 @@ from commlayer.errors import ConfigError
 
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 WAIT_POLICIES = ("auto", "active", "passive")
+JOIN_MODES = ("horovod", "active")
 ON_OFF = ("on", "off")
 
 
@@ -50,6 +51,8 @@ class Config:
     wait_policy: str = "auto"
     malloc_tuning: str = "on"
     auto_tuning: str = "on"
+    join_mode: str = "horovod"
+    init_timeout_s: float = 60.0
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -136,6 +139,7 @@ _POSITIVE_FLOAT = _fixed(_parse_positive_float, "a finite number > 0")
 _NONNEG_FLOAT = _fixed(_parse_nonneg_float, "a finite number >= 0 (0 disables)")
 _LOG_LEVEL = _fixed(_parse_log_level, f"one of {', '.join(_LOG_LEVELS)}")
 _WAIT_POLICY = _fixed(one_of(lambda: WAIT_POLICIES), f"one of {', '.join(WAIT_POLICIES)}")
+_JOIN_MODE = _fixed(one_of(lambda: JOIN_MODES), f"one of {', '.join(JOIN_MODES)}")
 _ON_OFF = _fixed(one_of(lambda: ON_OFF), f"one of {', '.join(ON_OFF)}")
 _PATH = _fixed(str, "a path")
 # In _VARIABLES: a setting whose allowed values are names other modules own (algorithms,
@@ -262,6 +266,22 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "and the two schedules predicted fastest on the first calls of each buffer size class "
         "and keeps the fastest, agreed by all ranks, measuring it against the runner-up again "
         "now and then (<= 2% of the calls); off: the cost model's pick alone",
+    ),
+    (
+        "COMMLAYER_JOIN_MODE",
+        "join_mode",
+        _JOIN_MODE,
+        "collectives while ranks have joined: horovod (default, as Horovod): a joined rank "
+        "adds zeros, Average divides by size(), allgather, broadcast, alltoall and "
+        "reducescatter raise; active: Average divides by the ranks not joined, allgather and "
+        "reducescatter run over them, broadcast from a rank not joined works",
+    ),
+    (
+        "COMMLAYER_INIT_TIMEOUT_SECONDS",
+        "init_timeout_s",
+        _POSITIVE_FLOAT,
+        "how long init() waits for every rank to call it (also after shutdown()) before it "
+        "raises, naming this rank; default 60",
     ),
 )
 

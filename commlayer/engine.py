@@ -86,6 +86,9 @@ _RUNNERS = {
     ALLTOALL: alltoall.run,
     REDUCESCATTER: reducescatter.run,
 }
+# Horovod refuses these while a rank has joined (join_mode=horovod); alltoall always raises
+# then, broadcast from a joined root too.
+_REFUSED_WHILE_JOINED = (ALLGATHER, BROADCAST, REDUCESCATTER)
 
 _MIN_BACKOFF_S = 50e-6
 _CONTROL_SPIN_S = 50e-6  # yield-spin this long on a negotiation before sleeping
@@ -279,6 +282,7 @@ class Engine:
                 cfg.stall_check_time_s,
                 cfg.stall_shutdown_time_s,
                 self._wait_control,
+                _REFUSED_WHILE_JOINED if cfg.join_mode == "horovod" else (),
             )
             if backend
             else None
@@ -462,7 +466,7 @@ class Engine:
                     )
             elif response.kind == ALLREDUCE:
                 entries = allreduce.entries(
-                    response, op, len(active), self.config.fusion_threshold_bytes
+                    response, op, self._divisor(state, active), self.config.fusion_threshold_bytes
                 )
                 groups.setdefault((response.dtype, response.op), []).extend(entries)
             else:
@@ -507,6 +511,11 @@ class Engine:
         self.stats.collective_s += seconds
         self._collective_since = None
 
+    def _divisor(self, state: _SetState, active: list[int]) -> int:
+        """What Average divides by while ranks have joined: every rank (join_mode=horovod, a
+        joined rank adding zeros) or the ranks not joined (join_mode=active)."""
+        return len(active) if self.config.join_mode == "active" else state.backend.size
+
     def _run_other(
         self, state: _SetState, response: Response, op: Operation | None, active: list[int]
     ) -> Any:
@@ -517,17 +526,18 @@ class Engine:
             return None
         if kind == REGISTER:
             return self._register_from_response(state, response)
-        if (
-            len(active) < backend.size
-            and kind in (BROADCAST, ALLTOALL)
-            and (kind == ALLTOALL or response.root not in active)
+        if len(active) < backend.size and (
+            kind == ALLTOALL
+            or (kind == BROADCAST and response.root not in active)
+            or (self.config.join_mode == "horovod" and kind in _REFUSED_WHILE_JOINED)
         ):
             raise CommlayerError(
                 f"rank {self.rank}: {kind} {response.name!r} cannot run while "
                 f"ranks {sorted(set(range(backend.size)) - set(active))} "
-                "have joined"
+                f"have joined (join_mode={self.config.join_mode})"
             )
         runner = _RUNNERS[kind]
+        # reducescatter's Average divides by len(active): size() unless join_mode=active
         raw, request, nbytes, factor = runner(backend, response, op, active)
         t1 = time.perf_counter()
         self.wait(request)

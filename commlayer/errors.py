@@ -23,6 +23,11 @@ class DuplicateNameError(ValueError):
     """Two in-flight operations on one rank share a name."""
 
 
+class UnsupportedOpError(ValueError, RuntimeError):
+    """A reduce op this collective does not take (reducescatter with op=Adasum): a bad argument
+    (ValueError), which horovod.torch code catches as the RuntimeError Horovod raises."""
+
+
 class TensorMismatchError(CommlayerError):
     """Ranks submitted the same tensor name with different shape, dtype, op or root."""
 

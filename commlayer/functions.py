@@ -1,6 +1,8 @@
-"""Blocking collectives, differentiable: each is a torch.autograd.Function whose backward is the
-adjoint collective (allreduce -> allreduce; allgather -> the rank's slice of a sum-reduce;
-broadcast -> sum-reduce onto the root; alltoall -> alltoall back; reducescatter -> allgather)."""
+"""Blocking collectives, differentiable: each is a torch.autograd.Function whose backward is
+horovod.torch's (allreduce -> the same allreduce; allgather -> the rank's slice of the gradient
+averaged over the set; broadcast -> the averaged gradient on the root, zeros elsewhere;
+alltoall -> alltoall back; reducescatter -> allgather, times the set's size for Sum). Averaging
+is Horovod's convention: every rank's loss counts 1/size, as in DistributedOptimizer."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 import torch
 
 from commlayer import compression as compression_
-from commlayer import ops
+from commlayer import ops, runtime
 from commlayer.compression import Compressed, Compression, Compressor
 from commlayer.compression.cast import CastCompressor
 from commlayer.compression.none import NoneCompressor
@@ -129,12 +131,12 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        summed = ops.synchronize(
-            ops.allreduce_async(grad, None, None, ReduceOp.Sum, 1.0, 1.0, ctx.process_set)
+        averaged = ops.synchronize(
+            ops.allreduce_async(grad, None, None, ReduceOp.Average, 1.0, 1.0, ctx.process_set)
         )
         dims = ops.synchronize(ops.allgather_async(torch.tensor([ctx.dim0]), None, ctx.process_set))
         offset = int(dims[: ctx.process_set.rank()].sum())
-        return summed.narrow(0, offset, ctx.dim0), None, None
+        return averaged.narrow(0, offset, ctx.dim0), None, None
 
 
 def allgather(
@@ -154,12 +156,12 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        summed = ops.synchronize(
-            ops.allreduce_async(grad, None, None, ReduceOp.Sum, 1.0, 1.0, ctx.process_set)
+        averaged = ops.synchronize(
+            ops.allreduce_async(grad, None, None, ReduceOp.Average, 1.0, 1.0, ctx.process_set)
         )
-        if ctx.process_set.rank() != ctx.root_rank:
-            summed = torch.zeros_like(summed)
-        return summed, None, None, None
+        if runtime.rank() != ctx.root_rank:
+            averaged = torch.zeros_like(averaged)
+        return averaged, None, None, None
 
 
 def broadcast(
@@ -231,10 +233,15 @@ class _Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        op, prescale, postscale, process_set = ctx.args
-        gathered = ops.synchronize(ops.allgather_async(grad, None, process_set))
-        scale = prescale * postscale / (process_set.size() if op == ReduceOp.Average else 1)
-        return gathered * scale, None, None, None, None, None
+        gathered = ops.synchronize(ops.allgather_async(grad, None, ctx.args[3]))
+        return gathered * _reducescatter_grad_scale(ctx.args), None, None, None, None, None
+
+
+def _reducescatter_grad_scale(args: tuple[ReduceOp, float, float, ProcessSet]) -> float:
+    """Horovod's backward of reducescatter: the allgathered gradient times the set's size for
+    Sum (1 for Average), times the pre- and postscale factors."""
+    op, prescale, postscale, process_set = args
+    return prescale * postscale * (process_set.size() if op == ReduceOp.Sum else 1)
 
 
 def reducescatter(
@@ -281,7 +288,9 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ps = ctx.process_set
-        handles = [ops.allreduce_async(g, None, None, ReduceOp.Sum, 1.0, 1.0, ps) for g in grads]
+        handles = [
+            ops.allreduce_async(g, None, None, ReduceOp.Average, 1.0, 1.0, ps) for g in grads
+        ]
         dims = ops.synchronize(ops.allgather_async(torch.tensor([ctx.dim0s]), None, ps))
         offsets = dims[: ps.rank()].sum(0).tolist()
         summed = [ops.synchronize(h) for h in handles]
@@ -320,9 +329,8 @@ class _GroupedReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        op, prescale, postscale, process_set = ctx.args
-        gathered = ops.synchronize(ops.grouped_allgather_async(list(grads), None, process_set))
-        scale = prescale * postscale / (process_set.size() if op == ReduceOp.Average else 1)
+        gathered = ops.synchronize(ops.grouped_allgather_async(list(grads), None, ctx.args[3]))
+        scale = _reducescatter_grad_scale(ctx.args)
         return (None, None, None, None, None, *(g * scale for g in gathered))
 
 

@@ -82,6 +82,11 @@ class Future:
             raise self._error
         return self._result
 
+    def __call__(self) -> Any:
+        """``handle()`` is ``wait()``: horovod.torch's sparse_allreduce_async returns a function
+        to call for the result, and code written for it calls commlayer's future alike."""
+        return self.wait()
+
     def value(self) -> Any:
         """The result of a completed future (raises its error); RuntimeError if not done."""
         if not self._done:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from commlayer.backends.base import Backend, Request
-from commlayer.errors import StallError
+from commlayer.errors import CommlayerError, StallError
 from commlayer.reduce_ops import ReduceOp
 
 log = logging.getLogger("commlayer")
@@ -232,8 +232,14 @@ class Negotiator:
         stall_check_s: float,
         stall_shutdown_s: float,
         wait: Callable[[Request], None],
+        refused_while_joined: Sequence[str] = (),
     ) -> None:
+        """``refused_while_joined``: kinds that fail, on every rank alike, as soon as a rank has
+        joined (join_mode=horovod), instead of waiting for every active rank to submit them:
+        after a join the ranks' unnamed operations are numbered differently (they made
+        different calls), so waiting could be for ever."""
         self.backend = backend
+        self._refused_while_joined = frozenset(refused_while_joined)
         self.size = backend.size
         self.rank = backend.rank
         self.cache = ResponseCache(cache_capacity)
@@ -288,6 +294,8 @@ class Negotiator:
             if response.error is None and self.cache.capacity:
                 self.cache.put(response)
             self._take(response, result)
+        if joined and active and self._refused_while_joined:
+            self._refuse_while_joined(joined, result)
         if flags & _F_STALL:
             self._exchange_stalls(now, result)
         self._note_partials(anyone, now)
@@ -372,6 +380,26 @@ class Negotiator:
                 # holding it as a cache hit announce it next cycle (it is no longer a hit).
                 self.cache.evict(announce.name)
                 self.table.setdefault(announce.name, {})[rank] = announce
+
+    def _refuse_while_joined(self, joined: frozenset[int], result: CycleResult) -> None:
+        """Fail what cannot run while ``joined`` ranks have joined and is not ready this cycle.
+        The table and the joined set are the same on every rank in every cycle, so each rank
+        fails its own pending operations of those kinds here, now or when it submits them."""
+        refused = self._refused_while_joined
+        for name in [n for n, by in self.table.items() if next(iter(by.values())).kind in refused]:
+            del self.table[name]
+        for name, pending in list(self.pending.items()):
+            kind = pending.announce.kind
+            if kind not in refused:
+                continue
+            del self.pending[name]
+            self._partial_since.pop(name, None)
+            self._stall_reported.discard(name)
+            error = CommlayerError(
+                f"rank {self.rank}: {kind} {name!r} cannot run while ranks {sorted(joined)} "
+                "have joined (join_mode=horovod)"
+            )
+            result.failed.append((pending.item, error))
 
     def _track_joins(self, joined: frozenset[int]) -> None:
         for rank in joined:

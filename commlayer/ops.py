@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from commlayer import adasum, runtime
 from commlayer.algorithms.topology import Topology
 from commlayer.engine import Operation
+from commlayer.errors import UnsupportedOpError
 from commlayer.future import Future, Handle, combined
 from commlayer.negotiation import (
     ALLGATHER,
@@ -138,10 +140,11 @@ def _resolve_op(
         return ReduceOp.Average if average else ReduceOp.Sum
     resolved = default if op is None else ReduceOp(op)
     if resolved not in allowed:
-        raise _input_error(
+        error = _input_error(
             f"reduce op {resolved.name} is not supported here; allowed: "
             f"{', '.join(o.name for o in allowed)}"
         )
+        raise UnsupportedOpError(*error.args)
     return resolved
 
 
@@ -476,10 +479,22 @@ def broadcast_async_(
 
 
 def _check_root(root_rank: int, process_set: ProcessSet) -> int:
-    size = process_set.size()
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise _input_error(f"root_rank must be an int in [0, {size}), got {root_rank!r}")
-    return root_rank
+    """The root's position in the set's communicator. ``root_rank`` is a global rank, also with
+    ``process_set=`` (as in Horovod), and must belong to the set."""
+    process_set._check()
+    ranks = process_set.ranks
+    try:
+        root = None if isinstance(root_rank, bool) else operator.index(root_rank)
+    except TypeError:
+        root = None
+    if root not in ranks:
+        where = (
+            f"in [0, {len(ranks)})"
+            if process_set.process_set_id == 0
+            else f"a global rank of the process set {ranks}"
+        )
+        raise _input_error(f"root_rank must be an int {where}, got {root_rank!r}")
+    return ranks.index(root)
 
 
 def alltoall_async(

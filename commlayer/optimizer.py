@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -132,7 +133,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # gradient on this rank, it joins the others' allgather with zero rows.
         self._cl_sparse_dims: dict[torch.nn.Parameter, int] = {}
         self._cl_synchronized = False
+        self._cl_user_synchronized = False  # synchronize() called by the user since the step
         self._cl_should_synchronize = True
+        # Gradients that were sparse and were reduced dense (sparse_as_dense, or dense in the
+        # step that planned the buckets): given back sparse, as backward made them.
+        self._cl_resparsify: set[torch.nn.Parameter] = set()
+        # As in Horovod, ranks outside the optimizer's process set do not reduce: their
+        # gradients stay local and synchronize() returns at once.
+        self._cl_included = process_set.included()
         # Seconds step()/synchronize() spent blocked on reductions: the collective time that
         # passed meanwhile (communication_stats()["collective_now_s"] before and after: what
         # backward did not hide) plus the wait outside collectives (negotiation, queueing).
@@ -140,8 +148,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cl_hooks: list[Any] = []
         self._cl_hook(params)
 
+    @property
+    def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
+        """{parameter: name} (horovod.torch's attribute): the names of named_parameters, else
+        'grad.<position>' names, the same on every rank."""
+        return {p: name.removeprefix("grad.") for p, name in self._cl_names.items()}
+
     def _cl_hook(self, params: list[torch.nn.Parameter]) -> None:
         """Submit each parameter's gradient as soon as backward has accumulated it."""
+        if not self._cl_included:
+            return
         self._cl_hooks += [
             p.register_post_accumulate_grad_hook(self._cl_on_grad_ready)
             for p in params
@@ -157,7 +173,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer.step() (or synchronize()) after every backward pass, or set "
                 "backward_passes_per_step"
             )
-        self._cl_synchronized = False
+        self._cl_synchronized = self._cl_user_synchronized = False
         self._cl_passes[p] = passes
         if passes < self._cl_passes_per_step:
             return
@@ -196,6 +212,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._cl_handles[p] = (self._cl_sparse_submit(p, grad), True)
                 return
             grad = p.grad = grad.to_dense()
+            self._cl_resparsify.add(p)
         name = self._cl_names[p]
         compressor = self._cl_policy.choose(name.removeprefix("grad."), grad)
         self._cl_handles[p] = (self._cl_comm.reduce([grad], compressor, name), False)
@@ -216,6 +233,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = grad
             elif grad.is_sparse:  # sparse now, dense in the recorded step: reduce it dense
                 grad = p.grad = grad.to_dense()
+                self._cl_resparsify.add(p)
             grads.append(grad)
         names = [self._cl_names[p] for p in bucket.params]
         bucket.handle = self._cl_comm.reduce(grads, bucket.compressor, bucket.name, names)
@@ -245,7 +263,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- step side ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Wait for every gradient's reduction and write the results into ``p.grad``."""
+        """Wait for every gradient's reduction and write the results into ``p.grad``. Then
+        call ``step()`` inside ``skip_synchronize()`` (as in Horovod; without it, step()
+        warns)."""
+        self._cl_synchronize()
+        self._cl_user_synchronized = True
+
+    def _cl_synchronize(self) -> None:
+        if not self._cl_included:
+            self._cl_synchronized = True
+            return
         self._cl_send_unsent()
         late = []  # gradients backward did not produce: submitted now, zeros if None
         with ops.batch():
@@ -275,6 +302,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             except CommlayerError as exc:
                 failure = failure or _with_hint(exc, self._cl_names[p])
         self.synchronize_wait_s += time.perf_counter() - start
+        for p in self._cl_resparsify:
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse()
+        self._cl_resparsify.clear()
         self._cl_handles.clear()
         self._cl_passes.clear()
         self._cl_ready = 0
@@ -314,7 +345,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         names, split = state_sync.broadcast_object(
             (names, split),
-            0,
+            min(self._cl_process_set.ranks or [0]),  # the set's first rank (a global rank)
             name=f"{next(iter(self._cl_names.values()))}.bucket_plan",
             process_set=self._cl_process_set,
         )
@@ -336,13 +367,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _cl_sparse_result(self, p: torch.nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
         """Unpack the gathered (index, value) rows and sum duplicates."""
         sparse_dim = self._cl_sparse_dims[p]
-        size = self._cl_process_set.size()
-        scale = 1.0 / size if self._cl_op == ReduceOp.Average else 1.0
+        divisor = self._cl_process_set.size() if self._cl_op == ReduceOp.Average else 1
         split = 8 * sparse_dim  # int64 index bytes per row
         indices = rows[:, :split].contiguous().view(torch.int64)
         values = rows[:, split:].contiguous().view(p.dtype).reshape(-1, *p.shape[sparse_dim:])
         summed = torch.sparse_coo_tensor(
-            indices.t(), values * scale, p.shape, check_invariants=False
+            indices.t(), values / divisor, p.shape, check_invariants=False
         )
         return summed.coalesce()
 
@@ -356,9 +386,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._cl_should_synchronize = True
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
-        if self._cl_should_synchronize and not self._cl_synchronized:
-            self.synchronize()
-        self._cl_synchronized = False
+        if self._cl_should_synchronize:
+            if self._cl_user_synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(): use `with optimizer.skip_synchronize(): "
+                    "optimizer.step()` after an explicit synchronize() (commlayer does not "
+                    "reduce twice, Horovod would)",
+                    stacklevel=2,
+                )
+            if not self._cl_synchronized:
+                self._cl_synchronize()
+        self._cl_synchronized = self._cl_user_synchronized = False
         # super(self.__class__, ...): these methods are copied onto a class made with type(), so
         # zero-argument super() would name _DistributedOptimizer, which self is not.
         parent: Any = super(self.__class__, self)
@@ -368,7 +407,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Whoever reads the gradients through the optimizer (GradScaler.unscale_ and its inf
         # check, clipping helpers) must see reduced ones: finish the reductions first.
         if self.__dict__.get("_cl_ready"):
-            self.synchronize()
+            self._cl_synchronize()
         return self.__dict__["param_groups"]  # type: ignore[no-any-return]
 
     def _cl_set_param_groups(self, groups: list[dict[str, Any]]) -> None:

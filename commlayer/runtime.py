@@ -68,7 +68,7 @@ def init(
                     f"init(comm={ranks!r}): this process (world rank "
                     f"{world_rank()}) is not among those ranks"
                 )
-        backend = MPIBackend(comm)
+        backend = MPIBackend(comm, cfg.init_timeout_s)
         engine = Engine(backend, cfg)
         _topology.clear()
         _topology.update(_derive_topology(backend.rank, backend.nodes()))

@@ -43,20 +43,43 @@ def broadcast_optimizer_state(
     root_rank: int,
     process_set: ProcessSet = global_process_set,
 ) -> None:
-    """Give every rank root_rank's optimizer state (every torch.optim optimizer, state created
-    lazily included: the root's whole state_dict travels and is loaded on the others)."""
+    """Give every rank root_rank's optimizer state (every torch.optim optimizer: the root's
+    whole state_dict travels and is loaded on the others). When the root's optimizer has no
+    state yet (none has stepped), every rank creates it first, as Horovod does: each parameter
+    that requires grad gets a zero gradient (sparse for SparseAdam) and the optimizer takes one
+    local step without reducing, so ``p.grad`` is a tensor afterwards and, with weight decay,
+    the parameters move by that step, alike on every rank. A root that has state (a resumed
+    checkpoint) sends it as it is: the other ranks take no step."""
+    fresh = broadcast_object(
+        not optimizer.state_dict()["state"] if runtime.rank() == root_rank else None,
+        root_rank,
+        name="bcast.optimizer_state.fresh",
+        process_set=process_set,
+    )
+    if fresh:
+        _initialize_state(optimizer)
     state = broadcast_object(
-        optimizer.state_dict() if _rank_in(process_set) == root_rank else None,
+        optimizer.state_dict() if runtime.rank() == root_rank else None,
         root_rank,
         name="bcast.optimizer_state",
         process_set=process_set,
     )
-    if _rank_in(process_set) != root_rank:
+    if runtime.rank() != root_rank:
         optimizer.load_state_dict(state)
 
 
-def _rank_in(process_set: ProcessSet) -> int:
-    return process_set.rank() if process_set.process_set_id else runtime.rank()
+def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                zeros = torch.zeros_like(p)
+                p.grad = zeros.to_sparse() if sparse else zeros
+    if hasattr(type(optimizer), "_cl_synchronize"):  # a DistributedOptimizer: no reduction
+        parent: Any = super(type(optimizer), optimizer)
+        parent.step()
+    else:
+        optimizer.step()
 
 
 def _to_bytes(obj: Any) -> torch.Tensor:
@@ -77,19 +100,17 @@ def broadcast_object(
 ) -> Any:
     """Return root_rank's ``obj`` on every rank (pickled with torch.save; tensors welcome)."""
     base = name or "bcast.object"
-    payload = (
-        _to_bytes(obj) if _rank_in(process_set) == root_rank else torch.empty(0, dtype=torch.uint8)
-    )
+    payload = _to_bytes(obj) if runtime.rank() == root_rank else torch.empty(0, dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
     ops.synchronize(
         ops.broadcast_async_(length, root_rank, name=f"{base}.len", process_set=process_set)
     )
-    if _rank_in(process_set) != root_rank:
+    if runtime.rank() != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     ops.synchronize(
         ops.broadcast_async_(payload, root_rank, name=f"{base}.data", process_set=process_set)
     )
-    return obj if _rank_in(process_set) == root_rank else _from_bytes(payload)
+    return obj if runtime.rank() == root_rank else _from_bytes(payload)
 
 
 def allgather_object(

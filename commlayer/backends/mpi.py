@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from mpi4py import MPI  # noqa: E402
 
 from commlayer.algorithms.topology import Topology  # noqa: E402
 from commlayer.backends.base import COMPLETED, Request  # noqa: E402
+from commlayer.errors import CommlayerError  # noqa: E402
 from commlayer.reduce_ops import ReduceOp  # noqa: E402
 
 if TYPE_CHECKING:
@@ -167,8 +169,9 @@ class _GatherBytesRequest:
 class MPIBackend:
     """Backend over one MPI communicator."""
 
-    def __init__(self, comm: MPI.Comm | None = None) -> None:
-        self._comm: MPI.Comm = comm if comm is not None else MPI.COMM_WORLD.Dup()
+    def __init__(self, comm: MPI.Comm | None = None, timeout_s: float = 60.0) -> None:
+        """Over ``comm``, or over a duplicate of COMM_WORLD made within ``timeout_s``."""
+        self._comm: MPI.Comm = comm if comm is not None else dup_world(timeout_s)
         self._rank = self._comm.rank
         self._size = self._comm.size
         me = (socket.gethostname(), os.getpid())
@@ -405,6 +408,28 @@ def _finalize_at_exit() -> None:
 
 
 atexit.register(_finalize_at_exit)
+
+
+def dup_world(timeout_s: float) -> MPI.Comm:
+    """A duplicate of COMM_WORLD, waiting at most ``timeout_s`` for every rank to ask for one:
+    a rank that calls init() alone (its peers did not follow a shutdown() with init(), or
+    never call it) gets an error naming it instead of a blocking MPI_Comm_dup for ever. Polls
+    with a growing sleep (0.1 ms to 10 ms), not a busy loop."""
+    comm, request = MPI.COMM_WORLD.Idup()
+    deadline = time.monotonic() + timeout_s
+    pause_s = 1e-4
+    while not request.Test():
+        if time.monotonic() > deadline:
+            skip_finalize()  # MPI_Finalize would wait for the pending duplicate for ever
+            raise CommlayerError(
+                f"rank {MPI.COMM_WORLD.rank}: init() waited {timeout_s:g} s for the other "
+                f"{MPI.COMM_WORLD.size - 1} rank(s) to call init() too; init() is collective: "
+                "every rank calls it, also after shutdown() "
+                "(COMMLAYER_INIT_TIMEOUT_SECONDS sets the wait)"
+            )
+        time.sleep(pause_s)
+        pause_s = min(2 * pause_s, 0.01)
+    return comm
 
 
 def world_subset(ranks: Sequence[int]) -> MPI.Comm | None:

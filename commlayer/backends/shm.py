@@ -49,7 +49,7 @@ import torch
 from mpi4py import MPI
 
 from commlayer.backends.base import Request
-from commlayer.reduce_ops import ReduceOp, reduce_into, reduce_out
+from commlayer.reduce_ops import ReduceOp, reduce_into, reduce_out, scale_into
 
 _FLAG_BYTES = 128  # one flag per rank, alone in its cache lines (no false sharing)
 _ALIGN = 64  # slice boundaries on cache lines
@@ -250,7 +250,7 @@ class _Request:
                         if scale == 1.0:
                             part.copy_(reduced)
                         else:
-                            torch.mul(reduced, scale, out=part)
+                            scale_into(reduced, scale, part)
                 shm.chunks += 1
                 self._offset += count
                 self._phase = 0

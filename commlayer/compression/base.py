@@ -32,7 +32,7 @@ import importlib.metadata
 import logging
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -51,6 +51,19 @@ class Compressed:
     payload: list[torch.Tensor]
     ctx: Any = None
     final: bool = True
+
+    def __iter__(self) -> Iterator[Any]:
+        """``tensor, ctx = Compression.fp16.compress(t)``, as horovod.torch's compressors
+        return: the payload (its one tensor, else the list) and the context."""
+        yield self.payload[0] if len(self.payload) == 1 else self.payload
+        yield self.ctx
+
+
+def horovod_args(compressed: Compressed | torch.Tensor, ctx: Any) -> Compressed:
+    """decompress()'s argument from horovod.torch's ``decompress(tensor, ctx)`` as well."""
+    if isinstance(compressed, torch.Tensor):
+        return Compressed([compressed], ctx)
+    return compressed
 
 
 class Compressor(Protocol):

@@ -7,11 +7,11 @@ float16 gradients does not overflow. bfloat16 keeps float32's exponent range (no
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from commlayer.compression.base import Compressed
+from commlayer.compression.base import Compressed, horovod_args
 
 
 class CastCompressor:
@@ -28,6 +28,8 @@ class CastCompressor:
             return Compressed([tensor], None)
         return Compressed([tensor.to(self.wire_dtype)], tensor.dtype)
 
-    def decompress(self, compressed: Compressed) -> torch.Tensor:
+    def decompress(self, compressed: Compressed | torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        """``decompress(compressed)``, or horovod.torch's ``decompress(tensor, ctx)``."""
+        compressed = horovod_args(compressed, ctx)
         payload = compressed.payload[0]
         return payload if compressed.ctx is None else payload.to(compressed.ctx)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from commlayer.compression.base import Compressed, register
+from commlayer.compression.base import Compressed, horovod_args, register
 
 
 @register("none")
@@ -20,5 +20,6 @@ class NoneCompressor:
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
         return Compressed([tensor])
 
-    def decompress(self, compressed: Compressed) -> torch.Tensor:
-        return compressed.payload[0]
+    def decompress(self, compressed: Compressed | torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        """``decompress(compressed)``, or horovod.torch's ``decompress(tensor, ctx)``."""
+        return horovod_args(compressed, ctx).payload[0]

@@ -38,11 +38,11 @@ class Host(Protocol):
 
 
 def entries(
-    response: Response, op: Any, n_active: int, fusion_threshold_bytes: int
+    response: Response, op: Any, divisor: int, fusion_threshold_bytes: int
 ) -> list[fusion.Entry]:
     """The fusion entries of one negotiated allreduce (``op``: the engine's Operation, None on
     a joined rank): a tensor each, or one for a group of small tensors that fits a bucket."""
-    average = 1.0 / n_active if response.op == ReduceOp.Average else 1.0
+    average = 1.0 / divisor if response.op == ReduceOp.Average else 1.0
     if len(response.shapes) > 1:
         # A group of small tensors that fits a bucket is one entry (one cat, one split),
         # decided from the response alone so that every rank (a joined one included)

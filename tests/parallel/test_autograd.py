@@ -1,12 +1,13 @@
-"""Gradients of the blocking collectives (issue #2): each is a torch.autograd.Function whose
-backward is the adjoint collective.
+"""Gradients of the blocking collectives (issue #2; Horovod's conventions since issue 20): each
+is a torch.autograd.Function whose backward is horovod.torch's.
 
 Every rank r computes ``loss_r = (output_r * weight_r).sum()`` with its own seeded weight and
-calls backward. The gradient of the global loss (the sum over ranks) with respect to rank r's
-input is known in closed form from every rank's regenerated weight: allreduce -> the allreduce
-of the weights; allgather -> rank r's rows of the summed weights; broadcast -> the summed weights
-on the root, zeros elsewhere; alltoall -> the weights sent back; reducescatter -> the allgather.
-Everything is float64, so only summation order separates result and reference.
+calls backward. The gradient with respect to rank r's input is known in closed form from every
+rank's regenerated weight: allreduce -> the same allreduce of the weights; allgather -> rank
+r's rows of the weights averaged over ranks; broadcast -> the averaged weights on the root,
+zeros elsewhere; alltoall -> the weights sent back; reducescatter -> the allgather, times
+size() for Sum (Horovod's factors: its test_torch.py checks them). Everything is float64, so
+only summation order separates result and reference.
 
 Collectives first, asserts last: a rank that fails an assert must not leave the others waiting
 in a collective it never reaches.
@@ -67,7 +68,7 @@ def test_grouped_allreduce_gradients() -> None:
         torch.testing.assert_close(x.grad, sum(w), **CLOSE)
 
 
-def test_allgather_gradient_is_this_ranks_rows_of_the_summed_gradient() -> None:
+def test_allgather_gradient_is_this_ranks_rows_of_the_averaged_gradient() -> None:
     name = "autograd.allgather"
     inputs = _every_rank(name, lambda r: (r + 1, 2))
     total = sum(r + 1 for r in range(cl.size()))
@@ -78,10 +79,11 @@ def test_allgather_gradient_is_this_ranks_rows_of_the_summed_gradient() -> None:
     start = sum(r + 1 for r in range(cl.rank()))
     torch.testing.assert_close(y.detach(), torch.cat(inputs), **CLOSE)
     assert x.grad is not None
-    torch.testing.assert_close(x.grad, sum(weights)[start : start + cl.rank() + 1], **CLOSE)
+    averaged = sum(weights) / cl.size()
+    torch.testing.assert_close(x.grad, averaged[start : start + cl.rank() + 1], **CLOSE)
 
 
-def test_broadcast_gradient_is_summed_onto_the_root() -> None:
+def test_broadcast_gradient_is_averaged_onto_the_root() -> None:
     name = "autograd.broadcast"
     inputs, weights = _every_rank(name, (4,)), _every_rank(f"{name}.w", (4,))
     grads = []
@@ -90,7 +92,7 @@ def test_broadcast_gradient_is_summed_onto_the_root() -> None:
         _backward(cl.broadcast(x, root, name=f"{name}.{root}"), weights[cl.rank()])
         grads.append(x.grad)
     for root, grad in enumerate(grads):
-        expected = sum(weights) if root == cl.rank() else torch.zeros(4, dtype=F64)
+        expected = sum(weights) / cl.size() if root == cl.rank() else torch.zeros(4, dtype=F64)
         assert grad is not None
         torch.testing.assert_close(grad, expected, **CLOSE)
 
@@ -121,8 +123,27 @@ def test_reducescatter_gradient_is_an_allgather(op: cl.ReduceOp) -> None:
     inputs = _every_rank(name, (sum(rows), 2))
     weights = _every_rank(f"{name}.w", lambda r: (rows[r], 2))
     x = _leaf(inputs[cl.rank()])
-    y = cl.reducescatter(x, op=op, name=name)
+    y = cl.reducescatter(x, op=op, name=name, prescale_factor=0.5, postscale_factor=3.0)
     _backward(y, weights[cl.rank()])
-    factor = 1.0 / (cl.size() if op == cl.Average else 1)
+    factor = 1.5 * (cl.size() if op == cl.Sum else 1)
     assert x.grad is not None
     torch.testing.assert_close(x.grad, factor * torch.cat(weights), **CLOSE)
+
+
+def test_grouped_allgather_and_reducescatter_gradients_follow_the_single_forms() -> None:
+    name = "autograd.grouped_ag_rs"
+    n, me = cl.size(), cl.rank()
+    rows = block_rows(2 * n + 1, n)
+    gathered_in = _every_rank(f"{name}.g", lambda r: (r + 1, 2))
+    total = sum(r + 1 for r in range(n))
+    gathered_w = _every_rank(f"{name}.gw", (total, 2))
+    scattered_in = _every_rank(f"{name}.s", (sum(rows), 3))
+    scattered_w = _every_rank(f"{name}.sw", lambda r: (rows[r], 3))
+    g, s = _leaf(gathered_in[me]), _leaf(scattered_in[me])
+    (yg,) = cl.grouped_allgather([g], name=f"{name}.ag")
+    (ys,) = cl.grouped_reducescatter([s], op=cl.Sum, name=f"{name}.rs")
+    ((yg * gathered_w[me]).sum() + (ys * scattered_w[me]).sum()).backward()
+    start = sum(r + 1 for r in range(me))
+    assert g.grad is not None and s.grad is not None
+    torch.testing.assert_close(g.grad, (sum(gathered_w) / n)[start : start + me + 1], **CLOSE)
+    torch.testing.assert_close(s.grad, n * torch.cat(scattered_w), **CLOSE)

@@ -264,7 +264,8 @@ def test_horovod_grouped_allgather_and_reducescatter() -> None:
     blocks = [_tensor(torch.float64, 2)[: 2 * n + 1], _tensor(torch.int64, 1, seed=7)]
     summed = hvd.grouped_reducescatter(blocks, op=hvd.Sum)
     averaged = hvd.synchronize(hvd.grouped_reducescatter_async(blocks[:1]))
-    # Differentiable: the gradient of a grouped allgather is this rank's rows of the summed one.
+    # Differentiable: the gradient of a grouped allgather is this rank's rows of the averaged one
+    # (Horovod's convention).
     leaf = torch.ones(me + 1, 2, requires_grad=True)
     (out,) = hvd.grouped_allgather([leaf])
     (out * 2).sum().backward()
@@ -283,7 +284,7 @@ def test_horovod_grouped_allgather_and_reducescatter() -> None:
     torch.testing.assert_close(summed[0], mine(blocks[0]) * n)
     assert torch.equal(summed[1], mine(blocks[1]) * n)
     torch.testing.assert_close(averaged[0], mine(blocks[0]))
-    assert torch.equal(leaf.grad, torch.full((me + 1, 2), 2.0 * n))
+    assert torch.equal(leaf.grad, torch.full((me + 1, 2), 2.0))
 
 
 def _sparse(rank: int, values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -497,3 +498,140 @@ def test_join_with_uneven_data() -> None:
     assert isinstance(last, int)
     assert lasts == [hvd.size() - 1] * hvd.size()
     assert same
+
+
+# -- issue 20: what Horovod's own test_torch.py found ---------------------------------------------
+def test_sparse_allreduce_async_handle_can_be_called() -> None:
+    """horovod.torch's sparse_allreduce_async returns a function: ``handle()`` gives the sum."""
+    me, n = hvd.rank(), hvd.size()
+    rows = torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.5, 0.5]], dtype=torch.float64)
+    handle = hvd.sparse_allreduce_async(_sparse(me, rows, (6, 2)), name="dropin.call", op=hvd.Sum)
+    called = handle()
+    dense = sum(_sparse(r, rows, (6, 2)).to_dense() for r in range(n))
+    assert called.is_sparse
+    torch.testing.assert_close(called.to_dense(), dense)
+    assert handle() is called  # calling again returns the same result
+
+
+def test_cast_compressors_have_horovods_shape() -> None:
+    """``tensor, ctx = Compression.fp16.compress(t)`` and ``decompress(tensor, ctx)``."""
+    for dtype in (torch.float32, torch.float64):
+        t = torch.full((5, 5), 1.5, dtype=dtype)
+        compressed, ctx = hvd.Compression.fp16.compress(t)
+        assert compressed.dtype == torch.float16
+        restored = hvd.Compression.fp16.decompress(compressed, ctx)
+        assert restored.dtype == dtype and torch.equal(restored, t)
+        same, none_ctx = hvd.Compression.none.compress(t)
+        assert same is t and hvd.Compression.none.decompress(same, none_ctx) is t
+    ints = torch.ones(3, dtype=torch.int32)
+    kept, ctx = hvd.Compression.fp16.compress(ints)
+    assert kept.dtype == torch.int32 and hvd.Compression.fp16.decompress(kept, ctx) is kept
+
+
+def test_optimizer_parameter_names_without_named_parameters() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    names = optimizer._parameter_names  # type: ignore[attr-defined]
+    every = hvd.allgather_object(sorted(names.values()))
+    named = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    assert set(names) == set(model.parameters())
+    assert len(set(names.values())) == 4
+    assert every == [every[0]] * hvd.size()
+    assert sorted(named._parameter_names.values()) == sorted(  # type: ignore[attr-defined]
+        name for name, _ in model.named_parameters()
+    )
+
+
+def test_optimizer_reduces_only_inside_its_process_set() -> None:
+    """Ranks outside the optimizer's process_set keep their own gradients (as in Horovod)."""
+    me, n = hvd.rank(), hvd.size()
+    ps = hvd.add_process_set([0])
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        named_parameters=model.named_parameters(),
+        process_set=ps,
+    )
+    model(torch.full((1, 2), float(me + 1))).sum().backward()
+    optimizer.step()
+    weight = model.weight.detach().clone()
+    hvd.remove_process_set(ps)
+    # Rank 0 is the set alone: its average is its own gradient; the others are outside it.
+    assert torch.equal(weight, torch.full((1, 2), 1.0 - (me + 1))), (n, weight)
+
+
+def test_sparse_as_dense_gives_the_optimizer_its_sparse_gradient_back() -> None:
+    """SparseAdam takes sparse gradients only: sparse_as_dense reduces them dense and gives
+    them back sparse (it used to fail with 'SparseAdam does not support dense gradients')."""
+    torch.manual_seed(3)
+    model = nn.Embedding(10, 3, sparse=True)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SparseAdam(list(model.parameters()), lr=0.1), sparse_as_dense=True
+    )
+    reference = nn.Embedding(10, 3, sparse=True)
+    reference.load_state_dict(model.state_dict())
+    plain = torch.optim.SparseAdam(list(reference.parameters()), lr=0.1)
+    layouts = []
+    for step in range(3):
+        inputs = [torch.tensor([r % 10, (r + step) % 10, 7]) for r in range(hvd.size())]
+        optimizer.zero_grad()
+        model(inputs[hvd.rank()]).sum().backward()
+        optimizer.synchronize()
+        layouts.append(model.weight.grad.is_sparse)  # type: ignore[union-attr]
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        plain.zero_grad()
+        sum(reference(x).sum() for x in inputs).backward()  # the average's gradient, times n
+        with torch.no_grad():
+            reference.weight.grad = reference.weight.grad / hvd.size()  # type: ignore[operator]
+        plain.step()
+    assert layouts == [True, True, True]
+    torch.testing.assert_close(model.weight, reference.weight)
+
+
+def test_broadcast_optimizer_state_before_any_gradient() -> None:
+    """Horovod's test_broadcast_state_no_grad: no gradient yet, one parameter frozen; the state
+    is created by a zero-gradient step (p.grad becomes zeros), then broadcast."""
+    torch.manual_seed(hvd.rank())
+    frozen = nn.Parameter(torch.tensor([1.0, 3.0]), requires_grad=False)
+    weight = nn.Parameter(torch.rand(4))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD([frozen, weight], lr=0.001, weight_decay=1e-6, momentum=0.9),
+        named_parameters=[("frozen", frozen), ("weight", weight)],
+    )
+    hvd.broadcast_parameters({"frozen": frozen, "weight": weight}, root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    grad = weight.grad
+    every = hvd.allgather_object(
+        (weight.detach().clone(), optimizer.state_dict()["state"][1]["momentum_buffer"])
+    )
+    assert frozen.grad is None
+    assert grad is not None and torch.equal(grad, torch.zeros(4))
+    assert all(torch.equal(w, every[0][0]) and torch.equal(m, every[0][1]) for w, m in every)
+
+
+def test_step_after_synchronize_without_skip_synchronize_warns() -> None:
+    model = nn.Linear(1, 1)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    F.mse_loss(model(torch.zeros(1, 1)), torch.ones(1, 1)).backward()
+    optimizer.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert "optimizer.step() called without optimizer.skip_synchronize()" in messages[0]
+
+
+def test_reducescatter_adasum_is_a_runtime_error() -> None:
+    with pytest.raises(RuntimeError, match="Adasum is not supported here"):
+        hvd.reducescatter(torch.ones(4 * hvd.size()), op=hvd.Adasum)
+    with pytest.raises(ValueError):  # also a bad argument, as commlayer's others
+        hvd.reducescatter(torch.ones(4 * hvd.size()), op=hvd.Adasum)

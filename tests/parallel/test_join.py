@@ -1,9 +1,10 @@
 """join() with uneven data (issue #2): rank r runs r + 1 steps, then joins.
 
-While ranks are joined the others' collectives complete with the joined ranks contributing
-zeros (nothing to allgather); Average divides by the number of ranks that have not joined; join
-returns the rank that joined last, the same on every rank. Broadcast from a joined root and
-alltoall raise while ranks are joined.
+While ranks are joined the others' allreduces complete with the joined ranks contributing zeros;
+join returns the rank that joined last, the same on every rank. By default (join_mode=horovod,
+issue 20) Average divides by size() and allgather, broadcast, alltoall and reducescatter raise,
+as in Horovod; with join_mode=active Average divides by the ranks that have not joined,
+allgather and reducescatter run over them, and broadcast from a joined root and alltoall raise.
 
 Collectives first, asserts last: a rank that fails an assert must not leave the others waiting
 in a collective it never reaches.
@@ -11,8 +12,12 @@ in a collective it never reaches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 from collective_reference import assert_reduced, block_rows, seed_of, small_ints
+from restart import reinit
 
 import commlayer as cl
 
@@ -21,10 +26,20 @@ def _input(name: str, rank: int, shape: tuple[int, ...] = (3, 2)) -> torch.Tenso
     return small_ints(seed_of(name), rank, shape, torch.float64)
 
 
-def test_uneven_steps_then_join() -> None:
+def _attempt(call: Callable[[], torch.Tensor]) -> torch.Tensor | cl.CommlayerError:
+    try:
+        return call()
+    except cl.CommlayerError as exc:
+        return exc
+
+
+@pytest.mark.parametrize("mode", ["horovod", "active"])
+def test_uneven_steps_then_join(mode: str) -> None:
     # Step s runs on ranks s..size-1; ranks below s have joined (they never submit step s, so
     # its collectives can only run once they have). Rank size-1 runs the last step alone after
     # everyone else joined, so it joins last.
+    if mode != "horovod":
+        reinit(join_mode=mode)
     me, n = cl.rank(), cl.size()
     steps = []
     for step in range(me + 1):
@@ -33,11 +48,19 @@ def test_uneven_steps_then_join() -> None:
         summed = cl.allreduce(mine, op=cl.Sum, name=f"{name}.sum")
         averaged = cl.allreduce(mine, op=cl.Average, name=f"{name}.average")
         grouped = cl.grouped_allreduce([mine, mine[0]], op=cl.Max, name=f"{name}.grouped")
-        gathered = cl.allgather(mine[: me % 2 + 1], name=f"{name}.allgather")
-        scattered = cl.reducescatter(mine, op=cl.Average, name=f"{name}.reducescatter")
+        gathered = _attempt(
+            lambda mine=mine, name=name: cl.allgather(mine[: me % 2 + 1], name=f"{name}.allgather")
+        )
+        scattered = _attempt(
+            lambda mine=mine, name=name: cl.reducescatter(
+                mine, op=cl.Average, name=f"{name}.reducescatter"
+            )
+        )
         steps.append((summed, averaged, grouped, gathered, scattered))
     last = cl.join()
     every_last = cl.allgather(torch.tensor([last]), name="join.step.last")
+    if mode != "horovod":
+        reinit()
 
     for step, (summed, averaged, grouped, gathered, scattered) in enumerate(steps):
         name = f"join.step.{step}"
@@ -45,10 +68,19 @@ def test_uneven_steps_then_join() -> None:
         inputs = [_input(name, r) for r in active]
         zeros = [torch.zeros(3, 2, dtype=torch.float64)] * (n - len(active))
         assert_reduced(summed, inputs, cl.Sum)
-        assert_reduced(averaged, inputs, cl.Average)  # divides by len(active), not size
+        if mode == "active":
+            assert_reduced(averaged, inputs, cl.Average)  # divides by len(active)
+        else:
+            assert_reduced(averaged, inputs + zeros, cl.Average)  # divides by size()
         # Max over active ranks and the joined ranks' zeros.
         assert_reduced(grouped[0], inputs + zeros, cl.Max)
         assert_reduced(grouped[1], [t[0] for t in inputs + zeros], cl.Max)
+        if mode == "horovod" and len(active) < n:
+            for refused in (gathered, scattered):
+                assert isinstance(refused, cl.CommlayerError), (step, refused)
+                assert "have joined (join_mode=horovod)" in str(refused), str(refused)
+            continue
+        assert isinstance(gathered, torch.Tensor) and isinstance(scattered, torch.Tensor)
         assert torch.equal(gathered, torch.cat([_input(name, r)[: r % 2 + 1] for r in active]))
         rows = block_rows(3, n)
         start = sum(rows[:me])
@@ -58,8 +90,12 @@ def test_uneven_steps_then_join() -> None:
     assert every_last.tolist() == [n - 1] * n
 
 
-def test_broadcast_from_a_joined_root_and_alltoall_raise() -> None:
-    # Rank 0 joins at once; the others find it joined.
+@pytest.mark.parametrize("mode", ["horovod", "active"])
+def test_broadcast_from_a_joined_root_and_alltoall_raise(mode: str) -> None:
+    # Rank 0 joins at once; the others find it joined. Broadcast from a root that has not
+    # joined raises too under join_mode=horovod, works under active.
+    if mode != "horovod":
+        reinit(join_mode=mode)
     me, n = cl.rank(), cl.size()
     errors: list[Exception] = []
     received = None
@@ -75,10 +111,12 @@ def test_broadcast_from_a_joined_root_and_alltoall_raise() -> None:
                 call()
             except cl.CommlayerError as exc:
                 errors.append(exc)
-        received = cl.broadcast(x, n - 1, name="join.bcast.active_root")
+        received = _attempt(lambda: cl.broadcast(x, n - 1, name="join.bcast.active_root"))
         last = cl.join()
     every_last = cl.allgather(torch.tensor([last]), name="join.bcast.last")
     after = cl.allreduce(torch.ones(2), op=cl.Average, name="join.bcast.after")
+    if mode != "horovod":
+        reinit()
 
     assert torch.equal(after, torch.ones(2)), f"rank {me}: engine not back to normal after join"
     assert every_last.tolist() == [last] * n, f"join returned {every_last.tolist()}"
@@ -86,7 +124,12 @@ def test_broadcast_from_a_joined_root_and_alltoall_raise() -> None:
     if me != 0:
         assert len(errors) == 2, f"rank {me}: expected 2 errors, got {errors}"
         assert "joined" in str(errors[0]) and "joined" in str(errors[1])
-        assert received is not None and torch.equal(received, _input("join.bcast", n - 1, (4,)))
+        if mode == "horovod":
+            assert isinstance(received, cl.CommlayerError), received
+            assert "have joined (join_mode=horovod)" in str(received)
+        else:
+            assert isinstance(received, torch.Tensor)
+            assert torch.equal(received, _input("join.bcast", n - 1, (4,)))
 
 
 def test_join_twice_with_every_rank_joining_at_once() -> None:

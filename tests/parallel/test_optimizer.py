@@ -841,12 +841,15 @@ def test_sparse_embedding_gradients(opt_name: str, sparse_as_dense: bool) -> Non
             if distributed:
                 o.synchronize()  # type: ignore[attr-defined]
                 grad_layouts.append(m.emb.weight.grad.layout)
-            o.step()
+                with o.skip_synchronize():  # type: ignore[attr-defined]
+                    o.step()
+            else:
+                o.step()
             o.zero_grad()
     gathered = _params_on_all_ranks(model)
 
-    want_layout = torch.strided if sparse_as_dense else torch.sparse_coo
-    assert grad_layouts == [want_layout] * STEPS
+    # sparse_as_dense reduces dense and gives the gradient back sparse, as Horovod does
+    assert grad_layouts == [torch.sparse_coo] * STEPS
     assert not torch.equal(_flat(model.emb), initial)
     _assert_same_on_all_ranks(gathered)
     _assert_close_models(model, ref, **EXACT)

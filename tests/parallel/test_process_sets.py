@@ -36,9 +36,9 @@ def _collectives(ps: cl.ProcessSet) -> dict[str, Any]:
             [flat[me], rows[me]], op=cl.Max, name="ps.grouped", process_set=ps
         ),
         "allgather": cl.allgather(rows[me], name="ps.allgather", process_set=ps),
-        "broadcast": [
+        "broadcast": [  # root_rank is a global rank, as in Horovod
             cl.broadcast(flat[me], root, name=f"ps.broadcast.{root}", process_set=ps)
-            for root in range(n)
+            for root in ps.ranks
         ],
         "alltoall": cl.alltoall(rows[me][:n], name="ps.alltoall", process_set=ps),
         "reducescatter": cl.reducescatter(
@@ -57,8 +57,9 @@ def _check_collectives(ps: cl.ProcessSet, me: int, results: dict[str, Any]) -> N
     assert_reduced(results["grouped"][0], flat, cl.Max)
     assert_reduced(results["grouped"][1], rows, cl.Max)
     assert torch.equal(results["allgather"], torch.cat(rows))
-    for root, result in enumerate(results["broadcast"]):
-        assert torch.equal(result, flat[root]), f"rank {cl.rank()}: set root {root}"
+    for position, result in enumerate(results["broadcast"]):
+        root = ps.ranks[position]
+        assert torch.equal(result, flat[position]), f"rank {cl.rank()}: global root {root}"
     assert torch.equal(results["alltoall"], torch.cat([t[me : me + 1] for t in rows]))
     block = block_rows(n + 1, n)
     start = sum(block[:me])
@@ -166,13 +167,57 @@ def test_bad_ranks_are_refused_before_any_communication(ranks: Any) -> None:
 def test_unregistered_set_and_root_outside_the_set_are_refused() -> None:
     with pytest.raises(ValueError, match="not registered"):
         cl.allreduce(torch.ones(2), name="ps.unregistered", process_set=cl.ProcessSet([0]))
-    ps = cl.add_process_set([0])
+    last = cl.size() - 1
+    ps = cl.add_process_set([last])
     try:
         if ps.included():
-            with pytest.raises(ValueError, match="root_rank"):
-                cl.broadcast(torch.ones(2), 1, name="ps.bad_root", process_set=ps)
+            # root_rank is global: 0 is the set's first position but not in the set (size > 1)
+            for bad in [0, last + 1, -1] if last else [1, -1]:
+                with pytest.raises(ValueError, match=r"root_rank must be an int .*got"):
+                    cl.broadcast(torch.ones(2), bad, name="ps.bad_root", process_set=ps)
     finally:
         cl.remove_process_set(ps)
+
+
+def test_broadcasts_on_a_set_take_the_root_as_a_global_rank() -> None:
+    """The set of the last two ranks (at 3 ranks: [1, 2]) with root_rank = the first of them:
+    every broadcast form returns that rank's data (issue 20: it used to be read as a position
+    in the set, and at 3 ranks rank 2's data came back on both, silently)."""
+    n = cl.size()
+    ranks = list(range(max(n - 2, 0), n))
+    ps = cl.add_process_set(ranks)
+    root = ranks[0]
+    me = cl.rank()
+    out: dict[str, Any] = {}
+    if ps.included():
+        x = torch.full((3,), float(me))
+        out["broadcast"] = cl.broadcast(x, root, name="ps.g.broadcast", process_set=ps)
+        y = torch.full((2,), float(me))
+        cl.broadcast_(y, root, name="ps.g.broadcast_", process_set=ps)
+        out["broadcast_"] = y
+        out["async"] = cl.synchronize(
+            cl.broadcast_async(x, root, name="ps.g.async", process_set=ps)
+        )
+        out["object"] = cl.broadcast_object({"from": me}, root, process_set=ps)
+        model = torch.nn.Linear(2, 1)
+        with torch.no_grad():
+            model.weight.fill_(float(me))
+            model.bias.fill_(float(me))
+        cl.broadcast_parameters(model.state_dict(), root, process_set=ps)
+        out["parameters"] = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1 + me, momentum=0.5)
+        cl.broadcast_optimizer_state(optimizer, root, process_set=ps)
+        out["lr"] = optimizer.param_groups[0]["lr"]
+    cl.remove_process_set(ps)
+
+    if out:
+        expected = float(root)
+        assert torch.equal(out["broadcast"], torch.full((3,), expected)), out
+        assert torch.equal(out["broadcast_"], torch.full((2,), expected)), out
+        assert torch.equal(out["async"], torch.full((3,), expected)), out
+        assert out["object"] == {"from": root}, out
+        assert all(torch.equal(p, torch.full_like(p, expected)) for p in out["parameters"]), out
+        assert out["lr"] == 0.1 + root, out
 
 
 def test_unnamed_operations_on_a_set_leave_global_names_in_step() -> None:

@@ -148,16 +148,25 @@ def test_broadcast_optimizer_state_created_lazily_on_the_root(opt_name: str, whi
 
 
 @pytest.mark.parametrize("which", ROOTS)
-def test_broadcast_optimizer_state_from_a_fresh_root_clears_the_others(which: str) -> None:
+def test_broadcast_optimizer_state_from_a_fresh_root_gives_horovods_first_step(which: str) -> None:
+    """A root whose optimizer never stepped: every rank takes Horovod's zero-gradient step
+    (p.grad becomes zeros where it was None) and then holds the root's state, whatever it
+    had before (issue 20: Horovod's test_broadcast_state_no_grad reads p.grad afterwards)."""
     root = _root(which)
     net = _net(0)
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
     if cl.rank() != root:
         _local_steps(net, opt, seed=5, steps=1)
     cl.broadcast_optimizer_state(opt, root_rank=root)
-    sizes = cl.allgather_object(len(opt.state))
+    states = cl.allgather_object(copy.deepcopy(opt.state_dict()))
+    grads = [p.grad for p in net.parameters()]
 
-    assert sizes == [0] * cl.size()
+    assert len(states[root]["state"]) == len(list(net.parameters()))
+    assert all(int(s["step"]) == 1 for s in states[root]["state"].values())
+    for r in range(cl.size()):
+        assert _same(states[r], states[root]), f"rank {r}: optimizer state is not the root's"
+    if cl.rank() == root:
+        assert all(g is not None and not g.any() for g in grads)
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))

@@ -1,6 +1,7 @@
 """Clean shutdown: every rank exits 0; collectives after shutdown() fail with a clear error;
-init() after shutdown() starts commlayer again (Horovod allows it); a rank that shuts down
-early makes the others' later collectives fail instead of hang."""
+init() after shutdown() starts commlayer again (Horovod allows it with Gloo); a rank that calls
+init() again alone gets an error naming it after COMMLAYER_INIT_TIMEOUT_SECONDS, not a hang; a
+rank that shuts down early makes the others' later collectives fail instead of hang."""
 
 from __future__ import annotations
 
@@ -64,3 +65,15 @@ def test_peers_of_a_rank_that_shut_down_get_shutdown_error(run_mpi: RunMPI) -> N
         assert "rank(s) [0] shut down" in record["message"], record["message"]
         assert record["elapsed_s"] < 0.5, "must fail at once, not wait for rank 0"
         assert job.find("done", rank), job.output()
+
+
+def test_init_again_on_one_rank_alone_fails_within_its_timeout(run_mpi: RunMPI) -> None:
+    job = run_mpi("shutdown.py", 2, "reinit_alone", env={"COMMLAYER_INIT_TIMEOUT_SECONDS": "2"})
+    record = job.one("init_alone", 0)
+    assert record["error"] == "CommlayerError", job.output()
+    assert record["message"].startswith("rank 0: init() waited 2 s"), record["message"]
+    assert "every rank calls it, also after shutdown()" in record["message"]
+    assert 2.0 <= record["elapsed_s"] < 10.0, record
+    assert job.one("initialized", 0)["value"] is False
+    assert job.returncode == 0, job.output()
+    assert len(job.find("done")) == 2, job.output()

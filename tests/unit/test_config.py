@@ -31,6 +31,8 @@ DEFAULTS = {
     "wait_policy": "auto",
     "malloc_tuning": "on",
     "auto_tuning": "on",
+    "join_mode": "horovod",
+    "init_timeout_s": 60.0,
 }
 
 # (variable, text, Config field, parsed value)
@@ -89,6 +91,9 @@ GOOD = [
     ("COMMLAYER_MALLOC_TUNING", " OFF ", "malloc_tuning", "off"),
     ("COMMLAYER_MALLOC_TUNING", "on", "malloc_tuning", "on"),
     ("COMMLAYER_AUTO_TUNING", "Off", "auto_tuning", "off"),
+    ("COMMLAYER_JOIN_MODE", " Active", "join_mode", "active"),
+    ("COMMLAYER_JOIN_MODE", "horovod", "join_mode", "horovod"),
+    ("COMMLAYER_INIT_TIMEOUT_SECONDS", "2.5", "init_timeout_s", 2.5),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -150,6 +155,9 @@ BAD = [
     ("COMMLAYER_MALLOC_TUNING", "0", _MALLOC),
     ("COMMLAYER_MALLOC_TUNING", "jemalloc", _MALLOC),
     ("COMMLAYER_AUTO_TUNING", "yes", _MALLOC),
+    ("COMMLAYER_JOIN_MODE", "exact", "one of horovod, active"),
+    ("COMMLAYER_INIT_TIMEOUT_SECONDS", "0", _POSITIVE),
+    ("COMMLAYER_INIT_TIMEOUT_SECONDS", "forever", _POSITIVE),
 ]
 
 

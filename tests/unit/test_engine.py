@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -199,12 +200,15 @@ def test_dead_peer_fails_the_others_with_rank_died_error() -> None:
 
 
 # -- join ------------------------------------------------------------------------------------------
-def test_joined_rank_contributes_zeros_and_average_counts_active_ranks() -> None:
+@pytest.mark.parametrize("join_mode", ["horovod", "active"])
+def test_joined_rank_contributes_zeros_and_average_by_join_mode(join_mode: str) -> None:
     """Rank 2 joins first; ranks 0 and 1 then run collectives (ready only once rank 2 is known
-    to have joined), then join too; afterwards all three work normally again."""
+    to have joined), then join too; afterwards all three work normally again. Average divides
+    by size() (horovod) or by the ranks not joined (active); allgather raises under horovod
+    (as in Horovod) and gathers the active ranks' rows under active."""
 
-    def fn(engine: Engine) -> tuple[dict[str, torch.Tensor], int, torch.Tensor]:
-        results: dict[str, torch.Tensor] = {}
+    def fn(engine: Engine) -> tuple[dict[str, Any], int, torch.Tensor]:
+        results: dict[str, Any] = {}
         if engine.rank == 2:
             join = engine.join()
         else:
@@ -217,21 +221,53 @@ def test_joined_rank_contributes_zeros_and_average_counts_active_ranks() -> None
                 "max": engine.submit(allreduce("max", torch.full((2,), -v), ReduceOp.Max)),
                 "gather": engine.submit(allgather("gather", torch.full((1, 2), v))),
             }
-            results = {name: wait(h) for name, h in handles.items()}
+            for name, handle in handles.items():
+                try:
+                    results[name] = wait(handle)
+                except CommlayerError as exc:
+                    results[name] = exc
             join = engine.join()
         last = wait(join)
         after = wait(engine.submit(allreduce("after", torch.ones(2), ReduceOp.Average)))
         return results, last, after
 
-    outcomes = run_engines(3, fn)
+    outcomes = run_engines(3, fn, join_mode=join_mode)
     for results, _, _ in outcomes[:2]:
         assert torch.equal(results["sum"], torch.full((3,), 3.0))  # 1 + 2 + 0
-        assert torch.equal(results["average"], torch.full((4,), 1.5))  # (1 + 2) / 2 active
+        divisor = 3 if join_mode == "horovod" else 2
+        assert torch.equal(results["average"], torch.full((4,), 3.0 / divisor))
         assert torch.equal(results["max"], torch.zeros(2))  # max(-1, -2, 0): zeros from rank 2
-        assert torch.equal(results["gather"], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+        if join_mode == "horovod":
+            assert isinstance(results["gather"], CommlayerError)
+            assert "ranks [2] have joined (join_mode=horovod)" in str(results["gather"])
+        else:
+            assert torch.equal(results["gather"], torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
     lasts = {last for _, last, _ in outcomes}
     assert len(lasts) == 1 and lasts <= {0, 1}, lasts  # rank 2 joined first
     assert all(torch.equal(after, torch.ones(2)) for _, _, after in outcomes)
+
+
+def test_refused_kinds_fail_at_once_while_a_rank_has_joined_even_with_differing_names() -> None:
+    """After a join the ranks' unnamed operations are numbered differently (Horovod's
+    test_horovod_join_allgather at 3 ranks): allgathers that would never meet must fail on
+    every rank that submitted one (join_mode=horovod), not wait for a partner."""
+
+    def fn(engine: Engine) -> str | None:
+        if engine.rank == 2:
+            join = engine.join()
+            error = None
+        else:
+            name = f"gather.{engine.rank}"  # a different name on each rank
+            with pytest.raises(CommlayerError, match="cannot run while ranks \\[2\\]") as info:
+                wait(engine.submit(allgather(name, torch.ones(1, 2))))
+            error = str(info.value)
+            join = engine.join()
+        assert wait(join) in (0, 1)
+        return error
+
+    errors = run_engines(3, fn, timeout_s=10.0)
+    assert errors[2] is None
+    assert all("have joined (join_mode=horovod)" in e for e in errors[:2] if e)
 
 
 def test_broadcast_from_a_joined_root_fails_without_hanging() -> None:

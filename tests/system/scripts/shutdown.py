@@ -1,6 +1,8 @@
 """Shutdown: ``all`` ranks shut down together, collectives fail clearly afterwards, init() starts
 again (as in Horovod) and shuts down again; ``one`` rank (0) shuts down and exits while the
-others go on: their next collective fails with ShutdownError naming rank 0."""
+others go on: their next collective fails with ShutdownError naming rank 0; ``reinit_alone``: every
+rank shuts down, rank 0 alone calls init() again (COMMLAYER_INIT_TIMEOUT_SECONDS short) and must
+get an error naming it, not hang."""
 
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ if mode == "all":
     _worker.attempt("new_name", lambda: hvd.allreduce(torch.ones(3), name="u", op=hvd.Sum))
     _worker.attempt("barrier_again", hvd.barrier)
     _worker.attempt("final_shutdown", hvd.shutdown)
+elif mode == "reinit_alone":
+    hvd.shutdown()
+    if rank == 0:
+        _worker.attempt("init_alone", hvd.init)
+        _worker.report("initialized", value=hvd.is_initialized())
 elif rank == 0:
     hvd.shutdown()
     _worker.report("left")
