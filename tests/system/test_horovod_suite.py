@@ -1,0 +1,63 @@
+"""scripts/horovod-suite.sh, the harness that runs Horovod's own test_torch.py against commlayer
+(issue 20), on a stand-in checkout: a test_torch.py of our own with Horovod's layout. In one job
+a test that fails on one rank before a collective leaves the other rank stuck in it; the job
+must end and go on at the next test instead of hanging or failing every test after it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "horovod-suite.sh"
+
+STAND_IN = """
+import unittest
+
+import torch
+
+import horovod.torch as hvd
+
+
+class TorchTests(unittest.TestCase):
+    def test_a_allreduce(self):
+        hvd.init()
+        self.assertEqual(hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist(), [hvd.size()] * 3)
+
+    def test_b_fails_on_rank_0_before_a_collective(self):
+        hvd.init()
+        if hvd.rank() == 0:
+            raise AssertionError("rank 0 gives up")
+        hvd.allreduce(torch.ones(3), name="never_completes")
+
+    def test_c_still_runs(self):
+        hvd.init()
+        self.assertEqual(hvd.broadcast(torch.ones(2) * hvd.rank(), 1).tolist(), [1.0, 1.0])
+
+    def test_d_skipped(self):
+        self.skipTest("as a GPU test here")
+"""
+
+
+def test_one_job_goes_on_after_a_test_that_leaves_the_ranks_out_of_step(tmp_path: Path) -> None:
+    checkout = tmp_path / "horovod"
+    (checkout / "test" / "parallel").mkdir(parents=True)
+    (checkout / "test" / "parallel" / "test_torch.py").write_text(STAND_IN)
+    run = subprocess.run(
+        ["bash", str(SCRIPT), str(checkout), "2", "--one-job", "--timeout", "15"],
+        capture_output=True, text=True, timeout=240, check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("COMMLAYER_", "HVD_"))}
+        | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    lines = {line.split()[1]: line.split()[0] for line in run.stdout.splitlines()[:-1]}
+    assert lines == {
+        "test_a_allreduce": "passed",
+        "test_b_fails_on_rank_0_before_a_collective": "failed",
+        "test_c_still_runs": "passed",
+        "test_d_skipped": "skipped",
+    }, run.stdout + run.stderr
+    summary = run.stdout.splitlines()[-1]
+    assert "restarted after ['test_b_fails_on_rank_0_before_a_collective']" in summary, summary
+    assert "2 passed, 1 failed, 1 skipped, 0 hung" in summary, summary
+    assert run.returncode == 1  # a test failed
