@@ -7,6 +7,7 @@ from commlayer import compression, config, elastic
 from commlayer import runtime as _runtime
 from commlayer.compression import Compression
 from commlayer.errors import (
+    CollectiveTimeoutError,
     CommlayerError,
     ConfigError,
     DuplicateNameError,

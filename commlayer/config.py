@@ -53,6 +53,7 @@ class Config:
     auto_tuning: str = "on"
     join_mode: str = "horovod"
     init_timeout_s: float = 60.0
+    collective_timeout_s: float = 60.0
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -282,6 +283,14 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         _POSITIVE_FLOAT,
         "how long init() waits for every rank to call it (also after shutdown()) before it "
         "raises, naming this rank; default 60",
+    ),
+    (
+        "COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS",
+        "collective_timeout_s",
+        _NONNEG_FLOAT,
+        "watchdog: a collective (or negotiation) of which nothing completes for this long fails "
+        "with CollectiveTimeoutError naming it and the ranks and hosts it waits on, and the job "
+        "aborts (MPI_Abort: every rank exits non-zero); 0 disables; default 60",
     ),
 )
 

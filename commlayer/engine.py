@@ -31,6 +31,14 @@ The constraints it answers, and how:
    responses on every rank; stalls are reported and optionally failed; a shutting-down rank
    tells the others in its last cycle; a peer that died is noticed within a second while
    waiting (its pid is checked) and every pending operation fails with RankDiedError.
+6. A peer on another host cannot be checked, and MPI over TCP retransmits to a dead host or
+   through a cut link for minutes. -> A watchdog (``collective_timeout_s``): a wait on one
+   request, collective or negotiation, that sees nothing complete for that long raises
+   CollectiveTimeoutError naming the operation and the ranks and hosts it waits on, every
+   pending operation fails with it, and the job aborts (``Backend.abort``: MPI_Abort), as
+   NCCL's watchdog aborts its communicator: a request that cannot complete cannot be
+   cancelled, so neither another collective nor MPI_Finalize could follow it. The check is
+   one comparison per test of a request, in the loop that already reads the clock.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import Backend, Request
 from commlayer.config import Config
 from commlayer.errors import (
+    CollectiveTimeoutError,
     CommlayerError,
     ConfigError,
     DuplicateNameError,
@@ -177,6 +186,14 @@ class Engine:
         self.passive = _passive(config.wait_policy, backend)
         self._data_spin_s = _PASSIVE_SPIN_S if self.passive else math.inf
         self._next_peer_check = 0.0  # wall-clock instant of the next pid check (_check_peers)
+        # The watchdog (constraint 6): its limit, and what the engine thread waits on, for its
+        # message: the process set, and fused entries, a Response or None (the negotiation).
+        self._timeout_s = config.collective_timeout_s or math.inf
+        self._waiting_set = 0
+        self._waiting_on: list[fusion.Entry] | Response | None = None
+        # The operations of the cycle being executed: no longer pending in a negotiator, so an
+        # error that stops the engine midway (a dead peer, the watchdog) fails them in _stop.
+        self._executing: list[Operation] = []
         self._join_handle: Future | None = None
         self._global = self._register(tuple(range(backend.size)), backend)
         self._thread = threading.Thread(target=self._run, name="commlayer-engine", daemon=True)
@@ -316,6 +333,8 @@ class Engine:
         finally:
             self._stop()
             mark_engine_thread(threading.get_ident(), False)
+            if isinstance(self._error, CollectiveTimeoutError):
+                self._global.backend.abort(str(self._error))
 
     def _wait_for_work(self) -> None:
         self._check_peers()
@@ -356,6 +375,7 @@ class Engine:
             # its communicator is freed, and every member drops it in this same cycle.
             if state.negotiator is None or self._sets.get(set_id) is not state:
                 continue
+            self._waiting_set, self._waiting_on = set_id, None
             result = state.negotiator.cycle()
             for op, error in result.failed:
                 self.complete(op, error=error)
@@ -385,6 +405,7 @@ class Engine:
             for state in self._sets.values():
                 if state.negotiator is not None:
                     leftovers += state.negotiator.fail_all()
+            leftovers += [op for op in self._executing if not op.handle.done()]
             join, self._join_handle = self._join_handle, None
         error = (
             self._error
@@ -412,13 +433,42 @@ class Engine:
         start = time.perf_counter()
         sleep_s = 20e-6
         while not request.test():
-            now = time.perf_counter()
-            if now - start < spin_s:
+            waited_s = time.perf_counter() - start
+            if waited_s < spin_s:
                 os.sched_yield()
             else:
                 time.sleep(sleep_s)
                 sleep_s = min(sleep_s * 2, _CONTROL_MAX_SLEEP_S)
+            if waited_s > self._timeout_s:
+                raise self._timeout_error(waited_s)
             self._check_peers()
+
+    def _timeout_error(self, waited_s: float) -> CollectiveTimeoutError:
+        """The watchdog's error: what made no progress, and which ranks it waits on, by host
+        (those on this host checked alive; those elsewhere cannot be checked from here)."""
+        ranks = self._sets[self._waiting_set].ranks
+        hosts = self._global.backend.hosts()
+        here = hosts[self.rank]
+        dead = set(self._global.backend.dead_peers())
+        by_host: dict[str, list[int]] = {}
+        for r in ranks:
+            if r != self.rank:
+                by_host.setdefault(hosts[r], []).append(r)
+        where = []
+        for host, on_host in by_host.items():
+            if host == here:
+                gone = sorted(dead & set(on_host))
+                state = f"{gone} exited" if gone else "running"
+                where.append(f"rank(s) {on_host} on this host ({state})")
+            else:
+                where.append(f"rank(s) {on_host} on {host}")
+        return CollectiveTimeoutError(
+            f"rank {self.rank} (host {here}): {_describe(self._waiting_on)} on process set "
+            f"{self._waiting_set} made no progress for {waited_s:.1f} s "
+            f"(COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS={self.config.collective_timeout_s:g}); it "
+            f"waits on {'; '.join(where)}: a host down, a link cut, or a rank there dead or "
+            "stopped; the job aborts"
+        )
 
     def _check_peers(self) -> None:
         """Raise RankDiedError if a peer's process is gone. Checked at whole multiples of
@@ -450,6 +500,7 @@ class Engine:
         op.handle._set(result, error)
 
     def _execute(self, set_id: int, state: _SetState, result: CycleResult) -> None:
+        self._executing = [op for _, op in result.ready if op is not None]
         active = [r for r in range(state.backend.size) if r not in result.joined]
         groups: dict[tuple[str, int], list[fusion.Entry]] = {}
         others: list[tuple[Response, Operation | None]] = []
@@ -472,10 +523,14 @@ class Engine:
             else:
                 others.append((response, op))
         for (dtype, op_value), entries in groups.items():
+            self._waiting_on = entries
             self._fused.run(state.backend, getattr(torch, dtype), ReduceOp(op_value), entries)
         for response, op in others:
+            self._waiting_on = response
             try:
                 raw = self._run_other(state, response, op, active)
+            except CollectiveTimeoutError:
+                raise  # stops the engine (constraint 6), not one operation
             except CommlayerError as exc:
                 if op is not None:
                     self.complete(op, error=exc)
@@ -582,6 +637,17 @@ def agreed_calibrations(
             differ,
         )
     return costmodel.from_bytes(payloads[0])
+
+
+def _describe(waiting_on: list[fusion.Entry] | Response | None) -> str:
+    """What the engine waits on, for the watchdog's message."""
+    if waiting_on is None:
+        return "the negotiation (the control allreduce every rank's engine joins each cycle)"
+    if isinstance(waiting_on, Response):
+        return f"{waiting_on.kind} {waiting_on.name!r}"
+    names = list(dict.fromkeys(e.owner.name for e in waiting_on if e.owner is not None))
+    shown = ", ".join(map(repr, names[:3])) + (f" (+{len(names) - 3} more)" if names[3:] else "")
+    return f"allreduce of {shown or 'zeros (this rank joined)'}"
 
 
 def _passive(policy: str, backend: Backend) -> bool:

@@ -44,6 +44,11 @@ class RankDiedError(ShutdownError):
     """A peer process exited while the others still needed it."""
 
 
+class CollectiveTimeoutError(ShutdownError):
+    """A collective (or the negotiation) made no progress for ``collective_timeout_s``: a peer
+    on another host is gone, stopped or cut off. The job aborts after it (MPI_Abort)."""
+
+
 class PayloadError(CommlayerError):
     """A compressed payload received from a peer is malformed (wrong length, index out of
     range, non-finite scale): decoding it would silently corrupt the gradient."""

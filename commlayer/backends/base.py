@@ -118,8 +118,17 @@ class Backend(Protocol):
         numbered in order of their lowest rank)."""
         ...
 
+    def hosts(self) -> list[str]:
+        """Host name of every rank of this group (for messages naming where a rank runs)."""
+        ...
+
     def dead_peers(self) -> list[int]:
         """Ranks of this group known to have exited (empty when none or when unknown)."""
+        ...
+
+    def abort(self, reason: str) -> None:
+        """End the whole job now, every rank of every group (MPI_Abort on COMM_WORLD): the way
+        out when a request can neither complete nor be cancelled. ``reason`` is logged first."""
         ...
 
     def close(self) -> None:

@@ -515,6 +515,13 @@ class LoopbackBackend:
         first: dict[int, int] = {}
         return [first.setdefault(node, len(first)) for node in raw]
 
+    def hosts(self) -> list[str]:
+        return [f"loopback-node{node}" for node in self.nodes()]
+
+    def abort(self, reason: str) -> None:
+        """Threads cannot be killed: every pending and later call of the world fails instead."""
+        self._group.world.abort(reason)
+
     def dead_peers(self) -> list[int]:
         world = self._group.world
         with world.cond:

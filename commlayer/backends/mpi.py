@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ _DTYPES: dict[torch.dtype, MPI.Datatype] = {
 }
 
 _SHM_CHUNK_BYTES = 2 << 20  # per rank and half-window; 1, 2, 4 MiB: 2 MiB best or tied at 64 MiB
+_ABORT_CODE = 70  # MPI_Abort's exit code: sysexits' EX_SOFTWARE, distinct from a Python error's 1
 _P2P_TAG = 7  # the schedules' point-to-point messages (the engine makes no others)
 
 _BUILTIN_OPS = {
@@ -347,6 +349,9 @@ class MPIBackend:
     def nodes(self) -> list[int]:
         return list(self._nodes)
 
+    def hosts(self) -> list[str]:
+        return [host for host, _ in self._peers]
+
     def dead_peers(self) -> list[int]:
         host = socket.gethostname()
         return [
@@ -354,6 +359,14 @@ class MPIBackend:
             for rank, (peer_host, pid) in enumerate(self._peers)
             if rank != self._rank and peer_host == host and not _process_alive(pid)
         ]
+
+    def abort(self, reason: str) -> None:
+        # MPI_Abort prints which process aborted; the reason goes first, on this rank's stderr.
+        # Hydra then kills every rank it can reach; a rank on a host cut off from mpiexec
+        # aborts on its own, when its own watchdog fires.
+        sys.stderr.write(f"commlayer: aborting the job: {reason}\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(_ABORT_CODE)
 
     def close(self) -> None:
         if self._shm is not None:

@@ -33,6 +33,7 @@ DEFAULTS = {
     "auto_tuning": "on",
     "join_mode": "horovod",
     "init_timeout_s": 60.0,
+    "collective_timeout_s": 60.0,
 }
 
 # (variable, text, Config field, parsed value)
@@ -94,6 +95,8 @@ GOOD = [
     ("COMMLAYER_JOIN_MODE", " Active", "join_mode", "active"),
     ("COMMLAYER_JOIN_MODE", "horovod", "join_mode", "horovod"),
     ("COMMLAYER_INIT_TIMEOUT_SECONDS", "2.5", "init_timeout_s", 2.5),
+    ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "5", "collective_timeout_s", 5.0),
+    ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "0", "collective_timeout_s", 0.0),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -158,6 +161,8 @@ BAD = [
     ("COMMLAYER_JOIN_MODE", "exact", "one of horovod, active"),
     ("COMMLAYER_INIT_TIMEOUT_SECONDS", "0", _POSITIVE),
     ("COMMLAYER_INIT_TIMEOUT_SECONDS", "forever", _POSITIVE),
+    ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "-1", "a finite number >= 0 (0 disables)"),
+    ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "inf", "a finite number >= 0 (0 disables)"),
 ]
 
 

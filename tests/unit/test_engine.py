@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from commlayer import engine as engine_module
 from commlayer.backends.loopback import LoopbackBackend
 from commlayer.engine import Engine
 from commlayer.errors import (
+    CollectiveTimeoutError,
     CommlayerError,
     DuplicateNameError,
     RankDiedError,
@@ -387,3 +389,89 @@ def test_collectives_under_either_wait_policy(policy: str) -> None:
     for passive, results in run_engines(3, fn, wait_policy=policy):
         assert passive is (policy == "passive")
         assert all(torch.equal(out, torch.full_like(out, 6.0)) for out in results)
+
+
+# -- the watchdog (collective_timeout_s) -----------------------------------------------------------
+WATCHDOG_S = 0.5
+
+
+class _NeverRequest:
+    def test(self) -> bool:
+        return False
+
+
+class _SilentRank:
+    """Rank ``silent`` of a loopback backend posts its allreduces nowhere: they never complete,
+    and the peers' never complete either, as when a host vanishes in the middle of one."""
+
+    def __init__(self, inner: LoopbackBackend, silent: int) -> None:
+        self._inner, self._silent = inner, silent
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._inner, attr)
+
+    def iallreduce(self, send: Any, recv: torch.Tensor, op: ReduceOp) -> Any:
+        if self._inner.rank == self._silent:
+            return _NeverRequest()
+        return self._inner.iallreduce(send, recv, op)
+
+
+def test_watchdog_fails_a_collective_without_progress_and_aborts_the_job() -> None:
+    """Rank 2's part of 'x' never completes: it fails with CollectiveTimeoutError after the
+    configured time, naming 'x' and the ranks it waits on; the others' 'x' fails too, by their
+    own watchdog or by the first abort (here: the loopback world's, with that rank's message),
+    and later work too."""
+
+    def fn(engine: Engine) -> tuple[str, str, float]:
+        started = time.perf_counter()
+        handle = engine.submit(allreduce("x", torch.ones(2)))
+        with pytest.raises(ShutdownError) as info:
+            wait(handle)
+        took = time.perf_counter() - started
+        with pytest.raises(ShutdownError):
+            engine.submit(allreduce("y", torch.ones(2)))
+        return type(info.value).__name__, str(info.value), took
+
+    results = run_engines(
+        3,
+        fn,
+        wrap=lambda backend: _SilentRank(backend, 2),
+        collective_timeout_s=WATCHDOG_S,
+        allreduce_algorithm="mpi",
+    )
+    kind, message, took = results[2]
+    assert kind == "CollectiveTimeoutError", message
+    assert message.startswith("rank 2 (host loopback-node0): allreduce of 'x' on process set 0")
+    assert "made no progress for 0.5 s (COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS=0.5)" in message
+    assert "waits on rank(s) [0, 1] on this host (running)" in message, message
+    assert message.endswith("the job aborts"), message
+    for kind, message, took in results:
+        assert "allreduce of 'x' on process set 0 made no progress" in message, (kind, message)
+        assert WATCHDOG_S <= took < WATCHDOG_S + 2.0, f"failed after {took:.2f} s"
+
+
+def test_watchdog_fails_a_negotiation_a_peer_never_joins() -> None:
+    """Rank 1's engine never starts (a stopped process): rank 0's negotiation of 'x' cannot
+    complete; the watchdog names the negotiation and rank 1."""
+
+    def fn(engine: Engine) -> str | None:
+        if engine.rank == 1:
+            return None
+        engine.start()
+        started = time.perf_counter()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            wait(engine.submit(allreduce("x", torch.ones(2))))
+        assert WATCHDOG_S <= time.perf_counter() - started < WATCHDOG_S + 2.0
+        return str(info.value)
+
+    message = run_engines(2, fn, start=False, collective_timeout_s=WATCHDOG_S)[0]
+    assert message is not None
+    assert "rank 0 (host loopback-node0): the negotiation (the control allreduce" in message
+    assert "waits on rank(s) [1] on this host (running)" in message, message
+
+
+def test_watchdog_off_at_zero() -> None:
+    def fn(engine: Engine) -> float:
+        return engine._timeout_s
+
+    assert run_engines(1, fn, collective_timeout_s=0) == [math.inf]
