@@ -104,6 +104,21 @@ def _wait_gone(pids: Sequence[int], limit_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+def worker_env(out_dir: Path, watchdog_s: float, extra: dict[str, str]) -> dict[str, str]:
+    """A worker job's environment (module docstring, item 3): this one without COMMLAYER_*,
+    one OpenMP thread, reports to ``out_dir``, and a backstop should the harness itself be
+    killed: ranks end themselves after ``watchdog_s``; then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        SYSTEST_OUT_DIR=str(out_dir),
+        SYSTEST_WATCHDOG_S=str(watchdog_s),
+    )
+    env.update(extra)
+    return env
+
+
 def run_limited(
     command: Sequence[str],
     env: dict[str, str],
@@ -205,15 +220,7 @@ def run_mpi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunMPI]:
         mpiexec_args: Sequence[str] = (),
     ) -> Job:
         out_dir = tmp_path_factory.mktemp(Path(script).stem)
-        job_env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
-        job_env.update(
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
-            SYSTEST_OUT_DIR=str(out_dir),
-            # A backstop should this harness itself be killed: ranks end themselves later.
-            SYSTEST_WATCHDOG_S=str(timeout_s + 10.0),
-        )
-        job_env.update(env or {})
+        job_env = worker_env(out_dir, timeout_s + 10.0, env or {})
         command = [
             _mpiexec(), *mpiexec_args, "-n", str(n),
             sys.executable, str(SCRIPTS / script), *args,

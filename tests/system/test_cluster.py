@@ -192,13 +192,7 @@ def job(
     out_dir = tmp_path_factory.mktemp("cluster")
     try:
         cluster("up", str(HOSTS), "--rate", RATE)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
-        env.update(
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
-            SYSTEST_OUT_DIR=str(out_dir),
-            SYSTEST_WATCHDOG_S=str(JOB_TIMEOUT_S + 10),
-        )
+        env = harness.worker_env(out_dir, JOB_TIMEOUT_S + 10, {})
         hosts = ",".join(f"node{k}:{PER_HOST}" for k in range(1, HOSTS + 1))
         command = [
             _commlayerrun(), "-np", str(HOSTS * PER_HOST), "-H", hosts,

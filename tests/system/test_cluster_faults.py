@@ -22,7 +22,6 @@ always taken down at the end. Measured on the loaded 2-core machine: ~1.3 s (SIG
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -49,14 +48,7 @@ class Job:
 
     def __init__(self, harness: ModuleType, out_dir: Path, mode: str, env: dict[str, str]):
         self.harness, self.out_dir = harness, out_dir
-        job_env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
-        job_env.update(
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
-            SYSTEST_OUT_DIR=str(out_dir),
-            SYSTEST_WATCHDOG_S="120",
-            **env,
-        )
+        job_env = harness.worker_env(out_dir, 120.0, env)
         self.command = [
             _commlayerrun(), "-np", "4", "-H", HOSTS, sys.executable, str(WORKER), mode,
         ]  # fmt: skip
