@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -180,6 +181,9 @@ def main() -> int:
     parser.add_argument("--max-iters", type=int, default=500)
     parser.add_argument("--calibration", help="where to save this run's calibration")
     parser.add_argument("--out", help="also write the tables here (rank 0)")
+    parser.add_argument(
+        "--json", help="also write the measurements here (rank 0): seconds per call by size"
+    )
     parser.add_argument("--paired-bytes", type=parse_bytes, default=64 << 20)
     parser.add_argument("--pairs", type=int, default=12, help="0 skips the paired section")
     args = parser.parse_args()
@@ -231,6 +235,7 @@ def main() -> int:
     ]
     if world.rank == 0:
         print("\n".join(lines), flush=True)
+    measured: list[dict[str, object]] = []  # --json
     accuracies: dict[str, list[float]] = {name: [] for name in names}
     relative: dict[str, list[float]] = {name: [] for name in names if name != "mpi"}
     for nbytes in sizes:
@@ -264,6 +269,9 @@ def main() -> int:
             acc_cells.append(f"{predicted * 1e6:,.0f} / {t * 1e6:,.0f} ({accuracy:.0%})")
         first = model.choose(backend, nbytes // 4, 4)
         pick = auto.choose(backend, nbytes // 4, 4)
+        measured.append(
+            {"bytes": nbytes, "seconds": dict(times), "model_pick": first, "tuned_pick": pick}
+        )
         lines.append(
             f"| {human(nbytes)} | "
             + " | ".join(cells)
@@ -299,6 +307,17 @@ def main() -> int:
         summary += paired(backend, args, world)
     if world.rank == 0 and args.out:
         Path(args.out).write_text("\n".join([*lines, *summary]))
+    hosts = world.allgather(platform.node()) if args.json else []
+    if world.rank == 0 and args.json:
+        record = {
+            "ranks": world.size,
+            "nodes": backend.nodes(),
+            "hosts": hosts,
+            "mpi": library_version(),
+            "command": sys.argv,
+            "sizes": measured,
+        }
+        Path(args.json).write_text(json.dumps(record, indent=1))
     backend.close()
     return 0
 

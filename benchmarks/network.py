@@ -1,0 +1,139 @@
+"""Allreduce across hosts of the namespace cluster (scripts/cluster.sh): every algorithm, auto and
+raw MPI, against the link rate (issue 21).
+
+    sudo python benchmarks/network.py --rate 1gbit --layout 2x2 [--max-bytes 64M] [--out DIR]
+
+1. Brings the cluster up with ``--rate`` (``cluster.sh up H --rate R``; H hosts from the layout
+   ``HxR``: H hosts, R ranks each), runs benchmarks/algorithms.py on it through ``commlayerrun
+   -H node1:R,...`` (the same measurements as on one machine: every algorithm on a communicator
+   of its own, ``auto`` tuned, raw MPI's own allreduce as ``mpi``), and brings the cluster down,
+   whatever happened.
+2. The physical limit is the host's link: an allreduce of S bytes across H hosts must move
+   S (H - 1) / H bytes in and out of each host at the least (reduce-scatter plus allgather
+   between hosts; ranks of one host combine in shared memory first), so no algorithm beats
+   ``S * 2 (H - 1) / H / rate``. "link" below is that bound over the measured time: 100% is the
+   link's rate, and a flat algorithm that sends every rank's share across the link separately
+   cannot reach it with more than one rank per host.
+3. Writes ``network_<rate>_<layout>.md`` (the table, the link efficiency of the best algorithm
+   and of auto per size) and ``.json`` (every measurement, machine-readable for the oracle and
+   auto-tuning) under ``--out`` (default benchmarks/results), plus algorithms.py's own table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "scripts" / "cluster.sh"
+_RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def rate_bits(text: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"rate {text!r}: expected e.g. 100mbit, 1gbit, 10gbit")
+    return float(match.group(1)) * _RATE_UNITS[match.group(2)]
+
+
+def layout(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+)x(\d+)", text.strip())
+    if not match or int(match.group(1)) < 2 or int(match.group(2)) < 1:
+        raise argparse.ArgumentTypeError(f"layout {text!r}: expected HOSTSxRANKS, e.g. 2x2, 4x1")
+    return int(match.group(1)), int(match.group(2))
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def cluster(*args: str) -> None:
+    subprocess.run(["bash", str(CLUSTER), *args], check=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", default="1gbit", help="link rate, e.g. 1gbit, 10gbit")
+    parser.add_argument("--layout", type=layout, default=(2, 2), help="HOSTSxRANKS, e.g. 2x2")
+    parser.add_argument("--min-bytes", default="1K")
+    parser.add_argument("--max-bytes", default="64M")
+    parser.add_argument("--reps", default="3")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    link_bps = rate_bits(args.rate)
+    hosts, per_host = args.layout
+    tag = f"network_{args.rate}_{hosts}x{per_host}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    raw_json = args.out / f"{tag}.algorithms.json"
+    command = [
+        str(Path(sysconfig.get_path("scripts")) / "commlayerrun"),
+        "-np", str(hosts * per_host),
+        "-H", ",".join(f"node{k}:{per_host}" for k in range(1, hosts + 1)),
+        sys.executable, str(ROOT / "benchmarks" / "algorithms.py"),
+        "--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--reps", args.reps,
+        "--pairs", "0", "--out", str(args.out / f"{tag}.algorithms.md"), "--json", str(raw_json),
+    ]  # fmt: skip
+    try:
+        cluster("up", str(hosts), "--rate", args.rate)
+        subprocess.run(command, check=True, cwd=ROOT)
+    finally:
+        cluster("down")
+    record = json.loads(raw_json.read_text())
+    factor = 2 * (hosts - 1) / hosts
+    names = [n for n in record["sizes"][0]["seconds"] if n != "auto"]
+    lines = [
+        f"# allreduce across {hosts} hosts x {per_host} ranks, links at {args.rate}",
+        "",
+        f"{datetime.date.today()}, {record['mpi']}, hosts {sorted(set(record['hosts']))}, "
+        f"`sudo python benchmarks/network.py --rate {args.rate} --layout {hosts}x{per_host} "
+        f"--max-bytes {args.max_bytes}` (scripts/cluster.sh: veth + tbf; UCX_TLS=tcp,self). "
+        "link = the host link's lower bound (S x 2(H-1)/H / rate) over the measured time; "
+        "100% is the link's rate. 2-core VM: every rank and the links' traffic share 2 cores.",
+        "",
+        "| bytes | " + " | ".join(f"{n} ms (link)" for n in names) + " | auto ms (link) "
+        "| best | auto vs best |",
+        "| ---: | " + " | ".join("---:" for _ in names) + " | ---: | --- | ---: |",
+    ]
+    summary = []
+    for row in record["sizes"]:
+        nbytes, seconds = row["bytes"], row["seconds"]
+        bound = nbytes * factor * 8 / link_bps
+        best = min(names, key=lambda n: seconds[n])
+        cells = [f"{seconds[n] * 1e3:,.2f} ({bound / seconds[n]:.0%})" for n in names]
+        auto = seconds["auto"]
+        lines.append(
+            f"| {human(nbytes)} | " + " | ".join(cells)
+            + f" | {auto * 1e3:,.2f} ({bound / auto:.0%}) | {best} | {seconds[best] / auto:.2f}x |"
+        )  # fmt: skip
+        summary.append(
+            {"bytes": nbytes, "best": best, "best_link": bound / seconds[best],
+             "auto_link": bound / auto, "auto_vs_best": seconds[best] / auto}
+        )  # fmt: skip
+    (args.out / f"{tag}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{tag}.json").write_text(
+        json.dumps(
+            {
+                "rate_bits": link_bps,
+                "hosts": hosts,
+                "ranks_per_host": per_host,
+                "summary": summary,
+                "algorithms": record,
+            },
+            indent=1,
+        )  # fmt: skip
+    )
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
