@@ -15,8 +15,10 @@ raw MPI, against the link rate (issue 21).
    link's rate, and a flat algorithm that sends every rank's share across the link separately
    cannot reach it with more than one rank per host.
 3. Writes ``network_<rate>_<layout>.md`` (the table, the link efficiency of the best algorithm
-   and of auto per size) and ``.json`` (every measurement, machine-readable for the oracle and
-   auto-tuning) under ``--out`` (default benchmarks/results), plus algorithms.py's own table.
+   and of auto per size), ``.json`` (every measurement, machine-readable for the oracle and
+   auto-tuning) and ``.png`` (link efficiency against size, one line per algorithm; needs
+   matplotlib: ``pip install '.[bench]'``) under ``--out`` (default benchmarks/results), plus
+   algorithms.py's own table. ``--replot JSON`` draws the picture again without measuring.
 """
 
 from __future__ import annotations
@@ -60,6 +62,39 @@ def cluster(*args: str) -> None:
     subprocess.run(["bash", str(CLUSTER), *args], check=True)
 
 
+def plot(result: dict, path: Path) -> None:
+    """Link efficiency (% of the link bound) against size, one line per algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hosts = result["hosts"]
+    factor = 2 * (hosts - 1) / hosts
+    rows = result["algorithms"]["sizes"]
+    sizes = [row["bytes"] for row in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name in rows[0]["seconds"]:
+        link = [r["bytes"] * factor * 8 / result["rate_bits"] / r["seconds"][name] for r in rows]
+        style = {"linewidth": 2.5, "color": "black"} if name == "auto" else {"linewidth": 1.2}
+        ax.plot(sizes, [100 * v for v in link], marker="o", markersize=3, label=name, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [human(n) for n in sizes], rotation=30)
+    ax.set_ylim(0, 105)
+    ax.axhline(90, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("allreduce size (float32)")
+    ax.set_ylabel("% of the host link's bound")
+    ax.set_title(
+        f"allreduce across {hosts} hosts x {result['ranks_per_host']} ranks, "
+        f"{result['rate_bits'] / 1e9:g} Gbit/s links (namespace cluster, 2-core VM)"
+    )
+    ax.legend(fontsize=8, ncol=2, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", default="1gbit", help="link rate, e.g. 1gbit, 10gbit")
@@ -68,7 +103,11 @@ def main() -> int:
     parser.add_argument("--max-bytes", default="64M")
     parser.add_argument("--reps", default="3")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--replot", type=Path, help="draw the .png again from this .json")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        return 0
     link_bps = rate_bits(args.rate)
     hosts, per_host = args.layout
     tag = f"network_{args.rate}_{hosts}x{per_host}"
@@ -119,18 +158,15 @@ def main() -> int:
              "auto_link": bound / auto, "auto_vs_best": seconds[best] / auto}
         )  # fmt: skip
     (args.out / f"{tag}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"{tag}.json").write_text(
-        json.dumps(
-            {
-                "rate_bits": link_bps,
-                "hosts": hosts,
-                "ranks_per_host": per_host,
-                "summary": summary,
-                "algorithms": record,
-            },
-            indent=1,
-        )  # fmt: skip
-    )
+    result = {
+        "rate_bits": link_bps,
+        "hosts": hosts,
+        "ranks_per_host": per_host,
+        "summary": summary,
+        "algorithms": record,
+    }
+    (args.out / f"{tag}.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / f"{tag}.png")
     print("\n".join(lines))
     return 0
 
