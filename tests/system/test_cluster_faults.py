@@ -144,8 +144,10 @@ def test_rank_sigkilled_on_another_host_ends_the_job(start: Callable[..., Job]) 
     assert failing["rank"] == 3, job.explain()
     assert code != 0, job.explain()
     assert took < WITHIN_S, f"the job took {took:.1f} s to end\n{job.explain()}"
-    [victim] = [r for r in job.records("ready") if r["rank"] == 3]
-    assert f"PID {victim['pid']} RUNNING AT node2" in job.output, job.explain()
+    # Hydra names the first bad termination it sees: the killed rank, or its neighbour on
+    # node2 when hydra's cleanup reached that one first (seen once in CI) - a node2 rank either way.
+    on_node2 = [r["pid"] for r in job.records("ready") if r["hostname"] == "node2"]
+    assert any(f"PID {pid} RUNNING AT node2" in job.output for pid in on_node2), job.explain()
     assert "EXIT CODE: 9" in job.output, job.explain()
     for record in job.records("error"):  # a survivor that reported before hydra killed it
         assert record["error"] in ("RankDiedError", "ShutdownError"), record
