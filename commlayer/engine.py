@@ -82,6 +82,7 @@ from commlayer.negotiation import (
     CycleResult,
     Negotiator,
     Response,
+    joined_error,
 )
 from commlayer.reduce_ops import ReduceOp
 from commlayer.runners import allgather, allreduce, alltoall, broadcast, reducescatter
@@ -586,11 +587,8 @@ class Engine:
             or (kind == BROADCAST and response.root not in active)
             or (self.config.join_mode == "horovod" and kind in _REFUSED_WHILE_JOINED)
         ):
-            raise CommlayerError(
-                f"rank {self.rank}: {kind} {response.name!r} cannot run while "
-                f"ranks {sorted(set(range(backend.size)) - set(active))} "
-                f"have joined (join_mode={self.config.join_mode})"
-            )
+            joined = set(range(backend.size)) - set(active)
+            raise joined_error(self.rank, kind, response.name, joined, self.config.join_mode)
         runner = _RUNNERS[kind]
         # reducescatter's Average divides by len(active): size() unless join_mode=active
         raw, request, nbytes, factor = runner(backend, response, op, active)

@@ -24,7 +24,7 @@ import logging
 import pickle
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -114,6 +114,16 @@ def _op_name(op: int) -> str:
         return ReduceOp(op).name
     except ValueError:
         return f"unknown op {op}"
+
+
+def joined_error(
+    rank: int, kind: str, name: str, joined: Iterable[int], join_mode: str
+) -> CommlayerError:
+    """The error of an operation that cannot run while ``joined`` ranks have joined."""
+    return CommlayerError(
+        f"rank {rank}: {kind} {name!r} cannot run while ranks {sorted(joined)} have joined "
+        f"(join_mode={join_mode})"
+    )
 
 
 def build_response(name: str, announced: dict[int, Announce], size: int) -> Response:
@@ -395,10 +405,7 @@ class Negotiator:
             del self.pending[name]
             self._partial_since.pop(name, None)
             self._stall_reported.discard(name)
-            error = CommlayerError(
-                f"rank {self.rank}: {kind} {name!r} cannot run while ranks {sorted(joined)} "
-                "have joined (join_mode=horovod)"
-            )
+            error = joined_error(self.rank, kind, name, joined, "horovod")
             result.failed.append((pending.item, error))
 
     def _track_joins(self, joined: frozenset[int]) -> None:

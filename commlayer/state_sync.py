@@ -50,21 +50,20 @@ def broadcast_optimizer_state(
     local step without reducing, so ``p.grad`` is a tensor afterwards and, with weight decay,
     the parameters move by that step, alike on every rank. A root that has state (a resumed
     checkpoint) sends it as it is: the other ranks take no step."""
-    fresh = broadcast_object(
-        not optimizer.state_dict()["state"] if runtime.rank() == root_rank else None,
-        root_rank,
-        name="bcast.optimizer_state.fresh",
-        process_set=process_set,
-    )
-    if fresh:
-        _initialize_state(optimizer)
-    state = broadcast_object(
-        optimizer.state_dict() if runtime.rank() == root_rank else None,
-        root_rank,
-        name="bcast.optimizer_state",
-        process_set=process_set,
+    sent = None
+    if runtime.rank() == root_rank:
+        fresh = not optimizer.state_dict()["state"]
+        if fresh:
+            _initialize_state(optimizer)
+        sent = (fresh, optimizer.state_dict())
+    # One broadcast: whether the root was fresh (the others then take the same first step
+    # before loading its state) travels with the state.
+    fresh, state = broadcast_object(
+        sent, root_rank, name="bcast.optimizer_state", process_set=process_set
     )
     if runtime.rank() != root_rank:
+        if fresh:
+            _initialize_state(optimizer)
         optimizer.load_state_dict(state)
 
 
@@ -100,17 +99,18 @@ def broadcast_object(
 ) -> Any:
     """Return root_rank's ``obj`` on every rank (pickled with torch.save; tensors welcome)."""
     base = name or "bcast.object"
-    payload = _to_bytes(obj) if runtime.rank() == root_rank else torch.empty(0, dtype=torch.uint8)
+    root = runtime.rank() == root_rank
+    payload = _to_bytes(obj) if root else torch.empty(0, dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
     ops.synchronize(
         ops.broadcast_async_(length, root_rank, name=f"{base}.len", process_set=process_set)
     )
-    if runtime.rank() != root_rank:
+    if not root:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     ops.synchronize(
         ops.broadcast_async_(payload, root_rank, name=f"{base}.data", process_set=process_set)
     )
-    return obj if runtime.rank() == root_rank else _from_bytes(payload)
+    return obj if root else _from_bytes(payload)
 
 
 def allgather_object(
