@@ -211,8 +211,8 @@ def filter_(s: Setup, p: int) -> Step | None:
 
 
 def channel(s: Setup, p: int) -> Step | None:
-    widest = min((la.x[0] for i, (la, m) in enumerate(zip(s.layers, s.mask)) if m and i), default=0)
-    return _model_parallel(s, p, "allreduce", widest)
+    # every split layer, the first too (ParaDL leaves it out: 3 RGB channels cannot go to 8)
+    return _model_parallel(s, p, "allreduce", min((la.x[0] for la, _ in s.split()), default=0))
 
 
 def stages(comp_s: Sequence[float], count: int) -> list[tuple[int, int]] | None:
