@@ -32,7 +32,9 @@ from commlayer.oracle.spec import (
     parse_plat,
 )
 
-FUSION_BYTES = 64 << 20  # commlayer's default COMMLAYER_FUSION_THRESHOLD
+# DistributedOptimizer's default bucket (COMMLAYER_MIN_BUCKET_BYTES): backward's gradients go
+# out in buckets of at least this many bytes, each as soon as it is full
+FUSION_BYTES = 1 << 20
 PARADL_MAX_BATCH = 256  # ParaDL's --cmaxB when not given
 
 
