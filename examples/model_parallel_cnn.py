@@ -12,8 +12,8 @@ inputs (batch x 3 x H x W), SGD. The convolutions are the split layers:
    along the width before pooling; the convolutions' weight gradients are summed over ranks.
 4. data: each rank trains on its part of the batch (DistributedOptimizer, averaging).
 ``--check``: rank 0 also trains the single-process model on the same data and asserts that
-the losses agree (float64, to 1e-9) at every step; ``--dtype float32`` for timing. Prints one ``RESULT {json}`` line: the
-median step time after ``--warmup`` steps.
+the losses agree (float64, to 1e-9) at every step; ``--dtype float32`` for timing. Prints one
+``RESULT {json}`` line: the median step time after ``--warmup`` steps.
 """
 
 from __future__ import annotations

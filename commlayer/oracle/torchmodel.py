@@ -67,6 +67,11 @@ def _weights(module: Any, x: tuple[int, ...], y: tuple[int, ...]) -> tuple[int, 
 
 def describe(spec: str, input_shape: str, dataset_size: int) -> Net:
     """The ``Net`` of the model ``spec`` (module:callable) for one sample of ``input_shape``."""
+    return describe_model(_load(spec), input_shape, dataset_size, spec)
+
+
+def describe_model(factory: Any, input_shape: str, dataset_size: int, label: str = "") -> Net:
+    """The ``Net`` of the model ``factory()`` builds, for one sample of ``input_shape``."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -76,7 +81,6 @@ def describe(spec: str, input_shape: str, dataset_size: int) -> Net:
         raise SpecError(f"--input {input_shape!r}: sizes joined by x, e.g. 3x224x224") from None
     if dataset_size < 1:
         raise SpecError(f"--dataset-size {dataset_size!r} must be >= 1")
-    factory = _load(spec)
     with torch.device("meta"):
         model = factory()
     leaves = [(name, m) for name, m in model.named_modules() if not list(m.children())]
@@ -92,7 +96,8 @@ def describe(spec: str, input_shape: str, dataset_size: int) -> Net:
     handles = [m.register_forward_hook(hook(name)) for name, m in leaves]
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        model(torch.empty((1, *sample), device="meta"))
+        dtype = next((p.dtype for p in model.parameters()), torch.float32)
+        model(torch.empty((1, *sample), device="meta", dtype=dtype))
     for handle in handles:
         handle.remove()
     per_module = counter.get_flop_counts()
@@ -112,5 +117,5 @@ def describe(spec: str, input_shape: str, dataset_size: int) -> Net:
             )
         )
     if not layers:
-        raise SpecError(f"--model {spec!r}: no leaf module ran on the input")
-    return Net("dataset", dataset_size, sample, type(model).__name__, tuple(layers), spec)
+        raise SpecError(f"--model {label!r}: no leaf module ran on the input")
+    return Net("dataset", dataset_size, sample, type(model).__name__, tuple(layers), label)

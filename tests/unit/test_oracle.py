@@ -402,6 +402,32 @@ def test_predict_rows_and_json(net: oracle.Net, plat: oracle.Platform) -> None:
     assert "ranking" in report.ranking(rows) and "data" in report.table(rows)
 
 
+def test_torch_model_from_the_meta_device() -> None:
+    from torch import nn
+
+    from commlayer.oracle import torchmodel
+
+    def tiny() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(8 * 4 * 4, 10),
+        )
+
+    net = torchmodel.describe_model(tiny, "3x8x8", 100)
+    assert [la.kind for la in net.layers] == ["CONV", "RELU", "MPOOL", "OTHER", "FC"]
+    conv, fc = net.layers[0], net.layers[-1]
+    assert (conv.x, conv.w, conv.y) == ((3, 8, 8), (3, 8, 3, 3), (8, 8, 8))
+    assert conv.weight_items == 3 * 8 * 9 + 8  # with its bias
+    assert conv.flops() == 3 * (2 * 8 * 8 * 8 * 3 * 9)  # 3x the counted forward
+    assert fc.x == (128, 1, 1) and fc.weight_items == 128 * 10 + 10
+    assert net.samples == 100 and net.sample == (3, 8, 8)
+    with pytest.raises(SpecError, match="module:callable"):
+        torchmodel.describe("resnet50", "3x8x8", 1)
+
+
 # -- command line -------------------------------------------------------------------------------
 def test_cli_table_json_and_plot(
     files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
