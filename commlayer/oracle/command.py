@@ -121,6 +121,13 @@ def run(args: argparse.Namespace) -> int:
         if not rows:
             print("commlayer oracle: no rows to plot", file=sys.stderr)
             return 1
-        path = report.plot(rows, args.plot, title)
+        try:
+            path = report.plot(rows, args.plot, title)
+        except ImportError:
+            print(
+                "commlayer oracle: --plot needs matplotlib (pip install commlayer[bench])",
+                file=sys.stderr,
+            )
+            return 1
         print(f"plot: {path}", file=sys.stderr)
     return 0
