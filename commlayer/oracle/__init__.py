@@ -79,10 +79,12 @@ def predict(
     paradl_model: bool = False,
     overlap: bool = True,
     fusion_bytes: int = FUSION_BYTES,
+    op_latency_s: float = 0.0,
 ) -> list[Row]:
     """Rows for every (strategy, GPU count) that applies. ``paradl_model``: ParaDL's own model
     (its GPU counts are 2, 4, ... up to max(gpus); ``max_batch`` defaults to its 256), which
-    ignores ``calibrations``, ``algorithm``, ``compression`` and ``overlap``."""
+    ignores ``calibrations``, ``algorithm``, ``compression``, ``overlap`` and
+    ``op_latency_s`` (commlayer's engine: seconds per collective call besides its transfers)."""
     names = strategy_names(strategies) if isinstance(strategies, str) else list(strategies)
     if paradl_model and isinstance(strategies, str) and {"a", "all"} & set(strategies.split(",")):
         names.insert(0, "single")  # ParaDL's ``a`` includes ``o``
@@ -100,7 +102,7 @@ def predict(
             batch_per_gpu,
             PARADL_MAX_BATCH if max_batch is None else max_batch,
         )
-    network = Network(plat, calibrations, algorithm, Compression.parse(compression))
+    network = Network(plat, calibrations, algorithm, Compression.parse(compression), op_latency_s)
     setup = model.Setup(
         net=net,
         plat=plat,

@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="gradient communication does not overlap backward (as ParaDL)",
     )
+    scan.add_argument(
+        "--op-latency-us",
+        type=float,
+        default=0.0,
+        help="the engine's cost per collective call besides its transfers "
+        "(a blocking 4-byte allreduce's time; not in a calibration)",
+    )
     scan.add_argument("--paradl", action="store_true", help="ParaDL's own model and quirks")
     out = parser.add_argument_group("output")
     out.add_argument("--format", choices=("table", "json"), default="table")
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             args.compression,
             paradl_model=args.paradl,
             overlap=not args.no_overlap,
+            op_latency_s=args.op_latency_us * 1e-6,
         )
     except (SpecError, ValueError) as exc:
         print(f"commlayer oracle: {exc}", file=sys.stderr)

@@ -155,7 +155,8 @@ def _halo_s(s: Setup, b: float, ways: int, inter: bool) -> float:
         rows = (layer.kernel - 1) // 2
         if rows > 0:
             column = layer.x[0] * math.prod(layer.x[2:]) * rows * b * ITEM_BYTES
-            total += 2 * 2 * s.network.p2p_s(column, ways, inter)
+            # both neighbours forward and back; one collective call (an alltoall) each way
+            total += 2 * 2 * s.network.p2p_s(column, ways, inter) + 2 * s.network.op_latency_s
     return total
 
 
@@ -258,7 +259,10 @@ def pipeline(s: Setup, p: int) -> Step | None:
         send = 0.0
         if k < p - 1:  # activations forward, their gradient backward
             inter = (k + 1) % s.plat.gpus_per_node == 0
-            send = 2 * s.network.p2p_s(layers[-1].out_items * b * ITEM_BYTES, p, inter)
+            send = 2 * (
+                s.network.p2p_s(layers[-1].out_items * b * ITEM_BYTES, p, inter)
+                + s.network.op_latency_s
+            )
         comp = b * sum(s.comp_s[first:last])
         if comp + send > slot:
             slot, boundary = comp + send, send

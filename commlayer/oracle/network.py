@@ -92,6 +92,7 @@ class Network:
         calibrations: list[Calibration] | None = None,
         algorithm: str = "auto",
         compression: Compression | None = None,
+        op_latency_s: float = 0.0,
     ) -> None:
         if algorithm != "auto" and algorithm not in algorithms.schedules():
             raise ValueError(
@@ -102,6 +103,9 @@ class Network:
         self.calibrations = list(calibrations or [])
         self.algorithm = algorithm
         self.compression = compression or Compression()
+        # what one collective call costs on the engine besides its transfers (negotiation, the
+        # engine thread's handoff): not in a calibration, so given (measured) or 0
+        self.op_latency_s = op_latency_s
         # the cost model is pure, and an epoch asks for the same few sizes many times
         self.allreduce_s = functools.lru_cache(maxsize=4096)(self._allreduce_s)  # type: ignore[method-assign]
 
@@ -161,7 +165,7 @@ class Network:
                 key=lambda n: costmodel.predict(n, numel, element_bytes, cal, topo) or 0,
             )
             seconds = costmodel.predict(name, numel, element_bytes, cal, topo)
-        return float(seconds or 0.0)
+        return float(seconds or 0.0) + self.op_latency_s
 
     def gradient_s(self, nbytes: int, p: int, nodes: int | None = None) -> float:
         """The allreduce of ``nbytes`` of float32 gradients, compressed as configured."""
@@ -184,9 +188,10 @@ class Network:
         if p <= 1 or total_bytes <= 0:
             return 0.0
         inter = (nodes or self.nodes(p)) > 1
-        return (p - 1) * self.message_s(total_bytes / p, p, inter)
+        return (p - 1) * self.message_s(total_bytes / p, p, inter) + self.op_latency_s
 
     def p2p_s(self, nbytes: float, p: int, inter: bool) -> float:
+        """One message each way (its collective call's ``op_latency_s`` not included)."""
         return self.message_s(nbytes, p, inter) if nbytes > 0 else 0.0
 
     def describe(self) -> str:

@@ -306,6 +306,19 @@ def test_network_from_platform(plat: oracle.Platform) -> None:
     assert network.allreduce_s(2_000_000, 1) == 0.0
 
 
+def test_engine_op_latency(net: oracle.Net, plat: oracle.Platform) -> None:
+    plain, slow = (
+        Network(plat, algorithm="ring"),
+        Network(plat, algorithm="ring", op_latency_s=1e-3),
+    )
+    assert slow.allreduce_s(4096, 2) == pytest.approx(plain.allreduce_s(4096, 2) + 1e-3)
+    assert slow.allgather_s(4096, 2) == pytest.approx(plain.allgather_s(4096, 2) + 1e-3)
+    spatial = [model.row(_setup(net, plat, network=n), "spatial", 2) for n in (plain, slow)]
+    assert spatial[0] is not None and spatial[1] is not None
+    # one split layer with a kernel: an alltoall forward and one backward, 250 iterations
+    assert spatial[1].parts_s["halo"] - spatial[0].parts_s["halo"] == pytest.approx(250 * 2e-3)
+
+
 def test_compression_on_the_wire(plat: oracle.Platform) -> None:
     plain = Network(plat, algorithm="ring")
     half = Network(plat, algorithm="ring", compression=Compression.parse("fp16"))
