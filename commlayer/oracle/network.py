@@ -18,6 +18,8 @@ measured). Compression changes the bytes on the wire: fp16 and bf16 halve an all
 top-k and random-k allgather k (value, int32 index) pairs per rank (compression/topk.py).
 Allgather and point-to-point transfers (halo, pipeline stages) read the same curves: an
 allgather is a ring's p - 1 steps of n / p bytes, across nodes as soon as p GPUs span several.
+Each collective call also costs ``op_latency_s``, the engine's own work per operation
+(negotiation, the handoff to its thread), which no calibration measures yet: 0 unless given.
 """
 
 from __future__ import annotations
