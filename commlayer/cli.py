@@ -1,7 +1,9 @@
-"""``commlayer`` command: ``calibrate`` the cost model, print the ``algorithms`` it predicts.
+"""``commlayer`` command: ``calibrate`` the cost model, print the ``algorithms`` it predicts,
+ask the ``oracle`` which parallelism strategy to use.
 
 mpiexec -n 2 commlayer calibrate [--quick] [--out FILE]
 commlayer algorithms --size 64MiB [--ranks 2] [--file FILE]
+commlayer oracle --net resnet50.net --plat abci.plat --gpus 1-1024 --batch-per-gpu 64
 """
 
 from __future__ import annotations
@@ -100,6 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     table.add_argument("--ranks", type=int, help="only the calibration for this many ranks")
     table.add_argument("--file", help="calibration file to read")
     table.set_defaults(run=algorithms_table)
+    from commlayer.oracle import command as oracle_command
+
+    oracle = sub.add_parser("oracle", help="which parallelism strategy: per-GPU memory, compute, "
+                            "communication and time per epoch (ParaDL's model and commlayer's)")
+    oracle_command.add_arguments(oracle)
+    oracle.set_defaults(run=oracle_command.run)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

@@ -54,6 +54,11 @@ class PayloadError(CommlayerError):
     range, non-finite scale): decoding it would silently corrupt the gradient."""
 
 
+class SpecError(ValueError):
+    """An oracle input (a .net, .plat or .lc file, or a model description) is malformed; the
+    message names the file and line."""
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Elastic training: hosts were added or removed; ``commlayer.elastic.run`` catches it,
     runs the reset callbacks and calls the training function again (Horovod's name)."""
