@@ -4,8 +4,8 @@
    frame of (sample id, length, bytes) records, its length the split for q, so samples of any
    size travel without padding.
 2. A rank that cannot read a sample it must send still takes part: it sends every peer an error
-   frame naming itself and the file, and every rank raises that error when it collects the
-   chunk, instead of waiting forever on a collective the failed rank never joins.
+   frame naming itself and the file, and every rank raises that error in ``finish``, after all
+   chunks are done, so that no rank waits forever on a chunk another rank gave up on.
 3. ``collect`` stages what arrived in the store (phase 1 of the store's two-phase change) and
    counts it per sender, for the vote that ends the exchange.
 """
@@ -97,8 +97,8 @@ class Exchange:
                 frame, offset = data[offset : offset + length], offset + length
                 if length:
                     self._stage(sender, frame)
-        if self._error is not None:
-            raise self._error
+        if block and self._error is not None:
+            raise self._error  # only once every chunk is done: no rank is left waiting in one
 
     def finish(self) -> None:
         """Submit what is left, then wait for and stage every chunk."""
