@@ -77,8 +77,11 @@ class PartialLocalShuffler:
         self.name = f"commlayer.data.shuffler{next(_instances)}"
         self.dataset = ShardDataset(store)
         self.sampler = ShuffleSampler(self)
-        # what the last completed exchange moved from this rank, and how long the rank waited
-        self.stats = {"sent_samples": 0, "sent_bytes": 0, "received_samples": 0, "wait_s": 0.0}
+        # The last completed exchange on this rank: what it sent and received, the time the
+        # sampler spent preparing and staging chunks between samples (busy_s) and blocked at
+        # the end of the shard on chunks still in flight (wait_s, the part not hidden).
+        self.stats: dict[str, float] = {}
+        self._times = {"busy_s": 0.0, "wait_s": 0.0}
         self._check_settings_and_recover()
         self._ids = store.ids()
         self.shard_sizes = self._check_disjoint()
@@ -113,6 +116,7 @@ class PartialLocalShuffler:
 
     # -- the epoch ---------------------------------------------------------------------------
     def _plan_epoch(self) -> None:
+        self._times = {"busy_s": 0.0, "wait_s": 0.0}
         self._order = local_order(self.seed, self.epoch, self.rank, self._ids)
         if self.fraction == 0.0 or self.size == 1:
             self._exchange = None
@@ -140,13 +144,15 @@ class PartialLocalShuffler:
                 and exchange.submitted < self.chunks
                 and (position >= starts[exchange.submitted])
             ):
+                t0 = time.perf_counter()
                 exchange.collect(block=False)
                 exchange.submit_next()
+                self._times["busy_s"] += time.perf_counter() - t0
             yield sample_id
         if exchange is not None:
             t0 = time.perf_counter()
             exchange.finish()
-            self.stats["wait_s"] = time.perf_counter() - t0
+            self._times["wait_s"] += time.perf_counter() - t0
 
     def _close_exchange(self) -> None:
         """Finish, vote on and commit the current exchange (two-phase, see store.py)."""
@@ -176,11 +182,12 @@ class PartialLocalShuffler:
             )
         self.store.commit()
         self._ids = self.store.ids()
-        self.stats.update(
-            sent_samples=len(plan.sent_ids),
-            sent_bytes=exchange.sent_bytes,
-            received_samples=sum(exchange.received),
-        )
+        self.stats = {
+            "sent_samples": len(plan.sent_ids),
+            "sent_bytes": exchange.sent_bytes,
+            "received_samples": sum(exchange.received),
+            **self._times,
+        }
 
     # -- the first collective ----------------------------------------------------------------
     def _check_settings_and_recover(self) -> None:

@@ -17,6 +17,7 @@ fsync: this survives a process dying, not the host losing power.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -26,16 +27,49 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from commlayer import runtime
 from commlayer.errors import ShardStoreError
 
 _SUFFIX = ".pkl"
 
 
+_NUMPY_DTYPES = {
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+}  # fmt: skip
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+class _SamplePickler(pickle.Pickler):
+    """Pickles a CPU tensor as its numpy array: torch's own reduction goes through torch.save,
+    1.4 ms per small tensor against 0.02 ms, and writes the whole storage of a view (a digits
+    image indexed out of the dataset's tensor: 460 kB for 256 B of pixels); numpy writes only
+    the elements viewed."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            type(obj) is torch.Tensor
+            and obj.layout == torch.strided
+            and obj.device.type == "cpu"
+            and not obj.requires_grad
+            and obj.dtype in _NUMPY_DTYPES
+        ):
+            return _tensor, (obj.numpy(),)
+        return NotImplemented
+
+
 def encode(sample: Any) -> bytes:
-    # pickle, not torch.save: a 3x32x32 float sample is 12.7 kB instead of 13.9 kB and loads
-    # 2.3x faster (0.54 ms vs 1.25 ms), and each sample is read once per epoch.
-    return pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
+    # Each sample is read once per epoch: a 3x32x32 float32 sample is 12.5 kB and loads in
+    # 0.08 ms this way, 13.9 kB and 1.25 ms with torch.save/torch.load.
+    buffer = io.BytesIO()
+    _SamplePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(sample)
+    return buffer.getvalue()
 
 
 def decode(data: bytes) -> Any:
