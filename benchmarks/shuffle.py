@@ -8,8 +8,10 @@ bytes moved when shared storage is slower than local storage.
     python benchmarks/shuffle.py report --out benchmarks/results/shuffle.md \
         benchmarks/results/shuffle_accuracy_np4.json benchmarks/results/shuffle_io_np4.json
 
-accuracy: a small CNN with BatchNorm on scikit-learn's digits, the training set sorted by class
-and cut into one contiguous shard per rank (the site-local case where local shuffling hurts).
+accuracy: a small CNN with BatchNorm on scikit-learn's digits (``--dataset digits``, 1437
+training images of 8x8) or on a subset of Fashion-MNIST (``--dataset fashion``, from Debian's
+dataset-fashion-mnist package), the training set sorted by class and cut into one contiguous
+shard per rank (the site-local case where local shuffling hurts).
 Every strategy starts from the same weights and runs the same epochs and seeds; "global" is
 torch's DistributedSampler over the whole training set, the others PartialLocalShuffler with
 fraction Q (Q = 0: local shuffling). Each rank scores its own model copy (BatchNorm's running
@@ -29,6 +31,7 @@ shard on chunks in flight, the part not hidden behind compute).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import pickle
@@ -56,38 +59,70 @@ FRACTIONS = (0.0, 0.01, 0.1, 0.3, 1.0)
 
 
 # -- accuracy -------------------------------------------------------------------------------------
-class DigitsBN(nn.Module):
-    """examples/train_digits.py's CNN with BatchNorm after each convolution (~37 K parameters)."""
+FASHION = Path("/usr/share/datasets/fashion-mnist")  # apt-get install dataset-fashion-mnist
 
-    def __init__(self) -> None:
+
+class SmallCNN(nn.Module):
+    """examples/train_digits.py's CNN with BatchNorm after each convolution: 1 x side x side
+    images (8 for digits, 28 for Fashion-MNIST), two 3x3 convolutions, two linear layers."""
+
+    def __init__(self, side: int) -> None:
         super().__init__()
+        self.pool_twice = side > 8  # 28 -> 14 -> 7; 8 -> 4 with one pooling
         self.conv1, self.bn1 = nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16)
         self.conv2, self.bn2 = nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32)
-        self.fc1, self.fc2 = nn.Linear(32 * 4 * 4, 64), nn.Linear(64, 10)
+        out = side // 4 if self.pool_twice else side // 2
+        self.fc1, self.fc2 = nn.Linear(32 * out * out, 64), nn.Linear(64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.bn1(self.conv1(x)))
+        if self.pool_twice:
+            x = F.max_pool2d(x, 2)
         x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def digits_by_class(split_seed: int) -> tuple[list[Any], torch.Tensor, torch.Tensor]:
-    """(training samples sorted by class, test images, test labels): 80/20 split."""
-    from sklearn.datasets import load_digits
+def _idx(path: Path) -> np.ndarray:
+    """An MNIST-format idx file: magic (dims in its last byte), dims, then uint8 data."""
+    raw = gzip.decompress(path.read_bytes())
+    dims = raw[3]
+    shape = [int.from_bytes(raw[4 + 4 * d : 8 + 4 * d], "big") for d in range(dims)]
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
 
-    digits = load_digits()
-    images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
-    labels = torch.tensor(digits.target, dtype=torch.int64)
-    order = np.random.default_rng(split_seed).permutation(len(labels))
-    cut = int(0.8 * len(labels))
-    train = sorted(order[:cut].tolist(), key=lambda i: (int(labels[i]), i))
-    test = torch.tensor(order[cut:])
-    return [(images[i], int(labels[i])) for i in train], images[test], labels[test]
+
+def load_images(name: str, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    """(train images, train labels, test images, test labels), images 1 x side x side in [0, 1]:
+    digits split 80/20; Fashion-MNIST's first --train-samples / --test-samples of each set."""
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
+        labels = torch.tensor(digits.target, dtype=torch.int64)
+        order = torch.tensor(np.random.default_rng(0).permutation(len(labels)))
+        cut = int(0.8 * len(labels))
+        return images[order[:cut]], labels[order[:cut]], images[order[cut:]], labels[order[cut:]]
+    sets = []
+    for prefix, n in (("train", args.train_samples), ("t10k", args.test_samples)):
+        images = _idx(FASHION / f"{prefix}-images-idx3-ubyte.gz")[:n]
+        labels = _idx(FASHION / f"{prefix}-labels-idx1-ubyte.gz")[:n]
+        sets += [
+            torch.tensor(images / 255.0, dtype=torch.float32).unsqueeze(1),
+            torch.tensor(labels, dtype=torch.int64),
+        ]
+    return tuple(sets)
+
+
+def sorted_by_class(args: argparse.Namespace) -> tuple[list[Any], torch.Tensor, torch.Tensor]:
+    """(training samples sorted by class, test images, test labels)."""
+    train_x, train_y, test_x, test_y = load_images(args.dataset, args)
+    order = sorted(range(len(train_y)), key=lambda i: (int(train_y[i]), i))
+    return [(train_x[i], int(train_y[i])) for i in order], test_x, test_y
 
 
 def train_curve(strategy: str, seed: int, args: argparse.Namespace) -> list[float]:
     """Test accuracy after each epoch, mean over the ranks' model copies."""
-    train, test_x, test_y = digits_by_class(split_seed=0)
+    train, test_x, test_y = sorted_by_class(args)
     if strategy == "global":
         sampler: Any = torch.utils.data.DistributedSampler(
             train, num_replicas=cl.size(), rank=cl.rank(), shuffle=True, seed=seed
@@ -101,7 +136,7 @@ def train_curve(strategy: str, seed: int, args: argparse.Namespace) -> list[floa
         dataset, batch_size=args.batch_size, sampler=getattr(sampler, "sampler", sampler)
     )
     torch.manual_seed(seed)
-    model = DigitsBN()
+    model = SmallCNN(side=train[0][0].shape[-1])
     optimizer = cl.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
         named_parameters=model.named_parameters(),
@@ -161,7 +196,11 @@ def synthetic(n: int, seed: int = 0) -> list[tuple[torch.Tensor, int]]:
     return [(torch.randn(3, 32, 32, generator=g), int(i % 10)) for i in range(n)]
 
 
-def timed_epochs(loader: Any, sampler: Any, args: argparse.Namespace) -> list[float]:
+def timed_epochs(
+    loader: Any, sampler: Any, shuffler: PartialLocalShuffler | None, args: argparse.Namespace
+) -> dict[str, list[float]]:
+    """Per epoch: time (slowest rank), and for a shuffler its exchange's stats (max over ranks;
+    an epoch's exchange is committed, and its stats known, at the next set_epoch)."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Flatten(), nn.Linear(3072, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10)
@@ -169,18 +208,58 @@ def timed_epochs(loader: Any, sampler: Any, args: argparse.Namespace) -> list[fl
     optimizer = cl.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
     )
-    times = []
-    for epoch in range(args.epochs):
+    out: dict[str, list[float]] = {"epoch_s": [], "busy_s": [], "wait_s": [], "sent_bytes": []}
+    for epoch in range(args.epochs + 1):
         cl.barrier()
         t0 = time.perf_counter()
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # epoch == args.epochs: only commits the last exchange
+        if shuffler is not None and epoch > 0:
+            stats = cl.allgather_object(shuffler.stats)
+            out["busy_s"].append(max(s["busy_s"] for s in stats))
+            out["wait_s"].append(max(s["wait_s"] for s in stats))
+            out["sent_bytes"].append(sum(s["sent_bytes"] for s in stats))
+        if epoch == args.epochs:
+            break
         for x, y in loader:
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
         cl.join()
-        times.append(max(cl.allgather_object(time.perf_counter() - t0)))
-    return times
+        out["epoch_s"].append(max(cl.allgather_object(time.perf_counter() - t0)))
+    return out
+
+
+def io_strategy(
+    strategy: str, data: list[Any], root: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    shared = root / "shared"
+    shuffler = None
+    if strategy == "global":
+        dataset: Any = SharedFolder(
+            shared,
+            args.samples,
+            args.shared_mbps * 1e6 / 8 / cl.size(),
+            args.shared_latency_ms / 1e3,
+        )
+        sampler: Any = torch.utils.data.DistributedSampler(
+            dataset, num_replicas=cl.size(), rank=cl.rank(), shuffle=True, seed=0
+        )
+    else:
+        store = ShardStore.from_dataset(data, path=root / "local{rank}", partition_by="given")
+        shuffler = PartialLocalShuffler(store, fraction=float(strategy), seed=0)
+        dataset, sampler = shuffler.dataset, shuffler
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, sampler=getattr(sampler, "sampler", sampler)
+    )
+    before = cl.communication_stats()["collective_s"]
+    row: dict[str, Any] = timed_epochs(loader, sampler, shuffler, args)
+    row["collective_s_per_epoch"] = (
+        max(cl.allgather_object(cl.communication_stats()["collective_s"] - before)) / args.epochs
+    )
+    row["shared_bytes_per_epoch"] = (
+        sum(cl.allgather_object(getattr(dataset, "bytes_read", 0))) / args.epochs
+    )
+    return row
 
 
 def run_io(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,46 +273,20 @@ def run_io(args: argparse.Namespace) -> dict[str, Any]:
             (shared / f"{i}.pkl").write_bytes(pickle.dumps(sample, protocol=5))
     cl.barrier()
     sample_bytes = (shared / "0.pkl").stat().st_size
-    rows: dict[str, Any] = {}
-    for strategy in ["global"] + [str(q) for q in args.fractions]:
-        if strategy == "global":
-            dataset: Any = SharedFolder(
-                shared,
-                args.samples,
-                args.shared_mbps * 1e6 / 8 / cl.size(),
-                args.shared_latency_ms / 1e3,
-            )
-            sampler: Any = torch.utils.data.DistributedSampler(
-                dataset, num_replicas=cl.size(), rank=cl.rank(), shuffle=True, seed=0
-            )
-            shuffler = None
-        else:
-            store = ShardStore.from_dataset(data, path=root / "local{rank}", partition_by="given")
-            shuffler = PartialLocalShuffler(store, fraction=float(strategy), seed=0)
-            dataset, sampler = shuffler.dataset, shuffler
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_size=args.batch_size, sampler=getattr(sampler, "sampler", sampler)
-        )
-        stats_before = cl.communication_stats()
-        times = timed_epochs(loader, sampler, args)
-        exchanged, busy, wait = [], [], []
-        if shuffler is not None:
-            shuffler.set_epoch(args.epochs)  # commit the last exchange, so its stats are in
-            exchanged = cl.allgather_object(shuffler.stats)
-        read = sum(cl.allgather_object(getattr(dataset, "bytes_read", 0)))
-        if exchanged and exchanged[0]:
-            busy = [s["busy_s"] for s in exchanged]
-            wait = [s["wait_s"] for s in exchanged]
-        rows[strategy] = {
-            "epoch_s": times,
-            "shared_bytes_per_epoch": read / args.epochs,
-            "exchanged_bytes_last_epoch": sum(s.get("sent_bytes", 0) for s in exchanged),
-            "exchange_busy_s_max": max(busy, default=0.0),
-            "exchange_wait_s_max": max(wait, default=0.0),
-            "collective_s": cl.communication_stats()["collective_s"] - stats_before["collective_s"],
-        }
-        if cl.rank() == 0:
-            print(strategy, json.dumps(rows[strategy]), flush=True)
+    # warm-up, not recorded: commlayer's first training steps take ~15 s more on this machine
+    io_strategy("0.0", data, root, argparse.Namespace(**{**vars(args), "epochs": 2}))
+    strategies = ["global"] + [str(q) for q in args.fractions]
+    rows: dict[str, dict[str, Any]] = {s: {} for s in strategies}
+    for _ in range(args.rounds):  # rounds interleave strategies: load from other jobs drifts
+        for strategy in strategies:
+            row = io_strategy(strategy, data, root, args)
+            for key, value in row.items():
+                if isinstance(value, list):
+                    rows[strategy].setdefault(key, []).extend(value)
+                else:
+                    rows[strategy].setdefault(key, []).append(value)
+            if cl.rank() == 0:
+                print(strategy, json.dumps(row), flush=True)
     if cl.rank() == 0:
         shutil.rmtree(shared, ignore_errors=True)
     shutil.rmtree(root / f"local{cl.rank()}", ignore_errors=True)
@@ -268,7 +321,8 @@ def report(paths: list[str], out: str) -> None:
         result = json.loads(Path(path).read_text())
         meta = result["meta"]
         lines += [
-            f"## {meta['args']['part']}: {meta['ranks']} ranks",
+            f"## {meta['args']['part']}: {meta['ranks']} ranks"
+            + (f", {meta['args'].get('dataset', 'digits')}" if "curves" in result else ""),
             "",
             f"- date: {meta['date']}; commit {meta['commit']}; machine {meta['machine']}; "
             f"load average before the run {meta['load_before']:.2f} (other jobs share the cores)",
@@ -318,7 +372,8 @@ def plot_curves(result: dict[str, Any], meta: dict[str, Any], png: Path, plt: An
         ax.plot(range(1, len(mean_curve) + 1), mean_curve, style, label=label)
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy, % (mean over ranks and seeds)")
-    ax.set_title(f"digits, shards sorted by class, {meta['ranks']} ranks")
+    dataset = meta["args"].get("dataset", "digits")
+    ax.set_title(f"{dataset}, shards sorted by class, {meta['ranks']} ranks")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -329,26 +384,36 @@ def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     a = meta["args"]
     lines = [
         f"{a['samples']} samples of {result['sample_bytes']} B, batch {a['batch_size']} per rank, "
-        f"MLP 3072-{a['hidden']}-10, {a['epochs']} epochs (epoch 0 left out of the median). "
-        f"Shared storage: {a['shared_mbps']} Mbit/s shared by the ranks + "
-        f"{a['shared_latency_ms']} ms per file (throttled reader).",
+        f"MLP 3072-{a['hidden']}-10, {a['rounds']} rounds of {a['epochs']} epochs per strategy, "
+        "each round's epoch 0 left out. Shared storage: "
+        f"{a['shared_mbps']} Mbit/s shared by the ranks + {a['shared_latency_ms']} ms per file "
+        "(throttled reader). Times are the slowest rank's; exchange busy/wait the most of any "
+        "rank, per epoch (median).",
         "",
         "| strategy | epoch s (median) | min..max | vs Q = 0 | shared storage read / epoch | "
-        "exchanged / epoch | exchange busy s | exchange wait s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "exchanged / epoch | collectives s / epoch | exchange busy s | exchange wait s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     rows = result["rows"]
-    local = statistics.median(rows["0.0"]["epoch_s"][1:]) if "0.0" in rows else None
+    per_round = a["epochs"]
+
+    def measured(times: list[float]) -> list[float]:
+        return [t for i, t in enumerate(times) if i % per_round]
+
+    local = statistics.median(measured(rows["0.0"]["epoch_s"])) if "0.0" in rows else None
     for strategy, row in rows.items():
-        times = row["epoch_s"][1:]
+        times = measured(row["epoch_s"])
         median = statistics.median(times)
         ratio = f"{(median / local - 1) * 100:+.1f}%" if local else "n/a"
         name = "global (shared folder)" if strategy == "global" else f"Q = {strategy}"
+
+        def med(key: str, row: dict[str, Any] = row) -> float:
+            return statistics.median(row.get(key) or [0.0])
+
         lines.append(
             f"| {name} | {median:.3f} | {min(times):.3f}..{max(times):.3f} | {ratio} | "
-            f"{row['shared_bytes_per_epoch'] / 1e6:.2f} MB | "
-            f"{row['exchanged_bytes_last_epoch'] / 1e6:.2f} MB | "
-            f"{row['exchange_busy_s_max']:.3f} | {row['exchange_wait_s_max']:.3f} |"
+            f"{med('shared_bytes_per_epoch') / 1e6:.2f} MB | {med('sent_bytes') / 1e6:.2f} MB | "
+            f"{med('collective_s_per_epoch'):.3f} | {med('busy_s'):.3f} | {med('wait_s'):.3f} |"
         )
     return lines
 
@@ -362,11 +427,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--dataset", choices=["digits", "fashion"], default="digits")
+    parser.add_argument("--train-samples", type=int, default=12000)
+    parser.add_argument("--test-samples", type=int, default=2000)
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.0, 0.1, 0.3, 1.0])
     parser.add_argument("--shared-mbps", type=float, default=400.0)
     parser.add_argument("--shared-latency-ms", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dir", default=tempfile.gettempdir() + "/commlayer-shuffle-bench")
     args = parser.parse_args()
     if args.part == "report":
