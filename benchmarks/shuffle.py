@@ -309,7 +309,7 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def report(paths: list[str], out: str) -> None:
+def report(paths: list[str], out: str, notes: str | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -337,6 +337,8 @@ def report(paths: list[str], out: str) -> None:
             lines += ["", f"![accuracy curves]({png.name})", ""]
         else:
             lines += io_table(result, meta)
+    if notes:
+        lines += ["", Path(notes).read_text().rstrip()]
     Path(out).write_text("\n".join(lines) + "\n")
 
 
@@ -436,10 +438,11 @@ def main() -> None:
     parser.add_argument("--shared-mbps", type=float, default=400.0)
     parser.add_argument("--shared-latency-ms", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--notes", help="report: a markdown file appended (the reading)")
     parser.add_argument("--dir", default=tempfile.gettempdir() + "/commlayer-shuffle-bench")
     args = parser.parse_args()
     if args.part == "report":
-        report(args.inputs, args.out)
+        report(args.inputs, args.out, args.notes)
         return
     args.epochs = args.epochs or (15 if args.part == "accuracy" else 5)
     cl.init()
