@@ -215,9 +215,9 @@ def timed_epochs(
         sampler.set_epoch(epoch)  # epoch == args.epochs: only commits the last exchange
         if shuffler is not None and epoch > 0:
             stats = cl.allgather_object(shuffler.stats)
-            out["busy_s"].append(max(s["busy_s"] for s in stats))
-            out["wait_s"].append(max(s["wait_s"] for s in stats))
-            out["sent_bytes"].append(sum(s["sent_bytes"] for s in stats))
+            out["busy_s"].append(max(s.get("busy_s", 0.0) for s in stats))  # {}: Q = 0
+            out["wait_s"].append(max(s.get("wait_s", 0.0) for s in stats))
+            out["sent_bytes"].append(sum(s.get("sent_bytes", 0) for s in stats))
         if epoch == args.epochs:
             break
         for x, y in loader:
@@ -300,7 +300,7 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
         "command": "OMP_NUM_THREADS=1 mpiexec -n "
         f"{cl.size()} python benchmarks/shuffle.py " + " ".join(sys.argv[1:]),
         "ranks": cl.size(),
-        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or '?'}",
+        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}",
         "load_before": os.getloadavg()[0],
         "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -316,7 +316,11 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
     import matplotlib.pyplot as plt
 
     lines = ["# Partial-local shuffling (issue 24)", ""]
-    lines += [f"Produced by `benchmarks/shuffle.py` ({__doc__.split(chr(10))[0]})", ""]
+    lines += [
+        "Produced by `benchmarks/shuffle.py` (its docstring says what each part measures); "
+        "each section gives the exact command, and the raw numbers are in the .json beside it.",
+        "",
+    ]
     for path in paths:
         result = json.loads(Path(path).read_text())
         meta = result["meta"]
@@ -440,7 +444,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--notes", help="report: a markdown file appended (the reading)")
     parser.add_argument("--dir", default=tempfile.gettempdir() + "/commlayer-shuffle-bench")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     if args.part == "report":
         report(args.inputs, args.out, args.notes)
         return
