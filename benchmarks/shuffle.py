@@ -326,7 +326,11 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
         meta = result["meta"]
         lines += [
             f"## {meta['args']['part']}: {meta['ranks']} ranks"
-            + (f", {meta['args'].get('dataset', 'digits')}" if "curves" in result else ""),
+            + (
+                f", {meta['args'].get('dataset', 'digits')}"
+                if "curves" in result
+                else f", stores under {meta['args']['dir']}"
+            ),
             "",
             f"- date: {meta['date']}; commit {meta['commit']}; machine {meta['machine']}; "
             f"load average before the run {meta['load_before']:.2f} (other jobs share the cores)",
@@ -340,7 +344,7 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
             plot_curves(result, meta, png, plt)
             lines += ["", f"![accuracy curves]({png.name})", ""]
         else:
-            lines += io_table(result, meta)
+            lines += io_table(result, meta) + [""]
     if notes:
         lines += ["", Path(notes).read_text().rstrip()]
     Path(out).write_text("\n".join(lines) + "\n")
@@ -378,7 +382,12 @@ def plot_curves(result: dict[str, Any], meta: dict[str, Any], png: Path, plt: An
         ax.plot(range(1, len(mean_curve) + 1), mean_curve, style, label=label)
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy, % (mean over ranks and seeds)")
-    dataset = meta["args"].get("dataset", "digits")
+    a = meta["args"]
+    dataset = (
+        f"Fashion-MNIST ({a['train_samples']} training images)"
+        if a.get("dataset") == "fashion"
+        else "digits (1437 training images)"
+    )
     ax.set_title(f"{dataset}, shards sorted by class, {meta['ranks']} ranks")
     ax.grid(alpha=0.3)
     ax.legend()
