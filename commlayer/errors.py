@@ -68,3 +68,13 @@ class HostsUpdatedInterrupt(RuntimeError):
             "hosts were updated" + (" (removed only: state sync skipped)" if skip_sync else "")
         )
         self.skip_sync = skip_sync
+
+
+class ShardStoreError(CommlayerError):
+    """A shard store (commlayer.data) cannot be read or written: the message names the rank and
+    the file."""
+
+
+class ShuffleMismatchError(CommlayerError):
+    """Ranks built a PartialLocalShuffler with different settings (fraction, seed, chunks) or
+    with stores that overlap: the message names the ranks and their values."""
