@@ -11,7 +11,7 @@
 A row matches when every number (memory, compute, communication, time) is within 1% and the
 set of rows (case, B, p) is the same. Prints a markdown report (benchmarks/results/oracle.md).
 
-python benchmarks/oracle_paradl.py --data ../shared/data/paradl --logs PARADL/log \
+python benchmarks/oracle_paradl.py --data data/paradl --logs PARADL/log \
     --script PARADL/parallel_analysis.py --python2 ~/.pyenv/versions/2.7.18/bin/python2.7
 """
 

@@ -14,7 +14,7 @@ from commlayer.errors import SpecError
 from commlayer.oracle import model, paradl, report
 from commlayer.oracle.network import Compression, Network
 
-PARADL_DATA = Path("/work/shared/data/paradl")
+PARADL_DATA = Path(__file__).resolve().parents[2] / "data" / "paradl"  # ParaDL's inputs
 
 # A tiny CNN: a 3x3 conv on 8x8, ReLU, a 2x2 pool, an FC to 10; t measured on the first line.
 NET = """Dataset|Toy
