@@ -503,6 +503,7 @@ def driver(args: argparse.Namespace) -> None:
         "epochs": args.epochs, "target": args.target, "lr": args.lr, "runs": [],
     }  # fmt: skip
     tag = f"network_train_{'_'.join(args.rates)}_{hosts}x{per_host}"
+    tag += f"_{args.suffix}" if args.suffix else ""
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         cluster("up", str(hosts))
@@ -563,6 +564,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--suffix", help="appended to the result files' names")
     parser.add_argument("--replot", type=Path, help="draw the .png again from this .json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--task", choices=TASKS, help=argparse.SUPPRESS)
