@@ -429,7 +429,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rates = result["rates"]
-    labels = [label for label, *_ in SYSTEMS]
+    measured = {r["label"] for r in result["runs"]}
+    labels = [label for label, *_ in SYSTEMS if label in measured]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
     width = 0.8 / len(rates)
     for i, rate in enumerate(rates):
