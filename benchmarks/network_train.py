@@ -464,12 +464,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 label=r["label"],
                 **style,
             )
+    if not any(r["task"] == "accuracy" for r in result["runs"]):
+        right.set_axis_off()
+        right.text(0.5, 0.5, "accuracy not measured at this rate", ha="center")
     right.axhline(100 * result["target"], color="grey", linestyle=":")
     right.set_xlabel("training seconds")
     right.set_ylabel("test accuracy %")
     right.set_ylim(80, 100)
     right.set_title(f"digits CNN at {first}")
-    right.legend(fontsize=7, ncol=2, loc="lower right")
+    if right.get_legend_handles_labels()[0]:
+        right.legend(fontsize=7, ncol=2, loc="lower right")
     right.grid(alpha=0.3)
     fig.suptitle(
         f"{result['hosts']} hosts x {result['ranks_per_host']} rank(s) each, namespace cluster "
