@@ -431,7 +431,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     rates = result["rates"]
     measured = {r["label"] for r in result["runs"]}
     labels = [label for label, *_ in SYSTEMS if label in measured]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    has_accuracy = any(r["task"] == "accuracy" for r in result["runs"])
+    fig, axes = plt.subplots(1, 2 if has_accuracy else 1, figsize=(14 if has_accuracy else 8, 6))
+    left = axes[0] if has_accuracy else axes
     width = 0.8 / len(rates)
     for i, rate in enumerate(rates):
         rows = [r for r in result["runs"] if r["rate"] == rate]
@@ -451,7 +453,23 @@ def plot(result: dict[str, Any], path: Path) -> None:
     left.set_title("training throughput (bars: median of the runs, whiskers: their range)")
     left.legend(title="link")
     left.grid(axis="y", alpha=0.3)
-    first = rates[0]
+    if has_accuracy:
+        _accuracy_panel(axes[1], result)
+    fig.suptitle(
+        f"{result['hosts']} hosts x {result['ranks_per_host']} rank(s) each, namespace cluster "
+        "(veth + tbf), 2-core VM"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _accuracy_panel(right: Any, result: dict[str, Any]) -> None:
+    """Test accuracy against training seconds at the first rate, one line per system."""
+    import matplotlib
+
+    first = result["rates"][0]
+    right.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)  # 17 systems, distinct
     for r in result["runs"]:
         if r["rate"] == first and r["task"] == "accuracy" and "error" not in r:
             curve = r["curve"]
@@ -464,24 +482,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 label=r["label"],
                 **style,
             )
-    if not any(r["task"] == "accuracy" for r in result["runs"]):
-        right.set_axis_off()
-        right.text(0.5, 0.5, "accuracy not measured at this rate", ha="center")
     right.axhline(100 * result["target"], color="grey", linestyle=":")
     right.set_xlabel("training seconds")
     right.set_ylabel("test accuracy %")
     right.set_ylim(80, 100)
     right.set_title(f"digits CNN at {first}")
-    if right.get_legend_handles_labels()[0]:
-        right.legend(fontsize=7, ncol=2, loc="lower right")
+    right.legend(fontsize=7, ncol=2, loc="lower right")
     right.grid(alpha=0.3)
-    fig.suptitle(
-        f"{result['hosts']} hosts x {result['ranks_per_host']} rank(s) each, namespace cluster "
-        "(veth + tbf), 2-core VM"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def rate_bits(text: str) -> float:
