@@ -1,7 +1,10 @@
-"""``commlayer`` command: ``calibrate`` the cost model, print the ``algorithms`` it predicts.
+"""``commlayer`` command: ``calibrate`` the cost model, print the ``algorithms`` it predicts,
+``simulate`` them in SimGrid at thousands of ranks.
 
 mpiexec -n 2 commlayer calibrate [--quick] [--out FILE]
 commlayer algorithms --size 64MiB [--ranks 2] [--file FILE]
+commlayer simulate --algorithm ring,shd,auto --platform fat-tree:gpus-per-node=4 \
+    --ranks 64,256 --size 1MiB,32MiB [--out r.md] [--plot r.png] [--format json]
 """
 
 from __future__ import annotations
@@ -88,6 +91,12 @@ def algorithms_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def simulate(args: argparse.Namespace) -> int:
+    from commlayer.sim import cli as sim_cli
+
+    return sim_cli.run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commlayer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +109,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     table.add_argument("--ranks", type=int, help="only the calibration for this many ranks")
     table.add_argument("--file", help="calibration file to read")
     table.set_defaults(run=algorithms_table)
+    from commlayer.sim import cli as sim_cli
+
+    sim = sub.add_parser(
+        "simulate",
+        help="replay the algorithms' schedules in SimGrid (SMPI) on a generated or given platform",
+        description=sim_cli.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim_cli.add_arguments(sim, _bytes)
+    sim.set_defaults(run=simulate)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

@@ -32,7 +32,9 @@ VERSION = 1
 
 def schedules(name: str, numel: int, topology: Topology) -> list[Schedule]:
     """Every rank's schedule of algorithm ``name`` for ``numel`` elements."""
-    return [algorithms.schedule(name, r, topology.size, numel, topology) for r in range(topology.size)]
+    return [
+        algorithms.schedule(name, r, topology.size, numel, topology) for r in range(topology.size)
+    ]
 
 
 def _merged(transfers: tuple[Transfer, ...], aggregate: bool) -> list[tuple[int, int]]:

@@ -136,7 +136,11 @@ def generate(spec: str, ranks: int | None = None, gpus_per_node: int | None = No
     intra = (bandwidth(values["intra-bw"]), seconds(values["intra-lat"]))
     if kind == "flat" and "ranks" in fields:
         fields["nodes"] = str(-(-int(fields.pop("ranks")) // gpus))
+    key = _SIZE_FIELD.get(kind)
+    if key and key not in fields and "shape" not in fields and ranks is not None:
+        fields[key] = str(-(-ranks // gpus))  # as many nodes as the ranks need
     body, nodes, hops = _BUILDERS[kind](fields, bw, lat)
+    body = body.replace("{loopback}", f'loopback_bw="{intra[0]!r}Bps" loopback_lat="{intra[1]!r}s"')
     if fields:
         raise ValueError(f"platform {spec!r}: unknown field(s) {', '.join(sorted(fields))}")
     total = nodes * gpus
@@ -190,7 +194,7 @@ def _document(body: str) -> str:
 def _cluster(nodes: int, bw: float, lat: float, extra: str) -> str:
     return (
         f'<cluster id="net" prefix="node-" suffix="" radical="0-{nodes - 1}" speed="1Gf" '
-        f'bw="{bw!r}Bps" lat="{lat!r}s" sharing_policy="SPLITDUPLEX" {extra}/>\n'
+        f'bw="{bw!r}Bps" lat="{lat!r}s" sharing_policy="SPLITDUPLEX" {{loopback}} {extra}/>\n'
     )
 
 
@@ -207,7 +211,11 @@ def _take(fields: dict[str, str], key: str, default: int | None = None) -> int:
 
 def _flat(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
     nodes = _take(fields, "nodes")
-    return _cluster(nodes, bw, lat, 'bb_bw="1e15Bps" bb_lat="0s" bb_sharing_policy="FATPIPE"'), nodes, 2
+    return (
+        _cluster(nodes, bw, lat, 'bb_bw="1e15Bps" bb_lat="0s" bb_sharing_policy="FATPIPE"'),
+        nodes,
+        2,
+    )
 
 
 def _fat_tree(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
@@ -242,22 +250,21 @@ def _dln(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
     switches = int(fields.pop("switches", fields.pop("shape", "0")))
     if switches < 2 or switches & (switches - 1):
         raise ValueError(f"dln: switches={switches} must be a power of two >= 2")
-    lines = ['<zone id="dln" routing="DijkstraCache">\n']
+    # SimGrid's DTD: hosts, routers and links first, then the routes (the graph's edges)
+    nodes, links, routes = [], [], []
+    edges = [(f"node-{i}", f"sw-{i}") for i in range(switches)]
+    edges += [(f"sw-{i}", f"sw-{j}") for i, j in dln_chords(switches)]
     for i in range(switches):
-        lines.append(f'<host id="node-{i}" speed="1Gf"/><router id="sw-{i}"/>\n')
-        for way, (a, b) in (("up", (f"node-{i}", f"sw-{i}")), ("down", (f"sw-{i}", f"node-{i}"))):
-            lines.append(f'<link id="nic-{i}-{way}" bandwidth="{bw!r}Bps" latency="{lat!r}s"/>\n')
-            lines.append(_route(a, b, f"nic-{i}-{way}"))
-    for i, j in dln_chords(switches):
-        for a, b in ((i, j), (j, i)):
-            lines.append(f'<link id="ch-{a}-{b}" bandwidth="{bw!r}Bps" latency="{lat!r}s"/>\n')
-            lines.append(_route(f"sw-{a}", f"sw-{b}", f"ch-{a}-{b}"))
-    lines.append("</zone>\n")
-    return "".join(lines), switches, 2 + dln_diameter(switches)
-
-
-def _route(src: str, dst: str, link: str) -> str:
-    return f'<route src="{src}" dst="{dst}" symmetrical="NO"><link_ctn id="{link}"/></route>\n'
+        nodes.append(f'<host id="node-{i}" speed="1Gf"/><router id="sw-{i}"/>\n')
+    for a, b in edges:
+        for src, dst in ((a, b), (b, a)):  # one link per direction: full duplex
+            links.append(f'<link id="{src}_{dst}" bandwidth="{bw!r}Bps" latency="{lat!r}s"/>\n')
+            routes.append(
+                f'<route src="{src}" dst="{dst}" symmetrical="NO">'
+                f'<link_ctn id="{src}_{dst}"/></route>\n'
+            )
+    body = "".join(['<zone id="dln" routing="DijkstraCache">\n', *nodes, *links, *routes])
+    return body + "</zone>\n", switches, 2 + dln_diameter(switches)
 
 
 def dln_chords(switches: int) -> list[tuple[int, int]]:
@@ -286,6 +293,9 @@ def dln_diameter(switches: int) -> int:
         depth += 1
     return depth
 
+
+# the field that sizes a kind, filled from --ranks when the spec leaves it out
+_SIZE_FIELD = {"flat": "nodes", "fat-tree": "nodes", "dln": "switches"}
 
 _BUILDERS = {
     "flat": _flat,

@@ -81,7 +81,7 @@ def settings(platform: Platform, largest_bytes: int, factors: bool = False) -> l
         "contexts/stack-size:64",
         f"smpi/shared-malloc-blocksize:{max(1 << 20, 1 << max(largest_bytes - 1, 1).bit_length())}",
         "smpi/display-timing:0",
-        "smpi/host-speed:1e9",
+        "smpi/host-speed:1e9f",
         *platform.config,
     ]
     if not factors:
