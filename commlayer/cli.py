@@ -120,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sim_cli.add_arguments(sim, _bytes)
     sim.set_defaults(run=simulate)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what simulate --out records
     return int(args.run(args))
 
 

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                     results.append(result)
                     line = report.json_line(result) if args.format == "json" else None
                     print(line or report.markdown_row(result), flush=True)
-    command = "commlayer simulate " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    command = "commlayer " + " ".join(shlex.quote(a) for a in args.argv)
     if args.out:
         args.out.write_text(f"Made by: `{command}`\n\n" + report.markdown(results))
     if args.plot:

@@ -161,12 +161,26 @@ def from_file(path: Path, hostfile: Path | None, ranks: int | None, gpus_per_nod
     if hostfile is not None:
         hosts = list(_hostfile_hosts(hostfile.read_text()))
     else:
-        names = re.findall(r"<host\s[^>]*?id\s*=\s*[\"']([^\"']+)", xml)
-        hosts = [h for h in names for _ in range(gpus_per_node)]
+        hosts = [h for h in _host_names(xml) for _ in range(gpus_per_node)]
     ranks = len(hosts) if ranks is None else ranks
     if not 0 < ranks <= len(hosts):
         raise ValueError(f"{hostfile or path} places {len(hosts)} ranks, not {ranks}")
     return Platform(str(path), _sanitize(xml), tuple(hosts[:ranks]), (), None)
+
+
+def _host_names(xml: str) -> list[str]:
+    """Hosts in file order: ``<host id=...>`` and every host of a ``<cluster>``."""
+    names = []
+    for tag in re.finditer(r"<(host|cluster)\s([^>]*)>", xml):
+        attrs = dict(re.findall(r"([\w-]+)\s*=\s*[\"']([^\"']*)", tag.group(2)))
+        if tag.group(1) == "host":
+            names.append(attrs.get("id", ""))
+            continue
+        for part in attrs.get("radical", "").split(","):
+            low, _, high = part.partition("-")
+            for i in range(int(low), int(high or low) + 1):
+                names.append(f"{attrs.get('prefix', '')}{i}{attrs.get('suffix', '')}")
+    return names
 
 
 def _hostfile_hosts(text: str) -> Iterator[str]:
