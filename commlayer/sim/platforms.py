@@ -74,13 +74,19 @@ class Platform:
     hosts: tuple[str, ...]  # host of each rank
     config: tuple[str, ...]  # extra smpirun --cfg settings (the intra-node link)
     links: Links | None  # None for a file: no parameters to give the cost model
+    # ranks per node when every host is one GPU (a file modelling each GPU as a host, as the
+    # research's): ranks r // gpus_per_node share a node; 0: ranks of one host share a node
+    gpus_per_node: int = 0
 
     @property
     def ranks(self) -> int:
         return len(self.hosts)
 
     def topology(self) -> Topology:
-        """Ranks of one host share a node (first appearance order)."""
+        """Which ranks share a node: those of one host (first appearance order), or with
+        ``gpus_per_node`` on a file of one rank per host, consecutive groups of that many."""
+        if self.gpus_per_node > 1 and len(set(self.hosts)) == len(self.hosts):
+            return Topology(tuple(r // self.gpus_per_node for r in range(self.ranks)))
         index: dict[str, int] = {}
         return Topology(tuple(index.setdefault(h, len(index)) for h in self.hosts))
 
@@ -156,7 +162,9 @@ def generate(spec: str, ranks: int | None = None, gpus_per_node: int | None = No
 
 def from_file(path: Path, hostfile: Path | None, ranks: int | None, gpus_per_node: int) -> Platform:
     """A SimGrid XML file; ranks placed by ``hostfile`` (``host[:count]`` lines), else
-    ``gpus_per_node`` ranks per host in the order the file lists hosts."""
+    ``gpus_per_node`` ranks per host in the order the file lists hosts. With a hostfile of one
+    rank per host (each GPU a host of the file), ``gpus_per_node`` consecutive ranks form a
+    node for the topology-aware algorithms."""
     xml = path.read_text()
     if hostfile is not None:
         hosts = list(_hostfile_hosts(hostfile.read_text()))
@@ -165,7 +173,8 @@ def from_file(path: Path, hostfile: Path | None, ranks: int | None, gpus_per_nod
     ranks = len(hosts) if ranks is None else ranks
     if not 0 < ranks <= len(hosts):
         raise ValueError(f"{hostfile or path} places {len(hosts)} ranks, not {ranks}")
-    return Platform(str(path), _sanitize(xml), tuple(hosts[:ranks]), (), None)
+    grouping = gpus_per_node if hostfile is not None else 0
+    return Platform(str(path), _sanitize(xml), tuple(hosts[:ranks]), (), None, grouping)
 
 
 def _host_names(xml: str) -> list[str]:

@@ -5,7 +5,11 @@ model's prediction beside it.
 replays it under smpirun (smpi.py) and returns a ``Result``. ``algorithm`` is a registered
 schedule, ``auto`` (the cost model's pick for the platform, see ``calibration``), or
 ``smpi:NAME``: SMPI's own MPI_Allreduce algorithm NAME (``lr`` ring, ``rdb`` recursive
-doubling, ``rab_rdb`` Rabenseifner, ...), to compare our schedules with.
+doubling, ``rab_rdb`` Rabenseifner, ...), to compare our schedules with, or
+``hierarchical:INTER``: the two-level schedule (algorithms/hierarchical.py ``two_level``) with
+schedule INTER across nodes instead of ring (the research's ``ntt_lr_rab`` is
+``hierarchical:rabenseifner``); it is registered only while it is simulated, so the cost model
+costs it like any other and ``auto`` elsewhere never sees it.
 
 The cost model is given the platform as a ``Calibration`` (``calibration``): alpha and beta
 of a message inside a node and between nodes from the generated links (the farthest pair's
@@ -15,13 +19,18 @@ each node's own link (costmodel/model.py); what the simulation adds is the netwo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from commlayer import algorithms, costmodel
+from commlayer.algorithms import hierarchical
+from commlayer.algorithms.schedule import Schedule
+from commlayer.algorithms.topology import Topology
 from commlayer.sim import export, smpi
 from commlayer.sim.platforms import Platform
 
@@ -98,10 +107,29 @@ def resolve(name: str, platform: Platform, size_bytes: int) -> str:
         return rows[0][0]
     if name.startswith(SMPI_PREFIX) or name in algorithms.schedules():
         return name
+    family, _, inter = name.partition(":")
+    if family == "hierarchical" and inter in algorithms.schedules():
+        return name
     raise ValueError(
         f"unknown algorithm {name!r}; allowed: auto, {', '.join(algorithms.schedules())}, "
-        "or smpi:NAME (SMPI's own, e.g. smpi:lr, smpi:rdb, smpi:rab_rdb)"
+        "hierarchical:INTER, or smpi:NAME (SMPI's own, e.g. smpi:lr, smpi:rdb, smpi:rab_rdb)"
     )
+
+
+@contextlib.contextmanager
+def _variant(name: str) -> Iterator[None]:
+    """``hierarchical:INTER`` registered for the block (nothing to do for other names)."""
+    family, _, inter = name.partition(":")
+    if family != "hierarchical" or not inter:
+        yield
+        return
+
+    def build(rank: int, size: int, numel: int, topology: Topology) -> Schedule:
+        groups = [topology.members(node) for node in sorted(set(topology.node_of))]
+        return hierarchical.two_level(rank, numel, groups, inter)
+
+    with algorithms.registered(name, build):
+        yield
 
 
 def simulate(
@@ -121,15 +149,15 @@ def simulate(
         cfg = [f"smpi/allreduce:{name[len(SMPI_PREFIX) :]}"]
         args = ["--builtin", str(numel * ELEMENT_SIZE)]
         simulated = smpi.run(platform, args, size_bytes, factors, cfg, timeout_s)
-        messages = 0
+        messages, model = 0, None
     else:
-        with tempfile.TemporaryDirectory(prefix="commlayer-traces-") as tmp:
+        with _variant(name), tempfile.TemporaryDirectory(prefix="commlayer-traces-") as tmp:
             schedules = export.schedules(name, numel, platform.topology())
             messages = export.write(
                 schedules, Path(tmp), ELEMENT_SIZE, gamma_s_per_byte, gamma_s_per_byte
             )
             simulated = smpi.run(platform, [tmp], size_bytes, factors, (), timeout_s)
-    model = model_time(name, platform, size_bytes)
+            model = model_time(name, platform, size_bytes)
     return Result(
         label,
         platform.name,
