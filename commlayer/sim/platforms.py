@@ -14,7 +14,8 @@ network link (``bw``, ``lat``), which the node's ranks share, and cross the netw
 - ``torus:XxY[xZ]``: one node per torus vertex, links of ``bw``/``lat`` to the neighbours in
   each dimension (SimGrid's TORUS cluster, dimension-order routing).
 - ``dragonfly:groups=G,chassis=C,routers=R,nodes=N``: G groups of C chassis of R routers with
-  N nodes each (SimGrid's DRAGONFLY cluster, one link of each kind, minimal routing).
+  N nodes each (SimGrid's DRAGONFLY cluster, one link of each kind, minimal routing); SimGrid
+  needs R >= G - 1.
 - ``dln:S`` (``dln:switches=S``): Distributed Loop Network, below.
 
 DLN. The research (Nguyen & Wahib, CCGrid 2021) co-designs SHD with a "distributed loop
@@ -264,6 +265,10 @@ def _torus(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int
 def _dragonfly(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
     g, c = _take(fields, "groups"), _take(fields, "chassis", 1)
     r, n = _take(fields, "routers", 1), _take(fields, "nodes", 1)
+    if r < g - 1:  # SimGrid 3.32 segfaults then (seen: groups=4 with routers=2)
+        raise ValueError(
+            f"dragonfly: routers={r} per chassis must be at least groups - 1 = {g - 1}"
+        )
     params = f"{g},1;{c},1;{r},1;{n}"
     extra = f'topology="DRAGONFLY" topo_parameters="{params}"'
     return _cluster(g * c * r * n, bw, lat, extra), g * c * r * n, 5

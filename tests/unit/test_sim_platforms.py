@@ -23,6 +23,7 @@ def _parse(xml: str) -> ET.Element:
         ("fat-tree:nodes=16,gpus-per-node=4", 64, 16),
         ("torus:2x4x2", 16, 16),
         ("dragonfly:groups=2,chassis=2,routers=2,nodes=2", 16, 16),
+        ("dragonfly:groups=4,routers=4,gpus-per-node=4", 64, 16),
         ("dln:8,gpus-per-node=2", 16, 8),
     ],
 )
@@ -57,6 +58,7 @@ def test_clusters_route_a_node_to_itself_over_the_intra_node_link() -> None:
         ("dln:6", "power of two"),
         ("torus", "shape"),
         ("flat:ranks=4,bw=fast", "bandwidth"),
+        ("dragonfly:groups=4,routers=2", "groups - 1"),
     ],
 )
 def test_bad_specs_name_what_is_wrong(spec: str, message: str) -> None:
