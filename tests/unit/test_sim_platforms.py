@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from commlayer import algorithms
+from commlayer.algorithms import hierarchical
 from commlayer.algorithms.topology import Topology
 from commlayer.sim import export, platforms, simulate
 
@@ -128,3 +129,18 @@ def test_model_on_flat_is_the_alpha_beta_formula() -> None:
     for name in ("ring", "recursive_doubling", "rabenseifner"):
         model = simulate.model_time(name, p, 64 << 20)
         assert model == pytest.approx(simulate.alpha_beta(name, 64, 64 << 20, alpha, beta), 0.01)
+
+
+def test_hierarchical_with_another_inter_is_registered_only_while_simulated() -> None:
+    p = platforms.generate("flat:ranks=16", gpus_per_node=4)
+    name = simulate.resolve("hierarchical:rabenseifner", p, 1 << 20)
+    before = algorithms.generation()
+    with simulate._variant(name):
+        model = simulate.model_time(name, p, 1 << 20)
+        schedule = algorithms.schedule(name, 0, 16, 1000, p.topology())
+    assert name not in algorithms.schedules() and algorithms.generation() == before + 2
+    assert model is not None and model > 0
+    groups = [p.topology().members(n) for n in range(4)]
+    assert schedule == hierarchical.two_level(0, 1000, groups, "rabenseifner")
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        simulate.resolve("hierarchical:nope", p, 1 << 20)
