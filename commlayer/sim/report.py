@@ -57,7 +57,9 @@ def plot(results: Sequence[Result], path: Path, title: str = "") -> None:
         lines: dict[tuple[str, str], list[Result]] = {}
         for r in results:
             if r.size_bytes == size:
-                lines.setdefault((r.algorithm, r.platform.split(":")[0]), []).append(r)
+                # "auto=shd" and "auto=ring" are one line: auto's picks across ranks
+                key = (r.algorithm.split("=")[0], r.platform.split(":")[0])
+                lines.setdefault(key, []).append(r)
         for (algorithm, platform), rows in sorted(lines.items()):
             rows.sort(key=lambda r: r.ranks)
             ax.plot(
