@@ -132,8 +132,10 @@ def main() -> int:
                     print(report.markdown_row(r), f"({time.monotonic() - start:.0f} s)", flush=True)
     body = report.markdown(sorted(results, key=lambda r: (r.ranks, r.size_bytes, r.algorithm)))
     command = "python benchmarks/simulate.py " + " ".join(sys.argv[1:])
+    made = "Rendered from the JSON lines by" if args.replot else "Made by (the last run)"
     args.out.with_suffix(".md").write_text(
-        f"Made by: `{command}`\n\n## SHD on DLN against each baseline\n\n"
+        f"{made}: `{command}`; every run: `{jsonl.name}` (the commands: simulate.md, 4)\n\n"
+        "## SHD on DLN against each baseline\n\n"
         + claim_table(results)
         + "\n## Every run\n\n"
         + body

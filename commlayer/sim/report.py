@@ -52,7 +52,12 @@ def plot(results: Sequence[Result], path: Path, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     sizes = sorted({r.size_bytes for r in results})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4.8), squeeze=False)
+    # colour by algorithm, line style by platform: a dozen lines stay readable
+    names = sorted({r.algorithm.split("=")[0] for r in results})
+    kinds = sorted({r.platform.split(":")[0] for r in results})
+    colours = {n: f"C{i % 10}" for i, n in enumerate(names)}
+    styles = {k: ("-", "--", ":", "-.")[i % 4] for i, k in enumerate(kinds)}
     for ax, size in zip(axes[0], sizes):
         lines: dict[tuple[str, str], list[Result]] = {}
         for r in results:
@@ -66,6 +71,8 @@ def plot(results: Sequence[Result], path: Path, title: str = "") -> None:
                 [r.ranks for r in rows],
                 [r.simulated_s * 1e3 for r in rows],
                 marker="o",
+                color=colours[algorithm],
+                linestyle=styles[platform],
                 label=f"{algorithm} on {platform}",
             )
         ax.set_xscale("log", base=2)
@@ -74,9 +81,10 @@ def plot(results: Sequence[Result], path: Path, title: str = "") -> None:
         ax.set_ylabel("simulated allreduce time (ms)")
         ax.set_title(f"{_size(size)}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
+    fig.subplots_adjust(bottom=0.12 + 0.045 * -(-len(labels) // 5))
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
