@@ -25,13 +25,14 @@ pytestmark = pytest.mark.skipif(
 MiB = 1 << 20
 
 
+@pytest.mark.parametrize("nbytes", [4 * MiB, 1024])  # 1 KiB: latencies, no start skew
 @pytest.mark.parametrize("name", ["ring", "recursive_doubling", "rabenseifner"])
-def test_flat_matches_alpha_beta(name: str) -> None:
+def test_flat_matches_alpha_beta(name: str, nbytes: int) -> None:
     p = platforms.generate("flat:ranks=32")
     assert p.links is not None
-    r = simulate.simulate(name, p, 4 * MiB)
+    r = simulate.simulate(name, p, nbytes)
     formula = simulate.alpha_beta(
-        name, 32, 4 * MiB, p.links.inter_alpha_s, p.links.inter_beta_s_per_byte
+        name, 32, nbytes, p.links.inter_alpha_s, p.links.inter_beta_s_per_byte
     )
     assert r.simulated_s == pytest.approx(formula, rel=0.05)
     assert r.model_s == pytest.approx(formula, rel=0.05)
