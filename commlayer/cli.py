@@ -1,10 +1,12 @@
 """``commlayer`` command: ``calibrate`` the cost model, print the ``algorithms`` it predicts,
-``simulate`` them in SimGrid at thousands of ranks.
+``simulate`` them in SimGrid at thousands of ranks, ask the ``oracle`` which parallelism
+strategy to use.
 
 mpiexec -n 2 commlayer calibrate [--quick] [--out FILE]
 commlayer algorithms --size 64MiB [--ranks 2] [--file FILE]
 commlayer simulate --algorithm ring,shd,auto --platform fat-tree:gpus-per-node=4 \
     --ranks 64,256 --size 1MiB,32MiB [--out r.md] [--plot r.png] [--format json]
+commlayer oracle --net resnet50.net --plat abci.plat --gpus 1-1024 --batch-per-gpu 64
 """
 
 from __future__ import annotations
@@ -119,6 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sim_cli.add_arguments(sim, _bytes)
     sim.set_defaults(run=simulate)
+    from commlayer.oracle import command as oracle_command
+
+    oracle = sub.add_parser(
+        "oracle",
+        help="which parallelism strategy: per-GPU memory, compute, "
+        "communication and time per epoch (ParaDL's model and commlayer's)",
+    )
+    oracle_command.add_arguments(oracle)
+    oracle.set_defaults(run=oracle_command.run)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what simulate --out records
     return int(args.run(args))

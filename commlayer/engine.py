@@ -96,9 +96,13 @@ _RUNNERS = {
     ALLTOALL: alltoall.run,
     REDUCESCATTER: reducescatter.run,
 }
-# Horovod refuses these while a rank has joined (join_mode=horovod); alltoall always raises
-# then, broadcast from a joined root too.
-_REFUSED_WHILE_JOINED = (ALLGATHER, BROADCAST, REDUCESCATTER)
+# Refused while a rank has joined, by join mode: Horovod refuses these (join_mode=horovod);
+# alltoall cannot run without every rank's blocks in either mode (broadcast from a joined root
+# neither: checked at run time, as the root is known there).
+_REFUSED_WHILE_JOINED = {
+    "horovod": (ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL),
+    "active": (ALLTOALL,),
+}
 
 _MIN_BACKOFF_S = 50e-6
 _CONTROL_SPIN_S = 50e-6  # yield-spin this long on a negotiation before sleeping
@@ -300,7 +304,8 @@ class Engine:
                 cfg.stall_check_time_s,
                 cfg.stall_shutdown_time_s,
                 self._wait_control,
-                _REFUSED_WHILE_JOINED if cfg.join_mode == "horovod" else (),
+                _REFUSED_WHILE_JOINED[cfg.join_mode],
+                cfg.join_mode,
             )
             if backend
             else None
@@ -583,9 +588,8 @@ class Engine:
         if kind == REGISTER:
             return self._register_from_response(state, response)
         if len(active) < backend.size and (
-            kind == ALLTOALL
-            or (kind == BROADCAST and response.root not in active)
-            or (self.config.join_mode == "horovod" and kind in _REFUSED_WHILE_JOINED)
+            (kind == BROADCAST and response.root not in active)
+            or kind in _REFUSED_WHILE_JOINED[self.config.join_mode]
         ):
             joined = set(range(backend.size)) - set(active)
             raise joined_error(self.rank, kind, response.name, joined, self.config.join_mode)

@@ -54,6 +54,11 @@ class PayloadError(CommlayerError):
     range, non-finite scale): decoding it would silently corrupt the gradient."""
 
 
+class SpecError(ValueError):
+    """An oracle input (a .net, .plat or .lc file, or a model description) is malformed; the
+    message names the file and line."""
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Elastic training: hosts were added or removed; ``commlayer.elastic.run`` catches it,
     runs the reset callbacks and calls the training function again (Horovod's name)."""
@@ -63,3 +68,13 @@ class HostsUpdatedInterrupt(RuntimeError):
             "hosts were updated" + (" (removed only: state sync skipped)" if skip_sync else "")
         )
         self.skip_sync = skip_sync
+
+
+class ShardStoreError(CommlayerError):
+    """A shard store (commlayer.data) cannot be read or written: the message names the rank and
+    the file."""
+
+
+class ShuffleMismatchError(CommlayerError):
+    """Ranks built a PartialLocalShuffler with different settings (fraction, seed, chunks) or
+    with stores that overlap: the message names the ranks and their values."""

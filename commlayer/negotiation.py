@@ -243,13 +243,15 @@ class Negotiator:
         stall_shutdown_s: float,
         wait: Callable[[Request], None],
         refused_while_joined: Sequence[str] = (),
+        join_mode: str = "horovod",
     ) -> None:
         """``refused_while_joined``: kinds that fail, on every rank alike, as soon as a rank has
-        joined (join_mode=horovod), instead of waiting for every active rank to submit them:
-        after a join the ranks' unnamed operations are numbered differently (they made
-        different calls), so waiting could be for ever."""
+        joined, instead of waiting for every active rank to submit them: after a join the
+        ranks' unnamed operations are numbered differently (they made different calls), so
+        waiting could be for ever. ``join_mode`` is named in their errors."""
         self.backend = backend
         self._refused_while_joined = frozenset(refused_while_joined)
+        self._join_mode = join_mode
         self.size = backend.size
         self.rank = backend.rank
         self.cache = ResponseCache(cache_capacity)
@@ -405,7 +407,7 @@ class Negotiator:
             del self.pending[name]
             self._partial_since.pop(name, None)
             self._stall_reported.discard(name)
-            error = joined_error(self.rank, kind, name, joined, "horovod")
+            error = joined_error(self.rank, kind, name, joined, self._join_mode)
             result.failed.append((pending.item, error))
 
     def _track_joins(self, joined: frozenset[int]) -> None:

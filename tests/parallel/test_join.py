@@ -132,6 +132,30 @@ def test_broadcast_from_a_joined_root_and_alltoall_raise(mode: str) -> None:
             assert torch.equal(received, _input("join.bcast", n - 1, (4,)))
 
 
+@pytest.mark.parametrize("mode", ["horovod", "active"])
+def test_alltoall_no_peer_submits_fails_at_once_after_a_join(mode: str) -> None:
+    # After a join the ranks' unnamed calls are numbered differently; here each active rank's
+    # alltoall has a name no other rank submits. It must fail at once, in the negotiation,
+    # not wait for peers that will never submit it (a stall until shutdown).
+    if mode != "horovod":
+        reinit(join_mode=mode)
+    me, n = cl.rank(), cl.size()
+    error = None
+    if me != 0:
+        x = _input("join.alltoall.own", me, (4,))
+        error = _attempt(lambda: cl.alltoall(x[: 4 // n * n], name=f"join.alltoall.{me}"))
+    last = cl.join()
+    after = cl.allreduce(torch.ones(2), op=cl.Average, name="join.alltoall.after")
+    if mode != "horovod":
+        reinit()
+
+    assert torch.equal(after, torch.ones(2)), f"rank {me}: engine not back to normal after join"
+    assert 0 <= last < n
+    if me != 0:
+        assert isinstance(error, cl.CommlayerError), f"rank {me}: {error!r}"
+        assert f"have joined (join_mode={mode})" in str(error), str(error)
+
+
 def test_join_twice_with_every_rank_joining_at_once() -> None:
     lasts = [cl.join(), cl.join()]
     gathered = cl.allgather(torch.tensor(lasts).view(1, -1), name="join.again")

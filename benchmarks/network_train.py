@@ -1,0 +1,582 @@
+"""Training across hosts of the namespace cluster (scripts/cluster.sh): DDP (gloo, torchrun
+multi-node), Horovod and commlayer with every compressor, on rate-limited links (issue 21).
+
+    sudo OMP_NUM_THREADS=1 python benchmarks/network_train.py --rates 1gbit,10gbit --layout 2x1
+
+1. Brings the cluster up (``cluster.sh up H``), and for each rate in ``--rates`` sets every link
+   to it live (``cluster.sh set``), then runs, per system, one job per task; the cluster comes
+   down whatever happens. Systems start as users start them on real machines: DDP with one
+   ``torchrun`` agent per host (``cluster.sh exec nodeK torchrun --nnodes H --rdzv-backend c10d
+   --rdzv-endpoint node1:29400``), Horovod and commlayer with ``commlayerrun -H node1:R,...``
+   (MPICH's hydra through the cluster's launcher); commlayer's compressor and sparse algorithm
+   come from ``COMMLAYER_COMPRESSION`` / ``COMMLAYER_SPARSE_ALGORITHM``.
+2. Task ``throughput``: benchmarks/train.py's ``mlp`` (6.69 M parameters, 26.8 MB of float32
+   gradients) on random inputs, ``--batch`` samples per rank, SGD momentum 0.9: median step
+   time over ``--steps`` after ``--warmup``, samples/s, and the bytes host 1's link carried per
+   step in each direction (its eth0 counters in /proc/net/dev, read by rank 0 inside its host:
+   the same physical count for every system, whatever it says it sent).
+3. Task ``accuracy``: the demo's digits CNN (examples/train_digits.py, 284 K parameters) with
+   Adam, lr 3e-3, ``--batch`` per rank, ``--epochs`` epochs of the shuffled training set split
+   across ranks; after every epoch rank 0 scores the whole test set (untimed; the replicas are
+   identical). Time to ``--target`` accuracy: training seconds until the first epoch at or above
+   it; final accuracy after the last epoch.
+4. The link is the physical limit: an allreduce of S bytes across H hosts moves at least
+   S x 2 (H - 1) / H bytes each way per host link (reduce-scatter plus allgather between
+   hosts), so an uncompressed step cannot take less than ``26.8 MB x 2 (H - 1) / H / rate``
+   (0.214 s at 1 Gbit/s with 2 hosts) unless it overlaps that with compute.
+5. Writes ``network_train_<rates>_<layout>.md`` (tables per rate, ratios to DDP measured in
+   the same run), ``.json`` (every result, machine-readable for the oracle and auto-tuning)
+   and ``.png`` (samples/s per system and rate; accuracy against training time) under
+   ``--out``.
+   ``--replot JSON`` redraws the picture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "scripts" / "cluster.sh"
+RESULT_PREFIX = "RESULT "
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
+
+# (label, system, COMMLAYER_COMPRESSION, COMMLAYER_SPARSE_ALGORITHM)
+SYSTEMS: list[tuple[str, str, str, str]] = [
+    ("ddp", "ddp", "", ""),
+    ("horovod", "horovod", "", ""),
+    ("none", "commlayer", "none", ""),
+    ("fp16", "commlayer", "fp16", ""),
+    ("qsgd 8-bit", "commlayer", "qsgd:levels=127", ""),
+    ("qsgd 4-bit", "commlayer", "qsgd:levels=7", ""),
+    *[
+        (f"topk 1% {alg}", "commlayer", "topk:ratio=0.01", alg)
+        for alg in (
+            "allgather",
+            "dsar",
+            "gtopk",
+            "ssar_recursive_doubling",
+            "ssar_split_allgather",
+            "topo_sparse",
+        )
+    ],  # fmt: skip
+    ("topk 1% sampled", "commlayer", "topk:ratio=0.01,mode=sampled", "allgather"),
+    ("randomk 1%", "commlayer", "randomk:ratio=0.01", ""),
+    ("powersgd r2", "commlayer", "powersgd:rank=2", ""),
+    ("powersgd r4", "commlayer", "powersgd:rank=4", ""),
+    ("efsignsgd", "commlayer", "efsignsgd", ""),
+]
+TASKS = ("throughput", "accuracy")
+
+
+# -- worker: one system, one task, on the cluster ----------------------------------------------
+def _link_bytes() -> tuple[int, int]:
+    """(received, sent) bytes of this host's eth0 so far; /proc/net/dev is per network namespace,
+    so a rank reads its own host's link. (0, 0) outside the cluster."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "eth0":
+            fields = counters.split()
+            return int(fields[0]), int(fields[8])
+    return 0, 0
+
+
+class System:
+    """One system's init, model wrapping and optimizer wrapping behind one interface."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "ddp":
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")  # torchrun's env:// rendezvous
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        elif name == "horovod":
+            import horovod.torch as hvd
+
+            hvd.init()
+            self.rank, self.size = hvd.rank(), hvd.size()
+        else:
+            import commlayer as cl
+
+            cl.init()
+            self.rank, self.size = cl.rank(), cl.size()
+
+    def wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        if self.name == "ddp":
+            return nn.parallel.DistributedDataParallel(model), optimizer
+        hvd: Any
+        if self.name == "horovod":
+            import horovod.torch as hvd
+        else:
+            import commlayer as hvd
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    def barrier(self) -> None:
+        if self.name == "ddp":
+            import torch.distributed as dist
+
+            dist.barrier()
+            return
+        hvd: Any
+        if self.name == "horovod":
+            import horovod.torch as hvd
+        else:
+            import commlayer as hvd
+        hvd.allreduce(torch.zeros(1), name="network_train.barrier")
+
+    def close(self) -> None:
+        if self.name == "ddp":
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        elif self.name == "horovod":
+            import horovod.torch as hvd
+
+            hvd.shutdown()
+        else:
+            import commlayer as cl
+
+            cl.shutdown()
+
+
+def throughput(system: System, args: argparse.Namespace) -> dict[str, Any]:
+    from train import MODELS
+
+    build, input_shape, classes = MODELS["mlp"]
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, optimizer = system.wrap(model, optimizer)
+    inputs = torch.randn(args.batch, *input_shape)
+    targets = torch.randint(0, classes, (args.batch,))
+    times: list[float] = []
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            system.barrier()
+            rx0, tx0 = _link_bytes()
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    rx1, tx1 = _link_bytes()
+    step_s = statistics.median(times[args.warmup :])
+    quartiles = statistics.quantiles(times[args.warmup :], n=4)
+    return {
+        "step_ms": step_s * 1e3,
+        "step_ms_iqr": [q * 1e3 for q in (quartiles[0], quartiles[2])],
+        "samples_per_s": args.batch * system.size / step_s,
+        "link_sent_mb_per_step": (tx1 - tx0) / args.steps / 1e6,
+        "link_received_mb_per_step": (rx1 - rx0) / args.steps / 1e6,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def accuracy(system: System, args: argparse.Namespace) -> dict[str, Any]:
+    from train_digits import DEMO_MODEL, DigitsCNN, load_split
+
+    torch.manual_seed(args.seed)
+    x_train, y_train, x_test, y_test = load_split(args.seed)
+    model = DigitsCNN(**DEMO_MODEL)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    model, optimizer = system.wrap(model, optimizer)
+    curve: list[dict[str, float]] = []
+    train_s = 0.0
+    rx0, tx0 = _link_bytes()
+    steps = 0
+    for epoch in range(1, args.epochs + 1):
+        system.barrier()
+        t0 = time.perf_counter()
+        order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
+        mine = order[system.rank :: system.size]
+        for begin in range(0, len(mine) - args.batch + 1, args.batch):
+            index = mine[begin : begin + args.batch]
+            optimizer.zero_grad()
+            F.cross_entropy(model(x_train[index]), y_train[index]).backward()
+            optimizer.step()
+            steps += 1
+        system.barrier()
+        train_s += time.perf_counter() - t0
+        with torch.no_grad():
+            model.eval()
+            correct = (model(x_test).argmax(1) == y_test).float().mean().item()
+            model.train()
+        curve.append({"epoch": epoch, "train_s": train_s, "accuracy": correct})
+    rx1, tx1 = _link_bytes()
+    reached = [point["train_s"] for point in curve if point["accuracy"] >= args.target]
+    return {
+        "curve": curve,
+        "final_accuracy": curve[-1]["accuracy"],
+        "time_to_target_s": reached[0] if reached else None,
+        "target": args.target,
+        "train_s": train_s,
+        "link_sent_mb_per_step": (tx1 - tx0) / max(steps, 1) / 1e6,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    system = System(args.worker)
+    result = {"throughput": throughput, "accuracy": accuracy}[args.task](system, args)
+    result["ranks"] = system.size
+    system.close()
+    if system.rank == 0:
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# -- driver ------------------------------------------------------------------------------------
+def cluster(*args: str) -> None:
+    subprocess.run(["bash", str(CLUSTER), *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def _script(name: str) -> str:
+    return str(Path(sysconfig.get_path("scripts")) / name)
+
+
+def launch(args: argparse.Namespace, system: str, task: str, env: dict[str, str]) -> str:
+    """Runs one job on the cluster; returns its combined output."""
+    hosts, per_host = args.layout
+    worker_args = [
+        str(Path(__file__).resolve()), "--worker", system, "--task", task,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+        "--epochs", str(args.epochs), "--target", str(args.target), "--lr", str(args.lr),
+    ]  # fmt: skip
+    if system != "ddp":
+        command = [
+            _script("commlayerrun"), "-np", str(hosts * per_host),
+            "-H", ",".join(f"node{k}:{per_host}" for k in range(1, hosts + 1)),
+            sys.executable, *worker_args,
+        ]  # fmt: skip
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=args.timeout_s
+        )
+        return done.stdout + done.stderr
+    # DDP as torchrun runs it on real machines: one agent per host, rendezvous on node1
+    rdzv_id = f"nt{time.monotonic_ns()}"
+    agents = [
+        subprocess.Popen(
+            [
+                "bash",
+                str(CLUSTER),
+                "exec",
+                f"node{k}",
+                _script("torchrun"),
+                "--nnodes",
+                str(hosts),
+                "--nproc-per-node",
+                str(per_host),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                "node1:29400",
+                "--rdzv-id",
+                rdzv_id,
+                *worker_args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for k in range(1, hosts + 1)
+    ]
+    outputs = []
+    for agent in agents:
+        try:
+            outputs.append(agent.communicate(timeout=args.timeout_s)[0])
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            outputs.append(agent.communicate()[0] + "\n(timed out)")
+    return "\n".join(outputs)
+
+
+def run_one(args: argparse.Namespace, entry: tuple[str, str, str, str], task: str) -> dict:
+    label, system, spec, sparse = entry
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
+    if system == "commlayer":
+        env["COMMLAYER_COMPRESSION"] = spec
+        if sparse:
+            env["COMMLAYER_SPARSE_ALGORITHM"] = sparse
+    t0 = time.perf_counter()
+    try:
+        output = launch(args, system, task, env)
+    except subprocess.TimeoutExpired:
+        output = f"(timed out after {args.timeout_s} s)"
+    wall = time.perf_counter() - t0
+    for line in output.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = dict(json.loads(line.removeprefix(RESULT_PREFIX)))
+            result.update(label=label, system=system, compression=spec, sparse=sparse)
+            result.update(task=task, wall_s=wall)
+            return result
+    tail = "\n".join(output.splitlines()[-15:])
+    print(f"  {label} {task}: failed\n{tail}", file=sys.stderr, flush=True)
+    return {"label": label, "system": system, "task": task, "error": tail[-2000:]}
+
+
+def throughputs(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per system label, in first-run order: the median over its throughput runs of step time,
+    samples/s and link bytes, and the range of step times; or the error of a run that failed."""
+    by_label: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["task"] == "throughput":
+            by_label.setdefault(r["label"], []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for label, runs in by_label.items():
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            out[label] = {"error": runs[-1]["error"] or "failed"}
+            continue
+        steps = [r["step_ms"] for r in good]
+        out[label] = {
+            "step_ms": statistics.median(steps),
+            "step_ms_range": (min(steps), max(steps)),
+            "runs": len(good),
+            "failed_runs": len(runs) - len(good),
+            **{
+                key: statistics.median(r[key] for r in good)
+                for key in ("samples_per_s", "link_sent_mb_per_step", "link_received_mb_per_step")
+            },
+        }
+    return out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def tables(result: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for rate in result["rates"]:
+        rows = [r for r in result["runs"] if r["rate"] == rate]
+        ddp = {r["task"]: r for r in rows if r["label"] == "ddp" and "error" not in r}
+        bound = 26.76e6 * 2 * (result["hosts"] - 1) / result["hosts"] * 8 / rate_bits(rate)
+        lines += [
+            f"## links at {rate}",
+            "",
+            f"Throughput: benchmarks/train.py's mlp, batch {result['batch']} per rank; a run's "
+            f"step time is the median of {result['steps']} steps after {result['warmup']}; "
+            f"{result.get('rounds', 1)} runs per system, taken in turn: their median, and "
+            "their range in brackets. Link MB: "
+            "what host 1's link carried per step, each way (eth0 counters). Link floor for an "
+            f"uncompressed step: {bound * 1e3:.0f} ms of transfer beyond compute.",
+            "",
+            "| system | step ms | samples/s | vs DDP | link MB/step out | link MB/step in |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        speeds = throughputs(rows)
+        base = speeds.get("ddp", {}).get("samples_per_s")
+        for label, agg in speeds.items():
+            if "error" in agg:
+                lines.append(f"| {label} | failed: {agg['error'].splitlines()[-1][:80]} | | | | |")
+                continue
+            ratio = _fmt(agg["samples_per_s"] / base if base else None, ".2f")
+            low, high = agg["step_ms_range"]
+            lines.append(
+                f"| {label} | {agg['step_ms']:.1f} [{low:.0f}-{high:.0f}] | "
+                f"{agg['samples_per_s']:.0f} | {ratio} | {agg['link_sent_mb_per_step']:.2f} | "
+                f"{agg['link_received_mb_per_step']:.2f} |"
+            )
+        acc_rows = [r for r in rows if r["task"] == "accuracy"]
+        if acc_rows:
+            base_t = ddp.get("accuracy", {}).get("time_to_target_s")
+            lines += [
+                "",
+                f"Accuracy: the demo's digits CNN, Adam lr {result['lr']}, batch "
+                f"{result['batch']} per rank, {result['epochs']} epochs; time to "
+                f"{result['target']:.0%} test accuracy (training seconds, evaluation untimed).",
+                "",
+                f"| system | time to {result['target']:.0%} s | vs DDP | final accuracy | "
+                "training s | link MB/step out |",
+                "| --- | ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for r in acc_rows:
+                if "error" in r:
+                    lines.append(f"| {r['label']} | failed | | | | |")
+                    continue
+                t = r["time_to_target_s"]
+                speed = _fmt(base_t / t if (base_t and t) else None, ".2f")
+                lines.append(
+                    f"| {r['label']} | {_fmt(t, '.2f')} | {speed} | {r['final_accuracy']:.2%} | "
+                    f"{r['train_s']:.2f} | {r['link_sent_mb_per_step']:.3f} |"
+                )
+        lines.append("")
+    return lines
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = result["rates"]
+    labels = [label for label, *_ in SYSTEMS]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    width = 0.8 / len(rates)
+    for i, rate in enumerate(rates):
+        rows = [r for r in result["runs"] if r["rate"] == rate]
+        got = {k: v for k, v in throughputs(rows).items() if "error" not in v}
+        shown = [label for label in labels if label in got]
+        xs = [j + i * width for j, label in enumerate(labels) if label in got]
+        speed = [got[label]["samples_per_s"] for label in shown]
+        # the runs' range: samples/s scale inversely with step time
+        spread = [
+            [v - v * got[k]["step_ms"] / got[k]["step_ms_range"][1] for k, v in zip(shown, speed)],
+            [v * got[k]["step_ms"] / got[k]["step_ms_range"][0] - v for k, v in zip(shown, speed)],
+        ]
+        left.bar(xs, speed, width, yerr=spread, capsize=2, label=rate)
+    left.set_xticks([j + width * (len(rates) - 1) / 2 for j in range(len(labels))])
+    left.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
+    left.set_ylabel("samples/s (mlp, 6.69 M parameters)")
+    left.set_title("training throughput (bars: median of the runs, whiskers: their range)")
+    left.legend(title="link")
+    left.grid(axis="y", alpha=0.3)
+    first = rates[0]
+    for r in result["runs"]:
+        if r["rate"] == first and r["task"] == "accuracy" and "error" not in r:
+            curve = r["curve"]
+            style = {"linewidth": 2.5, "color": "black"} if r["label"] == "ddp" else {}
+            right.plot(
+                [p["train_s"] for p in curve],
+                [100 * p["accuracy"] for p in curve],
+                marker="o",
+                markersize=2,
+                label=r["label"],
+                **style,
+            )
+    right.axhline(100 * result["target"], color="grey", linestyle=":")
+    right.set_xlabel("training seconds")
+    right.set_ylabel("test accuracy %")
+    right.set_ylim(80, 100)
+    right.set_title(f"digits CNN at {first}")
+    right.legend(fontsize=7, ncol=2, loc="lower right")
+    right.grid(alpha=0.3)
+    fig.suptitle(
+        f"{result['hosts']} hosts x {result['ranks_per_host']} rank(s) each, namespace cluster "
+        "(veth + tbf), 2-core VM"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def rate_bits(text: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"rate {text!r}: expected e.g. 100mbit, 1gbit, 10gbit")
+    return float(match.group(1)) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[match.group(2)]
+
+
+def driver(args: argparse.Namespace) -> None:
+    hosts, per_host = args.layout
+    chosen = [s for s in SYSTEMS if not args.systems or s[0] in args.systems]
+    unknown = set(args.systems or ()) - {s[0] for s in SYSTEMS}
+    if unknown:
+        sys.exit(f"unknown systems {sorted(unknown)}; known: {[s[0] for s in SYSTEMS]}")
+    result: dict[str, Any] = {
+        "date": str(datetime.date.today()),
+        "machine": f"{platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "command": "sudo OMP_NUM_THREADS=1 python benchmarks/network_train.py " + " ".join(
+            sys.argv[1:]
+        ),
+        "hosts": hosts, "ranks_per_host": per_host, "rates": args.rates,
+        "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+        "epochs": args.epochs, "target": args.target, "lr": args.lr, "runs": [],
+    }  # fmt: skip
+    tag = f"network_train_{'_'.join(args.rates)}_{hosts}x{per_host}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        cluster("up", str(hosts))
+        for rate in args.rates:
+            for k in range(1, hosts + 1):
+                cluster("set", f"node{k}", "--rate", rate)
+            for task in args.tasks:
+                # throughput: rounds over every system in turn, so a drift of the machine's
+                # speed spreads over all of them instead of landing on a few
+                rounds = args.rounds if task == "throughput" else 1
+                for round_ in range(rounds):
+                    for entry in chosen:
+                        run = run_one(args, entry, task)
+                        run.update(rate=rate, round=round_)
+                        result["runs"].append(run)
+                        keys = (
+                            "step_ms",
+                            "samples_per_s",
+                            "link_sent_mb_per_step",
+                            "time_to_target_s",
+                            "final_accuracy",
+                            "error",
+                        )
+                        summary = {k: run[k] for k in keys if k in run}
+                        print(f"{rate} {task} {round_} {entry[0]}: {summary}", flush=True)
+                        (args.out / f"{tag}.json").write_text(json.dumps(result, indent=1))
+    finally:
+        cluster("down")
+    lines = [
+        f"# training across {hosts} hosts x {per_host} ranks",
+        "",
+        f"{result['date']}, {result['machine']}, `{result['command']}` (scripts/cluster.sh: "
+        "veth + tbf, no delay, no loss; MPI over TCP with UCX_TLS=tcp,self; DDP over gloo on "
+        "eth0). 2-core VM: the ranks and the links' traffic share 2 cores.",
+        "",
+        *tables(result),
+    ]
+    (args.out / f"{tag}.md").write_text("\n".join(lines))
+    plot(result, args.out / f"{tag}.png")
+    print("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", type=lambda s: s.split(","), default=["1gbit", "10gbit"])
+    parser.add_argument(
+        "--layout", type=lambda s: tuple(int(x) for x in s.split("x")), default=(2, 1)
+    )
+    parser.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS))
+    parser.add_argument("--systems", type=lambda s: s.split(","), help="labels, default all")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2, help="throughput runs per system")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--target", type=float, default=0.97)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--replot", type=Path, help="draw the .png again from this .json")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--task", choices=TASKS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+    elif args.replot:
+        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+    else:
+        for rate in args.rates:
+            rate_bits(rate)
+        driver(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,470 @@
+"""Partial-local shuffling (issue 24): accuracy against global shuffling, and epoch time and
+bytes moved when shared storage is slower than local storage.
+
+    OMP_NUM_THREADS=1 mpiexec -n 4 python benchmarks/shuffle.py accuracy \
+        --out benchmarks/results/shuffle_accuracy_np4.json
+    OMP_NUM_THREADS=1 mpiexec -n 4 python benchmarks/shuffle.py io \
+        --out benchmarks/results/shuffle_io_np4.json
+    python benchmarks/shuffle.py report --out benchmarks/results/shuffle.md \
+        benchmarks/results/shuffle_accuracy_np4.json benchmarks/results/shuffle_io_np4.json
+
+accuracy: a small CNN with BatchNorm on scikit-learn's digits (``--dataset digits``, 1437
+training images of 8x8) or on a subset of Fashion-MNIST (``--dataset fashion``, from Debian's
+dataset-fashion-mnist package), the training set sorted by class and cut into one contiguous
+shard per rank (the site-local case where local shuffling hurts).
+Every strategy starts from the same weights and runs the same epochs and seeds; "global" is
+torch's DistributedSampler over the whole training set, the others PartialLocalShuffler with
+fraction Q (Q = 0: local shuffling). Each rank scores its own model copy (BatchNorm's running
+statistics are per rank, as in any Horovod job without SyncBatchNorm) on the whole test set;
+the curves are the mean over ranks.
+
+io: a synthetic dataset of 3x32x32 float32 samples (12 kB pickled) and an MLP step per batch.
+"global" reads every sample from a shared folder through a reader throttled to a shared link
+(``--shared-mbps`` divided among the ranks, plus ``--shared-latency-ms`` per file: emulated by
+sleeping, not a real network filesystem); the others read local per-rank folders (ShardStore
+files) and exchange Q of them over commlayer's alltoall during the epoch. Per epoch: its time
+(slowest rank), bytes read from shared storage, bytes exchanged, and the exchange's time on the
+user thread (busy: packing and staging chunks between batches; wait: blocked at the end of the
+shard on chunks in flight, the part not hidden behind compute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import pickle
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torch.utils.data
+from torch import nn
+
+import commlayer as cl
+from commlayer.data import PartialLocalShuffler, ShardStore
+
+FRACTIONS = (0.0, 0.01, 0.1, 0.3, 1.0)
+
+
+# -- accuracy -------------------------------------------------------------------------------------
+FASHION = Path("/usr/share/datasets/fashion-mnist")  # apt-get install dataset-fashion-mnist
+
+
+class SmallCNN(nn.Module):
+    """examples/train_digits.py's CNN with BatchNorm after each convolution: 1 x side x side
+    images (8 for digits, 28 for Fashion-MNIST), two 3x3 convolutions, two linear layers."""
+
+    def __init__(self, side: int) -> None:
+        super().__init__()
+        self.pool_twice = side > 8  # 28 -> 14 -> 7; 8 -> 4 with one pooling
+        self.conv1, self.bn1 = nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.conv2, self.bn2 = nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32)
+        out = side // 4 if self.pool_twice else side // 2
+        self.fc1, self.fc2 = nn.Linear(32 * out * out, 64), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        if self.pool_twice:
+            x = F.max_pool2d(x, 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def _idx(path: Path) -> np.ndarray:
+    """An MNIST-format idx file: magic (dims in its last byte), dims, then uint8 data."""
+    raw = gzip.decompress(path.read_bytes())
+    dims = raw[3]
+    shape = [int.from_bytes(raw[4 + 4 * d : 8 + 4 * d], "big") for d in range(dims)]
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
+
+
+def load_images(name: str, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    """(train images, train labels, test images, test labels), images 1 x side x side in [0, 1]:
+    digits split 80/20; Fashion-MNIST's first --train-samples / --test-samples of each set."""
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
+        labels = torch.tensor(digits.target, dtype=torch.int64)
+        order = torch.tensor(np.random.default_rng(0).permutation(len(labels)))
+        cut = int(0.8 * len(labels))
+        return images[order[:cut]], labels[order[:cut]], images[order[cut:]], labels[order[cut:]]
+    sets = []
+    for prefix, n in (("train", args.train_samples), ("t10k", args.test_samples)):
+        images = _idx(FASHION / f"{prefix}-images-idx3-ubyte.gz")[:n]
+        labels = _idx(FASHION / f"{prefix}-labels-idx1-ubyte.gz")[:n]
+        sets += [
+            torch.tensor(images / 255.0, dtype=torch.float32).unsqueeze(1),
+            torch.tensor(labels, dtype=torch.int64),
+        ]
+    return tuple(sets)
+
+
+def sorted_by_class(args: argparse.Namespace) -> tuple[list[Any], torch.Tensor, torch.Tensor]:
+    """(training samples sorted by class, test images, test labels)."""
+    train_x, train_y, test_x, test_y = load_images(args.dataset, args)
+    order = sorted(range(len(train_y)), key=lambda i: (int(train_y[i]), i))
+    return [(train_x[i], int(train_y[i])) for i in order], test_x, test_y
+
+
+def train_curve(strategy: str, seed: int, args: argparse.Namespace) -> list[float]:
+    """Test accuracy after each epoch, mean over the ranks' model copies."""
+    train, test_x, test_y = sorted_by_class(args)
+    if strategy == "global":
+        sampler: Any = torch.utils.data.DistributedSampler(
+            train, num_replicas=cl.size(), rank=cl.rank(), shuffle=True, seed=seed
+        )
+        dataset: Any = train
+    else:
+        store = ShardStore.from_dataset(train, partition_by="given")
+        shuffler = PartialLocalShuffler(store, fraction=float(strategy), seed=seed)
+        sampler, dataset = shuffler, shuffler.dataset
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, sampler=getattr(sampler, "sampler", sampler)
+    )
+    torch.manual_seed(seed)
+    model = SmallCNN(side=train[0][0].shape[-1])
+    optimizer = cl.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+        named_parameters=model.named_parameters(),
+    )
+    curve = []
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        cl.join()  # shards differ by one sample: the ranks with fewer batches wait here
+        model.eval()
+        with torch.no_grad():
+            accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
+        curve.append(float(np.mean(cl.allgather_object(accuracy))))
+    return curve
+
+
+def run_accuracy(args: argparse.Namespace) -> dict[str, Any]:
+    strategies = ["global"] + [str(q) for q in FRACTIONS]
+    curves: dict[str, list[list[float]]] = {s: [] for s in strategies}
+    for seed in range(args.seeds):
+        for strategy in strategies:
+            t0 = time.perf_counter()
+            curves[strategy].append(train_curve(strategy, seed, args))
+            if cl.rank() == 0:
+                print(
+                    f"seed {seed} {strategy:>6}: final {curves[strategy][-1][-1]:.4f} "
+                    f"({time.perf_counter() - t0:.1f} s)",
+                    flush=True,
+                )
+    return {"curves": curves}
+
+
+# -- io -------------------------------------------------------------------------------------------
+class SharedFolder(torch.utils.data.Dataset[Any]):
+    """Samples read from the shared folder through a throttled link (module docstring)."""
+
+    def __init__(self, folder: Path, n: int, rate_bytes_s: float, latency_s: float) -> None:
+        self.folder, self.n, self.rate, self.latency = folder, n, rate_bytes_s, latency_s
+        self.bytes_read = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        data = (self.folder / f"{i}.pkl").read_bytes()
+        self.bytes_read += len(data)
+        time.sleep(self.latency + len(data) / self.rate)
+        return pickle.loads(data)
+
+
+def synthetic(n: int, seed: int = 0) -> list[tuple[torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(3, 32, 32, generator=g), int(i % 10)) for i in range(n)]
+
+
+def timed_epochs(
+    loader: Any, sampler: Any, shuffler: PartialLocalShuffler | None, args: argparse.Namespace
+) -> dict[str, list[float]]:
+    """Per epoch: time (slowest rank), and for a shuffler its exchange's stats (max over ranks;
+    an epoch's exchange is committed, and its stats known, at the next set_epoch)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(3072, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10)
+    )
+    optimizer = cl.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+    )
+    out: dict[str, list[float]] = {"epoch_s": [], "busy_s": [], "wait_s": [], "sent_bytes": []}
+    for epoch in range(args.epochs + 1):
+        cl.barrier()
+        t0 = time.perf_counter()
+        sampler.set_epoch(epoch)  # epoch == args.epochs: only commits the last exchange
+        if shuffler is not None and epoch > 0:
+            stats = cl.allgather_object(shuffler.stats)
+            out["busy_s"].append(max(s.get("busy_s", 0.0) for s in stats))  # {}: Q = 0
+            out["wait_s"].append(max(s.get("wait_s", 0.0) for s in stats))
+            out["sent_bytes"].append(sum(s.get("sent_bytes", 0) for s in stats))
+        if epoch == args.epochs:
+            break
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        cl.join()
+        out["epoch_s"].append(max(cl.allgather_object(time.perf_counter() - t0)))
+    return out
+
+
+def io_strategy(
+    strategy: str, data: list[Any], root: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    shared = root / "shared"
+    shuffler = None
+    if strategy == "global":
+        dataset: Any = SharedFolder(
+            shared,
+            args.samples,
+            args.shared_mbps * 1e6 / 8 / cl.size(),
+            args.shared_latency_ms / 1e3,
+        )
+        sampler: Any = torch.utils.data.DistributedSampler(
+            dataset, num_replicas=cl.size(), rank=cl.rank(), shuffle=True, seed=0
+        )
+    else:
+        store = ShardStore.from_dataset(data, path=root / "local{rank}", partition_by="given")
+        shuffler = PartialLocalShuffler(store, fraction=float(strategy), seed=0)
+        dataset, sampler = shuffler.dataset, shuffler
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, sampler=getattr(sampler, "sampler", sampler)
+    )
+    before = cl.communication_stats()["collective_s"]
+    row: dict[str, Any] = timed_epochs(loader, sampler, shuffler, args)
+    row["collective_s_per_epoch"] = (
+        max(cl.allgather_object(cl.communication_stats()["collective_s"] - before)) / args.epochs
+    )
+    row["shared_bytes_per_epoch"] = (
+        sum(cl.allgather_object(getattr(dataset, "bytes_read", 0))) / args.epochs
+    )
+    return row
+
+
+def run_io(args: argparse.Namespace) -> dict[str, Any]:
+    root = Path(args.dir)
+    shared = root / "shared"
+    data = synthetic(args.samples)
+    if cl.rank() == 0:
+        shutil.rmtree(shared, ignore_errors=True)
+        shared.mkdir(parents=True)
+        for i, sample in enumerate(data):
+            (shared / f"{i}.pkl").write_bytes(pickle.dumps(sample, protocol=5))
+    cl.barrier()
+    sample_bytes = (shared / "0.pkl").stat().st_size
+    # warm-up, not recorded: commlayer's first training steps take ~15 s more on this machine
+    io_strategy("0.0", data, root, argparse.Namespace(**{**vars(args), "epochs": 2}))
+    strategies = ["global"] + [str(q) for q in args.fractions]
+    rows: dict[str, dict[str, Any]] = {s: {} for s in strategies}
+    for _ in range(args.rounds):  # rounds interleave strategies: load from other jobs drifts
+        for strategy in strategies:
+            row = io_strategy(strategy, data, root, args)
+            for key, value in row.items():
+                if isinstance(value, list):
+                    rows[strategy].setdefault(key, []).extend(value)
+                else:
+                    rows[strategy].setdefault(key, []).append(value)
+            if cl.rank() == 0:
+                print(strategy, json.dumps(row), flush=True)
+    if cl.rank() == 0:
+        shutil.rmtree(shared, ignore_errors=True)
+    shutil.rmtree(root / f"local{cl.rank()}", ignore_errors=True)
+    return {"rows": rows, "sample_bytes": sample_bytes}
+
+
+# -- report ---------------------------------------------------------------------------------------
+def header(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "OMP_NUM_THREADS=1 mpiexec -n "
+        f"{cl.size()} python benchmarks/shuffle.py " + " ".join(sys.argv[1:]),
+        "ranks": cl.size(),
+        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.machine()}",
+        "load_before": os.getloadavg()[0],
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "args": vars(args),
+    }
+
+
+def report(paths: list[str], out: str, notes: str | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = ["# Partial-local shuffling (issue 24)", ""]
+    lines += [
+        "Produced by `benchmarks/shuffle.py` (its docstring says what each part measures); "
+        "each section gives the exact command, and the raw numbers are in the .json beside it.",
+        "",
+    ]
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        meta = result["meta"]
+        lines += [
+            f"## {meta['args']['part']}: {meta['ranks']} ranks"
+            + (
+                f", {meta['args'].get('dataset', 'digits')}"
+                if "curves" in result
+                else f", stores under {meta['args']['dir']}"
+            ),
+            "",
+            f"- date: {meta['date']}; commit {meta['commit']}; machine {meta['machine']}; "
+            f"load average before the run {meta['load_before']:.2f} (other jobs share the cores)",
+            f"- command: `{meta['command']}`",
+            f"- raw numbers: `{Path(path).name}`",
+            "",
+        ]
+        if "curves" in result:
+            lines += accuracy_table(result, meta)
+            png = Path(out).with_name(Path(path).stem + ".png")
+            plot_curves(result, meta, png, plt)
+            lines += ["", f"![accuracy curves]({png.name})", ""]
+        else:
+            lines += io_table(result, meta) + [""]
+    if notes:
+        lines += ["", Path(notes).read_text().rstrip()]
+    Path(out).write_text("\n".join(lines) + "\n")
+
+
+def accuracy_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    a = meta["args"]
+    lines = [
+        f"{a['epochs']} epochs, batch {a['batch_size']} per rank, SGD lr {a['lr']} momentum 0.9, "
+        f"seeds 0..{a['seeds'] - 1}. Test accuracy (mean over ranks' models) in %:",
+        "",
+        "| strategy | final, mean over seeds | min..max over seeds | best epoch (mean) | "
+        "vs global (final) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    curves = result["curves"]
+    global_final = statistics.mean(c[-1] for c in curves["global"]) * 100
+    for strategy, runs in curves.items():
+        finals = [c[-1] * 100 for c in runs]
+        mean_curve = np.mean(np.array(runs), axis=0) * 100
+        name = "global (DistributedSampler)" if strategy == "global" else f"Q = {strategy}"
+        lines.append(
+            f"| {name} | {statistics.mean(finals):.2f} | {min(finals):.2f}..{max(finals):.2f} | "
+            f"{mean_curve.max():.2f} | {statistics.mean(finals) - global_final:+.2f} |"
+        )
+    return lines
+
+
+def plot_curves(result: dict[str, Any], meta: dict[str, Any], png: Path, plt: Any) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for strategy, runs in result["curves"].items():
+        mean_curve = np.mean(np.array(runs), axis=0) * 100
+        label = "global (DistributedSampler)" if strategy == "global" else f"Q = {strategy}"
+        style = "k--" if strategy == "global" else "-"
+        ax.plot(range(1, len(mean_curve) + 1), mean_curve, style, label=label)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy, % (mean over ranks and seeds)")
+    a = meta["args"]
+    dataset = (
+        f"Fashion-MNIST ({a['train_samples']} training images)"
+        if a.get("dataset") == "fashion"
+        else "digits (1437 training images)"
+    )
+    ax.set_title(f"{dataset}, shards sorted by class, {meta['ranks']} ranks")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    a = meta["args"]
+    lines = [
+        f"{a['samples']} samples of {result['sample_bytes']} B, batch {a['batch_size']} per rank, "
+        f"MLP 3072-{a['hidden']}-10, {a['rounds']} rounds of {a['epochs']} epochs per strategy, "
+        "each round's epoch 0 left out. Shared storage: "
+        f"{a['shared_mbps']} Mbit/s shared by the ranks + {a['shared_latency_ms']} ms per file "
+        "(throttled reader). Times are the slowest rank's; exchange busy/wait the most of any "
+        "rank, per epoch (median).",
+        "",
+        "| strategy | epoch s (median) | min..max | vs Q = 0 | shared storage read / epoch | "
+        "exchanged / epoch | collectives s / epoch | exchange busy s | exchange wait s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    rows = result["rows"]
+    per_round = a["epochs"]
+
+    def measured(times: list[float]) -> list[float]:
+        return [t for i, t in enumerate(times) if i % per_round]
+
+    local = statistics.median(measured(rows["0.0"]["epoch_s"])) if "0.0" in rows else None
+    for strategy, row in rows.items():
+        times = measured(row["epoch_s"])
+        median = statistics.median(times)
+        ratio = f"{(median / local - 1) * 100:+.1f}%" if local else "n/a"
+        name = "global (shared folder)" if strategy == "global" else f"Q = {strategy}"
+
+        def med(key: str, row: dict[str, Any] = row) -> float:
+            return statistics.median(row.get(key) or [0.0])
+
+        lines.append(
+            f"| {name} | {median:.3f} | {min(times):.3f}..{max(times):.3f} | {ratio} | "
+            f"{med('shared_bytes_per_epoch') / 1e6:.2f} MB | {med('sent_bytes') / 1e6:.2f} MB | "
+            f"{med('collective_s_per_epoch'):.3f} | {med('busy_s'):.3f} | {med('wait_s'):.3f} |"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("part", choices=["accuracy", "io", "report"])
+    parser.add_argument("inputs", nargs="*", help="report: the .json files")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--dataset", choices=["digits", "fashion"], default="digits")
+    parser.add_argument("--train-samples", type=int, default=12000)
+    parser.add_argument("--test-samples", type=int, default=2000)
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--fractions", type=float, nargs="*", default=[0.0, 0.1, 0.3, 1.0])
+    parser.add_argument("--shared-mbps", type=float, default=400.0)
+    parser.add_argument("--shared-latency-ms", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--notes", help="report: a markdown file appended (the reading)")
+    parser.add_argument("--dir", default=tempfile.gettempdir() + "/commlayer-shuffle-bench")
+    args = parser.parse_intermixed_args()
+    if args.part == "report":
+        report(args.inputs, args.out, args.notes)
+        return
+    args.epochs = args.epochs or (15 if args.part == "accuracy" else 5)
+    cl.init()
+    meta = header(args)
+    result = run_accuracy(args) if args.part == "accuracy" else run_io(args)
+    if cl.rank() == 0:
+        Path(args.out).write_text(json.dumps({"meta": meta, **result}, indent=1))
+    cl.shutdown()
+
+
+if __name__ == "__main__":
+    main()

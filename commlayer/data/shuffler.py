@@ -1,0 +1,221 @@
+"""PartialLocalShuffler: each rank trains on its own shard and, each epoch, exchanges a fraction
+Q of it with the other ranks over commlayer (Nguyen et al., IPDPS 2022).
+
+1. Every rank builds it with the same fraction, seed and chunk count; the first collective
+   (an allgather of settings and store journals) fails on every rank, naming the ranks that
+   differ, instead of letting mismatched plans hang later. It also finishes an exchange a
+   previous run left half done (the store's two-phase recovery) and checks that no sample is
+   in two stores.
+2. ``set_epoch(e)`` ends the exchange of the epoch before (waits for its chunks, then votes and
+   commits: samples sent are deleted only once every receiver has staged them) and plans e's:
+   the same plan on every rank, drawn from (seed, e), no message needed.
+3. The sampler visits this rank's shard in a local random order. During the epoch it submits
+   the chunks of e's exchange at evenly spaced positions within the first ``min(shard sizes)``
+   samples (positions every rank reaches, whatever its shard size), so the engine moves them
+   while the rank computes; the samples sent still serve this epoch, the ones received serve
+   the next. At the end of its shard the sampler waits for any chunk still in flight, so the
+   exchange is complete before a rank with fewer samples calls ``commlayer.join()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from commlayer import runtime, state_sync
+from commlayer.data.exchange import Exchange
+from commlayer.data.plan import Plan, local_order, make_plan
+from commlayer.data.store import ShardStore
+from commlayer.errors import ShuffleMismatchError
+
+_instances = itertools.count()  # every rank builds its shufflers in the same order
+
+
+class ShardDataset(torch.utils.data.Dataset[Any]):
+    """The samples of this rank's store, indexed by global sample id (what the sampler yields)."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+
+    def __getitem__(self, sample_id: int) -> Any:
+        return self.store.load(sample_id)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+
+class ShuffleSampler(torch.utils.data.Sampler[int]):
+    """This rank's sample ids for the current epoch; drives the exchange as it is iterated."""
+
+    def __init__(self, shuffler: PartialLocalShuffler) -> None:
+        self.shuffler = shuffler
+
+    def __iter__(self) -> Iterator[int]:
+        return self.shuffler._iterate()
+
+    def __len__(self) -> int:
+        return len(self.shuffler._order)
+
+
+class PartialLocalShuffler:
+    """Partial-local shuffling of ``store`` (see the module docstring). ``fraction`` is Q:
+    0 keeps every shard as it is (local shuffling), 1 deals all samples anew each epoch
+    (global shuffling). ``chunks``: collectives per epoch's exchange."""
+
+    def __init__(self, store: ShardStore, fraction: float, seed: int = 0, chunks: int = 8) -> None:
+        self.rank, self.size = runtime.rank(), runtime.size()
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"rank {self.rank}: fraction {fraction!r} is outside [0, 1]")
+        if chunks < 1:
+            raise ValueError(f"rank {self.rank}: chunks {chunks!r} must be at least 1")
+        self.store, self.fraction, self.seed, self.chunks = store, float(fraction), seed, chunks
+        self.name = f"commlayer.data.shuffler{next(_instances)}"
+        self.dataset = ShardDataset(store)
+        self.sampler = ShuffleSampler(self)
+        # The last completed exchange on this rank: what it sent and received, the time the
+        # sampler spent preparing and staging chunks between samples (busy_s) and blocked at
+        # the end of the shard on chunks still in flight (wait_s, the part not hidden).
+        self.stats: dict[str, float] = {}
+        self._times = {"busy_s": 0.0, "wait_s": 0.0}
+        self._check_settings_and_recover()
+        self._ids = store.ids()
+        self.shard_sizes = self._check_disjoint()
+        self.epoch = store.epoch
+        self._exchange: Exchange | None = None
+        self._order: list[int] = []
+        self._plan_epoch()
+
+    # -- the user's calls --------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """End the previous epoch's exchange, then plan ``epoch``'s (collective: every rank)."""
+        if epoch == self.epoch:
+            return
+        self._close_exchange()
+        self.epoch = epoch
+        self._plan_epoch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "fraction": self.fraction, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state["epoch"]`` (call before iterating; the stores are as recovered)."""
+        for key in ("fraction", "seed"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"rank {self.rank}: state has {key}={state[key]!r}, this shuffler "
+                    f"{getattr(self, key)!r}"
+                )
+        self._exchange = None
+        self.epoch = int(state["epoch"])
+        self._plan_epoch()
+
+    # -- the epoch ---------------------------------------------------------------------------
+    def _plan_epoch(self) -> None:
+        self._times = {"busy_s": 0.0, "wait_s": 0.0}
+        self._order = local_order(self.seed, self.epoch, self.rank, self._ids)
+        if self.fraction == 0.0 or self.size == 1:
+            self._exchange = None
+            return
+        plan = make_plan(
+            self.seed,
+            self.epoch,
+            self.fraction,
+            self.rank,
+            self._ids,
+            self.shard_sizes,
+            self.chunks,
+        )
+        self._exchange = Exchange(
+            plan, self.store, self.rank, self.size, f"{self.name}.epoch{self.epoch}"
+        )
+
+    def _iterate(self) -> Iterator[int]:
+        exchange = self._exchange
+        smallest = min(self.shard_sizes)
+        starts = [k * smallest // self.chunks for k in range(self.chunks)]
+        for position, sample_id in enumerate(list(self._order)):
+            while (
+                exchange is not None
+                and exchange.submitted < self.chunks
+                and (position >= starts[exchange.submitted])
+            ):
+                t0 = time.perf_counter()
+                exchange.collect(block=False)
+                exchange.submit_next()
+                self._times["busy_s"] += time.perf_counter() - t0
+            yield sample_id
+        if exchange is not None:
+            t0 = time.perf_counter()
+            exchange.finish()
+            self._times["wait_s"] += time.perf_counter() - t0
+
+    def _close_exchange(self) -> None:
+        """Finish, vote on and commit the current exchange (two-phase, see store.py)."""
+        exchange, self._exchange = self._exchange, None
+        if exchange is None:
+            return
+        plan: Plan = exchange.plan
+        try:
+            exchange.finish()
+        except Exception:
+            self.store.abort()
+            raise
+        complete = tuple(exchange.received) == plan.receives_from
+        self.store.prepare(plan.epoch, plan.sent_ids, self.store.staged())
+        votes = state_sync.allgather_object(
+            (complete, exchange.received, plan.receives_from), name=f"{exchange.name}.vote"
+        )
+        failed = [r for r, (ok, _, _) in enumerate(votes) if not ok]
+        if failed:
+            self.store.abort()
+            detail = "; ".join(
+                f"rank {r} got {votes[r][1]}, expected {votes[r][2]}" for r in failed
+            )
+            raise ShuffleMismatchError(
+                f"rank {self.rank}: the exchange of epoch {plan.epoch} is incomplete ({detail}); "
+                "the stores are as before it"
+            )
+        self.store.commit()
+        self._ids = self.store.ids()
+        self.stats = {
+            "sent_samples": len(plan.sent_ids),
+            "sent_bytes": exchange.sent_bytes,
+            "received_samples": sum(exchange.received),
+            **self._times,
+        }
+
+    # -- the first collective ----------------------------------------------------------------
+    def _check_settings_and_recover(self) -> None:
+        mine = {"fraction": self.fraction, "seed": self.seed, "chunks": self.chunks}
+        gathered = state_sync.allgather_object(
+            (mine, self.store.journal()), name=f"{self.name}.settings"
+        )
+        for key in mine:
+            values = {r: settings[key] for r, (settings, _) in enumerate(gathered)}
+            if len(set(values.values())) > 1:
+                shown = ", ".join(f"rank {r}: {v!r}" for r, v in values.items())
+                raise ShuffleMismatchError(
+                    f"rank {self.rank}: PartialLocalShuffler needs the same {key} on every "
+                    f"rank; got {shown}"
+                )
+        self.store.recover([journal for _, journal in gathered])
+
+    def _check_disjoint(self) -> list[int]:
+        """Every rank's shard size, after checking that no sample is in two stores."""
+        shards = state_sync.allgather_object(
+            torch.tensor(self._ids, dtype=torch.int64), name=f"{self.name}.ids"
+        )
+        owner: dict[int, int] = {}
+        for r, ids in enumerate(shards):
+            for sample_id in ids.tolist():
+                if owner.setdefault(sample_id, r) != r:
+                    raise ShuffleMismatchError(
+                        f"rank {self.rank}: sample {sample_id} is in the stores of ranks "
+                        f"{owner[sample_id]} and {r}; each sample must be in one store"
+                    )
+        return [len(ids) for ids in shards]

@@ -1,0 +1,212 @@
+"""The oracle's network: collective times from commlayer's own cost model (costmodel/).
+
+An allreduce is costed by ``costmodel.predict``: the algorithm's schedule, step by step, on a
+node-major topology of p GPUs with ``gpus_per_node`` a node, the contention of ranks sharing a
+node's link included. The curves it reads come from
+
+1. a measured calibration for exactly this (ranks, nodes), when ``--calibration`` has one: its
+   own curves, and its measured native algorithms (``mpi``, ``shm``) as candidates too;
+2. else a calibration's curves carried to p ranks (the largest one in the file: its exchange
+   curves inside and across nodes, its local reduce and copy rates, its overlap);
+3. else the platform file: alpha + n beta inside a node (INTRA_LATENCY, INTRA_BANDWIDTH, the
+   inter-node figures when absent) and across nodes (LATENCY, BANDWIDTH); no local work (a
+   .plat gives no reduction rate).
+
+``algorithm``: a registered schedule (ring, tree, hierarchical, rabenseifner, ...) or ``auto``,
+the lowest predicted time as ``auto`` picks (``costmodel.choose``, native algorithms only where
+measured). Compression changes the bytes on the wire: fp16 and bf16 halve an allreduce;
+top-k and random-k allgather k (value, int32 index) pairs per rank (compression/topk.py).
+Allgather and point-to-point transfers (halo, pipeline stages) read the same curves: an
+allgather is a ring's p - 1 steps of n / p bytes, across nodes as soon as p GPUs span several.
+Each collective call also costs ``op_latency_s``, the engine's own work per operation
+(negotiation, the handoff to its thread), which no calibration measures yet: 0 unless given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from commlayer import algorithms, costmodel
+from commlayer.algorithms.topology import Topology
+from commlayer.costmodel import Calibration
+from commlayer.oracle.spec import Platform
+
+# Affine curves as costmodel reads them: one point per power of two up to 64 GiB, so its
+# log-log interpolation of alpha + n beta stays within 0.4% of the line.
+_CURVE_SIZES = [2**i for i in range(0, 37)]
+_PAIR_BYTES = 8  # a top-k / random-k entry: float32 value and int32 index
+_COMPRESSION_NAMES = ("none", "fp16", "bf16", "topk", "randomk")
+
+
+def _affine(alpha_s: float, beta_s_per_byte: float) -> list[tuple[int, float]]:
+    return [(n, alpha_s + beta_s_per_byte * n) for n in _CURVE_SIZES]
+
+
+@dataclasses.dataclass(frozen=True)
+class Compression:
+    """What a compressor puts on the wire, per float32 gradient element."""
+
+    name: str = "none"
+    ratio: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str | None) -> Compression:
+        """``none``, ``fp16``, ``bf16``, ``topk:ratio=0.01``, ``randomk:ratio=0.01``."""
+        if not text:
+            return cls()
+        name, _, params = text.partition(":")
+        if name not in _COMPRESSION_NAMES:
+            raise ValueError(
+                f"compression {text!r}: the oracle models {', '.join(_COMPRESSION_NAMES)}"
+            )
+        ratio = 1.0
+        for part in filter(None, params.split(",")):
+            key, _, value = part.partition("=")
+            if key.strip() != "ratio" or name not in ("topk", "randomk"):
+                raise ValueError(f"compression {text!r}: unknown parameter {key.strip()!r}")
+            try:
+                ratio = float(value)
+            except ValueError:
+                raise ValueError(f"compression {text!r}: ratio {value!r} is not a number") from None
+            if not 0 < ratio <= 1:
+                raise ValueError(f"compression {text!r}: ratio must be in (0, 1]")
+        if name in ("topk", "randomk") and ratio == 1.0 and "ratio" not in params:
+            raise ValueError(f"compression {text!r}: give its ratio, e.g. {name}:ratio=0.01")
+        return cls(name, ratio)
+
+    @property
+    def sparse(self) -> bool:
+        return self.name in ("topk", "randomk")
+
+    @property
+    def element_bytes(self) -> int:
+        return 2 if self.name in ("fp16", "bf16") else 4
+
+
+class Network:
+    """Collective times for p GPUs of ``plat``, from ``calibrations`` where given."""
+
+    def __init__(
+        self,
+        plat: Platform,
+        calibrations: list[Calibration] | None = None,
+        algorithm: str = "auto",
+        compression: Compression | None = None,
+        op_latency_s: float = 0.0,
+    ) -> None:
+        if algorithm != "auto" and algorithm not in algorithms.schedules():
+            raise ValueError(
+                f"algorithm {algorithm!r}: allowed auto, {', '.join(algorithms.schedules())}"
+            )
+        self.plat = plat
+        self.gpus_per_node = plat.gpus_per_node
+        self.calibrations = list(calibrations or [])
+        self.algorithm = algorithm
+        self.compression = compression or Compression()
+        # what one collective call costs on the engine besides its transfers (negotiation, the
+        # engine thread's handoff): not in a calibration, so given (measured) or 0
+        self.op_latency_s = op_latency_s
+        # the cost model is pure, and an epoch asks for the same few sizes many times
+        self.allreduce_s = functools.lru_cache(maxsize=4096)(self._allreduce_s)  # type: ignore[method-assign]
+
+    def nodes(self, p: int) -> int:
+        return max(1, math.ceil(p / self.gpus_per_node))
+
+    def calibration(self, p: int, nodes: int | None = None) -> Calibration:
+        """The calibration costing p ranks on ``nodes`` (node-major) nodes: see the module."""
+        nodes = nodes or self.nodes(p)
+        for cal in self.calibrations:
+            if cal.size == p and cal.nodes == nodes:
+                return cal
+        if self.calibrations:
+            base = max(self.calibrations, key=lambda c: (c.has_inter, c.size))
+            inter = base.exchange_inter or base.exchange
+            return dataclasses.replace(
+                base, size=p, nodes=nodes, native={}, exchange_inter=inter if nodes > 1 else []
+            )
+        plat = self.plat
+        intra_lat = plat.intra_latency_s if plat.intra_latency_s is not None else plat.latency_s
+        intra_bw = plat.intra_bandwidth_bytes_s or plat.bandwidth_bytes_s
+        return Calibration(
+            size=p,
+            nodes=nodes,
+            alpha_s=intra_lat,
+            beta_s_per_byte=1 / intra_bw,
+            gamma_s_per_byte=0.0,
+            copy_s_per_byte=0.0,
+            native={},
+            exchange=_affine(intra_lat, 1 / intra_bw),
+            exchange_inter=_affine(plat.latency_s, 1 / plat.bandwidth_bytes_s) if nodes > 1 else [],
+            host=plat.path,
+            date="platform file",
+        )
+
+    def topology(self, p: int, nodes: int | None = None) -> Topology:
+        per_node = math.ceil(p / (nodes or self.nodes(p)))
+        return Topology(tuple(r // per_node for r in range(p)))
+
+    def _allreduce_s(
+        self, nbytes: int, p: int, nodes: int | None = None, element_bytes: int = 4
+    ) -> float:
+        """One allreduce of ``nbytes`` over p ranks on ``nodes`` nodes (node-major)."""
+        if p <= 1 or nbytes <= 0:
+            return 0.0
+        nodes = nodes or self.nodes(p)
+        cal = self.calibration(p, nodes)
+        topo = self.topology(p, nodes)
+        numel = max(nbytes // element_bytes, 1)
+        name = self.algorithm
+        if name == "auto":
+            name = costmodel.choose(numel, element_bytes, p, nodes, cal, topo)
+        seconds = costmodel.predict(name, numel, element_bytes, cal, topo)
+        if seconds is None:  # a native ``auto`` chose, not measured at this size
+            name = min(
+                algorithms.schedules(),
+                key=lambda n: costmodel.predict(n, numel, element_bytes, cal, topo) or 0,
+            )
+            seconds = costmodel.predict(name, numel, element_bytes, cal, topo)
+        return float(seconds or 0.0) + self.op_latency_s
+
+    def gradient_s(self, nbytes: int, p: int, nodes: int | None = None) -> float:
+        """The allreduce of ``nbytes`` of float32 gradients, compressed as configured."""
+        if p <= 1 or nbytes <= 0:
+            return 0.0
+        comp = self.compression
+        if comp.sparse:
+            kept = max(1, math.ceil(comp.ratio * nbytes / 4))
+            return self.allgather_s(p * kept * _PAIR_BYTES, p, nodes)
+        scaled = nbytes * comp.element_bytes // 4
+        return self.allreduce_s(scaled, p, nodes, comp.element_bytes)
+
+    def message_s(self, nbytes: float, p: int, inter: bool) -> float:
+        """One message each way between partners (every rank at once)."""
+        cal = self.calibration(p)
+        return costmodel.message_time(int(max(nbytes, 1)), cal, inter and cal.has_inter)
+
+    def allgather_s(self, total_bytes: float, p: int, nodes: int | None = None) -> float:
+        """Ring allgather of ``total_bytes`` (each rank brings total / p): p - 1 steps."""
+        if p <= 1 or total_bytes <= 0:
+            return 0.0
+        inter = (nodes or self.nodes(p)) > 1
+        return (p - 1) * self.message_s(total_bytes / p, p, inter) + self.op_latency_s
+
+    def p2p_s(self, nbytes: float, p: int, inter: bool) -> float:
+        """One message each way (its collective call's ``op_latency_s`` not included)."""
+        return self.message_s(nbytes, p, inter) if nbytes > 0 else 0.0
+
+    def describe(self) -> str:
+        source = (
+            "platform file"
+            if not self.calibrations
+            else "calibration "
+            + ", ".join(
+                f"{c.size} ranks/{c.nodes} node(s) ({c.host} {c.date})" for c in self.calibrations
+            )
+        )
+        return (
+            f"allreduce {self.algorithm}, compression {self.compression.name}"
+            + (f" ratio {self.compression.ratio:g}" if self.compression.sparse else "")
+            + f", network from {source}"
+        )

@@ -1,0 +1,119 @@
+"""The oracle's rows for people: a table, the ranking, JSON lines, and the time plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from commlayer.oracle.row import Row
+
+_GIB = float(1 << 30)
+
+
+def table(rows: Sequence[Row]) -> str:
+    """One line per row: memory, compute, communication (hidden part), epoch, iteration, cost."""
+    head = (
+        f"{'strategy':<13} {'B':>8} {'p':>5} {'mem GiB':>8} {'fits':>4} {'comp s':>10} "
+        f"{'comm s':>10} {'hidden s':>9} {'epoch s':>10} {'iter ms':>9} {'GPU-min':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.case or r.strategy:<13} {r.B:>8g} {r.p:>5} {r.mem_bytes / _GIB:>8.2f} "
+            f"{'yes' if r.fits else 'NO':>4} {r.tcomp_s:>10.1f} {r.tcomm_s:>10.1f} "
+            f"{r.hidden_s:>9.1f} {r.time_s:>10.1f} {r.iter_s * 1e3:>9.2f} "
+            f"{r.cost_gpu_min:>8.0f}"
+        )
+    return "\n".join(lines)
+
+
+def ranking(rows: Sequence[Row], count: int = 10) -> str:
+    """The fastest rows that fit, per epoch; then each strategy's best and its cost."""
+    fitting = sorted((r for r in rows if r.fits), key=lambda r: (r.time_s, r.p))
+    if not fitting:
+        return "ranking: no row fits in the GPU's memory"
+    lines = [f"ranking (fits in memory, by time per epoch; {len(fitting)} of {len(rows)} rows):"]
+    for i, r in enumerate(fitting[:count], 1):
+        lines.append(
+            f"{i:>3}. {r.case or r.strategy:<13} p={r.p:<5} B={r.B:<8g} "
+            f"{r.time_s:10.1f} s/epoch  {r.cost_gpu_min:8.0f} GPU-min"
+        )
+    best: dict[str, Row] = {}
+    for r in fitting:
+        best.setdefault(r.strategy, r)
+    lines.append(
+        "best per strategy: "
+        + ", ".join(f"{name} p={r.p} {r.time_s:.1f} s" for name, r in best.items())
+    )
+    cheapest = min(fitting, key=lambda r: (r.cost_gpu_min, r.time_s))
+    lines.append(
+        f"cheapest: {cheapest.case or cheapest.strategy} p={cheapest.p} B={cheapest.B:g}"
+        f" {cheapest.cost_gpu_min:.0f} GPU-min ({cheapest.time_s:.1f} s/epoch)"
+    )
+    return "\n".join(lines)
+
+
+def json_lines(rows: Sequence[Row]) -> str:
+    return "\n".join(json.dumps(r.as_dict(), sort_keys=True) for r in rows)
+
+
+def plot(rows: Sequence[Row], path: str | Path, title: str) -> Path:
+    """Per strategy, the epoch time against GPUs: compute and exposed communication stacked,
+    hidden communication hatched above; rows over memory faded. Needs matplotlib (the
+    ``bench`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r.strategy for r in rows))
+    cols = min(3, len(names)) or 1
+    lines = math.ceil(len(names) / cols) or 1
+    fig, axes = plt.subplots(
+        lines, cols, figsize=(5.2 * cols, 3.8 * lines + 0.6), squeeze=False, sharey=True
+    )
+    for ax in axes.flat[len(names) :]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names):
+        mine = [r for r in rows if r.strategy == name]
+        labels = [f"{r.p}\nB={r.B:g}" if len(mine) < 9 else str(r.p) for r in mine]
+        xs = range(len(mine))
+        alpha = [1.0 if r.fits else 0.35 for r in mine]
+        comp = [r.tcomp_s for r in mine]
+        exposed = [r.tcomm_s - r.hidden_s for r in mine]
+        for x, c, e, h, a in zip(xs, comp, exposed, [r.hidden_s for r in mine], alpha):
+            ax.bar(x, c, color="tab:blue", alpha=a, label="compute")
+            ax.bar(x, e, bottom=c, color="tab:orange", alpha=a, label="communication (exposed)")
+            if h > 0:
+                ax.bar(
+                    x,
+                    h,
+                    bottom=c + e,
+                    color="none",
+                    edgecolor="tab:orange",
+                    hatch="//",
+                    alpha=a,
+                    label="communication hidden behind backward",
+                )
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(
+            name + ("  (faded: over memory)" if not all(r.fits for r in mine) else ""), fontsize=9
+        )
+        ax.set_xlabel("GPUs", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("seconds per epoch (log)")
+    legend: dict[str, Any] = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.suptitle(title, fontsize=10)
+    fig.legend(list(legend.values()), list(legend.keys()), loc="lower center", fontsize=7, ncol=3)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

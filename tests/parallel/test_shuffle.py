@@ -1,0 +1,243 @@
+"""Partial-local shuffling (issue 24) under real MPI, at any number of ranks.
+
+The invariants: after every epoch the stores together hold the dataset, no sample lost or
+duplicated, with every shard's size unchanged; every sample is visited once per epoch across
+ranks; no store holds more than (1 + Q) times its shard while an exchange is in flight; the
+same seed gives the same shards; Q = 0 moves nothing, Q = 1 deals all samples anew. Then the
+uneven-shard join() path, files on disk, recovery of an interrupted exchange, resume from
+state_dict, and bad input failing on every rank with the rank named.
+
+Collectives first, asserts last: a rank that fails an assert must not leave the others waiting
+in a collective it never reaches.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import commlayer as cl
+from commlayer.data import PartialLocalShuffler, ShardStore
+from commlayer.errors import ShardStoreError, ShuffleMismatchError
+
+EPOCHS = 3
+
+
+def _dataset(n: int) -> list[tuple[torch.Tensor, int]]:
+    # samples of different sizes: the exchange moves variable-length records
+    return [(torch.full((1 + i % 4,), float(i)), i % 5) for i in range(n)]
+
+
+def _samples(size: int) -> int:
+    return 7 * size + (size > 1)  # N not divisible by M: uneven shards
+
+
+def _everyone(value: Any) -> list[Any]:
+    return cl.allgather_object(value)
+
+
+def _run_epochs(shuffler: PartialLocalShuffler, epochs: int) -> list[dict[str, Any]]:
+    """Per epoch: what this rank visited, its store during and after the exchange."""
+    seen = []
+    for epoch in range(epochs):
+        shuffler.set_epoch(epoch)
+        visited = list(shuffler.sampler)
+        during = len(shuffler.store.ids()) + len(shuffler.store.staged())
+        values = [int(shuffler.dataset[i][0][0]) for i in visited]
+        seen.append({"visited": visited, "values": values, "held": during})
+    shuffler.set_epoch(epochs)  # commits the last epoch's exchange
+    seen.append({"visited": [], "values": [], "held": 0})
+    return seen
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("partition", ["given", "random"])
+def test_every_sample_once_per_epoch(fraction: float, partition: str) -> None:
+    n = _samples(cl.size())
+    data = _dataset(n)
+    store = ShardStore.from_dataset(data, partition_by=partition)
+    initial = store.ids()
+    shuffler = PartialLocalShuffler(store, fraction=fraction, seed=3, chunks=3)
+    sizes = list(shuffler.shard_sizes)
+    epochs = _everyone(_run_epochs(shuffler, EPOCHS))
+    final = _everyone(store.ids())
+    moved = _everyone(len(set(initial) - set(store.ids())))
+
+    for epoch in range(EPOCHS):
+        visited = [i for rank in epochs for i in rank[epoch]["visited"]]
+        assert sorted(visited) == list(range(n)), f"epoch {epoch}: visited {sorted(visited)}"
+        for rank, per_epoch in enumerate(epochs):
+            assert per_epoch[epoch]["values"] == per_epoch[epoch]["visited"], f"rank {rank}"
+            bound = math.floor((1 + fraction) * sizes[rank])
+            assert per_epoch[epoch]["held"] <= bound, f"rank {rank} epoch {epoch}"
+    assert sorted(i for ids in final for i in ids) == list(range(n))
+    assert [len(ids) for ids in final] == sizes, "shard sizes must not change"
+    if fraction == 0.0 or cl.size() == 1:
+        assert sum(moved) == 0
+    else:
+        assert sum(moved) > 0
+
+
+def test_same_seed_same_shards_other_seed_other_shards() -> None:
+    n = 12 * cl.size()
+    data = _dataset(n)
+    shards = []
+    for seed in (5, 5, 6):
+        shuffler = PartialLocalShuffler(ShardStore.from_dataset(data), fraction=0.5, seed=seed)
+        _run_epochs(shuffler, 2)
+        shards.append(shuffler.store.ids())
+    orders = []
+    for seed in (5, 5, 6):
+        shuffler = PartialLocalShuffler(ShardStore.from_dataset(data), fraction=0.0, seed=seed)
+        orders.append(list(shuffler.sampler))
+    assert shards[0] == shards[1] and orders[0] == orders[1]
+    assert orders[0] != orders[2]
+    if cl.size() > 1:
+        assert _everyone(shards[0]) != _everyone(shards[2])
+
+
+def test_full_fraction_deals_like_a_global_shuffle() -> None:
+    # Q = 1: each epoch's shards are a fresh random cut of the dataset; about 1/M of a shard
+    # stays (its samples dealt to their own rank). 60 samples per rank keep the count near.
+    if cl.size() == 1:
+        pytest.skip("one rank: nothing to deal")
+    n = 60 * cl.size()
+    store = ShardStore.from_dataset(_dataset(n), partition_by="given")
+    before = set(store.ids())
+    shuffler = PartialLocalShuffler(store, fraction=1.0, seed=0)
+    _run_epochs(shuffler, 1)
+    kept = _everyone(len(before & set(store.ids())))
+    expected = 60 / cl.size()
+    assert all(abs(k - expected) < 4 * math.sqrt(expected) + 1 for k in kept), kept
+
+
+def test_uneven_shards_with_allreduce_and_join() -> None:
+    # Rank r has more samples than rank r-1: batches per rank differ, and a training step's
+    # allreduce runs between the exchange's chunks; the ranks with fewer batches join.
+    size = cl.size()
+    shards = [list(range(sum(range(4, 4 + r)), sum(range(4, 5 + r)))) for r in range(size)]
+    n = sum(len(s) for s in shards)
+    shuffler = PartialLocalShuffler(
+        ShardStore.from_dataset(_dataset(n), partition_by=shards), fraction=0.5, seed=1, chunks=2
+    )
+    loader = torch.utils.data.DataLoader(
+        shuffler.dataset, batch_size=3, sampler=shuffler.sampler, collate_fn=list
+    )
+    visited: list[list[int]] = []
+    for epoch in range(2):
+        shuffler.set_epoch(epoch)
+        visited.append([])
+        for batch in loader:
+            cl.allreduce(torch.ones(1), name="shuffle.join.step")
+            visited[-1] += [int(x[0]) for x, _ in batch]
+        cl.join()
+    shuffler.set_epoch(2)
+    gathered = _everyone(visited)
+    final = _everyone(shuffler.store.ids())
+    for epoch in range(2):
+        assert sorted(i for rank in gathered for i in rank[epoch]) == list(range(n))
+    assert [len(ids) for ids in final] == [len(s) for s in shards]
+
+
+def test_files_resume_and_state_dict(tmp_path: Path) -> None:
+    n = _samples(cl.size())
+    path = tmp_path / "shard{rank}"
+    store = ShardStore.from_dataset(_dataset(n), path=path)
+    shuffler = PartialLocalShuffler(store, fraction=0.4, seed=2, chunks=2)
+    _run_epochs(shuffler, 2)
+    state = shuffler.state_dict()
+    # a new process opens what is on disk and resumes
+    again = PartialLocalShuffler(ShardStore(path), fraction=0.4, seed=2, chunks=2)
+    again.load_state_dict(state)
+    order = list(again.sampler)
+    again.set_epoch(state["epoch"] + 1)
+    visited = _everyone(order)
+    final = _everyone(again.store.ids())
+    assert state["epoch"] == 2 and again.epoch == 3
+    assert sorted(i for ids in visited for i in ids) == list(range(n))
+    assert sorted(i for ids in final for i in ids) == list(range(n))
+    assert again.dataset[final[cl.rank()][0]][0][0] == final[cl.rank()][0]
+
+
+@pytest.mark.parametrize("committed_on_rank0", [False, True], ids=["back", "forward"])
+def test_interrupted_exchange_recovers(tmp_path: Path, committed_on_rank0: bool) -> None:
+    # Every rank staged its part of epoch 0's exchange and "died" before (or, for rank 0 in
+    # the forward case, during) phase 2: reopening rolls every rank back, or forward when any
+    # rank had committed, and no sample is lost or duplicated either way.
+    n = _samples(cl.size())
+    path = tmp_path / "shard{rank}"
+    store = ShardStore.from_dataset(_dataset(n), path=path)
+    before = store.ids()
+    shuffler = PartialLocalShuffler(store, fraction=0.5, seed=4)
+    exchange = shuffler._exchange
+    if exchange is not None:  # None at one rank
+        exchange.finish()
+        store.prepare(0, exchange.plan.sent_ids, store.staged())
+        if committed_on_rank0 and cl.rank() == 0:
+            store.commit()
+    cl.barrier()
+    recovered = PartialLocalShuffler(ShardStore(path), fraction=0.5, seed=4)
+    final = _everyone(recovered.store.ids())
+    assert sorted(i for ids in final for i in ids) == list(range(n))
+    if not committed_on_rank0:
+        assert final[cl.rank()] == before
+    assert not (tmp_path / f"shard{cl.rank()}" / "incoming").exists()
+
+
+def test_bad_fraction_is_refused_before_any_collective() -> None:
+    store = ShardStore.from_dataset(_dataset(4))
+    for fraction in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=rf"rank {cl.rank()}: fraction {fraction}"):
+            PartialLocalShuffler(store, fraction=fraction)
+
+
+@pytest.mark.parametrize("setting", ["fraction", "seed"])
+def test_settings_differing_across_ranks_fail_on_every_rank(setting: str) -> None:
+    if cl.size() == 1:
+        pytest.skip("one rank cannot differ from another")
+    store = ShardStore.from_dataset(_dataset(4 * cl.size()))
+    kwargs: dict[str, Any] = {"fraction": 0.1, "seed": 0}
+    if cl.rank() == 1:
+        kwargs[setting] = {"fraction": 0.2, "seed": 1}[setting]
+    with pytest.raises(ShuffleMismatchError, match=rf"same {setting} on every rank.*rank 1: "):
+        PartialLocalShuffler(store, **kwargs)
+
+
+def test_overlapping_stores_fail_on_every_rank() -> None:
+    if cl.size() == 1:
+        pytest.skip("one rank cannot overlap another")
+    data = _dataset(4 * cl.size())
+    store = ShardStore.from_dataset(data, partition_by=[[0, 1]] * cl.size())
+    with pytest.raises(ShuffleMismatchError, match="sample 0 is in the stores of ranks 0 and 1"):
+        PartialLocalShuffler(store, fraction=0.1)
+
+
+def test_unreadable_sample_fails_on_every_rank_naming_rank_and_file(tmp_path: Path) -> None:
+    if cl.size() == 1:
+        pytest.skip("one rank sends nothing")
+    path = tmp_path / "shard{rank}"
+    store = ShardStore.from_dataset(_dataset(8 * cl.size()), path=path)
+    shuffler = PartialLocalShuffler(store, fraction=1.0, seed=0, chunks=2)
+    assert shuffler._exchange is not None
+    if cl.rank() == 0:  # a sample rank 0 must send becomes a folder: unreadable, even for root
+        sample = shuffler._exchange.plan.sends[1][0][0]
+        broken = tmp_path / "shard0" / "samples" / f"{sample}.pkl"
+        broken.unlink()
+        broken.mkdir()
+    cl.barrier()
+    with pytest.raises(ShardStoreError, match=r"rank 0: shard store: cannot read sample \d+ from"):
+        list(shuffler.sampler)
+    with pytest.raises(ShardStoreError, match="shard0/samples"):
+        shuffler.set_epoch(1)  # the exchange is aborted: every store as before
+    assert not (tmp_path / f"shard{cl.rank()}" / "incoming").exists()
+
+
+def test_opening_a_folder_without_a_store_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ShardStoreError, match=rf"rank {cl.rank()}: .*no folder 'samples'"):
+        ShardStore(tmp_path / "nothing{rank}")
+    shutil.rmtree(tmp_path, ignore_errors=True)
