@@ -1,8 +1,11 @@
 """``commlayer`` command: ``calibrate`` the cost model, print the ``algorithms`` it predicts,
-ask the ``oracle`` which parallelism strategy to use.
+``simulate`` them in SimGrid at thousands of ranks, ask the ``oracle`` which parallelism
+strategy to use.
 
 mpiexec -n 2 commlayer calibrate [--quick] [--out FILE]
 commlayer algorithms --size 64MiB [--ranks 2] [--file FILE]
+commlayer simulate --algorithm ring,shd,auto --platform fat-tree:gpus-per-node=4 \
+    --ranks 64,256 --size 1MiB,32MiB [--out r.md] [--plot r.png] [--format json]
 commlayer oracle --net resnet50.net --plat abci.plat --gpus 1-1024 --batch-per-gpu 64
 """
 
@@ -90,6 +93,12 @@ def algorithms_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def simulate(args: argparse.Namespace) -> int:
+    from commlayer.sim import cli as sim_cli
+
+    return sim_cli.run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commlayer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,13 +111,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     table.add_argument("--ranks", type=int, help="only the calibration for this many ranks")
     table.add_argument("--file", help="calibration file to read")
     table.set_defaults(run=algorithms_table)
+    from commlayer.sim import cli as sim_cli
+
+    sim = sub.add_parser(
+        "simulate",
+        help="replay the algorithms' schedules in SimGrid (SMPI) on a generated or given platform",
+        description=sim_cli.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sim_cli.add_arguments(sim, _bytes)
+    sim.set_defaults(run=simulate)
     from commlayer.oracle import command as oracle_command
 
-    oracle = sub.add_parser("oracle", help="which parallelism strategy: per-GPU memory, compute, "
-                            "communication and time per epoch (ParaDL's model and commlayer's)")
+    oracle = sub.add_parser(
+        "oracle",
+        help="which parallelism strategy: per-GPU memory, compute, "
+        "communication and time per epoch (ParaDL's model and commlayer's)",
+    )
     oracle_command.add_arguments(oracle)
     oracle.set_defaults(run=oracle_command.run)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what simulate --out records
     return int(args.run(args))
 
 

@@ -1,0 +1,148 @@
+"""The research's claim, simulated: SHD on a DLN against ring, halving-doubling (Rabenseifner)
+and hierarchical on fat-tree, torus and dragonfly (issue 22).
+
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/simulate.py --ranks 64,256 \\
+        --size 1MiB,32MiB,256MiB [--out benchmarks/results/simulate_claim] [--replot]
+
+1. Every platform holds ``--ranks`` ranks, 4 GPUs per node (nodes = ranks / 4) on the same
+   links (commlayer/sim/platforms.py defaults: 12.5 GB/s, 0.5 us per network link; NVLink-like
+   50 GB/s inside a node): ``fat-tree`` (2 levels, 16 nodes per leaf, full bisection),
+   ``torus`` (3D, shape per size below), ``dragonfly`` (shape below), ``dln`` (one switch per
+   node). Only the network between the nodes differs.
+2. Each (algorithm, platform, ranks, size) is one ``commlayer.sim.simulate`` run: the
+   schedules the executor runs, replayed in SMPI, factors off. Results are appended as JSON
+   lines to ``OUT.jsonl`` as they finish (a rerun skips what is there), then ``OUT.md`` gets
+   the table, with per (ranks, size) SHD-on-DLN's time over each baseline's and the reduction
+   ``1 - ratio`` (the research claims 50-90%), and ``OUT.png`` the times against ranks.
+3. Ring and hierarchical build O(p^2) schedule steps in Python (2 (p - 1) steps per rank):
+   they run up to ``--ring-max-ranks`` (default 256); above it those rows are left out, and
+   the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from commlayer.sim import platforms, report  # noqa: E402
+from commlayer.sim.simulate import Result, simulate  # noqa: E402
+
+GPUS = 4
+TORUS = {16: "4x4", 64: "4x4x4", 256: "8x8x4", 1024: "8x8x16"}  # nodes -> shape
+DRAGONFLY = {  # nodes -> groups, chassis, routers, nodes per router (SimGrid: routers >= groups-1)
+    16: (4, 1, 4, 1),
+    64: (4, 1, 4, 4),
+    256: (4, 4, 4, 4),
+    1024: (8, 4, 8, 4),
+}
+BASELINES = ("ring", "rabenseifner", "hierarchical")
+O_N2 = ("ring", "hierarchical")  # schedules of O(p^2) steps in all
+
+
+def specs(ranks: int) -> dict[str, str]:
+    nodes = ranks // GPUS
+    g, c, r, n = DRAGONFLY[nodes]
+    return {
+        "fat-tree": f"fat-tree:nodes={nodes},gpus-per-node={GPUS}",
+        "torus": f"torus:{TORUS[nodes]},gpus-per-node={GPUS}",
+        "dragonfly": f"dragonfly:groups={g},chassis={c},routers={r},nodes={n},gpus-per-node={GPUS}",
+        "dln": f"dln:{nodes},gpus-per-node={GPUS}",
+    }
+
+
+def runs(ranks: int, ring_max: int) -> list[tuple[str, str]]:
+    """(algorithm, platform kind) pairs at ``ranks``: every baseline on the three reference
+    networks, SHD on all four."""
+    pairs = [(a, k) for k in ("fat-tree", "torus", "dragonfly") for a in BASELINES]
+    pairs += [("shd", k) for k in ("fat-tree", "torus", "dragonfly", "dln")]
+    return [(a, k) for a, k in pairs if a not in O_N2 or ranks <= ring_max]
+
+
+def load(path: Path) -> list[Result]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        raw = json.loads(line)
+        raw.pop("busbw_Bps", None)
+        rows.append(Result(**raw))
+    return rows
+
+
+def kind(r: Result) -> str:
+    return r.platform.split(":")[0]
+
+
+def claim_table(results: list[Result]) -> str:
+    """Per (ranks, size): SHD on DLN, the best baseline, and SHD-on-DLN over each baseline."""
+    lines = [
+        "| ranks | size | SHD on DLN ms | baseline | baseline ms | SHD-DLN / baseline "
+        "| reduction |",
+        "|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    keys = sorted({(r.ranks, r.size_bytes) for r in results})
+    for ranks, size in keys:
+        here = [r for r in results if (r.ranks, r.size_bytes) == (ranks, size)]
+        dln = [r for r in here if r.algorithm == "shd" and kind(r) == "dln"]
+        if not dln:
+            continue
+        t = dln[0].simulated_s
+        for r in sorted(here, key=lambda r: r.simulated_s):
+            if kind(r) == "dln":
+                continue
+            lines.append(
+                f"| {ranks} | {report._size(size)} | {t * 1e3:,.3f} | {r.algorithm} on {kind(r)} "
+                f"| {r.simulated_s * 1e3:,.3f} | {t / r.simulated_s:.3f} "
+                f"| {100 * (1 - t / r.simulated_s):+.0f}% |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="64,256")
+    parser.add_argument("--size", default="1MiB,32MiB,256MiB")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/simulate_claim")
+    parser.add_argument("--ring-max-ranks", type=int, default=256)
+    parser.add_argument("--replot", action="store_true", help="only redraw from OUT.jsonl")
+    args = parser.parse_args()
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    sizes = [int(s[:-3]) * units[s[-3:]] for s in args.size.split(",")]
+    jsonl = args.out.with_suffix(".jsonl")
+    results = load(jsonl)
+    done = {(r.algorithm, r.platform, r.ranks, r.size_bytes) for r in results}
+    if not args.replot:
+        for ranks in [int(r) for r in args.ranks.split(",")]:
+            for size in sizes:
+                for algorithm, k in runs(ranks, args.ring_max_ranks):
+                    spec = specs(ranks)[k]
+                    if (algorithm, spec, ranks, size) in done:
+                        continue
+                    start = time.monotonic()
+                    r = simulate(algorithm, platforms.generate(spec), size)
+                    results.append(r)
+                    with jsonl.open("a") as f:
+                        f.write(report.json_line(r) + "\n")
+                    print(report.markdown_row(r), f"({time.monotonic() - start:.0f} s)", flush=True)
+    body = report.markdown(sorted(results, key=lambda r: (r.ranks, r.size_bytes, r.algorithm)))
+    command = "python benchmarks/simulate.py " + " ".join(sys.argv[1:])
+    made = "Rendered from the JSON lines by" if args.replot else "Made by (the last run)"
+    args.out.with_suffix(".md").write_text(
+        f"{made}: `{command}`; every run: `{jsonl.name}` (the commands: simulate.md, 4)\n\n"
+        "## SHD on DLN against each baseline\n\n"
+        + claim_table(results)
+        + "\n## Every run\n\n"
+        + body
+    )
+    report.plot(results, args.out.with_suffix(".png"), "SHD on DLN vs baselines (4 GPUs/node)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

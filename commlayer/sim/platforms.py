@@ -1,0 +1,334 @@
+"""Simulated machines: SimGrid platform XML generated from a spec, or any XML file.
+
+A spec is ``KIND:key=value,...`` (``torus:8x8x16`` and ``dln:256`` take their shape bare).
+Every kind is a set of nodes, each holding ``gpus-per-node`` ranks; ranks of one node talk over
+the intra-node link (SimGrid's loopback: ``intra-bw`` per flow, ``intra-lat``, flows do not
+share it, as point-to-point NVLink), ranks of different nodes leave through their node's
+network link (``bw``, ``lat``), which the node's ranks share, and cross the network of the kind:
+
+- ``flat:ranks=N`` (or ``nodes=N``): one crossbar of unlimited bandwidth (full bisection);
+  routes are node link up, node link down (alpha = 2 lat, beta = 1/bw).
+- ``fat-tree:nodes=N,leaf=L,oversub=O``: two levels, L nodes per leaf switch, L/O spine
+  switches, every leaf linked to every spine (SimGrid's FAT_TREE cluster: links of ``bw``,
+  ``lat``); O > 1 oversubscribes the leaves' uplinks.
+- ``torus:XxY[xZ]``: one node per torus vertex, links of ``bw``/``lat`` to the neighbours in
+  each dimension (SimGrid's TORUS cluster, dimension-order routing).
+- ``dragonfly:groups=G,chassis=C,routers=R,nodes=N``: G groups of C chassis of R routers with
+  N nodes each (SimGrid's DRAGONFLY cluster, one link of each kind, minimal routing); SimGrid
+  needs R >= G - 1.
+- ``dln:S`` (``dln:switches=S``): Distributed Loop Network, below.
+
+DLN. The research (Nguyen & Wahib, CCGrid 2021) co-designs SHD with a "distributed loop
+network" whose fixed path lengths suit halving-doubling; its paper is not available to us, so
+DLN is defined here from what the research states: S switches on a loop, switch i linked to
+switch i +- 2^k mod S for every k < log2 S (a circulant graph C_S(1, 2, 4, ..., S/2)), one node
+per switch. Halving-doubling partners at position distance 2^k (v XOR 2^k is v +- 2^k) are
+then one switch hop apart at every step, whatever k: the fixed, short path the research asks
+for. Switch degree 2 log2(S) - 1 (2 log2 S chords, S/2 counted once), diameter
+ceil(log2(S) / 2) (any distance is a sum of at most that many signed powers of two);
+S = 256: degree 15, diameter 4; S = 1024: degree 19, diameter 5. Shortest-path routing
+(SimGrid Dijkstra). Its "2D DLN(x,y,z)" buildable form is not modelled.
+
+Every generated kind has ``bw`` 12.5 GBps and ``lat`` 0.5 us per link (100 Gb/s, the order of
+one switch hop), ``intra-bw`` 50 GBps and ``intra-lat`` 0.1 us unless given (Tsubame3's node in
+the research's platforms: 4 GPUs on NVLink of 50 GB/s, 100 Gb/s Omni-Path per node pair of
+GPUs; benchmarks/results/simulate.md uses their numbers).
+
+A file: ``--platform FILE.xml --hostfile HOSTS.txt --gpus-per-node G``: ranks placed on hosts
+in hostfile order (smpirun's ``host[:count]`` lines), ranks of one host share a node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from commlayer.algorithms.topology import Topology
+
+_BANDWIDTH = {"bps": 1 / 8, "Bps": 1.0}
+_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+DEFAULTS = {"bw": "12.5GBps", "lat": "0.5us", "intra-bw": "50GBps", "intra-lat": "0.1us"}
+KINDS = ("flat", "fat-tree", "torus", "dragonfly", "dln")
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """What the cost model is told about a platform: one message's alpha and beta inside a
+    node and between nodes (the farthest pair: the latency of its longest route)."""
+
+    intra_alpha_s: float
+    intra_beta_s_per_byte: float
+    inter_alpha_s: float
+    inter_beta_s_per_byte: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """A machine to simulate: its XML, the host of every rank, and the node of every rank."""
+
+    name: str
+    xml: str  # the platform file's text
+    hosts: tuple[str, ...]  # host of each rank
+    config: tuple[str, ...]  # extra smpirun --cfg settings (the intra-node link)
+    links: Links | None  # None for a file: no parameters to give the cost model
+    # ranks per node when every host is one GPU (a file modelling each GPU as a host, as the
+    # research's): ranks r // gpus_per_node share a node; 0: ranks of one host share a node
+    gpus_per_node: int = 0
+
+    @property
+    def ranks(self) -> int:
+        return len(self.hosts)
+
+    def topology(self) -> Topology:
+        """Which ranks share a node: those of one host (first appearance order), or with
+        ``gpus_per_node`` on a file of one rank per host, consecutive groups of that many."""
+        if self.gpus_per_node > 1 and len(set(self.hosts)) == len(self.hosts):
+            return Topology(tuple(r // self.gpus_per_node for r in range(self.ranks)))
+        index: dict[str, int] = {}
+        return Topology(tuple(index.setdefault(h, len(index)) for h in self.hosts))
+
+    def hostfile(self) -> str:
+        """smpirun's hostfile: ``host:count`` for each run of ranks on one host."""
+        lines, run = [], 0
+        for i, host in enumerate(self.hosts):
+            run += 1
+            if i + 1 == len(self.hosts) or self.hosts[i + 1] != host:
+                lines.append(f"{host}:{run}")
+                run = 0
+        return "\n".join(lines) + "\n"
+
+
+def bandwidth(text: str) -> float:
+    """Bytes per second from ``12.5GBps``, ``100Gbps`` or a bare number (bytes/s)."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKMGT]?)(bps|Bps)?\s*", text)
+    if not match:
+        raise ValueError(f"bandwidth {text!r}: expected a number with a unit like 12.5GBps")
+    return float(match.group(1)) * _PREFIX[match.group(2)] * _BANDWIDTH[match.group(3) or "Bps"]
+
+
+def seconds(text: str) -> float:
+    """Seconds from ``0.5us``, ``1ms`` or a bare number (seconds)."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|ns)?\s*", text)
+    if not match:
+        raise ValueError(f"latency {text!r}: expected a number with a unit like 0.5us")
+    return float(match.group(1)) * _TIME[match.group(2) or "s"]
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """(kind, fields) of ``KIND:key=value,...``; a field without ``=`` is the kind's shape."""
+    kind, _, rest = spec.partition(":")
+    if kind not in KINDS:
+        raise ValueError(f"platform {spec!r}: unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
+    fields: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq:
+            key, value = "shape", key
+        if key in fields:
+            raise ValueError(f"platform {spec!r}: {key!r} given twice")
+        fields[key.strip()] = value.strip()
+    return kind, fields
+
+
+def generate(spec: str, ranks: int | None = None, gpus_per_node: int | None = None) -> Platform:
+    """The platform of ``spec`` with ``ranks`` ranks (default: every GPU of every node)."""
+    kind, fields = parse_spec(spec)
+    gpus = int(fields.pop("gpus-per-node", gpus_per_node or 1))
+    values = {k: fields.pop(k, v) for k, v in DEFAULTS.items()}
+    bw, lat = bandwidth(values["bw"]), seconds(values["lat"])
+    intra = (bandwidth(values["intra-bw"]), seconds(values["intra-lat"]))
+    if kind == "flat" and "ranks" in fields:
+        fields["nodes"] = str(-(-int(fields.pop("ranks")) // gpus))
+    key = _SIZE_FIELD.get(kind)
+    if key and key not in fields and "shape" not in fields and ranks is not None:
+        fields[key] = str(-(-ranks // gpus))  # as many nodes as the ranks need
+    body, nodes, hops = _BUILDERS[kind](fields, bw, lat)
+    body = body.replace("{loopback}", f'loopback_bw="{intra[0]!r}Bps" loopback_lat="{intra[1]!r}s"')
+    if fields:
+        raise ValueError(f"platform {spec!r}: unknown field(s) {', '.join(sorted(fields))}")
+    total = nodes * gpus
+    ranks = total if ranks is None else ranks
+    if not 0 < ranks <= total:
+        raise ValueError(f"platform {spec!r} holds {total} ranks ({nodes} x {gpus}), not {ranks}")
+    xml = _document(body)
+    hosts = tuple(f"node-{r // gpus}" for r in range(ranks))
+    config = (f"network/loopback-bw:{intra[0]!r}", f"network/loopback-lat:{intra[1]!r}")
+    links = Links(intra[1], 1 / intra[0], hops * lat, 1 / bw)
+    return Platform(spec, xml, hosts, config, links)
+
+
+def from_file(path: Path, hostfile: Path | None, ranks: int | None, gpus_per_node: int) -> Platform:
+    """A SimGrid XML file; ranks placed by ``hostfile`` (``host[:count]`` lines), else
+    ``gpus_per_node`` ranks per host in the order the file lists hosts. With a hostfile of one
+    rank per host (each GPU a host of the file), ``gpus_per_node`` consecutive ranks form a
+    node for the topology-aware algorithms."""
+    xml = path.read_text()
+    if hostfile is not None:
+        hosts = list(_hostfile_hosts(hostfile.read_text()))
+    else:
+        hosts = [h for h in _host_names(xml) for _ in range(gpus_per_node)]
+    ranks = len(hosts) if ranks is None else ranks
+    if not 0 < ranks <= len(hosts):
+        raise ValueError(f"{hostfile or path} places {len(hosts)} ranks, not {ranks}")
+    grouping = gpus_per_node if hostfile is not None else 0
+    return Platform(str(path), _sanitize(xml), tuple(hosts[:ranks]), (), None, grouping)
+
+
+def _host_names(xml: str) -> list[str]:
+    """Hosts in file order: ``<host id=...>`` and every host of a ``<cluster>``."""
+    names = []
+    for tag in re.finditer(r"<(host|cluster)\s([^>]*)>", xml):
+        attrs = dict(re.findall(r"([\w-]+)\s*=\s*[\"']([^\"']*)", tag.group(2)))
+        if tag.group(1) == "host":
+            names.append(attrs.get("id", ""))
+            continue
+        for part in attrs.get("radical", "").split(","):
+            low, _, high = part.partition("-")
+            for i in range(int(low), int(high or low) + 1):
+                names.append(f"{attrs.get('prefix', '')}{i}{attrs.get('suffix', '')}")
+    return names
+
+
+def _hostfile_hosts(text: str) -> Iterator[str]:
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            host, _, count = line.partition(":")
+            yield from [host.strip()] * int(count or 1)
+
+
+def _sanitize(xml: str) -> str:
+    """XML written for older SimGrid, made readable by this one: a space between attributes
+    (``id="n0"speed=...``, which SimGrid 3.19 accepted)."""
+    return re.sub(r"(=\s*\"[^\"]*\")(?=[A-Za-z_])", r"\1 ", xml)
+
+
+def _document(body: str) -> str:
+    return (
+        "<?xml version='1.0'?>\n"
+        '<!DOCTYPE platform SYSTEM "https://simgrid.org/simgrid.dtd">\n'
+        '<platform version="4.1">\n' + body + "</platform>\n"
+    )
+
+
+def _cluster(nodes: int, bw: float, lat: float, extra: str) -> str:
+    return (
+        f'<cluster id="net" prefix="node-" suffix="" radical="0-{nodes - 1}" speed="1Gf" '
+        f'bw="{bw!r}Bps" lat="{lat!r}s" sharing_policy="SPLITDUPLEX" {{loopback}} {extra}/>\n'
+    )
+
+
+def _take(fields: dict[str, str], key: str, default: int | None = None) -> int:
+    if key not in fields:
+        if default is None:
+            raise ValueError(f"missing {key!r}")
+        return default
+    value = int(fields.pop(key))
+    if value < 1:
+        raise ValueError(f"{key}={value}: must be at least 1")
+    return value
+
+
+def _flat(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
+    nodes = _take(fields, "nodes")
+    return (
+        _cluster(nodes, bw, lat, 'bb_bw="1e15Bps" bb_lat="0s" bb_sharing_policy="FATPIPE"'),
+        nodes,
+        2,
+    )
+
+
+def _fat_tree(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
+    nodes = _take(fields, "nodes")
+    leaf = _take(fields, "leaf", min(nodes, 16))
+    oversub = _take(fields, "oversub", 1)
+    if nodes % leaf or leaf % oversub:
+        raise ValueError(f"fat-tree: nodes={nodes} by leaf={leaf} by oversub={oversub}")
+    params = f"2;{leaf},{nodes // leaf};1,{leaf // oversub};1,1"
+    return _cluster(nodes, bw, lat, f'topology="FAT_TREE" topo_parameters="{params}"'), nodes, 4
+
+
+def _torus(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
+    dims = [int(d) for d in fields.pop("shape", "").split("x") if d]
+    if not dims or min(dims) < 1:
+        raise ValueError("torus: give the shape, e.g. torus:8x8x16")
+    nodes = math.prod(dims)
+    hops = sum(d // 2 for d in dims) + 1  # farthest pair, plus the links into the torus
+    params = ",".join(map(str, dims))
+    return _cluster(nodes, bw, lat, f'topology="TORUS" topo_parameters="{params}"'), nodes, hops
+
+
+def _dragonfly(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
+    g, c = _take(fields, "groups"), _take(fields, "chassis", 1)
+    r, n = _take(fields, "routers", 1), _take(fields, "nodes", 1)
+    if r < g - 1:  # SimGrid 3.32 segfaults then (seen: groups=4 with routers=2)
+        raise ValueError(
+            f"dragonfly: routers={r} per chassis must be at least groups - 1 = {g - 1}"
+        )
+    params = f"{g},1;{c},1;{r},1;{n}"
+    extra = f'topology="DRAGONFLY" topo_parameters="{params}"'
+    return _cluster(g * c * r * n, bw, lat, extra), g * c * r * n, 5
+
+
+def _dln(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
+    switches = int(fields.pop("switches", fields.pop("shape", "0")))
+    if switches < 2 or switches & (switches - 1):
+        raise ValueError(f"dln: switches={switches} must be a power of two >= 2")
+    # SimGrid's DTD: hosts, routers and links first, then the routes (the graph's edges)
+    nodes, links, routes = [], [], []
+    edges = [(f"node-{i}", f"sw-{i}") for i in range(switches)]
+    edges += [(f"sw-{i}", f"sw-{j}") for i, j in dln_chords(switches)]
+    for i in range(switches):
+        nodes.append(f'<host id="node-{i}" speed="1Gf"/><router id="sw-{i}"/>\n')
+    for a, b in edges:
+        for src, dst in ((a, b), (b, a)):  # one link per direction: full duplex
+            links.append(f'<link id="{src}_{dst}" bandwidth="{bw!r}Bps" latency="{lat!r}s"/>\n')
+            routes.append(
+                f'<route src="{src}" dst="{dst}" symmetrical="NO">'
+                f'<link_ctn id="{src}_{dst}"/></route>\n'
+            )
+    body = "".join(['<zone id="dln" routing="DijkstraCache">\n', *nodes, *links, *routes])
+    return body + "</zone>\n", switches, 2 + dln_diameter(switches)
+
+
+def dln_chords(switches: int) -> list[tuple[int, int]]:
+    """The DLN's switch-to-switch links (i < j): i to i + 2^k mod S for every k < log2 S."""
+    found = set()
+    for i in range(switches):
+        step = 1
+        while step < switches:
+            j = (i + step) % switches
+            found.add((min(i, j), max(i, j)))
+            step <<= 1
+    return sorted(found)
+
+
+def dln_diameter(switches: int) -> int:
+    """Largest switch-hop distance of the DLN (breadth-first from switch 0: it is vertex-
+    transitive)."""
+    neighbours: dict[int, set[int]] = {i: set() for i in range(switches)}
+    for i, j in dln_chords(switches):
+        neighbours[i].add(j)
+        neighbours[j].add(i)
+    depth, frontier, seen = 0, {0}, {0}
+    while len(seen) < switches:
+        frontier = {n for f in frontier for n in neighbours[f]} - seen
+        seen |= frontier
+        depth += 1
+    return depth
+
+
+# the field that sizes a kind, filled from --ranks when the spec leaves it out
+_SIZE_FIELD = {"flat": "nodes", "fat-tree": "nodes", "dln": "switches"}
+
+_BUILDERS = {
+    "flat": _flat,
+    "fat-tree": _fat_tree,
+    "torus": _torus,
+    "dragonfly": _dragonfly,
+    "dln": _dln,
+}

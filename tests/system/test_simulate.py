@@ -1,0 +1,96 @@
+"""SimGrid runs of the schedules (``commlayer simulate``) at 16-32 ranks, a second or two each.
+
+Skipped, with the reason, only where SimGrid's smpicc/smpirun are missing (scripts/test.sh
+installs them: scripts/install-simgrid.sh). The simulated times are deterministic functions of
+the platform, so comparing them with formulas is a correctness check, not a timing one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from commlayer import cli
+from commlayer.sim import platforms, simulate
+
+MISSING = [tool for tool in ("smpicc", "smpirun") if shutil.which(tool) is None]
+pytestmark = pytest.mark.skipif(
+    bool(MISSING),
+    reason=f"{' and '.join(MISSING)} not found: SimGrid could not be installed here "
+    "(bash scripts/install-simgrid.sh says why)",
+)
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("nbytes", [4 * MiB, 1024])  # 1 KiB: latencies, no start skew
+@pytest.mark.parametrize("name", ["ring", "recursive_doubling", "rabenseifner"])
+def test_flat_matches_alpha_beta(name: str, nbytes: int) -> None:
+    p = platforms.generate("flat:ranks=32")
+    assert p.links is not None
+    r = simulate.simulate(name, p, nbytes)
+    formula = simulate.alpha_beta(
+        name, 32, nbytes, p.links.inter_alpha_s, p.links.inter_beta_s_per_byte
+    )
+    assert r.simulated_s == pytest.approx(formula, rel=0.05)
+    assert r.model_s == pytest.approx(formula, rel=0.05)
+
+
+@pytest.mark.parametrize("ours, theirs", [("ring", "lr"), ("rabenseifner", "rab_rdb")])
+def test_our_schedules_match_smpi_builtin(ours: str, theirs: str) -> None:
+    p = platforms.generate("flat:ranks=16")
+    mine = simulate.simulate(ours, p, 2 * MiB).simulated_s
+    builtin = simulate.simulate(f"smpi:{theirs}", p, 2 * MiB).simulated_s
+    assert mine == pytest.approx(builtin, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "fat-tree:nodes=8,gpus-per-node=4,leaf=4",
+        "torus:2x4x2",
+        "dragonfly:groups=2,chassis=2,routers=2,nodes=2",
+        "dln:8,gpus-per-node=4",
+    ],
+)
+def test_every_platform_kind_runs(spec: str) -> None:
+    p = platforms.generate(spec)
+    shd = simulate.simulate("shd", p, 1 * MiB)
+    assert shd.simulated_s > 0 and shd.model_s is not None and shd.messages > 0
+    # no platform beats its own node links: at least the bytes every rank must send
+    assert p.links is not None
+    floor = (p.ranks - 1) / p.ranks * MiB * min(p.links.inter_beta_s_per_byte,
+                                                 p.links.intra_beta_s_per_byte)  # fmt: skip
+    assert shd.simulated_s >= floor
+
+
+def test_cli_json_and_file_platform(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = platforms.generate("flat:ranks=16", gpus_per_node=4)
+    xml, hostfile = tmp_path / "p.xml", tmp_path / "hosts"
+    xml.write_text(spec.xml)
+    hostfile.write_text(spec.hostfile())
+    out = tmp_path / "r.md"
+    command = [
+        "simulate", "--algorithm", "hierarchical,auto",
+        "--platform", str(xml), "--hostfile", str(hostfile), "--gpus-per-node", "4",
+        "--platform", "flat:gpus-per-node=4", "--ranks", "16", "--size", "1MiB",
+        "--format", "json", "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(command) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 4
+    for row in rows:
+        assert {"algorithm", "platform", "ranks", "size_bytes", "simulated_s", "model_s"} <= set(
+            row
+        )
+        assert row["ranks"] == 16 and row["size_bytes"] == MiB
+    by_platform = {(r["platform"], r["algorithm"]): r["simulated_s"] for r in rows}
+    # the same machine, from the file and generated: the same time
+    assert by_platform[(str(xml), "hierarchical")] == pytest.approx(
+        by_platform[("flat:gpus-per-node=4", "hierarchical")], rel=1e-6
+    )
+    assert rows[0]["model_s"] is None  # a file's links are not known to the model
+    assert "| hierarchical |" in out.read_text()
+    assert out.read_text().startswith("Made by: `commlayer simulate --algorithm hierarchical,auto")

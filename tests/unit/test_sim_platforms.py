@@ -1,0 +1,146 @@
+"""commlayer/sim without SimGrid: platform specs and XML, hostfiles, DLN, trace export."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from commlayer import algorithms
+from commlayer.algorithms import hierarchical
+from commlayer.algorithms.topology import Topology
+from commlayer.sim import export, platforms, simulate
+
+
+def _parse(xml: str) -> ET.Element:
+    return ET.fromstring(xml.split("\n", 2)[2])  # past the declaration and DOCTYPE
+
+
+@pytest.mark.parametrize(
+    "spec, ranks, nodes",
+    [
+        ("flat:ranks=64", 64, 64),
+        ("fat-tree:nodes=16,gpus-per-node=4", 64, 16),
+        ("torus:2x4x2", 16, 16),
+        ("dragonfly:groups=2,chassis=2,routers=2,nodes=2", 16, 16),
+        ("dragonfly:groups=4,routers=4,gpus-per-node=4", 64, 16),
+        ("dln:8,gpus-per-node=2", 16, 8),
+    ],
+)
+def test_generated_platforms_hold_their_ranks(spec: str, ranks: int, nodes: int) -> None:
+    p = platforms.generate(spec)
+    assert p.ranks == ranks
+    assert p.topology().nodes == nodes
+    _parse(p.xml)  # well-formed
+    assert p.hostfile().splitlines()[0] == f"node-0:{ranks // nodes}"
+
+
+def test_ranks_size_the_platform_when_the_spec_does_not() -> None:
+    p = platforms.generate("fat-tree:gpus-per-node=4,leaf=4", ranks=32)
+    assert (p.ranks, p.topology().nodes) == (32, 8)
+    assert 'topo_parameters="2;4,2;1,4;1,1"' in p.xml
+    assert platforms.generate("dln", ranks=16, gpus_per_node=4).topology().nodes == 4
+
+
+def test_clusters_route_a_node_to_itself_over_the_intra_node_link() -> None:
+    p = platforms.generate("flat:ranks=8,intra-bw=100GBps,intra-lat=0.2us", gpus_per_node=4)
+    cluster = _parse(p.xml).find("cluster")
+    assert cluster is not None
+    assert float(cluster.get("loopback_bw", "0").removesuffix("Bps")) == 100e9
+    assert p.links is not None and p.links.intra_alpha_s == pytest.approx(0.2e-6)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("mesh:4", "unknown kind"),
+        ("flat:ranks=4,color=red", "unknown field"),
+        ("dln:6", "power of two"),
+        ("torus", "shape"),
+        ("flat:ranks=4,bw=fast", "bandwidth"),
+        ("dragonfly:groups=4,routers=2", "groups - 1"),
+    ],
+)
+def test_bad_specs_name_what_is_wrong(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        platforms.generate(spec)
+
+
+def test_units() -> None:
+    assert platforms.bandwidth("100Gbps") == 12.5e9
+    assert platforms.bandwidth("12.5GBps") == 12.5e9
+    assert platforms.seconds("0.5us") == pytest.approx(5e-7)
+
+
+@pytest.mark.parametrize("switches, degree, diameter", [(8, 5, 2), (64, 11, 3), (256, 15, 4)])
+def test_dln_degree_and_diameter(switches: int, degree: int, diameter: int) -> None:
+    chords = platforms.dln_chords(switches)
+    assert 2 * len(chords) == switches * degree
+    assert platforms.dln_diameter(switches) == diameter
+    # every halving-doubling partner (v XOR 2^k) is one chord away
+    pairs = set(chords)
+    for v in range(switches):
+        for k in range(switches.bit_length() - 1):
+            u = v ^ (1 << k)
+            assert (min(u, v), max(u, v)) in pairs
+
+
+def test_file_platform_with_hostfile(tmp_path: Path) -> None:
+    xml = tmp_path / "p.xml"
+    # SimGrid 3.19 accepted attributes without a space between them (the research's files)
+    xml.write_text(platforms.generate("flat:ranks=4").xml.replace('" suffix', '"suffix'))
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-1:2\nnode-0\n# comment\nnode-3:2\n")
+    p = platforms.from_file(xml, hostfile, None, 1)
+    assert p.hosts == ("node-1", "node-1", "node-0", "node-3", "node-3")
+    assert p.topology().node_of == (0, 0, 1, 2, 2)
+    assert '" suffix' in p.xml
+    assert platforms.from_file(xml, None, 8, 2).ranks == 8  # hosts in file order, 2 each
+
+
+def test_trace_is_the_schedule() -> None:
+    topology = Topology((0, 0, 1, 1))
+    schedules = export.schedules("hierarchical", 1000, topology)
+    for rank, schedule in enumerate(schedules):
+        assert schedule == algorithms.schedule("hierarchical", rank, 4, 1000, topology)
+    line = export.step_line(schedules[0][0], 4, gamma_s_per_byte=1e-9)
+    nsend, nrecv, compute_s, *pairs = line.split()
+    step = schedules[0][0]
+    assert (int(nsend), int(nrecv)) == (len(step.sends), len(step.recvs))
+    assert [int(x) for x in pairs[1::2]] == [4 * t.numel for t in step.sends + step.recvs]
+    assert float(compute_s) == pytest.approx(4 * sum(t.numel for t in step.recvs) * 1e-9)
+
+
+def test_aggregate_merges_pieces_to_one_peer(tmp_path: Path) -> None:
+    schedule = algorithms.schedule("ring", 0, 2, 3 << 20)  # blocks of 1.5 Mi: two pieces each
+    assert len(schedule[0].sends) == 2
+    assert export.step_line(schedule[0], 4).split()[:2] == ["1", "1"]
+    assert export.step_line(schedule[0], 4, aggregate=False).split()[:2] == ["2", "2"]
+    messages = export.write([schedule, algorithms.schedule("ring", 1, 2, 3 << 20)], tmp_path)
+    assert messages == 4
+    assert (tmp_path / "rank1.trace").read_text().startswith("commlayer-sim-trace 1\n2\n")
+
+
+def test_model_on_flat_is_the_alpha_beta_formula() -> None:
+    p = platforms.generate("flat:ranks=64")
+    assert p.links is not None
+    alpha, beta = p.links.inter_alpha_s, p.links.inter_beta_s_per_byte
+    for name in ("ring", "recursive_doubling", "rabenseifner"):
+        model = simulate.model_time(name, p, 64 << 20)
+        assert model == pytest.approx(simulate.alpha_beta(name, 64, 64 << 20, alpha, beta), 0.01)
+
+
+def test_hierarchical_with_another_inter_is_registered_only_while_simulated() -> None:
+    p = platforms.generate("flat:ranks=16", gpus_per_node=4)
+    name = simulate.resolve("hierarchical:rabenseifner", p, 1 << 20)
+    before = algorithms.generation()
+    with simulate._variant(name):
+        model = simulate.model_time(name, p, 1 << 20)
+        schedule = algorithms.schedule(name, 0, 16, 1000, p.topology())
+    assert name not in algorithms.schedules() and algorithms.generation() == before + 2
+    assert model is not None and model > 0
+    groups = [p.topology().members(n) for n in range(4)]
+    assert schedule == hierarchical.two_level(0, 1000, groups, "rabenseifner")
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        simulate.resolve("hierarchical:nope", p, 1 << 20)
