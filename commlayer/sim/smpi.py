@@ -20,7 +20,6 @@ it). ``run`` starts ``smpirun`` on a platform with these settings, each for a re
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import subprocess
@@ -110,10 +109,7 @@ def run(
             smpirun, "-np", str(platform.ranks), "-platform", str(xml), "-hostfile",
             str(hostfile), *cfg, "--log=root.thres:warning", str(program), *program_args,
         ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        result = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=tmp
-        )
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
     match = _TIME.search(result.stdout)
     if result.returncode != 0 or match is None:
         tail = (result.stdout + result.stderr)[-4000:]
