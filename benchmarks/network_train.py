@@ -38,7 +38,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -52,9 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-CLUSTER = ROOT / "scripts" / "cluster.sh"
 RESULT_PREFIX = "RESULT "
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
+
+from network import CLUSTER, layout, rate_bits  # noqa: E402  (benchmarks/network.py)
 
 # (label, system, COMMLAYER_COMPRESSION, COMMLAYER_SPARSE_ALGORITHM)
 SYSTEMS: list[tuple[str, str, str, str]] = [
@@ -97,64 +97,49 @@ def _link_bytes() -> tuple[int, int]:
 
 
 class System:
-    """One system's init, model wrapping and optimizer wrapping behind one interface."""
+    """One system's init, model wrapping and optimizer wrapping behind one interface: DDP over
+    torch.distributed, or Horovod and commlayer through their one (shared) API, ``self.hvd``."""
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.hvd: Any = None
         if name == "ddp":
             import torch.distributed as dist
 
             dist.init_process_group("gloo")  # torchrun's env:// rendezvous
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        elif name == "horovod":
-            import horovod.torch as hvd
-
-            hvd.init()
-            self.rank, self.size = hvd.rank(), hvd.size()
-        else:
-            import commlayer as cl
-
-            cl.init()
-            self.rank, self.size = cl.rank(), cl.size()
-
-    def wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
-        if self.name == "ddp":
-            return nn.parallel.DistributedDataParallel(model), optimizer
-        hvd: Any
-        if self.name == "horovod":
+            return
+        if name == "horovod":
             import horovod.torch as hvd
         else:
             import commlayer as hvd
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        hvd.init()
+        self.hvd = hvd
+        self.rank, self.size = hvd.rank(), hvd.size()
+
+    def wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        if self.hvd is None:
+            return nn.parallel.DistributedDataParallel(model), optimizer
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        named = model.named_parameters()
+        return model, self.hvd.DistributedOptimizer(optimizer, named_parameters=named)
 
     def barrier(self) -> None:
-        if self.name == "ddp":
+        if self.hvd is None:
             import torch.distributed as dist
 
             dist.barrier()
-            return
-        hvd: Any
-        if self.name == "horovod":
-            import horovod.torch as hvd
         else:
-            import commlayer as hvd
-        hvd.allreduce(torch.zeros(1), name="network_train.barrier")
+            self.hvd.allreduce(torch.zeros(1), name="network_train.barrier")
 
     def close(self) -> None:
-        if self.name == "ddp":
+        if self.hvd is None:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-        elif self.name == "horovod":
-            import horovod.torch as hvd
-
-            hvd.shutdown()
         else:
-            import commlayer as cl
-
-            cl.shutdown()
+            self.hvd.shutdown()
 
 
 def throughput(system: System, args: argparse.Namespace) -> dict[str, Any]:
@@ -491,13 +476,6 @@ def _accuracy_panel(right: Any, result: dict[str, Any]) -> None:
     right.grid(alpha=0.3)
 
 
-def rate_bits(text: str) -> float:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", text.strip().lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"rate {text!r}: expected e.g. 100mbit, 1gbit, 10gbit")
-    return float(match.group(1)) * {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[match.group(2)]
-
-
 def driver(args: argparse.Namespace) -> None:
     hosts, per_host = args.layout
     chosen = [s for s in SYSTEMS if not args.systems or s[0] in args.systems]
@@ -561,9 +539,7 @@ def driver(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=lambda s: s.split(","), default=["1gbit", "10gbit"])
-    parser.add_argument(
-        "--layout", type=lambda s: tuple(int(x) for x in s.split("x")), default=(2, 1)
-    )
+    parser.add_argument("--layout", type=layout, default=(2, 1), help="HOSTSxRANKS, e.g. 2x1")
     parser.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS))
     parser.add_argument("--systems", type=lambda s: s.split(","), help="labels, default all")
     parser.add_argument("--steps", type=int, default=10)
