@@ -1,9 +1,12 @@
 """Allreduce benchmark, osu_allreduce style: commlayer vs raw MPI vs torch.distributed (gloo).
 
-    OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/allreduce.py [--max-bytes 256M] [--out F]
+    OMP_NUM_THREADS=1 mpiexec -n 2 python benchmarks/allreduce.py [--max-bytes 256M]
+        [--backends mpi,torch] [--out F]
 
 1. Every system reduces the same float32 buffer in place with Sum, measured in the same run:
-   commlayer's blocking ``allreduce_`` (engine thread, negotiation, MPI underneath), mpi4py's
+   commlayer's blocking ``allreduce_`` (engine thread, negotiation, MPI underneath; with
+   ``--backends mpi,torch`` also over torch.distributed's gloo, commlayer restarted over each
+   backend in turn at every size), mpi4py's
    ``Comm.Allreduce`` on the same memory (the MPI library itself, no engine), and gloo's
    ``dist.all_reduce`` (what DDP uses on CPU).
 2. Each size runs ``--reps`` repetitions of a timed loop whose length targets ``--target-s``;
@@ -82,24 +85,43 @@ def measure(fn: Callable[[], object], args: argparse.Namespace, world: MPI.Comm)
 
 
 def time_one_size(nbytes: int, args: argparse.Namespace, world: MPI.Comm) -> dict[str, float]:
-    """Seconds per call of each system on one float32 buffer of ``nbytes`` (same memory)."""
+    """Seconds per call of each system on one float32 buffer of ``nbytes`` (same memory);
+    commlayer once per backend in ``--backends``, restarted over it (``init(backend=...)``)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     array = buf.numpy()
     name = f"bench.{nbytes}"
-    return {
-        "mpi": measure(lambda: world.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM), args, world),
-        "cl": measure(lambda: cl.allreduce_(buf, op=cl.Sum, name=name), args, world),
-        "gloo": measure(lambda: dist.all_reduce(buf), args, world),
-    }
+    times = {"mpi": measure(lambda: world.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM), args, world)}
+    for backend in args.backends:
+        cl.shutdown()
+        cl.init(backend=backend)
+        times[f"cl-{backend}"] = measure(
+            lambda: cl.allreduce_(buf, op=cl.Sum, name=name), args, world
+        )
+    times["gloo"] = measure(lambda: dist.all_reduce(buf), args, world)
+    return times
 
 
 def size_table(args: argparse.Namespace, world: MPI.Comm) -> list[str]:
     n = world.size
     factor = 2 * (n - 1) / n if n > 1 else 1.0
+    systems = ["mpi", *(f"cl-{b}" for b in args.backends), "gloo"]
+    label = {
+        "mpi": "raw MPI",
+        "gloo": "gloo",
+        **{f"cl-{b}": f"commlayer/{b}" for b in args.backends},
+    }
+    ratios = [(f"cl-{b}", base) for b in args.backends for base in ("mpi", "gloo")]
+    if {"mpi", "torch"} <= set(args.backends):
+        ratios.append(("cl-torch", "cl-mpi"))
     rows = [
-        "| bytes | raw MPI µs | commlayer µs | gloo µs | raw MPI busbw GB/s "
-        "| commlayer busbw GB/s | gloo busbw GB/s | commlayer / MPI busbw | commlayer / gloo |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| bytes | "
+        + " | ".join(f"{label[k]} µs" for k in systems)
+        + " | "
+        + " | ".join(f"{label[k]} busbw GB/s" for k in systems)
+        + " | "
+        + " | ".join(f"{label[a]} / {label[b]}" for a, b in ratios)
+        + " |",
+        "| ---: |" + " ---: |" * (2 * len(systems) + len(ratios)),
     ]
     if world.rank == 0:
         print("\n".join(rows), flush=True)
@@ -107,10 +129,14 @@ def size_table(args: argparse.Namespace, world: MPI.Comm) -> list[str]:
         times = time_one_size(nbytes, args, world)
         busbw = {k: nbytes / t * factor / 1e9 for k, t in times.items()}
         rows.append(
-            f"| {human(nbytes)} | {times['mpi'] * 1e6:,.0f} | {times['cl'] * 1e6:,.0f} "
-            f"| {times['gloo'] * 1e6:,.0f} | {busbw['mpi']:.2f} | {busbw['cl']:.2f} "
-            f"| {busbw['gloo']:.2f} | {times['mpi'] / times['cl']:.2f} "
-            f"| {times['gloo'] / times['cl']:.2f} |"
+            f"| {human(nbytes)} | "
+            + " | ".join(f"{times[k] * 1e6:,.0f}" for k in systems)
+            + " | "
+            + " | ".join(f"{busbw[k]:.2f}" for k in systems)
+            + " | "
+            # a ratio of speeds: above 1, the first is faster
+            + " | ".join(f"{times[b] / times[a]:.2f}" for a, b in ratios)
+            + " |"
         )
         if world.rank == 0:
             print(rows[-1], flush=True)
@@ -173,6 +199,12 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per size")
     parser.add_argument("--target-s", type=float, default=0.2, help="seconds per repetition")
     parser.add_argument("--max-iters", type=int, default=2000)
+    parser.add_argument(
+        "--backends",
+        type=lambda text: text.split(","),
+        default=["mpi"],
+        help="commlayer's backends to measure, each in turn at every size: mpi, torch (gloo)",
+    )
     parser.add_argument("--out", help="also write the tables here (rank 0)")
     args = parser.parse_args()
 

@@ -3,11 +3,13 @@
     OMP_NUM_THREADS=1 python benchmarks/train.py [--np 2,4] [--models mlp,resnet] [--out F]
 
 1. The driver (this script without ``--worker``) launches one ``mpiexec -n N`` job per
-   (rank count, model, system), all in this one run, and prints a table of median step time
-   and samples/s (batch per rank x ranks / step time) with the ratio to DDP measured in the same
-   run, plus a 1-process run of the plain model as the scaling reference. Then, per (rank
-   count, model), one paired job (``paired_worker``) trains a DDP copy and a commlayer copy
-   step by step in turn: its ratio is the one to quote on a machine whose speed drifts.
+   (rank count, model, system), all in this one run (``commlayer-torchrun``: the commlayer
+   worker under ``torchrun``, its engine over torch.distributed's gloo), and prints a table of
+   median step time and samples/s (batch per rank x ranks / step time) with the ratio to DDP
+   measured in the same run, plus a 1-process run of the plain model as the scaling
+   reference. Then, per (rank count, model), one paired job (``paired_worker``) trains a DDP
+   copy and a commlayer copy step by step in turn: its ratio is the one to quote on a machine
+   whose speed drifts.
 2. Models with many mid-sized gradient tensors, as in shared/ANCHORS.md: ``mlp`` is
    10 x [Linear(768, 768), LayerNorm(768), GELU()] + Linear(768, 1000) (6.69 M parameters in
    62 tensors), ``resnet`` a small CIFAR-style ResNet (3 stages of 2 basic blocks).
@@ -43,6 +45,8 @@ from torch import nn
 from commlayer import malloc
 
 SYSTEMS = ("commlayer", "ddp", "horovod")
+# commlayer launched by torchrun (its engine over torch.distributed's gloo) instead of mpiexec
+TORCHRUN = "commlayer-torchrun"
 RESULT_PREFIX = "RESULT "
 
 
@@ -313,7 +317,11 @@ def run_one(args: argparse.Namespace, system: str, model: str, ranks: int) -> di
         sys.executable, __file__, "--worker", worker, "--model", model,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
     ]  # fmt: skip
-    if system != "single":
+    if system == TORCHRUN:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", str(ranks), *command[1:]]  # fmt: skip
+        command[command.index("--worker") + 1] = "commlayer"
+    elif system != "single":
         command = [_mpiexec(), "-n", str(ranks), *command]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if system.endswith(MALLOC_CONTROL):
@@ -322,7 +330,7 @@ def run_one(args: argparse.Namespace, system: str, model: str, ranks: int) -> di
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             result = dict(json.loads(line.removeprefix(RESULT_PREFIX)))
-            if system != worker:
+            if system != worker or system == TORCHRUN:
                 result["system"] = system
             return result
     raise RuntimeError(
@@ -368,14 +376,21 @@ def paired_table(results: list[dict[str, Any]]) -> list[str]:
 
 
 def driver(args: argparse.Namespace) -> None:
-    systems = ["ddp", "commlayer"]
-    notes = []
-    if _horovod_importable():
+    systems = ["ddp", "commlayer", TORCHRUN]
+    notes = [
+        f"`{TORCHRUN}`: the commlayer script launched by `torchrun --standalone` instead of "
+        "mpiexec: its engine runs over torch.distributed's gloo (COMMLAYER_BACKEND=auto)."
+    ]
+    wanted = args.systems or [*systems, "horovod"]
+    systems = [s for s in systems if s in wanted]
+    if "horovod" not in wanted:
+        pass  # not asked for
+    elif _horovod_importable():
         systems.append("horovod")
     else:
         notes.append("Horovod: not importable here (`import horovod.torch` failed), not measured.")
     if args.malloc_controls:
-        systems += [s + MALLOC_CONTROL for s in systems if s != "commlayer"]
+        systems += [s + MALLOC_CONTROL for s in systems if not s.startswith("commlayer")]
         notes.append(
             f"`{MALLOC_CONTROL}`: the same system with glibc's mmap threshold at 32 MiB and trim "
             "threshold at 64 MiB (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), what "
@@ -448,6 +463,11 @@ def main() -> int:
     parser.add_argument("--out", help="also write the table here")
     parser.add_argument("--worker", choices=("single", "paired", *SYSTEMS), help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--systems",
+        type=lambda text: text.split(","),
+        help=f"only these (of ddp, commlayer, {TORCHRUN}, horovod; +malloc controls follow)",
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)

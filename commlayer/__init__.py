@@ -61,6 +61,7 @@ from commlayer.optimizer import DistributedOptimizer
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from commlayer.runtime import (
+    backend_name,
     communication_stats,
     cross_rank,
     cross_size,
@@ -85,12 +86,13 @@ __version__ = "0.1.0"
 
 
 def mpi_built() -> bool:
-    """commlayer always runs over MPI (mpi4py)."""
+    """commlayer runs over MPI (mpi4py) or torch.distributed (COMMLAYER_BACKEND)."""
     return True
 
 
 def mpi_enabled() -> bool:
-    return is_initialized()
+    """Whether the running engine's messages travel over MPI."""
+    return _runtime.backend_name() == "mpi"
 
 
 def mpi_threads_supported() -> bool:
@@ -99,12 +101,15 @@ def mpi_threads_supported() -> bool:
 
 
 def gloo_built() -> bool:
-    """No Gloo controller: commlayer negotiates and reduces over MPI only."""
-    return False
+    """torch.distributed's gloo carries the engine under torchrun (COMMLAYER_BACKEND=torch)."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_gloo_available())
 
 
 def gloo_enabled() -> bool:
-    return False
+    """Whether the running engine's messages travel over torch.distributed (gloo)."""
+    return _runtime.backend_name() == "torch"
 
 
 def nccl_built() -> bool:

@@ -28,6 +28,7 @@ _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 WAIT_POLICIES = ("auto", "active", "passive")
 JOIN_MODES = ("horovod", "active")
 ON_OFF = ("on", "off")
+BACKENDS = ("auto", "mpi", "torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Config:
     join_mode: str = "horovod"
     init_timeout_s: float = 60.0
     collective_timeout_s: float = 60.0
+    backend: str = "auto"
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -142,6 +144,7 @@ _LOG_LEVEL = _fixed(_parse_log_level, f"one of {', '.join(_LOG_LEVELS)}")
 _WAIT_POLICY = _fixed(one_of(lambda: WAIT_POLICIES), f"one of {', '.join(WAIT_POLICIES)}")
 _JOIN_MODE = _fixed(one_of(lambda: JOIN_MODES), f"one of {', '.join(JOIN_MODES)}")
 _ON_OFF = _fixed(one_of(lambda: ON_OFF), f"one of {', '.join(ON_OFF)}")
+_BACKEND = _fixed(one_of(lambda: BACKENDS), f"one of {', '.join(BACKENDS)}")
 _PATH = _fixed(str, "a path")
 # In _VARIABLES: a setting whose allowed values are names other modules own (algorithms,
 # compressors, ...); config imports none of them, their Validators are passed in.
@@ -292,6 +295,14 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "with CollectiveTimeoutError naming it and the ranks and hosts it waits on, and the job "
         "aborts (MPI_Abort: every rank exits non-zero); 0 disables; default 60",
     ),
+    (
+        "COMMLAYER_BACKEND",
+        "backend",
+        _BACKEND,
+        "what carries the engine's messages: mpi (mpi4py), torch (torch.distributed over gloo), "
+        "or auto (default): torch under torchrun or when torch.distributed is already "
+        "initialized, else mpi",
+    ),
 )
 
 _FIELDS = {field.name for field in dataclasses.fields(Config)}
@@ -306,6 +317,37 @@ def cache_dir() -> Path:
     ~/.cache/commlayer. (A system variable, not a COMMLAYER_* one, read here with the others.)"""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "commlayer"
+
+
+# Variables a launcher sets in every process it starts (system ones, read here with the others).
+_TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+_MPI_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How this process was started: ``launcher`` is "torchrun", "mpi" or "" (a plain
+    process); ``world_size`` is what torchrun says the job's size is (0 when not torchrun)."""
+
+    launcher: str
+    world_size: int = 0
+
+
+def launch(environ: Mapping[str, str] | None = None) -> Launch:
+    """Which launcher started this process, from the variables it sets (torchrun's RANK,
+    WORLD_SIZE and TORCHELASTIC_RUN_ID...; mpiexec's PMI_*/OMPI_* ones)."""
+    env = os.environ if environ is None else environ
+    if any(name in env for name in _TORCHRUN_VARIABLES) and "WORLD_SIZE" in env:
+        try:
+            size = int(env["WORLD_SIZE"])
+        except ValueError:
+            raise ConfigError(
+                f"WORLD_SIZE={env['WORLD_SIZE']!r} (set by torchrun) is not an integer"
+            ) from None
+        return Launch("torchrun", size)
+    if any(name in env for name in _MPI_VARIABLES):
+        return Launch("mpi")
+    return Launch("")
 
 
 # glibc's own malloc settings (environment variables and tunables): a user who set one has

@@ -15,7 +15,7 @@ from commlayer import kernels, malloc
 from commlayer import process_sets as process_sets_module
 from commlayer.config import Config
 from commlayer.engine import Engine
-from commlayer.errors import NotInitializedError
+from commlayer.errors import ConfigError, NotInitializedError
 from commlayer.process_sets import ProcessSet, check_ranks, global_process_set
 from commlayer.registries import REGISTRIES
 
@@ -27,6 +27,8 @@ log = logging.getLogger("commlayer")
 
 _lock = threading.Lock()
 _engine: Engine | None = None
+_backend_name = ""  # "mpi" or "torch": what the running engine's messages travel over
+_owns_torch_group = False  # init() initialized torch.distributed (shutdown() destroys it)
 _config: Config | None = None  # what init() resolved: every consumer reads this one
 _topology: dict[str, int] = {}
 _atexit_registered = False
@@ -58,17 +60,7 @@ def init(
         log.info(
             "malloc: %s", malloc.tune(cfg.malloc_tuning, config_module.glibc_malloc_variables())
         )
-        from commlayer.backends.mpi import MPIBackend, world_rank, world_subset
-
-        if isinstance(comm, (list, tuple)):
-            ranks = list(comm)
-            comm = world_subset(ranks)
-            if comm is None:
-                raise ValueError(
-                    f"init(comm={ranks!r}): this process (world rank "
-                    f"{world_rank()}) is not among those ranks"
-                )
-        backend = MPIBackend(comm, cfg.init_timeout_s)
+        backend = _start_backend(comm, cfg)
         engine = Engine(backend, cfg)
         _topology.clear()
         _topology.update(_derive_topology(backend.rank, backend.nodes()))
@@ -85,6 +77,51 @@ def init(
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+
+
+def _start_backend(comm: Any, cfg: Config) -> Any:
+    """The backend ``cfg.backend`` names (auto: torch under torchrun or over an initialized
+    torch.distributed, else MPI), over ``comm`` (a communicator or process group, or a list of
+    global ranks)."""
+    global _backend_name, _owns_torch_group
+    import torch.distributed as dist
+
+    launch = config_module.launch()
+    torch_ready = dist.is_available() and dist.is_initialized()
+    kind = cfg.backend
+    if kind == "auto":
+        kind = "torch" if torch_ready or launch.launcher == "torchrun" else "mpi"
+    if kind == "torch":
+        from commlayer.backends import torch_distributed
+
+        backend, _owns_torch_group = torch_distributed.start(comm, cfg.init_timeout_s, launch)
+        _backend_name = "torch"
+        return backend
+    if launch.launcher == "torchrun" and launch.world_size > 1:
+        raise ConfigError(
+            f"COMMLAYER_BACKEND=mpi, but torchrun started this process as one of "
+            f"WORLD_SIZE={launch.world_size}: MPI would make each process a job of its own "
+            "(size() 1 everywhere, training apart). Under torchrun use COMMLAYER_BACKEND=torch "
+            "(or auto); for MPI launch with commlayerrun or mpiexec"
+        )
+    from commlayer.backends.mpi import MPIBackend, world_rank, world_subset
+
+    if isinstance(comm, (list, tuple)):
+        ranks = list(comm)
+        comm = world_subset(ranks)
+        if comm is None:
+            raise ValueError(
+                f"init(comm={ranks!r}): this process (world rank "
+                f"{world_rank()}) is not among those ranks"
+            )
+    _backend_name = "mpi"
+    return MPIBackend(comm, cfg.init_timeout_s)
+
+
+def backend_name() -> str:
+    """What the running engine's messages travel over: "mpi" or "torch" (torch.distributed);
+    "" before init()."""
+    return _backend_name if _engine is not None else ""
 
 
 def _configure_logging(level: str) -> None:
@@ -123,6 +160,11 @@ def shutdown() -> None:
     if engine is None:
         return
     engine.shutdown()
+    if _backend_name == "torch":
+        from commlayer.backends import torch_distributed
+
+        torch_distributed.finish(owns_default_group=_owns_torch_group)
+        return
     from commlayer.backends import mpi
 
     if engine.peer_died:
@@ -212,5 +254,6 @@ __all__ = [
     "cross_rank",
     "cross_size",
     "is_initialized",
+    "backend_name",
     "global_process_set",
 ]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up and run every test: lint, types, unit and system tests, and the parallel suite under
-# mpiexec at 1, 2, 3 and 4 ranks. This is THE test command (README, and CI via .ci/run).
+# mpiexec at 1, 2, 3 and 4 ranks, then under torchrun (commlayer over torch.distributed's gloo)
+# at 1, 2, 3 and 4 processes. This is THE test command (README, and CI via .ci/run).
 # Usage: bash scripts/test.sh   (from anywhere; needs python3 >= 3.10 and pip)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -113,5 +114,18 @@ for n in 1 2 3 4; do
     fi
     run_pytest tests/parallel timeout -k 30 "$PARALLEL_TIMEOUT_S" \
         mpiexec -n "$n" "$PY" -m pytest tests/parallel -q -p no:cacheprovider -x </dev/null
+    stage_done "ok"
+done
+
+for n in 1 2 3 4; do
+    stage "pytest parallel, torchrun --nproc_per_node $n"
+    if [[ $(count_test_files tests/parallel) -eq 0 ]]; then
+        stage_done "skipped (no test files in tests/parallel)"
+        continue
+    fi
+    # --standalone: a rendezvous on a free local port (two runs never share one)
+    run_pytest tests/parallel timeout -k 30 "$PARALLEL_TIMEOUT_S" \
+        "$PY" -m torch.distributed.run --standalone --nproc_per_node "$n" \
+        -m pytest tests/parallel -q -p no:cacheprovider -x </dev/null
     stage_done "ok"
 done

@@ -89,10 +89,16 @@ class Backend(Protocol):
         """Receive the next message from ``peer`` into buf (same number of elements)."""
         ...
 
+    def isend_any(self, buf: torch.Tensor, peer: int) -> Request:
+        """Send buf to ``peer``, which receives it with ``irecv_any`` (not knowing its length):
+        MPI's receiver probes for the length, a backend without a probe sends it first."""
+        ...
+
     def irecv_any(self, dtype: torch.dtype, peer: int) -> SizedRequest:
-        """Receive the next message from ``peer``, whatever its length (the sparse allreduce's
-        data-dependent streams); the request's ``tensor`` holds it once complete. Ordered with
-        ``irecv`` as MPI orders receives; don't mix the two for one peer at the same time."""
+        """Receive the next ``isend_any`` message from ``peer``, whatever its length (the sparse
+        allreduce's data-dependent streams); the request's ``tensor`` holds it once complete.
+        Ordered with ``irecv`` as MPI orders receives; don't mix the two for one peer at the
+        same time."""
         ...
 
     def ibarrier(self) -> Request:

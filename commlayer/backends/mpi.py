@@ -27,6 +27,7 @@ from mpi4py import MPI  # noqa: E402
 
 from commlayer.algorithms.topology import Topology  # noqa: E402
 from commlayer.backends.base import COMPLETED, Request  # noqa: E402
+from commlayer.backends.peers import process_alive  # noqa: E402
 from commlayer.errors import CommlayerError  # noqa: E402
 from commlayer.reduce_ops import ReduceOp  # noqa: E402
 
@@ -321,6 +322,9 @@ class MPIBackend:
     def irecv(self, buf: torch.Tensor, peer: int) -> Request:
         return _MPIRequest(self._comm.Irecv(_spec(buf), source=peer, tag=_P2P_TAG), buf)
 
+    def isend_any(self, buf: torch.Tensor, peer: int) -> Request:
+        return self.isend(buf, peer)  # the receiver probes for the length
+
     def irecv_any(self, dtype: torch.dtype, peer: int) -> _ProbeRecvRequest:
         return _ProbeRecvRequest(self._comm, dtype, peer, self._probes.setdefault(peer, deque()))
 
@@ -357,7 +361,7 @@ class MPIBackend:
         return [
             rank
             for rank, (peer_host, pid) in enumerate(self._peers)
-            if rank != self._rank and peer_host == host and not _process_alive(pid)
+            if rank != self._rank and peer_host == host and not process_alive(pid)
         ]
 
     def abort(self, reason: str) -> None:
@@ -377,22 +381,6 @@ class MPIBackend:
         self._levels.clear()
         if self._comm != MPI.COMM_WORLD and self._comm != MPI.COMM_NULL:
             self._comm.Free()
-
-
-def _process_alive(pid: int) -> bool:
-    """False when the process is gone or a zombie (exited, not yet reaped by mpiexec)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return state not in (b"Z", b"X")
 
 
 def finalize() -> None:

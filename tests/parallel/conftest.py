@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 import pytest
+from launch import under_torchrun
 
 import commlayer
 
@@ -35,8 +36,34 @@ _TIMER_KEY = pytest.StashKey[threading.Timer]()
 _rank_stderr: TextIO | None = None
 
 
+class _TorchWorld:
+    """torch.distributed's default group (gloo) with the three calls this harness makes."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        self._dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def allgather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        self._dist.all_gather_object(out, obj)
+        return out
+
+
+_torch_world: _TorchWorld | None = None
+
+
 def _world() -> Any:
-    """MPI.COMM_WORLD, started the way commlayer's MPI backend starts it."""
+    """MPI.COMM_WORLD, started the way commlayer's MPI backend starts it; under torchrun,
+    torch.distributed's default group, which commlayer.init() then runs over."""
+    global _torch_world
+    if under_torchrun():
+        if _torch_world is None:
+            _torch_world = _TorchWorld()
+        return _torch_world
     # Imported here, not at the top: importing the backend sets mpi4py.rc, then initializes MPI.
     from commlayer.backends import mpi as mpi_backend
 
@@ -61,13 +88,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"commlayer parallel tests: {_world().size} MPI rank(s); report from rank 0 only"
+    over = "torch.distributed (torchrun)" if under_torchrun() else "MPI"
+    return f"commlayer parallel tests: {_world().size} rank(s) over {over}; report from rank 0 only"
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # trylast: compare the final list, after -k/-m deselection. commlayer is not started yet,
-    # so this thread may still call MPI directly.
+    # so this thread may still call MPI (or torch.distributed) directly.
     world = _world()
     ids = [item.nodeid for item in items]
     differ = [r for r, other in enumerate(world.allgather(ids)) if other != ids]

@@ -23,13 +23,14 @@ from collective_reference import (
     random_floats,
     seed_of,
 )
+from launch import own_backend
 
 import commlayer as cl
 from commlayer import algorithms, runtime
 from commlayer.algorithms import autotune
 from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.topology import Topology
-from commlayer.backends.mpi import MPIBackend
+from commlayer.backends.base import Backend
 from commlayer.reduce_ops import ReduceOp
 
 NAMES = [n for n in algorithms.available() if n != algorithms.AUTO]
@@ -37,18 +38,18 @@ OPS = (cl.Sum, cl.Min, cl.Max, cl.Product)
 
 
 @pytest.fixture(scope="module")
-def backend() -> Iterator[MPIBackend]:
-    own = MPIBackend()  # a duplicate of COMM_WORLD: collective, every rank makes it here
+def backend() -> Iterator[Backend]:
+    own = own_backend()  # collective: every rank makes it here
     yield own
     own.close()
 
 
-def run(backend: MPIBackend, name: str, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+def run(backend: Backend, name: str, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
     return run_with(backend, Allreducer(name), tensor, op)
 
 
 def run_with(
-    backend: MPIBackend, allreducer: Allreducer, tensor: torch.Tensor, op: ReduceOp
+    backend: Backend, allreducer: Allreducer, tensor: torch.Tensor, op: ReduceOp
 ) -> torch.Tensor:
     buf = tensor.clone().reshape(-1)
     request = allreducer(backend, None, buf, op)
@@ -61,7 +62,7 @@ def run_with(
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_length(backend: MPIBackend, name: str) -> None:
+def test_every_length(backend: Backend, name: str) -> None:
     runs = []
     for numel in (0, 1, max(cl.size() - 1, 1), 1000, (1 << 20) + 3):
         inputs = every_rank_small_ints(seed_of(f"{name}.{numel}"), (numel,), torch.int32)
@@ -79,7 +80,7 @@ def _dtype_op_params() -> Iterator[object]:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize(("dtype", "op"), list(_dtype_op_params()))
 def test_every_dtype_and_op(
-    backend: MPIBackend, name: str, dtype: torch.dtype, op: ReduceOp
+    backend: Backend, name: str, dtype: torch.dtype, op: ReduceOp
 ) -> None:
     inputs = every_rank_small_ints(
         seed_of(f"{name}.{dtype}.{op.name}"), (257,), dtype, nonzero=True
@@ -89,7 +90,7 @@ def test_every_dtype_and_op(
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_float_results_are_the_same_bits_on_every_rank(backend: MPIBackend, name: str) -> None:
+def test_float_results_are_the_same_bits_on_every_rank(backend: Backend, name: str) -> None:
     mine = random_floats(seed_of(name), cl.rank(), (4099,), torch.float32)
     result = run(backend, name, mine, cl.Sum)
     assert_same_on_every_rank(gather_rows(result, f"allreduce.{name}.same_bits"))
@@ -105,7 +106,7 @@ def _two_node_topologies() -> list[Topology]:
 
 
 @pytest.mark.parametrize("name", ["hierarchical", "shd", "torus2d", "swing"])
-def test_topology_aware_algorithms_on_pretend_nodes(backend: MPIBackend, name: str) -> None:
+def test_topology_aware_algorithms_on_pretend_nodes(backend: Backend, name: str) -> None:
     runs = []
     for t, topology in enumerate(_two_node_topologies()):
         allreducer = Allreducer(name, topology=topology)
@@ -128,7 +129,7 @@ def test_engine_uses_the_configured_algorithm() -> None:
     assert engine._allreduce.algorithm == engine.config.allreduce_algorithm
 
 
-def test_auto_tuning_agrees_on_every_rank_and_stays_right(backend: MPIBackend) -> None:
+def test_auto_tuning_agrees_on_every_rank_and_stays_right(backend: Backend) -> None:
     # Online tuning (algorithms/autotune.py) measures up to 4 candidates per size class on the
     # first calls, then every rank must hold the same pick, and every call must be right.
     allreducer = Allreducer(algorithms.AUTO, tuning=True)

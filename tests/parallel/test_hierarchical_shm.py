@@ -26,6 +26,7 @@ from collective_reference import (
     random_floats,
     seed_of,
 )
+from launch import mpi_only
 from restart import reinit
 
 import commlayer as cl
@@ -34,6 +35,8 @@ from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.topology import Topology
 from commlayer.backends.mpi import _SHM_CHUNK_BYTES, MPIBackend
 from commlayer.reduce_ops import ReduceOp
+
+pytestmark = mpi_only
 
 OPS = (cl.Sum, cl.Min, cl.Max, cl.Product)  # the backend's; Average is the engine's (below)
 EXACT_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)  # small ints: exact

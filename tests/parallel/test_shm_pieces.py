@@ -26,6 +26,7 @@ from collective_reference import (
     random_floats,
     seed_of,
 )
+from launch import mpi_only
 from restart import reinit
 
 import commlayer as cl
@@ -33,6 +34,8 @@ from commlayer import fusion, ops
 from commlayer.backends import shm
 from commlayer.backends.mpi import _SHM_CHUNK_BYTES, MPIBackend
 from commlayer.reduce_ops import ReduceOp
+
+pytestmark = mpi_only
 
 OPS = (cl.Sum, cl.Min, cl.Max, cl.Product)
 SCALES = (1.0, 0.5, 0.25, 1.0, 2.0, 1.0, 0.5)

@@ -1,5 +1,6 @@
 """Rank topology (issue #2): rank, size, local_rank, local_size, cross_rank and cross_size agree
-with each other, with MPI, and with the hosts the ranks run on (ranks on one host share a node).
+with each other, with the launcher's world (MPI or torchrun), and with the hosts the ranks run
+on (ranks on one host share a node).
 
 Collectives first, asserts last: a rank that fails an assert must not leave the others waiting
 in a collective it never reaches.
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import socket
 
+from conftest import _world
+
 import commlayer as cl
-from commlayer.backends.mpi import MPI
 
 
 def test_topology_is_consistent_on_every_rank() -> None:
@@ -27,7 +29,8 @@ def test_topology_is_consistent_on_every_rank() -> None:
     every = cl.allgather_object(mine, name="topology")
     n = cl.size()
 
-    assert (cl.rank(), n) == (MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size)
+    world = _world()  # MPI's COMM_WORLD, or torch.distributed's default group under torchrun
+    assert (cl.rank(), n) == (world.rank, world.size)
     assert [info["rank"] for info in every] == list(range(n))
     assert all(info["size"] == n for info in every)
     for r, info in enumerate(every):

@@ -206,7 +206,9 @@ RunMPI = Callable[..., Job]
 
 @pytest.fixture(scope="session")
 def run_mpi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunMPI]:
-    """``run_mpi(script, n, *args, env={}, timeout_s=45, mpiexec_args=())`` -> Job.
+    """``run_mpi(script, n, *args, env={}, timeout_s=45, mpiexec_args=(), torchrun=False)``
+    -> Job. ``torchrun``: started by ``torchrun --standalone --nproc_per_node n`` instead of
+    mpiexec (commlayer then runs over torch.distributed).
 
     Session-scoped so that a module-scoped fixture can run one job for several tests.
     """
@@ -218,13 +220,16 @@ def run_mpi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunMPI]:
         env: dict[str, str] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         mpiexec_args: Sequence[str] = (),
+        torchrun: bool = False,
     ) -> Job:
         out_dir = tmp_path_factory.mktemp(Path(script).stem)
         job_env = worker_env(out_dir, timeout_s + 10.0, env or {})
-        command = [
-            _mpiexec(), *mpiexec_args, "-n", str(n),
-            sys.executable, str(SCRIPTS / script), *args,
-        ]  # fmt: skip
+        if torchrun:  # torchrun runs the script under its own python
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            command = [*launcher, "--nproc_per_node", str(n), str(SCRIPTS / script), *args]
+        else:
+            launcher = [_mpiexec(), *mpiexec_args, "-n", str(n), sys.executable]
+            command = [*launcher, str(SCRIPTS / script), *args]
         start = time.monotonic()
         returncode, stdout, stderr = run_limited(
             command, job_env, timeout_s, dump_stacks_of=command[-1 - len(args)]

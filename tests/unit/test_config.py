@@ -34,6 +34,7 @@ DEFAULTS = {
     "join_mode": "horovod",
     "init_timeout_s": 60.0,
     "collective_timeout_s": 60.0,
+    "backend": "auto",
 }
 
 # (variable, text, Config field, parsed value)
@@ -97,6 +98,8 @@ GOOD = [
     ("COMMLAYER_INIT_TIMEOUT_SECONDS", "2.5", "init_timeout_s", 2.5),
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "5", "collective_timeout_s", 5.0),
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "0", "collective_timeout_s", 0.0),
+    ("COMMLAYER_BACKEND", " Torch ", "backend", "torch"),
+    ("COMMLAYER_BACKEND", "mpi", "backend", "mpi"),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -163,6 +166,7 @@ BAD = [
     ("COMMLAYER_INIT_TIMEOUT_SECONDS", "forever", _POSITIVE),
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "-1", "a finite number >= 0 (0 disables)"),
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "inf", "a finite number >= 0 (0 disables)"),
+    ("COMMLAYER_BACKEND", "nccl", "one of auto, mpi, torch"),
 ]
 
 

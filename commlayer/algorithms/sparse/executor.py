@@ -351,8 +351,8 @@ class SparseScheduleRequest:
         vec = self._run.vec
         for t, idx, val in self._run.outgoing(self._index):
             empty = torch.empty(0, dtype=vec.index_dtype)
-            self._sends.append(self._backend.isend(empty if idx is None else idx, t.peer))
-            self._sends.append(self._backend.isend(val, t.peer))
+            self._sends.append(self._backend.isend_any(empty if idx is None else idx, t.peer))
+            self._sends.append(self._backend.isend_any(val, t.peer))
             self.bytes_sent += (0 if idx is None else idx.nbytes) + val.nbytes
         self._recvs = [
             _StreamRecv(self._backend, t, vec.index_dtype, vec.dtype)

@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# Hydra sets PMI_RANK; known before commlayer.init(), which some workers expect to fail.
-RANK = int(os.environ.get("PMI_RANK", "0"))
+# Hydra sets PMI_RANK, torchrun RANK; known before commlayer.init(), which some workers expect
+# to fail.
+RANK = int(os.environ.get("PMI_RANK", os.environ.get("RANK", "0")))
 
 
 def start() -> None:

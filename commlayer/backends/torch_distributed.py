@@ -1,0 +1,507 @@
+"""torch.distributed backend: the engine's nonblocking operations over a process group.
+
+The engine, its negotiation and every schedule run unchanged over this backend; it is what
+``init()`` picks under ``torchrun`` (``COMMLAYER_BACKEND=auto|torch``). What it maps to:
+
+1. Collectives are torch.distributed's own, ``async_op=True`` on gloo: allreduce, broadcast,
+   alltoall (``all_to_all_single`` with split sizes), reduce-scatter, barrier. gloo's allgather
+   takes equal sizes only, so ``iallgatherv`` pads every rank's part to the largest and copies
+   the parts out once it completes. The negotiation's bit vector is an int64 view of the uint64
+   words reduced with ``BAND``; int16 (which gloo cannot reduce) travels widened to int32.
+2. gloo's point-to-point and reduce-scatter ``Work`` never report completion to
+   ``is_completed()`` (only ``wait()`` finishes them), so each backend keeps waiter threads
+   that call ``wait()`` on them in the order they were posted (``wait`` releases the GIL) and
+   mark each done, one thread per lane: sends, receives, collectives. A send completes only
+   once its receiver has posted the receive, and some receives are posted only when an
+   earlier one is seen complete (a sized message's body, the sparse streams' values): a
+   receive waited for behind a send could hold back the very post that send waits for, on
+   two ranks at once. Every send of a step is posted when the step starts, so a receive
+   needs nothing from its own rank and the receive lane always moves. ``test()`` reads the
+   mark: the engine still never blocks on a transfer.
+3. torch.distributed has no probe, so a message of unknown length (``irecv_any``, the sparse
+   schedules' streams) is sent by ``isend_any`` as a one-element length header followed by the
+   data; the receives for one peer run one at a time, in the order posted, as MPI's matched
+   probes do.
+4. Ranks are this group's ranks; torch.distributed calls take the group rank through
+   ``group_src``/``group_dst``. ``nodes()`` groups ranks by host name; ``dead_peers()`` checks
+   the pids of peers on this host, as the MPI backend does. ``abort()`` ends this process with
+   exit code 70 (the MPI backend's MPI_Abort code): torchrun's agent then stops every other
+   rank and reports the failure.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import threading
+from collections import deque
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from commlayer.backends.base import COMPLETED, Request
+from commlayer.backends.peers import process_alive
+from commlayer.errors import CommlayerError
+from commlayer.reduce_ops import ReduceOp
+
+_ABORT_CODE = 70  # as the MPI backend's MPI_Abort: sysexits' EX_SOFTWARE
+_P2P_TAG = 7  # the schedules' point-to-point messages
+
+_OPS = {
+    ReduceOp.Sum: dist.ReduceOp.SUM,
+    ReduceOp.Average: dist.ReduceOp.SUM,  # the engine applies the scale
+    ReduceOp.Min: dist.ReduceOp.MIN,
+    ReduceOp.Max: dist.ReduceOp.MAX,
+    ReduceOp.Product: dist.ReduceOp.PRODUCT,
+}
+# dtypes gloo cannot reduce, and the dtype they travel as for a reduction
+_WIDENED = {torch.int16: torch.int32}
+
+
+def _op(op: ReduceOp) -> Any:
+    return _OPS[op]
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (a view): what moves when nothing is reduced, whatever the dtype
+    (gloo moves no int16, for one)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class _WorkRequest:
+    """A torch.distributed collective in flight (its Work reports completion); ``after`` runs
+    once, on completion, on the engine thread (copies out of a padded or widened buffer)."""
+
+    __slots__ = ("_work", "_keep", "_after", "_done")
+
+    def __init__(self, work: Any, *keep: Any, after: Any = None) -> None:
+        self._work, self._keep, self._after, self._done = work, keep, after, False
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if not self._work.is_completed():
+            return False
+        self._work.wait()  # raises the collective's error, if it failed
+        if self._after is not None:
+            self._after()
+        self._done = True
+        return True
+
+
+class _WaitedRequest:
+    """A Work that does not report completion to ``is_completed()`` (gloo's point-to-point and
+    reduce-scatter), completed by the backend's waiter thread; ``after`` as in _WorkRequest."""
+
+    __slots__ = ("work", "keep", "done", "error", "_after")
+
+    def __init__(self, work: Any, *keep: Any, after: Any = None) -> None:
+        self.work, self.keep, self._after = work, keep, after
+        self.done = False
+        self.error: BaseException | None = None
+
+    def test(self) -> bool:
+        if self.error is not None:
+            raise CommlayerError(f"torch.distributed operation failed: {self.error}") from (
+                self.error
+            )
+        if self.done and self._after is not None:
+            after, self._after = self._after, None
+            after()
+        return self.done
+
+
+class _Waiter:
+    """One thread that waits on point-to-point Works in posting order (see the module's 2.)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[_WaitedRequest | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, request: _WaitedRequest) -> _WaitedRequest:
+        self._queue.put(request)
+        return request
+
+    def _run(self) -> None:
+        while True:
+            request = self._queue.get()
+            if request is None:
+                return
+            try:
+                request.work.wait()
+                request.done = True
+            except BaseException as error:  # handed to the engine thread through test()
+                request.error = error
+            request.work = None  # drop the Work (and its buffers' references) now
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+
+class _SizedRecv:
+    """``irecv_any``: the length header, then the message; one at a time per peer."""
+
+    __slots__ = ("_backend", "_dtype", "_peer", "_queue", "_header", "_head", "_body", "tensor")
+
+    def __init__(
+        self, backend: TorchBackend, dtype: torch.dtype, peer: int, waiting: deque[_SizedRecv]
+    ) -> None:
+        self._backend, self._dtype, self._peer, self._queue = backend, dtype, peer, waiting
+        self._header = torch.empty(1, dtype=torch.int64)
+        self._head: _WaitedRequest | None = None
+        self._body: Request | None = None
+        self.tensor: torch.Tensor | None = None
+        waiting.append(self)
+        if waiting[0] is self:
+            self._start()
+
+    def _start(self) -> None:
+        self._head = self._backend._p2p(dist.irecv, self._header, self._peer)
+
+    def test(self) -> bool:
+        if self._head is None or not self._head.test():
+            return False
+        if self._body is None:
+            self.tensor = torch.empty(int(self._header[0]), dtype=self._dtype)
+            self._body = (
+                self._backend.irecv(self.tensor, self._peer) if self.tensor.numel() else COMPLETED
+            )
+            # the next receive from this peer may post its header now: messages between two
+            # ranks on one tag arrive in the order sent, and this body's receive is posted
+            self._queue.popleft()
+            if self._queue:
+                self._queue[0]._start()
+        return self._body.test()
+
+
+class _GatherBytesRequest:
+    """Allgather of variable-length byte strings: the lengths, then the padded payloads."""
+
+    __slots__ = ("_backend", "_mine", "_lengths", "_lengths_req", "_data_req", "_data", "out")
+
+    def __init__(self, backend: TorchBackend, payload: bytes, out: list[bytes]) -> None:
+        self._backend, self.out = backend, out
+        self._mine = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if payload
+            else (torch.empty(0, dtype=torch.uint8))
+        )
+        self._lengths = torch.empty(backend.size, dtype=torch.int64)
+        self._lengths_req = backend._gather_equal(
+            torch.tensor([len(payload)], dtype=torch.int64), self._lengths
+        )
+        self._data_req: Request | None = None
+        self._data = torch.empty(0, dtype=torch.uint8)
+
+    def test(self) -> bool:
+        if self._data_req is None:
+            if not self._lengths_req.test():
+                return False
+            counts = self._lengths.tolist()
+            self._data = torch.empty(sum(counts), dtype=torch.uint8)
+            self._data_req = self._backend.iallgatherv(self._mine, self._data, counts)
+        if not self._data_req.test():
+            return False
+        data, counts = self._data.numpy(), self._lengths.tolist()
+        offsets = np.concatenate(([0], np.cumsum(counts))).tolist()
+        self.out[:] = [data[a:b].tobytes() for a, b in zip(offsets[:-1], offsets[1:])]
+        return True
+
+
+class TorchBackend:
+    """Backend over one torch.distributed process group (gloo)."""
+
+    def __init__(self, group: Any = None) -> None:
+        """Over ``group`` (default: the default process group, which must be initialized)."""
+        if not dist.is_initialized():
+            raise CommlayerError(
+                "the torch backend needs torch.distributed initialized "
+                "(torch.distributed.init_process_group, or a torchrun launch)"
+            )
+        self._group: Any = group if group is not None else dist.group.WORLD
+        backend_name = dist.get_backend(self._group)
+        if backend_name != "gloo":
+            raise CommlayerError(
+                f"the torch backend runs over a gloo process group (the negotiation is on the "
+                f"CPU); got {backend_name!r}"
+            )
+        self._rank = dist.get_rank(self._group)
+        self._size = dist.get_world_size(self._group)
+        peers: list[Any] = [None] * self._size
+        dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=self._group)
+        self._peers: list[tuple[str, int]] = [tuple(p) for p in peers]
+        order = list(dict.fromkeys(host for host, _ in self._peers))
+        self._nodes = [order.index(host) for host, _ in self._peers]
+        # one waiter per lane (module docstring, 2.): a send waits for its receiver to post,
+        # and a receive that completes lets the engine post the next (a sized message's body):
+        # in one lane a send waited for first would hold back that receive, on both ranks
+        self._waiters = {
+            lane: _Waiter(f"commlayer-{lane}-{self._rank}") for lane in ("send", "recv", "coll")
+        }
+        self._sized: dict[int, deque[_SizedRecv]] = {}
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def group(self) -> Any:
+        return self._group
+
+    # -- collectives --------------------------------------------------------------------------
+    def iallreduce(self, send: torch.Tensor | None, recv: torch.Tensor, op: ReduceOp) -> Request:
+        if send is not None and send.data_ptr() != recv.data_ptr():
+            recv.copy_(send)
+        if self._size == 1 or recv.numel() == 0:
+            return COMPLETED
+        wide = _WIDENED.get(recv.dtype)
+        if wide is None:
+            work = dist.all_reduce(recv, _op(op), group=self._group, async_op=True)
+            return _WorkRequest(work, recv)
+        widened = recv.to(wide)
+        work = dist.all_reduce(widened, _op(op), group=self._group, async_op=True)
+        return _WorkRequest(work, widened, after=lambda: recv.copy_(widened))
+
+    def _gather_equal(self, send: torch.Tensor, recv: torch.Tensor) -> Request:
+        """recv <- every rank's send (all the same length), in rank order."""
+        if self._size == 1:
+            recv.copy_(send)
+            return COMPLETED
+        work = dist.all_gather_single(recv, send, group=self._group, async_op=True)
+        return _WorkRequest(work, send, recv)
+
+    def iallgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Request:
+        send, recv, item = _raw(send), _raw(recv), send.element_size()
+        counts = [c * item for c in counts]
+        if self._size == 1:
+            recv[: send.numel()].copy_(send)
+            return COMPLETED
+        if len(set(counts)) == 1:
+            return self._gather_equal(send, recv)
+        width = max(counts)
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: send.numel()].copy_(send)
+        gathered = torch.empty(width * self._size, dtype=torch.uint8)
+
+        def unpad() -> None:
+            rows = gathered.view(self._size, width)
+            offset = 0
+            for r, count in enumerate(counts):
+                recv[offset : offset + count].copy_(rows[r, :count])
+                offset += count
+
+        work = dist.all_gather_single(gathered, padded, group=self._group, async_op=True)
+        return _WorkRequest(work, padded, gathered, recv, after=unpad)
+
+    def ibcast(self, buf: torch.Tensor, root: int) -> Request:
+        if self._size == 1 or buf.numel() == 0:
+            return COMPLETED
+        raw = _raw(buf)
+        work = dist.broadcast(raw, group=self._group, group_src=root, async_op=True)
+        return _WorkRequest(work, raw)
+
+    def ialltoallv(
+        self,
+        send: torch.Tensor,
+        send_counts: Sequence[int],
+        recv: torch.Tensor,
+        recv_counts: Sequence[int],
+    ) -> Request:
+        item = send.element_size()
+        send, recv = _raw(send), _raw(recv)
+        if self._size == 1:
+            recv[: send.numel()].copy_(send[: recv.numel()])
+            return COMPLETED
+        work = dist.all_to_all_single(
+            recv,
+            send,
+            [c * item for c in recv_counts],
+            [c * item for c in send_counts],
+            group=self._group,
+            async_op=True,
+        )
+        return _WorkRequest(work, send, recv)
+
+    def ireduce_scatter(
+        self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int], op: ReduceOp
+    ) -> Request:
+        counts = list(counts)
+        if self._size == 1:
+            recv.copy_(send[: recv.numel()])
+            return COMPLETED
+        # gloo's reduce-scatter Work never reports completion: the waiter thread waits on it
+        wide = _WIDENED.get(send.dtype)
+        if len(set(counts)) == 1 and wide is None:
+            work = dist.reduce_scatter_tensor(
+                recv, send[: sum(counts)], _op(op), group=self._group, async_op=True
+            )
+            return self._waiters["coll"].add(_WaitedRequest(work, send, recv))
+        # uneven blocks (or a dtype gloo cannot reduce): one list entry per rank's block
+        dtype = wide or send.dtype
+        blocks = list(send[: sum(counts)].to(dtype).split(counts))
+        out = torch.empty(counts[self._rank], dtype=dtype)
+        work = dist.reduce_scatter(out, blocks, _op(op), group=self._group, async_op=True)
+        waited = _WaitedRequest(work, blocks, out, after=lambda: recv.copy_(out))
+        return self._waiters["coll"].add(waited)
+
+    def ibarrier(self) -> Request:
+        if self._size == 1:
+            return COMPLETED
+        token = torch.zeros(1, dtype=torch.int32)
+        return _WorkRequest(dist.all_reduce(token, group=self._group, async_op=True), token)
+
+    def icontrol(self, words: np.ndarray) -> Request:
+        if self._size == 1:
+            return COMPLETED
+        view = torch.from_numpy(words.view(np.int64))  # shares memory: reduced in place
+        work = dist.all_reduce(view, dist.ReduceOp.BAND, group=self._group, async_op=True)
+        return _WorkRequest(work, view, words)
+
+    def iallgather_bytes(self, payload: bytes) -> tuple[Request, list[bytes]]:
+        out: list[bytes] = []
+        if self._size == 1:
+            out.append(payload)
+            return COMPLETED, out
+        return _GatherBytesRequest(self, payload, out), out
+
+    # -- point to point -----------------------------------------------------------------------
+    def _p2p(self, call: Any, buf: torch.Tensor, peer: int) -> _WaitedRequest:
+        if not 0 <= peer < self._size or peer == self._rank:
+            raise ValueError(
+                f"rank {self._rank}: peer {peer} is not another rank of [0, {self._size})"
+            )
+        key = "group_dst" if call is dist.isend else "group_src"
+        work = call(_raw(buf), group=self._group, tag=_P2P_TAG, **{key: peer})
+        lane = "send" if call is dist.isend else "recv"
+        return self._waiters[lane].add(_WaitedRequest(work, buf))
+
+    def isend(self, buf: torch.Tensor, peer: int) -> Request:
+        if buf.numel() == 0:
+            return COMPLETED
+        return self._p2p(dist.isend, buf, peer)
+
+    def irecv(self, buf: torch.Tensor, peer: int) -> Request:
+        if buf.numel() == 0:
+            return COMPLETED
+        return self._p2p(dist.irecv, buf, peer)
+
+    def isend_any(self, buf: torch.Tensor, peer: int) -> Request:
+        header = self._p2p(dist.isend, torch.tensor([buf.numel()], dtype=torch.int64), peer)
+        body = self.isend(buf, peer)
+        return _Both(header, body)
+
+    def irecv_any(self, dtype: torch.dtype, peer: int) -> _SizedRecv:
+        return _SizedRecv(self, dtype, peer, self._sized.setdefault(peer, deque()))
+
+    # -- groups and the job -------------------------------------------------------------------
+    def split(self, ranks: Sequence[int]) -> TorchBackend | None:
+        members = [dist.get_global_rank(self._group, r) for r in ranks]
+        if self._size == dist.get_world_size():  # every process takes part, as new_group asks
+            sub = dist.new_group(members, backend="gloo")
+        elif self._rank in ranks:  # only the members of a smaller group meet
+            sub = dist.new_group(members, backend="gloo", use_local_synchronization=True)
+        else:
+            return None
+        return TorchBackend(sub) if self._rank in ranks else None
+
+    def nodes(self) -> list[int]:
+        return list(self._nodes)
+
+    def hosts(self) -> list[str]:
+        return [host for host, _ in self._peers]
+
+    def dead_peers(self) -> list[int]:
+        host = socket.gethostname()
+        return [
+            rank
+            for rank, (peer_host, pid) in enumerate(self._peers)
+            if rank != self._rank and peer_host == host and not process_alive(pid)
+        ]
+
+    def abort(self, reason: str) -> None:
+        sys.stderr.write(f"commlayer: aborting the job (rank {self._rank}): {reason}\n")
+        sys.stderr.flush()
+        os._exit(_ABORT_CODE)
+
+    def close(self) -> None:
+        for waiter in self._waiters.values():
+            waiter.stop()
+        if self._group is not dist.group.WORLD and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+
+
+class _Both:
+    """Two requests that complete together."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, a: Request, b: Request) -> None:
+        self._a, self._b = a, b
+
+    def test(self) -> bool:
+        return self._a.test() and self._b.test()
+
+
+def start(comm: Any, timeout_s: float, launch: Any) -> tuple[TorchBackend, bool]:
+    """(the backend init() runs on, whether it initialized torch.distributed itself).
+
+    Under torchrun, torch.distributed is initialized here from torchrun's variables (gloo,
+    the rendezvous waiting ``timeout_s`` for every rank); a plain process with no launcher is a
+    one-rank job (an in-memory store). An already initialized torch.distributed is used as it
+    is. The engine runs on a gloo group of its own over the same ranks (``comm``: None), over
+    the ranks of a list of global ranks, or over a process group passed in."""
+    owns = False
+    if not dist.is_initialized():
+        if launch.launcher == "torchrun":
+            try:
+                dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+            except Exception as error:  # torch's own types vary (DistStoreError, RuntimeError)
+                raise CommlayerError(
+                    f"init(): torch.distributed could not start (torchrun, WORLD_SIZE="
+                    f"{launch.world_size}, waited up to {timeout_s:g} s: "
+                    f"COMMLAYER_INIT_TIMEOUT_SECONDS): {error}"
+                ) from error
+        elif launch.launcher == "mpi":
+            raise CommlayerError(
+                "COMMLAYER_BACKEND=torch, but this process was started by mpiexec and "
+                "torch.distributed is not initialized: launch with torchrun, call "
+                "torch.distributed.init_process_group() before commlayer.init(), or use "
+                "COMMLAYER_BACKEND=mpi (or auto)"
+            )
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        owns = True
+    group = comm
+    if isinstance(comm, (list, tuple)):
+        ranks = list(comm)
+        group = dist.new_group(ranks, backend="gloo")
+        if dist.get_rank() not in ranks:
+            raise ValueError(
+                f"init(comm={ranks!r}): this process (rank {dist.get_rank()} of "
+                "torch.distributed's default group) is not among those ranks"
+            )
+    elif comm is None:
+        # A group of the engine's own: the user's collectives (DDP's, torch.distributed's) on
+        # the default group are issued from other threads in an order the engine cannot know,
+        # and gloo matches the collectives of one group by their order. Gloo also when the
+        # default group is NCCL: the engine negotiates on the CPU.
+        group = dist.new_group(backend="gloo")
+    return TorchBackend(group), owns
+
+
+def finish(owns_default_group: bool) -> None:
+    """After the engine stopped: destroy the default group if init() made it (so that init()
+    can start again), else leave torch.distributed to its owner."""
+    if owns_default_group and dist.is_initialized():
+        dist.destroy_process_group()

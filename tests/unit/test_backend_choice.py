@@ -1,0 +1,56 @@
+"""Which backend init() starts (issue 25): torchrun is recognised from its variables, the MPI
+backend is refused under a multi-process torchrun (it would make N one-rank jobs), a bad
+COMMLAYER_BACKEND is an error naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from commlayer import config, runtime
+from commlayer.errors import ConfigError
+
+TORCHRUN = {
+    "RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "0",
+    "TORCHELASTIC_RUN_ID": "none",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
+def test_torchrun_is_recognised_with_its_world_size() -> None:
+    assert config.launch(TORCHRUN) == config.Launch("torchrun", 4)
+
+
+@pytest.mark.parametrize("name", ["PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE"])
+def test_mpi_launchers_are_recognised(name: str) -> None:
+    assert config.launch({name: "0"}).launcher == "mpi"
+
+
+def test_a_plain_process_has_no_launcher() -> None:
+    assert config.launch({"HOME": "/root"}) == config.Launch("")
+    # RANK and WORLD_SIZE alone (set by hand, or by another tool) are not torchrun
+    assert config.launch({"RANK": "0", "WORLD_SIZE": "2"}).launcher == ""
+
+
+def test_a_bad_world_size_names_the_value() -> None:
+    with pytest.raises(ConfigError, match="WORLD_SIZE='four'"):
+        config.launch({**TORCHRUN, "WORLD_SIZE": "four"})
+
+
+def test_backend_setting_is_checked() -> None:
+    assert config.load({"COMMLAYER_BACKEND": " Torch "}).backend == "torch"
+    assert config.load({}).backend == "auto"
+    with pytest.raises(ConfigError, match="COMMLAYER_BACKEND.*'nccl'.*auto, mpi, torch"):
+        config.load({"COMMLAYER_BACKEND": "nccl"})
+
+
+def test_mpi_under_torchrun_is_refused_before_mpi_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(config, "launch", lambda: config.Launch("torchrun", 4))
+    with pytest.raises(ConfigError, match=r"COMMLAYER_BACKEND=mpi.*WORLD_SIZE=4.*torch"):
+        runtime._start_backend(None, config.load({"COMMLAYER_BACKEND": "mpi"}))
