@@ -122,6 +122,8 @@ class Operation:
     prescale: float = 1.0
     postscale: float = 1.0
     finish: Callable[[Any], Any] | None = None  # maps the raw result to what the user gets
+    # Completes once the inputs can be read (device.py: CUDA tensors copied to host buffers).
+    ready: Request | None = None
     handle: Future = dataclasses.field(default_factory=Future)
     remaining: int = 0
     t_submit: float = 0.0
@@ -507,6 +509,13 @@ class Engine:
 
     def _execute(self, set_id: int, state: _SetState, result: CycleResult) -> None:
         self._executing = [op for _, op in result.ready if op is not None]
+        for op in self._executing:
+            if op.ready is not None:  # staged device tensors: their copy to the host
+                t0 = time.perf_counter()
+                self._wait(op.ready)
+                op.ready = None
+                if self._tracing:
+                    self._timeline.span(op.name, "STAGE_IN", t0, time.perf_counter())
         active = [r for r in range(state.backend.size) if r not in result.joined]
         groups: dict[tuple[str, int], list[fusion.Entry]] = {}
         others: list[tuple[Response, Operation | None]] = []

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from commlayer import adasum, runtime
+from commlayer import adasum, device, runtime
 from commlayer.algorithms.topology import Topology
 from commlayer.engine import Operation
 from commlayer.errors import UnsupportedOpError
@@ -120,11 +120,9 @@ def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
         raise _input_error(
             f"{what}: sparse tensors are not supported; use sparse_allreduce or to_dense()"
         )
-    if tensor.device.type != "cpu":
-        raise _input_error(
-            f"{what}: tensor is on {tensor.device}; this "
-            "build moves only CPU tensors (call .cpu() first)"
-        )
+    where = device.check(tensor)
+    if where is not None:
+        raise _input_error(f"{what}: {where}")
     return tensor.detach()
 
 
@@ -189,6 +187,10 @@ def _submit(
         root,
         splits,
     )
+    try:  # CUDA tensors: pinned host stand-ins, copied in on a side stream (device.py)
+        inputs, outputs, staged = device.stage(inputs, outputs)
+    except ValueError as exc:
+        raise _input_error(f"{kind}: {exc}") from None
     operation = Operation(
         announce,
         inputs,
@@ -196,8 +198,10 @@ def _submit(
         set_id,
         float(prescale),
         float(postscale),
-        finish,
+        finish if staged is None else staged.wrap(finish),
     )
+    if staged is not None:
+        operation.ready = staged.ready
     pending = _batch.get()
     if pending is None:
         return engine.submit(operation)

@@ -1,0 +1,152 @@
+"""Device tensors through the collectives and DistributedOptimizer (issue 25): every collective
+on CUDA tensors, and the same cases on CPU tensors forced through the staging seam
+(commlayer/device.py), which is how CI, without a GPU, checks the seam's logic: host
+stand-ins, copies in and out, results written into the caller's tensors or made on the
+device, alltoall's splits on the CPU.
+
+The CUDA cases skip with the reason where torch sees no GPU (the same on every rank of a job on
+one machine). Several ranks share one GPU here: staging goes through host memory, which needs
+no GPU of a rank's own.
+
+Collectives first, asserts last (a rank failing an assert must not leave the others waiting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from collective_reference import seed_of, small_ints
+
+import commlayer as cl
+from commlayer import device
+
+DEVICES = ["staged-cpu", "cuda"]
+
+
+@pytest.fixture(params=DEVICES)
+def dev(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The device tensors are made on: "cpu" with CPU tensors staged like CUDA ones, or "cuda".
+    Counts the host stand-ins made, to prove the seam ran."""
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+        torch.cuda.set_device(cl.local_rank() % torch.cuda.device_count())
+        yield "cuda"
+        return
+    monkeypatch.setattr(device, "STAGED_TYPES", {"cpu", "cuda"})
+    yield "cpu"
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    made: list[int] = []
+    real = device._host_buffer
+
+    def counting(like: torch.Tensor) -> torch.Tensor:
+        made.append(like.numel())
+        return real(like)
+
+    monkeypatch.setattr(device, "_host_buffer", counting)
+    return made
+
+
+def _inputs(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list:
+    return [small_ints(seed_of(name), r, shape, dtype) for r in range(cl.size())]
+
+
+def test_allreduce_forms(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _counted(monkeypatch)
+    xs = _inputs("dev.allreduce", (5, 3))
+    mine = xs[cl.rank()].to(dev)
+    out = cl.allreduce(mine, op=cl.Sum, name="dev.allreduce")
+    inplace = mine.clone()
+    same = cl.allreduce_(inplace, op=cl.Sum, name="dev.allreduce_")
+    avg = cl.synchronize(cl.allreduce_async(mine, name="dev.allreduce.avg"))
+    scaled = cl.allreduce(mine, op=cl.Sum, prescale_factor=2.0, postscale_factor=0.5,
+                          name="dev.allreduce.scaled")  # fmt: skip
+    expected = torch.stack(xs).sum(0)
+    assert out.device.type == dev and avg.device.type == dev
+    assert torch.equal(out.cpu(), expected)
+    assert same is inplace and torch.equal(inplace.cpu(), expected)
+    assert torch.equal(mine.cpu(), xs[cl.rank()])  # out-of-place: input untouched
+    assert torch.allclose(avg.cpu(), expected / cl.size())
+    assert torch.equal(scaled.cpu(), expected)
+    assert made, "the seam made no host stand-in"
+
+
+def test_grouped_allreduce(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _counted(monkeypatch)
+    shapes = [(7,), (2, 3), (1,), (1000,)]
+    per_rank = [_inputs(f"dev.grouped.{i}", s) for i, s in enumerate(shapes)]
+    mine = [xs[cl.rank()].to(dev) for xs in per_rank]
+    outs = cl.grouped_allreduce(mine, op=cl.Sum, name="dev.grouped")
+    works = [t.clone() for t in mine]
+    same = cl.grouped_allreduce_(works, op=cl.Max, name="dev.grouped_")
+    for xs, out, work, result in zip(per_rank, outs, works, same):
+        assert out.device.type == dev and result is work
+        assert torch.equal(out.cpu(), torch.stack(xs).sum(0))
+        assert torch.equal(work.cpu(), torch.stack(xs).max(0).values)
+    assert len(made) >= 2 * len(shapes)
+
+
+def test_allgather_broadcast_alltoall_reducescatter(dev: str) -> None:
+    size, me = cl.size(), cl.rank()
+    rows = [1 + r % 3 for r in range(size)]  # dim 0 differs per rank
+    gathered_in = [small_ints(seed_of("dev.gather"), r, (rows[r], 4), torch.float32) for r in range(size)]
+    gathered = cl.allgather(gathered_in[me].to(dev), name="dev.allgather")
+    roots = _inputs("dev.bcast", (6,), torch.int64)
+    root = size - 1
+    bcast = cl.broadcast(roots[me].to(dev), root, name="dev.bcast")
+    inplace = roots[me].to(dev)
+    bcast_same = cl.broadcast_(inplace, root, name="dev.bcast_")
+    splits = [(me + q) % 2 + 1 for q in range(size)]
+    sent = small_ints(seed_of("dev.a2a"), me, (sum(splits), 2), torch.float32)
+    rows_in, received = cl.alltoall(sent.to(dev), splits=splits, name="dev.alltoall")
+    scatter_in = _inputs("dev.rs", (2 * size + 1, 3))
+    scattered = cl.reducescatter(scatter_in[me].to(dev), op=cl.Sum, name="dev.reducescatter")
+    # expected
+    assert gathered.device.type == dev and torch.equal(gathered.cpu(), torch.cat(gathered_in))
+    assert bcast.device.type == dev and torch.equal(bcast.cpu(), roots[root])
+    assert bcast_same is inplace and torch.equal(inplace.cpu(), roots[root])
+    assert rows_in.device.type == dev
+    assert received.device.type == "cpu"  # as Horovod's received splits
+    want = [(q + me) % 2 + 1 for q in range(size)]
+    assert received.tolist() == want
+    assert rows_in.shape == (sum(want), 2)
+    total = torch.stack(scatter_in).sum(0)
+    counts = [(2 * size + 1) // size + (1 if r < (2 * size + 1) % size else 0) for r in range(size)]
+    start = sum(counts[:me])
+    assert scattered.device.type == dev
+    assert torch.equal(scattered.cpu(), total[start : start + counts[me]])
+
+
+def test_optimizer_step_matches_cpu(dev: str) -> None:
+    """DistributedOptimizer on a model on ``dev``: the averaged gradients and the parameters
+    after two steps equal the same job's CPU model (same inputs, same start)."""
+    results = {}
+    for where in ("cpu", dev):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+        ).to(where)
+        opt = cl.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=[(f"{where}.{n}", p) for n, p in model.named_parameters()],
+        )
+        g = torch.Generator().manual_seed(100 + cl.rank())
+        for _ in range(2):
+            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x.to(where)), y.to(where)).backward()
+            opt.step()
+        results[where] = [p.detach().cpu() for p in model.parameters()]
+        assert all(p.device.type == where for p in model.parameters())
+    for a, b in zip(results["cpu"], results[dev]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_other_devices_refused() -> None:
+    meta = torch.empty(3, device="meta")
+    with pytest.raises(ValueError, match=r"rank \d+: allreduce: tensor is on meta; collectives"):
+        cl.allreduce(meta, name="dev.meta")
