@@ -3,13 +3,19 @@
 sparse_kernels.cu (scatter-add, threshold, merge) and quantize_kernels.cu (QSGD, sign
 packing). Each module is the PTX that CMakeLists.txt builds with nvcc (looked for in
 ``$COMMLAYER_CUDA_PTX_DIR`` and ``build/ext/cuda`` of the source tree), else the .cu source
-compiled at run time by NVRTC. Tensors cross to CuPy without a copy (DLPack), and kernels run
-on the current CuPy stream. Imported only when CuPy is present; used only for CUDA tensors.
+compiled at run time by NVRTC. Tensors cross to CuPy without a copy (DLPack). Every kernel runs
+on the tensor's GPU and on torch's current stream there (``_on``), not on CuPy's own current
+stream: a caller working on a non-default torch stream (created non-blocking, so it does not wait
+for the legacy default stream CuPy would use) gets the kernel ordered after its earlier work and
+before its later work, with no synchronization. Imported only when CuPy is present; used only for
+CUDA tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +57,19 @@ def _scalar(value: float, dtype: torch.dtype) -> Any:
 
 
 def _cp(t: torch.Tensor) -> Any:
-    return cupy.from_dlpack(t.contiguous())
+    # detach: DLPack refuses a tensor that requires grad; the kernels never need its graph
+    return cupy.from_dlpack(t.detach().contiguous())
+
+
+@contextlib.contextmanager
+def _on(t: torch.Tensor) -> Iterator[None]:
+    """CuPy work inside runs on t's GPU (modules load, kernels launch there) and on torch's
+    current stream of that GPU (module docstring). DLPack exports inside then see a consumer
+    stream equal to torch's current one, so they add no event wait either."""
+    with cupy.cuda.Device(t.device.index):
+        stream = torch.cuda.current_stream(t.device).cuda_stream  # 0: torch's default stream
+        with cupy.cuda.ExternalStream(stream, t.device.index):
+            yield
 
 
 def _grid(n: int) -> tuple[int]:
@@ -60,9 +78,10 @@ def _grid(n: int) -> tuple[int]:
 
 def scatter_add_(dense: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
     if idx.numel():
-        kernel = _kernel("scatter_add", dense.dtype, idx.dtype)
-        args = (_cp(dense), _cp(idx), _cp(val.to(dense.dtype)), cupy.int64(idx.numel()))
-        kernel(_grid(idx.numel()), (_THREADS,), args)
+        with _on(dense):
+            kernel = _kernel("scatter_add", dense.dtype, idx.dtype)
+            args = (_cp(dense), _cp(idx), _cp(val.to(dense.dtype)), cupy.int64(idx.numel()))
+            kernel(_grid(idx.numel()), (_THREADS,), args)
     return dense
 
 
@@ -72,9 +91,10 @@ def threshold_select(x: torch.Tensor, threshold: float) -> torch.Tensor:
     count = torch.zeros(1, dtype=torch.int64, device=x.device)
     if x.numel():
         limit = cupy.dtype(str(x.dtype).removeprefix("torch.")).type(threshold)
-        kernel = _kernel("threshold", x.dtype, dtype)
-        kernel(_grid(x.numel()), (_THREADS,), (_cp(x), limit, _cp(out), _cp(count),
-                                               cupy.int64(x.numel())))  # fmt: skip
+        with _on(x):
+            kernel = _kernel("threshold", x.dtype, dtype)
+            kernel(_grid(x.numel()), (_THREADS,), (_cp(x), limit, _cp(out), _cp(count),
+                                                   cupy.int64(x.numel())))  # fmt: skip
     return out[: int(count.item())].sort().values
 
 
@@ -85,28 +105,30 @@ def merge_sum(
     idx_b, val_b = idx_b.to(idx_a.dtype), val_b.to(val_a.dtype)
     match = torch.zeros(na + 1, dtype=torch.int64, device=idx_a.device)
     if na:
-        _kernel("match", val_a.dtype, idx_a.dtype)(
-            _grid(na),
-            (_THREADS,),
-            (_cp(idx_a), cupy.int64(na), _cp(idx_b), cupy.int64(nb), _cp(match)),  # fmt: skip
-        )
+        with _on(idx_a):
+            _kernel("match", val_a.dtype, idx_a.dtype)(
+                _grid(na),
+                (_THREADS,),
+                (_cp(idx_a), cupy.int64(na), _cp(idx_b), cupy.int64(nb), _cp(match)),
+            )
     before = torch.zeros_like(match)
     before[1:] = torch.cumsum(match[:-1], 0)  # exclusive prefix; before[na] = matches in all
     total = na + nb - int(before[na].item())
     out_i = torch.empty(total, dtype=idx_a.dtype, device=idx_a.device)
     out_v = torch.empty(total, dtype=val_a.dtype, device=val_a.device)
-    common = (_cp(before), _cp(out_i), _cp(out_v))
-    if na:
-        _kernel("merge_a", val_a.dtype, idx_a.dtype)(
-            _grid(na), (_THREADS,),
-            (_cp(idx_a), _cp(val_a), cupy.int64(na), _cp(idx_b), _cp(val_b), cupy.int64(nb),
-             *common),
-        )  # fmt: skip
-    if nb:
-        _kernel("merge_b", val_a.dtype, idx_a.dtype)(
-            _grid(nb), (_THREADS,),
-            (_cp(idx_a), cupy.int64(na), _cp(idx_b), _cp(val_b), cupy.int64(nb), *common),
-        )  # fmt: skip
+    with _on(idx_a):
+        common = (_cp(before), _cp(out_i), _cp(out_v))
+        if na:
+            _kernel("merge_a", val_a.dtype, idx_a.dtype)(
+                _grid(na), (_THREADS,),
+                (_cp(idx_a), _cp(val_a), cupy.int64(na), _cp(idx_b), _cp(val_b), cupy.int64(nb),
+                 *common),
+            )  # fmt: skip
+        if nb:
+            _kernel("merge_b", val_a.dtype, idx_a.dtype)(
+                _grid(nb), (_THREADS,),
+                (_cp(idx_a), cupy.int64(na), _cp(idx_b), _cp(val_b), cupy.int64(nb), *common),
+            )  # fmt: skip
     return out_i, out_v
 
 
@@ -114,18 +136,22 @@ def qsgd_quantize(
     x: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, levels: int, bits: int
 ) -> torch.Tensor:
     n, bucket = x.numel(), x.shape[1]
-    args = (_cp(x), _cp(scale), _cp(rand), cupy.int64(n), cupy.int64(bucket), cupy.int64(levels))
     if bits == 16:
         out = torch.empty(n, dtype=torch.int16, device=x.device)
-        if n:
-            _quantize_kernel("qsgd_levels16", x.dtype)(_grid(n), (_THREADS,), (*args, _cp(out)))
+    else:
+        out = torch.empty(-(-n * bits // 8), dtype=torch.uint8, device=x.device)
+    if not n:
         return out
-    out = torch.empty(-(-n * bits // 8), dtype=torch.uint8, device=x.device)
-    if n:
-        _quantize_kernel("qsgd_pack", x.dtype)(
-            _grid(out.numel()), (_THREADS,),
-            (*args, cupy.int32(bits), _cp(out), cupy.int64(out.numel())),
-        )  # fmt: skip
+    with _on(x):
+        args = (_cp(x), _cp(scale), _cp(rand), cupy.int64(n), cupy.int64(bucket),
+                cupy.int64(levels))  # fmt: skip
+        if bits == 16:
+            _quantize_kernel("qsgd_levels16", x.dtype)(_grid(n), (_THREADS,), (*args, _cp(out)))
+        else:
+            _quantize_kernel("qsgd_pack", x.dtype)(
+                _grid(out.numel()), (_THREADS,),
+                (*args, cupy.int32(bits), _cp(out), cupy.int64(out.numel())),
+            )  # fmt: skip
     return out
 
 
@@ -136,14 +162,15 @@ def qsgd_dequantize(
     out = torch.empty(n, dtype=step.dtype, device=step.device)
     top = torch.zeros(1, dtype=torch.int64, device=step.device)
     if n:
-        head = (_cp(packed), _cp(step), cupy.int64(n), cupy.int64(bucket))
-        args: tuple[Any, ...]
-        if bits == 16:
-            kind, args = "qsgd_unpack16", (*head, _cp(out), _cp(top))
-        else:
-            kind, args = "qsgd_unpack", (*head, cupy.int64(levels), cupy.int32(bits), _cp(out),
-                                         _cp(top))  # fmt: skip
-        _quantize_kernel(kind, step.dtype)(_grid(n), (_THREADS,), args)
+        with _on(step):
+            head = (_cp(packed), _cp(step), cupy.int64(n), cupy.int64(bucket))
+            args: tuple[Any, ...]
+            if bits == 16:
+                kind, args = "qsgd_unpack16", (*head, _cp(out), _cp(top))
+            else:
+                kind, args = "qsgd_unpack", (*head, cupy.int64(levels), cupy.int32(bits),
+                                             _cp(out), _cp(top))  # fmt: skip
+            _quantize_kernel(kind, step.dtype)(_grid(n), (_THREADS,), args)
     return out, int(top.item())
 
 
@@ -151,8 +178,9 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     words = torch.empty(-(-n // 32), dtype=torch.int32, device=x.device)
     if n:
-        args = (_cp(x.reshape(-1)), cupy.int64(n), _cp(words), cupy.int64(words.numel()))
-        _quantize_kernel("sign_pack", x.dtype)(_grid(words.numel()), (_THREADS,), args)
+        with _on(x):
+            args = (_cp(x.reshape(-1)), cupy.int64(n), _cp(words), cupy.int64(words.numel()))
+            _quantize_kernel("sign_pack", x.dtype)(_grid(words.numel()), (_THREADS,), args)
     return words
 
 
@@ -162,7 +190,8 @@ def decode_signs(
     dtype = positive.dtype
     out = torch.empty(count, dtype=dtype, device=words.device)
     if count:
-        args = (_cp(words), cupy.int64(count), _scalar(positive.item(), dtype),
-                _scalar(negative.item(), dtype), _cp(out))  # fmt: skip
-        _quantize_kernel("sign_decode", dtype)(_grid(count), (_THREADS,), args)
+        values = _scalar(positive.item(), dtype), _scalar(negative.item(), dtype)
+        with _on(words):
+            args = (_cp(words), cupy.int64(count), *values, _cp(out))
+            _quantize_kernel("sign_decode", dtype)(_grid(count), (_THREADS,), args)
     return out

@@ -13,11 +13,18 @@ tensors, against the torch reference. Imported only when numba-cuda is present.
    no two threads write one byte; the codes as numba_cpu.py computes them (math shared).
    ``qsgd_dequantize``: one thread per element, the largest |level| by ``atomic.max``.
 4. ``pack_signs``: one thread per int32 word (32 elements); ``decode_signs``: one per element.
+
+On a GPU every kernel runs on the tensor's device and on torch's current stream there
+(``_launching``), not on numba's default stream (the legacy null stream, which a non-default
+torch stream, created non-blocking, does not wait for): the kernel is ordered after the caller's
+earlier torch work and before its later work, with no synchronization.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,8 +125,23 @@ def _decode_signs(words, positive, negative, out):  # type: ignore[no-untyped-de
 
 def _array(t: torch.Tensor) -> Any:
     """A device array over a CUDA tensor's memory, or the numpy view of a CPU tensor (the
-    simulator, or numba's automatic host transfer)."""
+    simulator, or numba's automatic host transfer). detach: torch refuses the array interface
+    of a tensor that requires grad, and the kernels never need its graph."""
+    t = t.detach()
     return cuda.as_cuda_array(t) if t.is_cuda else t.numpy()
+
+
+@contextlib.contextmanager
+def _launching(t: torch.Tensor) -> Iterator[Any]:
+    """The stream to launch kernels over ``t`` on, with t's GPU current (``_array`` must be
+    called inside: numba maps the memory into the current device's context). A CPU tensor
+    means the simulator, where torch has no CUDA and numba no external streams: its default
+    stream (0), on which execution is synchronous anyway."""
+    if not t.is_cuda:
+        yield 0
+        return
+    with cuda.gpus[t.device.index]:
+        yield cuda.external_stream(torch.cuda.current_stream(t.device).cuda_stream)
 
 
 def _blocks(n: int) -> int:
@@ -131,9 +153,10 @@ def scatter_add_(dense: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> t
         raise ValueError("scatter_add_: the dense buffer must be contiguous")
     if idx.numel():
         val = val.to(dense.dtype).contiguous()
-        _scatter_add[_blocks(idx.numel()), _THREADS](
-            _array(dense), _array(idx.contiguous()), _array(val)
-        )
+        with _launching(dense) as stream:
+            _scatter_add[_blocks(idx.numel()), _THREADS, stream](
+                _array(dense), _array(idx.contiguous()), _array(val)
+            )
     return dense
 
 
@@ -143,7 +166,9 @@ def threshold_select(x: torch.Tensor, threshold: float) -> torch.Tensor:
     count = torch.zeros(1, dtype=torch.int32, device=x.device)
     if x.numel():
         limit = x.new_tensor(threshold).item()  # compared in x's dtype, as torch does
-        _threshold[_blocks(x.numel()), _THREADS](_array(x), limit, _array(out), _array(count))
+        with _launching(x) as stream:
+            kernel = _threshold[_blocks(x.numel()), _THREADS, stream]
+            kernel(_array(x), limit, _array(out), _array(count))
     return out[: int(count.item())].sort().values
 
 
@@ -151,15 +176,19 @@ def qsgd_quantize(
     x: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, levels: int, bits: int
 ) -> torch.Tensor:
     flat, bucket = x.contiguous().view(-1), x.shape[1]
-    args = (_array(flat), _array(scale.contiguous()), _array(rand.contiguous().view(-1)), bucket)
     if bits == 16:
         out = torch.empty(flat.numel(), dtype=torch.int16, device=x.device)
-        if out.numel():
-            _qsgd_levels16[_blocks(out.numel()), _THREADS](*args, levels, _array(out))
+    else:
+        out = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8, device=x.device)
+    if not out.numel():
         return out
-    out = torch.empty(-(-flat.numel() * bits // 8), dtype=torch.uint8, device=x.device)
-    if out.numel():
-        _qsgd_pack[_blocks(out.numel()), _THREADS](*args, levels, bits, _array(out))
+    with _launching(x) as stream:
+        args = (_array(flat), _array(scale.contiguous()), _array(rand.contiguous().view(-1)),
+                bucket, levels)  # fmt: skip
+        if bits == 16:
+            _qsgd_levels16[_blocks(out.numel()), _THREADS, stream](*args, _array(out))
+        else:
+            _qsgd_pack[_blocks(out.numel()), _THREADS, stream](*args, bits, _array(out))
     return out
 
 
@@ -169,12 +198,13 @@ def qsgd_dequantize(
     out = torch.empty(step.numel() * bucket, dtype=step.dtype, device=step.device)
     top = torch.zeros(1, dtype=torch.int64, device=step.device)
     if out.numel():
-        args = (_array(packed.contiguous()), _array(step.contiguous()), bucket)
-        if bits == 16:
-            _levels16[_blocks(out.numel()), _THREADS](*args, _array(out), _array(top))
-        else:
-            kernel = _qsgd_unpack[_blocks(out.numel()), _THREADS]
-            kernel(*args, levels, bits, _array(out), _array(top))
+        with _launching(step) as stream:
+            args = (_array(packed.contiguous()), _array(step.contiguous()), bucket)
+            if bits == 16:
+                _levels16[_blocks(out.numel()), _THREADS, stream](*args, _array(out), _array(top))
+            else:
+                kernel = _qsgd_unpack[_blocks(out.numel()), _THREADS, stream]
+                kernel(*args, levels, bits, _array(out), _array(top))
     return out, int(top.item())
 
 
@@ -182,7 +212,8 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     flat = x.contiguous().view(-1)
     words = torch.empty(-(-flat.numel() // 32), dtype=torch.int32, device=x.device)
     if words.numel():
-        _pack_signs[_blocks(words.numel()), _THREADS](_array(flat), _array(words))
+        with _launching(x) as stream:
+            _pack_signs[_blocks(words.numel()), _THREADS, stream](_array(flat), _array(words))
     return words
 
 
@@ -191,6 +222,8 @@ def decode_signs(
 ) -> torch.Tensor:
     out = torch.empty(count, dtype=positive.dtype, device=words.device)
     if count:
-        kernel = _decode_signs[_blocks(count), _THREADS]
-        kernel(_array(words.contiguous()), positive.item(), negative.item(), _array(out))
+        values = positive.item(), negative.item()
+        with _launching(words) as stream:
+            kernel = _decode_signs[_blocks(count), _THREADS, stream]
+            kernel(_array(words.contiguous()), *values, _array(out))
     return out
