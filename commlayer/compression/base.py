@@ -154,6 +154,20 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_host_work_logged: set[tuple[str, str]] = set()
+
+
+def host_work(compressor: str, device: torch.device, why: str) -> None:
+    """Say, once per process and reason, that ``compressor`` does part of its work for a
+    tensor on ``device`` on the CPU (nothing for a CPU tensor). Random numbers every rank must
+    draw alike come from CPU generators, so that a CPU rank and a CUDA rank of one job (or of
+    a test) draw the same; this is the trace of that choice in the log."""
+    if device.type == "cpu" or (compressor, why) in _host_work_logged:
+        return
+    _host_work_logged.add((compressor, why))
+    _log.info("compressor %s on %s: %s", compressor, device, why)
+
+
 def expect_numel(tensor: torch.Tensor, numel: int, what: str) -> None:
     if tensor.numel() != numel:
         raise PayloadError(f"{what} has {tensor.numel()} elements, expected {numel}")

@@ -51,7 +51,9 @@ class ErrorFeedback:
         residual = self.residuals.get(name)
         corrected = tensor
         if residual is not None and residual.shape == tensor.shape:
-            corrected = tensor + residual
+            # .to: a residual restored by load_state_dict may sit elsewhere (a checkpoint
+            # loaded with map_location="cpu"); it then joins the gradient's device for good.
+            corrected = tensor + residual.to(tensor.device)
         compressed = self.inner.compress(corrected, name)
         self._remember(name, corrected, compressed)
         return compressed
@@ -81,7 +83,9 @@ class ErrorFeedback:
         residual = self.residuals.get(name)
         if residual is None:
             raise ValueError(f"add_dropped({name!r}): nothing was compressed under that name")
-        flat = residual.reshape(-1).index_add(0, indices.long(), values.to(residual.dtype))
+        indices = indices.to(residual.device, torch.long)
+        values = values.to(residual.device, residual.dtype)
+        flat = residual.reshape(-1).index_add(0, indices, values)
         self.residuals[name] = flat.view(residual.shape)
 
     def state_dict(self) -> dict[str, Any]:

@@ -34,8 +34,14 @@ from commlayer.compression.base import (
     Compressed,
     check_positive_int,
     compute_dtype,
+    host_work,
     register,
     stable_seed,
+)
+
+_HOST_DRAWS = (
+    "the first Q of each tensor is drawn on the CPU (every rank's must be equal, whatever its "
+    "device) and copied to the device, once per tensor"
 )
 
 
@@ -67,8 +73,12 @@ class PowerSGDCompressor:
         m = tensor.detach().reshape(tensor.shape[0], -1).to(compute_dtype(tensor.dtype))
         q = self._q.get(name)
         if q is None or q.shape != (m.shape[1], rank) or q.dtype != m.dtype:
+            # A CPU generator for any device, then moved: every rank, CPU or CUDA, must start
+            # from the same Q (torch's CUDA generator draws other numbers from one seed).
             generator = torch.Generator().manual_seed(stable_seed(self.seed, name))
             q = torch.randn(m.shape[1], rank, generator=generator, dtype=m.dtype)
+            host_work(self.name, m.device, _HOST_DRAWS)
+        q = q.to(m.device)  # a no-op unless just drawn, or the model moved since
         return Compressed([m @ q], (m, tensor.shape, tensor.dtype, name), final=False)
 
     def next_round(self, compressed: Compressed, name: str = "") -> Compressed | None:

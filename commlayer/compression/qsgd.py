@@ -22,8 +22,10 @@ receives n - 1 payloads of ~1.008 bytes per element at 8 bits, against 8 (n - 1)
 a float32 ring allreduce, so 8-bit QSGD moves fewer bytes up to 7 ranks, 4-bit up to 15.
 
 Quantizing with packing, and unpacking with scaling, are kernels (commlayer.kernels: the torch
-reference, or one fused numba pass on the CPU); the random numbers come from torch's generator
-whichever kernel runs, so the payload is the same bits.
+reference, one fused numba pass on the CPU, the CUDA kernels on a GPU); the random numbers come
+from torch's CPU generator whichever kernel runs and whichever device the tensor is on, so the
+payload is the same bits for the same seed, rank and norms (a CUDA tensor's draws are copied
+to its device: a host-to-device copy the size of the bucketed tensor, logged once).
 """
 
 from __future__ import annotations
@@ -41,9 +43,15 @@ from commlayer.compression.base import (
     compute_dtype,
     expect_finite,
     expect_numel,
+    host_work,
     register,
 )
 from commlayer.errors import PayloadError
+
+_HOST_DRAWS = (
+    "its stochastic-rounding draws are made on the CPU (the same bits as a CPU rank's) and "
+    "copied to the device, one value per element"
+)
 
 
 def _bits_for(levels: int) -> int:
@@ -86,12 +94,16 @@ class QSGDCompressor:
         flat = tensor.detach().reshape(-1).to(compute_dtype(tensor.dtype))
         count = flat.numel()
         buckets = max(1, -(-count // self.bucket))
-        x = torch.zeros(buckets * self.bucket, dtype=flat.dtype)
+        x = torch.zeros(buckets * self.bucket, dtype=flat.dtype, device=flat.device)
         x[:count] = flat
         x = x.view(buckets, self.bucket)
         norms = torch.linalg.vector_norm(x, dim=1)
         scale = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
-        rand = torch.rand(x.shape, generator=self._rng(), dtype=x.dtype)
+        # Drawn on the CPU for any device, then moved: a CUDA rank rounds with the same numbers
+        # as a CPU rank of the same seed and rank (the GPU tests compare payloads bit for bit),
+        # at the price of the draw on the host and one copy of x's size to the device.
+        rand = torch.rand(x.shape, generator=self._rng(), dtype=x.dtype).to(x.device)
+        host_work(self.name, x.device, _HOST_DRAWS)
         packed = kernels.qsgd_quantize(x, scale, rand, self.levels, self.bits)
         return Compressed([packed, norms.float()], (tensor.shape, tensor.dtype, count))
 

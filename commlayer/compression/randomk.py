@@ -19,7 +19,19 @@ from typing import ClassVar
 
 import torch
 
-from commlayer.compression.base import Compressed, check_ratio, kept, register, stable_seed
+from commlayer.compression.base import (
+    Compressed,
+    check_ratio,
+    host_work,
+    kept,
+    register,
+    stable_seed,
+)
+
+_HOST_DRAWS = (
+    "its positions are drawn on the CPU (every rank's must be equal, whatever its device) and "
+    "copied to the device, one index per kept element"
+)
 
 
 @register("randomk")
@@ -35,19 +47,25 @@ class RandomKCompressor:
         self.seed = seed
         self._steps: dict[str, int] = {}
 
-    def indices(self, name: str, numel: int) -> torch.Tensor:
-        """This step's positions for tensor ``name``; advances its step counter."""
+    def indices(self, name: str, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """This step's positions for tensor ``name``, on ``device``; advances its step counter.
+        Drawn by a CPU generator whatever the device, then moved: a CUDA rank and a CPU rank
+        of one job must pick the same positions, and torch's CPU and CUDA generators draw
+        different numbers from one seed."""
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
         generator = torch.Generator().manual_seed(stable_seed(self.seed, name, step))
         k = kept(numel, self.ratio)
         if k * 20 > numel:
-            return torch.randperm(numel, generator=generator)[:k].sort().values
-        return torch.unique(torch.randint(0, numel, (k,), generator=generator))
+            positions = torch.randperm(numel, generator=generator)[:k].sort().values
+        else:
+            positions = torch.unique(torch.randint(0, numel, (k,), generator=generator))
+        host_work(self.name, torch.device(device), _HOST_DRAWS)
+        return positions.to(device)
 
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
         flat = tensor.detach().reshape(-1)
-        positions = self.indices(name, flat.numel())
+        positions = self.indices(name, flat.numel(), flat.device)
         return Compressed([flat[positions]], (tensor.shape, positions))
 
     def decompress(self, compressed: Compressed) -> torch.Tensor:

@@ -33,6 +33,7 @@ from commlayer.compression.base import (
     Compressed,
     check_ratio,
     expect_numel,
+    host_work,
     kept,
     register,
 )
@@ -42,6 +43,10 @@ MODES = ("exact", "sampled")
 _SAMPLE_FRACTION = 0.01  # DGC samples 0.1-1% of the gradient
 _MIN_SAMPLE = 4096  # at fewer samples the quantile estimate is too noisy; below, exact is cheap
 _MARGIN = 1.25  # candidates ~1.25 k: fewer than k (fallback to exact) is a > 2.5 sigma event
+_HOST_DRAWS = (
+    "sampled mode draws its sample positions on the CPU (the same as a CPU rank with this seed) "
+    "and copies them to the device, one index per sampled element"
+)
 
 
 @register("topk")
@@ -77,7 +82,11 @@ class TopKCompressor:
         # the compaction then costs about what it saves.
         if self.mode == "exact" or sample * 4 > count or _MARGIN * k * 4 > count:
             return torch.topk(magnitude, k, sorted=False).indices
+        # The sample positions come from the CPU generator for any device (then moved), so a
+        # CUDA rank samples where a CPU rank with this seed does: the same threshold and result.
         positions = torch.randint(0, count, (sample,), generator=self._generator)
+        positions = positions.to(magnitude.device)
+        host_work(self.name, magnitude.device, _HOST_DRAWS)
         top_in_sample = min(sample, int(_MARGIN * k / count * sample) + 1)
         threshold = torch.topk(magnitude[positions], top_in_sample, sorted=False).values.min()
         candidates = kernels.threshold_select(magnitude, float(threshold)).long()
@@ -99,7 +108,7 @@ class TopKCompressor:
         if low < 0 or high >= max(count, 1):
             bad = low if low < 0 else high
             raise PayloadError(f"topk index {bad} out of range [0, {count})")
-        out = torch.zeros(count, dtype=dtype)
+        out = torch.zeros(count, dtype=dtype, device=values.device)
         # index_add_, not scatter: a duplicated index sums instead of picking one arbitrarily.
         out.index_add_(0, indices, values.to(dtype))
         return out.view(shape)

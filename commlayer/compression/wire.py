@@ -9,6 +9,10 @@ one uint8 record per rank, so a tensor costs one allgather, however many payload
 Padding to 8 keeps every part aligned for any dtype view. The records of all ranks arrive
 concatenated; :func:`split` walks them and checks each header against the buffer, so a peer's
 wrong length is an error naming that rank instead of a misread of everyone after it.
+
+A record lives on its payload's device (a CUDA gradient's record is built on the GPU and handed
+to the collective there); only the header is made on the CPU, where its numbers are, and copied
+in; ``split`` reads the headers back to the host (``tolist``: control data, 8 bytes a part).
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ def pack(payload: list[torch.Tensor]) -> torch.Tensor:
     sizes = [t.numel() * t.element_size() for t in payload]
     header_bytes = 8 * (1 + len(payload))
     total = header_bytes + sum(_padded(s) for s in sizes)
-    record = torch.zeros(total, dtype=torch.uint8)
+    device = payload[0].device if payload else torch.device("cpu")
+    record = torch.zeros(total, dtype=torch.uint8, device=device)
     header = torch.tensor([total, *(t.numel() for t in payload)], dtype=torch.int64)
-    record[:header_bytes] = header.view(torch.uint8)
+    # non_blocking: CUDA stages these few pageable bytes at once and returns, where a blocking
+    # copy would first wait for all the device work queued before it (the compression).
+    record[:header_bytes].copy_(header.view(torch.uint8), non_blocking=True)
     offset = header_bytes
     for tensor, size in zip(payload, sizes):
         record[offset : offset + size] = tensor.contiguous().reshape(-1).view(torch.uint8)
