@@ -28,6 +28,10 @@ result + the sum of their residuals; without error feedback (``ef=0``) they are 
 top-k selection's are. ``COMMLAYER_SPARSE_ALGORITHM``: ``allgather`` (default) keeps the
 compressor's allgather; ``auto`` runs whichever exact algorithm the cost model predicts
 fastest for k.
+
+The local work (sorting, merging, densifying, decoding) runs on the payload's device, and
+what the collectives return is moved there first (a no-op unless the transport staged it
+through the host); only the splits and cuts read with ``tolist`` live on the host.
 """
 
 from __future__ import annotations
@@ -145,11 +149,12 @@ class _Rounds:
         size = self.process_set.size()
         records: list[list[torch.Tensor]] = [[] for _ in range(size)]
         index = self._step_of.get(self._round)
-        empty = torch.empty(0, dtype=self.run.vec.index_dtype)
+        vec = self.run.vec
+        empty = torch.empty(0, dtype=vec.index_dtype, device=vec.device)
         for t, idx, val in self.run.outgoing(index) if index is not None else []:
             records[t.peer].append(wire.pack([empty if idx is None else idx, val]))
         flat = [r for peer in records for r in peer]
-        data = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+        data = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=vec.device)
         return ops.alltoall_async(
             data,
             splits=[sum(r.numel() for r in peer) for peer in records],
@@ -220,7 +225,7 @@ class SparseReduction:
         topology: Topology | None = None,
     ) -> None:
         self.name, self.shape, self.op, self.process_set = name, shape, op, process_set
-        self.numel, self.dtype = shape.numel(), values.dtype
+        self.numel, self.dtype, self.device = shape.numel(), values.dtype, values.device
         self.switch = sparse.policy(algorithm).switch
         self.value: torch.Tensor | None = None
         self._sink = sink if hasattr(sink, "add_dropped") else None
@@ -235,7 +240,9 @@ class SparseReduction:
         self.blocks = blocks(self.numel, size)
         idx, order = indices.to(torch.int32).sort()
         val = values[order].contiguous()
-        edges = torch.tensor([b[0] for b in self.blocks] + [self.numel], dtype=torch.int32)
+        edges = torch.tensor(
+            [b[0] for b in self.blocks] + [self.numel], dtype=torch.int32, device=idx.device
+        )
         cuts = torch.searchsorted(idx, edges).tolist()
         splits = [cuts[q + 1] - cuts[q] for q in range(size)]
         self.handle = ops.alltoall_async(
@@ -279,6 +286,7 @@ class SparseReduction:
     def _merge(self, rows: torch.Tensor, received: list[int]) -> torch.Tensor:
         """This rank's block, summed over ranks, as a record."""
         start, stop = self.blocks[self.process_set.rank()]
+        rows = rows.to(self.device)
         idx_all = rows[:, :4].contiguous().view(torch.int32).view(-1)
         val_all = rows[:, 4:].contiguous().view(self.dtype).view(-1)
         if idx_all.numel() and (int(idx_all.min()) < start or int(idx_all.max()) >= stop):
@@ -289,7 +297,7 @@ class SparseReduction:
             part = slice(offset, offset + count)
             idx, val = kernels.merge_sum(idx, val, idx_all[part], val_all[part])
             offset += count
-        empty = torch.empty(0, dtype=self.dtype)
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
         vb = val.element_size()
         if self.switch and idx.numel() * (4 + vb) >= (stop - start) * vb:
             dense = kernels.densify((idx - start).long(), val, stop - start)
@@ -297,8 +305,8 @@ class SparseReduction:
         return wire.pack([idx, val, empty])
 
     def _decode(self, gathered: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(self.numel, dtype=self.dtype)
-        records = wire.split(gathered, [torch.int32, self.dtype, self.dtype])
+        out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        records = wire.split(gathered.to(self.device), [torch.int32, self.dtype, self.dtype])
         if len(records) != len(self.blocks):
             raise PayloadError(f"{self.name}: {len(records)} blocks for {len(self.blocks)} ranks")
         for (start, stop), (idx, val, dense) in zip(self.blocks, records):

@@ -17,6 +17,11 @@ How a schedule runs (the dense ``Step`` semantics, on streams):
    ``kernels.merge_sum`` or a scatter-add into dense blocks) or copied over its blocks, then
    blocks that got too dense turn dense (policy ``switch``) or the top k are re-selected
    (policy ``select``, gtopk: see gtopk.py for the definition and the fold).
+
+Everything runs on the input's device: blocks, buffers and masks are made there, received
+streams are moved there (a no-op unless the transport staged them through the host), and the
+kernels dispatch by it (CUDA kernels for CUDA tensors). Counts and cuts read back with
+``tolist`` are control data and stay on the host.
 """
 
 from __future__ import annotations
@@ -70,7 +75,8 @@ def prepare(
         values = values[order]
         if bool((indices[1:] == indices[:-1]).any()):
             unique, inverse = torch.unique_consecutive(indices, return_inverse=True)
-            values = torch.zeros(unique.numel(), dtype=values.dtype).index_add_(0, inverse, values)
+            summed = torch.zeros(unique.numel(), dtype=values.dtype, device=values.device)
+            values = summed.index_add_(0, inverse, values)
             indices = unique
     return indices.to(dtype).contiguous(), values.contiguous()
 
@@ -94,10 +100,11 @@ class SparseVector:
     ) -> None:
         self.bounds, self.switch, self.choice = bounds, switch, choice
         self.numel = bounds[-1]
-        self.index_dtype, self.dtype = idx.dtype, val.dtype
+        self.index_dtype, self.dtype, self.device = idx.dtype, val.dtype, val.device
         self._ib, self._vb = idx.element_size(), val.element_size()
         self._at = {b: i for i, b in enumerate(bounds)}
-        cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype)).tolist()
+        edges = torch.tensor(bounds, dtype=idx.dtype, device=idx.device)
+        cuts = torch.searchsorted(idx, edges).tolist()
         self.blocks = [
             _Block(idx[cuts[i] : cuts[i + 1]], val[cuts[i] : cuts[i + 1]])
             for i in range(len(bounds) - 1)
@@ -125,7 +132,7 @@ class SparseVector:
         if any(b.idx is None for b in span) or self._too_dense(nnz, stop - start):
             if len(span) == 1 and span[0].idx is None:
                 return None, span[0].val
-            out = torch.zeros(stop - start, dtype=self.dtype)
+            out = torch.zeros(stop - start, dtype=self.dtype, device=self.device)
             for i in self._span(start, stop):
                 block, a = self.blocks[i], self.bounds[i] - start
                 if block.idx is None:
@@ -143,7 +150,9 @@ class SparseVector:
         """Merge (``reduce``) or copy a received stream into its blocks."""
         span = self._span(start, stop)
         if idx is not None:
-            edges = torch.tensor(self.bounds[span.start : span.stop + 1], dtype=idx.dtype)
+            edges = torch.tensor(
+                self.bounds[span.start : span.stop + 1], dtype=idx.dtype, device=idx.device
+            )
             cuts = torch.searchsorted(idx, edges).tolist()
         for n, i in enumerate(span):
             a, b = self.bounds[i], self.bounds[i + 1]
@@ -175,7 +184,7 @@ class SparseVector:
         if block.val.numel() <= k:
             return block.idx[:0]
         keep = kernels.topk(block.val, k)[0].long()  # positions in the block, ascending
-        mask = torch.ones(block.val.numel(), dtype=torch.bool)
+        mask = torch.ones(block.val.numel(), dtype=torch.bool, device=block.val.device)
         mask[keep] = False
         dropped = block.idx[mask]
         block.idx, block.val = block.idx[keep], block.val[keep]
@@ -225,6 +234,12 @@ def with_residual_step(schedule: Schedule, policy: sparse.Policy, numel: int) ->
 Stream = tuple[Transfer, "torch.Tensor | None", torch.Tensor]
 
 
+def _moved(stream: Stream, device: torch.device) -> Stream:
+    """A received stream on ``device``: where the vector is, wherever the transport put it."""
+    t, idx, val = stream
+    return t, None if idx is None else idx.to(device), val.to(device)
+
+
 class ScheduleRun:
     """A schedule's steps over a SparseVector, apart from how streams travel: ``outgoing(i)``
     is what step i sends, ``incoming(i, streams)`` applies what it received, ``finish()``
@@ -264,6 +279,7 @@ class ScheduleRun:
 
     def incoming(self, index: int, streams: list[Stream]) -> None:
         step = self.steps[index]
+        streams = [_moved(stream, self.vec.device) for stream in streams]
         if index == self._residual_index and step.recvs:
             _, idx, val = streams[0]
             assert idx is not None, "dropped entries travel sparse"
@@ -281,7 +297,7 @@ class ScheduleRun:
         if not self._lost:
             return idx[:0], val[:0]
         # A dense mask, not torch.isin: 25M elements, 2.5M lost: ~20 ms against ~320 ms.
-        hit = torch.zeros(self.vec.numel, dtype=torch.bool)
+        hit = torch.zeros(self.vec.numel, dtype=torch.bool, device=self.vec.device)
         for lost in self._lost:
             hit[lost.long()] = True
         mask = hit[idx.long()]
@@ -350,7 +366,7 @@ class SparseScheduleRequest:
     def _post(self) -> None:
         vec = self._run.vec
         for t, idx, val in self._run.outgoing(self._index):
-            empty = torch.empty(0, dtype=vec.index_dtype)
+            empty = torch.empty(0, dtype=vec.index_dtype, device=vec.device)
             self._sends.append(self._backend.isend_any(empty if idx is None else idx, t.peer))
             self._sends.append(self._backend.isend_any(val, t.peer))
             self.bytes_sent += (0 if idx is None else idx.nbytes) + val.nbytes
@@ -410,8 +426,8 @@ class AllgatherRequest:
         if self._stage == 0:
             counts = self._counts.tolist()
             total = sum(counts)
-            self._all_idx = torch.empty(total, dtype=self._idx.dtype)
-            self._all_val = torch.empty(total, dtype=self._val.dtype)
+            self._all_idx = torch.empty(total, dtype=self._idx.dtype, device=self._idx.device)
+            self._all_val = torch.empty(total, dtype=self._val.dtype, device=self._val.device)
             self._pending = [
                 self._backend.iallgatherv(self._idx, self._all_idx, counts),
                 self._backend.iallgatherv(self._val, self._all_val, counts),
@@ -428,7 +444,7 @@ class AllgatherRequest:
         parts = torch.tensor(counts).cumsum(0).tolist()
         starts = [0, *parts[:-1]]
         if sparse_bytes(total, self._idx.element_size(), vb) >= self._numel * vb:
-            dense = torch.zeros(self._numel, dtype=self._val.dtype)
+            dense = torch.zeros(self._numel, dtype=self._val.dtype, device=self._val.device)
             kernels.scatter_add_(dense, self._all_idx.long(), self._all_val, self._choice)
             return SparseResult(self._numel, None, dense)
         idx, val = self._all_idx[: counts[0]], self._all_val[: counts[0]]
