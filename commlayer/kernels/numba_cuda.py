@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 from numba import cuda
+from numba.core import config as numba_core_config
+from numba.cuda import libdevice
 
 from commlayer.kernels.reference import index_dtype
 
@@ -51,11 +53,28 @@ def _threshold(x, threshold, out, count):  # type: ignore[no-untyped-def]
         out[slot] = i
 
 
+# The fractional part of |x| * scale by an addition NVVM cannot fuse with the product: it
+# contracts a multiply and an addition into an FMA by default (-fma=1, which numba-cuda leaves
+# on), and an FMA adds to the unrounded product, rounding up other elements than the reference
+# does (quantize_kernels.cu uses __fmul_rn for the same reason). libdevice's dadd_rn is a call,
+# never contracted; in float64 it is exact for either dtype (level - floor(level) is exact in
+# level's own dtype already). The simulator runs Python, which never contracts, and has no
+# libdevice.
+if numba_core_config.ENABLE_CUDASIM:  # type: ignore[attr-defined]  # set from the environment
+
+    @cuda.jit(device=True)
+    def _add(a, b):  # type: ignore[no-untyped-def]
+        return a + b
+
+else:
+    _add = libdevice.dadd_rn
+
+
 @cuda.jit(device=True)
 def _qsgd_code(x, scale, rand, levels):  # type: ignore[no-untyped-def]
-    level = abs(x) * scale  # in x's dtype; the fractional part below is exact in any precision
+    level = abs(x) * scale  # rounded in x's dtype, as the reference rounds it
     low = math.floor(level)
-    step = min(low + (1 if rand < level - low else 0), levels)
+    step = min(low + (1 if rand < _add(float(level), -float(low)) else 0), levels)
     if x > 0:
         return levels + step
     if x < 0:
