@@ -68,7 +68,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
     grouped = codes.view(-1, per_byte)
-    packed = grouped[:, 0].clone()
+    # contiguous_format: a plain clone keeps an empty column's stride (per_byte), which
+    # pack_signs' int32 view then refuses; a non-empty column is copied contiguous either way.
+    packed = grouped[:, 0].clone(memory_format=torch.contiguous_format)
     for j in range(1, per_byte):
         packed.bitwise_or_(grouped[:, j] << (j * bits))
     return packed
