@@ -22,6 +22,7 @@ from commlayer.compression import (
     bitpack,
     wire,
 )
+from commlayer.compression import base as compression_base
 from commlayer.compression import topk as topk_module
 from commlayer.compression.base import _REGISTRY, Compressor
 from commlayer.errors import PayloadError
@@ -494,3 +495,20 @@ def test_wire_records_round_trip_and_name_the_bad_rank() -> None:
         wire.split(bad, [torch.float32, torch.int32])
     with pytest.raises(PayloadError, match="from rank 1: 8 bytes, shorter than a header"):
         wire.split(torch.cat([wire.pack(payloads[0]), bad[:8]]), [torch.float32, torch.int32])
+
+
+def test_host_work_is_logged_once_per_reason_and_never_for_cpu_tensors(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # host_work only reads a device's type, so a CUDA device object needs no GPU here;
+    # tests/gpu/test_compressors_cuda.py checks QSGD's own record on a real one.
+    monkeypatch.setattr(compression_base, "_host_work_logged", set())
+    with caplog.at_level("INFO", logger="commlayer"):
+        for _ in range(3):
+            compression_base.host_work("qsgd", torch.device("cpu"), "draws on the CPU")
+            compression_base.host_work("qsgd", torch.device("cuda", 0), "draws on the CPU")
+            compression_base.host_work("randomk", torch.device("cuda", 0), "positions")
+    assert [r.getMessage() for r in caplog.records] == [
+        "compressor qsgd on cuda:0: draws on the CPU",
+        "compressor randomk on cuda:0: positions",
+    ]
