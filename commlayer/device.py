@@ -170,10 +170,9 @@ def stage(
         if tensor.device.type not in STAGED_TYPES:
             back[id(tensor)] = tensor  # a CPU member of a group: its own result
             continue
-        buffer = host.get(id(tensor))
-        if buffer is None:
-            buffer = host[id(tensor)] = _host_buffer(tensor)
-        back[id(buffer)] = tensor
+        if id(tensor) not in host:  # an output that is not also an input
+            host[id(tensor)] = _host_buffer(tensor)
+        back[id(host[id(tensor)])] = tensor
     staged = Staged(device, stream, back)
     if ready is not None:
         staged.ready = _EventRequest(ready)

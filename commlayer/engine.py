@@ -509,13 +509,13 @@ class Engine:
 
     def _execute(self, set_id: int, state: _SetState, result: CycleResult) -> None:
         self._executing = [op for _, op in result.ready if op is not None]
-        for op in self._executing:
-            if op.ready is not None:  # staged device tensors: their copy to the host
+        for staged in self._executing:
+            if staged.ready is not None:  # staged device tensors: their copy to the host
                 t0 = time.perf_counter()
-                self._wait(op.ready)
-                op.ready = None
+                self._wait(staged.ready)
+                staged.ready = None
                 if self._tracing:
-                    self._timeline.span(op.name, "STAGE_IN", t0, time.perf_counter())
+                    self._timeline.span(staged.name, "STAGE_IN", t0, time.perf_counter())
         active = [r for r in range(state.backend.size) if r not in result.joined]
         groups: dict[tuple[str, int], list[fusion.Entry]] = {}
         others: list[tuple[Response, Operation | None]] = []

@@ -50,6 +50,9 @@ from commlayer.backends.peers import process_alive
 from commlayer.errors import CommlayerError
 from commlayer.reduce_ops import ReduceOp
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated there); torch 2.1-2.12 have only it.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _ABORT_CODE = 70  # as the MPI backend's MPI_Abort: sysexits' EX_SOFTWARE
 _P2P_TAG = 7  # the schedules' point-to-point messages
 
@@ -278,7 +281,7 @@ class TorchBackend:
         if self._size == 1:
             recv.copy_(send)
             return COMPLETED
-        work = dist.all_gather_single(recv, send, group=self._group, async_op=True)
+        work = _all_gather_single(recv, send, group=self._group, async_op=True)
         return _WorkRequest(work, send, recv)
 
     def iallgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Request:
@@ -301,7 +304,7 @@ class TorchBackend:
                 recv[offset : offset + count].copy_(rows[r, :count])
                 offset += count
 
-        work = dist.all_gather_single(gathered, padded, group=self._group, async_op=True)
+        work = _all_gather_single(gathered, padded, group=self._group, async_op=True)
         return _WorkRequest(work, padded, gathered, recv, after=unpad)
 
     def ibcast(self, buf: torch.Tensor, root: int) -> Request:

@@ -23,6 +23,7 @@ earlier torch work and before its later work, with no synchronization.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +37,29 @@ from commlayer.kernels.reference import index_dtype
 
 DTYPES = (torch.float32, torch.float64)
 _THREADS = 256
+
+
+def _probe_compile() -> None:
+    """Compile one trivial kernel now, so that a numba-cuda that is installed but cannot
+    compile here counts as unavailable (``kernels.available()``, ``auto`` skips it, naming it
+    is a clear ValueError) instead of failing inside a compressor. Seen on an H200 image:
+    numba-cuda 0.30.4 with numpy 2.5 raised AttributeError (numpy.row_stack, removed) on every
+    compile. The simulator compiles nothing: no probe there."""
+    if numba_core_config.ENABLE_CUDASIM:  # type: ignore[attr-defined]
+        return
+    try:
+        cuda.jit("void(int32[:])")(_probe_kernel)
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here
+        message = f"numba-cuda cannot compile kernels here ({type(exc).__name__}: {exc})"
+        logging.getLogger("commlayer").warning("commlayer: %s; its kernels are not used", message)
+        raise ImportError(message) from exc
+
+
+def _probe_kernel(a):  # type: ignore[no-untyped-def]
+    a[0] = 1
+
+
+_probe_compile()
 
 
 @cuda.jit

@@ -167,6 +167,12 @@ def _tolerance(name: str, step: int, dtype: torch.dtype) -> tuple[float, float] 
         # A residual of earlier steps makes the sums arbitrary floats: summed in another order
         # on the GPU, ~log2(4096) * eps32 = 1.4e-6 relative; 1e-5 leaves a 7x margin.
         return (max(1e-5, eps),) * 2
+    if name == "qsgd":
+        # The payload (codes and norms) is compared exactly and matched on an H200; the decoded
+        # values level x norm / levels came out a few units in the last place apart there (the
+        # device's division and product, fused or ordered otherwise): 4 units allowed, far
+        # below one quantization level, so a wrong code still fails.
+        return (eps, eps)
     if name == "efsignsgd":
         # Its float32 mean: the CUDA kernel multiplies the (exact) sum by 1/n, the CPU divides
         # by n; one rounding apart (none for n a power of 2), so one float32 unit at most.

@@ -93,7 +93,9 @@ def test_grouped_allreduce(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_allgather_broadcast_alltoall_reducescatter(dev: str) -> None:
     size, me = cl.size(), cl.rank()
     rows = [1 + r % 3 for r in range(size)]  # dim 0 differs per rank
-    gathered_in = [small_ints(seed_of("dev.gather"), r, (rows[r], 4), torch.float32) for r in range(size)]
+    gathered_in = [
+        small_ints(seed_of("dev.gather"), r, (rows[r], 4), torch.float32) for r in range(size)
+    ]
     gathered = cl.allgather(gathered_in[me].to(dev), name="dev.allgather")
     roots = _inputs("dev.bcast", (6,), torch.int64)
     root = size - 1

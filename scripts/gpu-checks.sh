@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The GPU checks (issue 25; the GPU parts of issues 6 and 7), for a machine with an NVIDIA GPU,
+# CUDA's nvcc, torch with CUDA, CuPy and numba-cuda: the CUDA kernels built with nvcc, tests/gpu,
+# the device cases of the parallel suite at 1 and 2 ranks under mpiexec and torchrun (ranks
+# share the GPU), and the GPU benchmarks. CI has no GPU and never runs this; run it whenever one
+# is lent, and commit what it wrote.
+#
+# Usage: bash scripts/gpu-checks.sh OUT_DIR [WHEEL_DIR]
+#   OUT_DIR    gets gpu_checks.log (every step's output) and the benchmark tables (*.md)
+#   WHEEL_DIR  optional: wheels to install first with --no-deps (e.g. mpi4py and mpich where the
+#              machine's Python has no MPI library); installed under /tmp/commlayer-site
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:?usage: bash scripts/gpu-checks.sh OUT_DIR [WHEEL_DIR]}"
+WHEELS="${2:-}"
+mkdir -p "$OUT"
+LOG="$OUT/gpu_checks.log"
+: >"$LOG"
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=python3
+FAILED=()
+
+if [[ -n "$WHEELS" ]]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/commlayer-site "$WHEELS"/*.whl >>"$LOG" 2>&1 || echo "wheel install failed" >>"$LOG"
+    export PYTHONPATH="/tmp/commlayer-site:$PYTHONPATH" PATH="/tmp/commlayer-site/bin:$PATH"
+    # mpi4py's wheel loads the first libmpi it finds: point it at the carried MPICH's, which
+    # matches the carried mpiexec (a system Open MPI's library under MPICH's launcher makes
+    # every rank a job of its own).
+    LIBMPI="$(find /tmp/commlayer-site -name 'libmpi.so.12' | head -n 1)"
+    if [[ -n "$LIBMPI" ]]; then
+        export MPI4PY_LIBMPI="$LIBMPI" LD_LIBRARY_PATH="$(dirname "$LIBMPI")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+fi
+
+# step NAME LIMIT_S COMMAND...: run with a time limit, output appended to the log
+step() {
+    local name="$1" limit="$2" start=$SECONDS rc=0
+    shift 2
+    printf '\n==================== %s ====================\n' "$name" >>"$LOG"
+    timeout -k 5 "$limit" "$@" >>"$LOG" 2>&1 || rc=$?
+    printf -- '---- %s: exit %d after %d s\n' "$name" "$rc" "$((SECONDS - start))" | tee -a "$LOG"
+    [[ $rc -eq 0 ]] || FAILED+=("$name")
+}
+
+step env 60 bash -c '
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    nvcc --version | tail -n 2
+    python3 -c "import sys, torch; print(sys.version.split()[0], \"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+    python3 -c "import cupy; print(\"cupy\", cupy.__version__)"
+    python3 -c "import numba, numba.cuda; print(\"numba\", numba.__version__, \"cuda available:\", numba.cuda.is_available())"
+    python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+    command -v mpiexec
+    python3 -c "import commlayer.kernels as k; print(\"commlayer kernels available:\", k.available())"'
+# mpiexec -n 2 must make one job of 2 ranks (not two singletons)
+step mpi-size 60 mpiexec -n 2 "$PY" -c 'from mpi4py import MPI; size = MPI.COMM_WORLD.Get_size(); print("rank", MPI.COMM_WORLD.Get_rank(), "of", size, MPI.Get_library_version().splitlines()[0]); assert size == 2, "mpiexec -n 2 gave singletons"'
+step nvcc-build 120 bash -c 'cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null && cmake --build build && ls build/ext/cuda'
+step tests-gpu 240 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
+for n in 1 2; do
+    step "device-mpiexec-$n" 120 mpiexec -n "$n" "$PY" -m pytest tests/parallel/test_device.py \
+        -q -p no:cacheprovider -x
+done
+step device-torchrun-2 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 \
+    -m pytest tests/parallel/test_device.py -q -p no:cacheprovider -x
+# Benchmarks (tables into OUT_DIR; commit them under benchmarks/results/)
+step bench-kernels 120 "$PY" benchmarks/kernels.py --device cuda --out "$OUT/kernels_cuda.md"
+step bench-allreduce-np1 90 "$PY" benchmarks/gpu_allreduce.py --max-size 64MiB --reps 3 \
+    --out "$OUT/gpu_allreduce_np1.md"
+step bench-allreduce-np2 120 mpiexec -n 2 "$PY" benchmarks/gpu_allreduce.py --max-size 64MiB \
+    --reps 3 --out "$OUT/gpu_allreduce_np2.md"
+step bench-train 200 "$PY" benchmarks/gpu_train.py --steps 30 --warmup 20 --budget-s 150 \
+    --out "$OUT/gpu_train.md"
+
+echo "failed steps: ${FAILED[*]:-none}" | tee -a "$LOG"
+[[ ${#FAILED[@]} -eq 0 ]]
