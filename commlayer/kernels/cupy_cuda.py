@@ -25,7 +25,7 @@ import torch
 from commlayer.kernels.reference import index_dtype
 
 DTYPES = (torch.float32, torch.float64)
-_THREADS = 256
+_THREADS = 256  # must stay a multiple of 32: the kernels use full-warp ballots and shuffles
 _ROOT = Path(__file__).resolve().parents[2]
 _SOURCES = _ROOT / "ext" / "cuda"
 _NAMES = {torch.float32: "f32", torch.float64: "f64", torch.int32: "i32", torch.int64: "i64"}
@@ -148,8 +148,9 @@ def qsgd_quantize(
         if bits == 16:
             _quantize_kernel("qsgd_levels16", x.dtype)(_grid(n), (_THREADS,), (*args, _cp(out)))
         else:
+            # one thread per element (the lanes of a byte combine by warp shuffles)
             _quantize_kernel("qsgd_pack", x.dtype)(
-                _grid(out.numel()), (_THREADS,),
+                _grid(n), (_THREADS,),
                 (*args, cupy.int32(bits), _cp(out), cupy.int64(out.numel())),
             )  # fmt: skip
     return out
@@ -180,7 +181,8 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     if n:
         with _on(x):
             args = (_cp(x.reshape(-1)), cupy.int64(n), _cp(words), cupy.int64(words.numel()))
-            _quantize_kernel("sign_pack", x.dtype)(_grid(words.numel()), (_THREADS,), args)
+            # one thread per element (each warp's 32 signs by __ballot_sync), not per word
+            _quantize_kernel("sign_pack", x.dtype)(_grid(n), (_THREADS,), args)
     return words
 
 

@@ -9,7 +9,11 @@
 // 1. scatter_add: dense[idx[i]] += val[i], one thread per entry, atomicAdd (memory-bound:
 //    reads 8 bytes and does one atomic per entry).
 // 2. threshold: one thread per element; |x| >= threshold takes an output slot from an atomic
-//    counter (the set is exact, the order arbitrary: the loader sorts it).
+//    counter (the set is exact, the order arbitrary: the loader sorts it). Warp-aggregated:
+//    the warp's selected lanes (__ballot_sync) take __popc(mask) slots by ONE atomicAdd of
+//    their first lane, broadcast by __shfl_sync; each lane's slot is base + the number of
+//    selected lanes below it. Needs blockDim.x % 32 == 0 and no early return (every lane of
+//    the warp must reach the ballot; the loader launches 256 threads).
 // 3. merge with summation, "merge path" in two passes over both lists plus a scan:
 //    a. match_a[i] = 1 when a[i] also occurs in b (binary search of b);
 //    b. the host computes M = exclusive prefix sum of match_a (CuPy's cumsum);
@@ -39,9 +43,14 @@ extern "C" __global__ void scatter_add_##VN##_##IN(V* dense, const I* idx, const
 extern "C" __global__ void threshold_##VN##_##IN(const V* x, V threshold, I* out,              \
                                                  unsigned long long* count, int64_t n) {       \
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;                                \
-    if (i < n && fabs(x[i]) >= threshold) {                                                    \
-        unsigned long long slot = atomicAdd(count, 1ULL);                                      \
-        out[slot] = (I)i;                                                                      \
+    bool take = i < n && fabs(x[i]) >= threshold;                                              \
+    unsigned mask = __ballot_sync(0xffffffffu, take);                                          \
+    if (mask) { /* warp-uniform branch: the whole warp enters, so the shuffle is safe */       \
+        int lane = threadIdx.x & 31, first = __ffs(mask) - 1;                                  \
+        unsigned long long base = 0;                                                           \
+        if (lane == first) base = atomicAdd(count, (unsigned long long)__popc(mask));          \
+        base = __shfl_sync(0xffffffffu, base, first);                                          \
+        if (take) out[base + __popc(mask & ((1u << lane) - 1u))] = (I)i;                       \
     }                                                                                          \
 }                                                                                              \
 extern "C" __global__ void match_##VN##_##IN(const I* a, int64_t na, const I* b, int64_t nb,   \
