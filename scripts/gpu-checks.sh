@@ -7,8 +7,10 @@
 #
 # Usage: bash scripts/gpu-checks.sh OUT_DIR [WHEEL_DIR]
 #   OUT_DIR    gets gpu_checks.log (every step's output) and the benchmark tables (*.md)
-#   WHEEL_DIR  optional: wheels to install first with --no-deps (e.g. mpi4py and mpich where the
-#              machine's Python has no MPI library); installed under /tmp/commlayer-site
+#   WHEEL_DIR  optional: wheels to install first with --no-deps (mpi4py and mpich where the
+#              machine's Python has no MPI library); installed under /tmp/commlayer-site. On the
+#              lent H200 image leave it out: its mpi4py is built against its Open MPI, whose
+#              /usr/bin/mpiexec matches (carried MPICH there still made singletons).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: bash scripts/gpu-checks.sh OUT_DIR [WHEEL_DIR]}"
@@ -17,6 +19,7 @@ mkdir -p "$OUT"
 LOG="$OUT/gpu_checks.log"
 : >"$LOG"
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # Open MPI's mpiexec as root
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=python3
 FAILED=()

@@ -116,7 +116,10 @@ class QSGDCompressor:
         expect_finite(norms, "qsgd norm", nonnegative=True)
         expect = padded if self.bits == 16 else bitpack.packed_bytes(padded, self.bits)
         expect_numel(packed, expect, "qsgd levels" if self.bits == 16 else "qsgd packed levels")
-        step = (norms / self.levels).to(compute_dtype(dtype))
+        # A tensor divisor, not the int: torch on CUDA divides by a Python number as a product
+        # with its reciprocal, one float32 unit off the CPU's division for some norms (seen on
+        # an H200: float64 results 7e-8 apart); element by element both devices divide exactly.
+        step = (norms / torch.full_like(norms, self.levels)).to(compute_dtype(dtype))
         values, top = kernels.qsgd_dequantize(packed, step, self.levels, self.bits, self.bucket)
         if top > self.levels:
             raise PayloadError(f"qsgd level {top:g} exceeds levels={self.levels}")
