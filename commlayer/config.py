@@ -300,8 +300,8 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "backend",
         _BACKEND,
         "what carries the engine's messages: mpi (mpi4py), torch (torch.distributed over gloo), "
-        "or auto (default): torch under torchrun or when torch.distributed is already "
-        "initialized, else mpi",
+        "or auto (default): mpi under mpiexec/commlayerrun, torch under torchrun or (no "
+        "launcher) when torch.distributed is already initialized, else mpi",
     ),
 )
 

@@ -79,10 +79,19 @@ def init(
             _atexit_registered = True
 
 
+def auto_backend(launcher: str, torch_ready: bool) -> str:
+    """COMMLAYER_BACKEND=auto: mpi under mpiexec/commlayerrun (even where the script also
+    started torch.distributed, say for a DDP hook: the launcher made one MPI job), torch under
+    torchrun, and for a process no launcher started, torch if torch.distributed is initialized,
+    else mpi."""
+    if launcher == "torchrun" or (launcher != "mpi" and torch_ready):
+        return "torch"
+    return "mpi"
+
+
 def _start_backend(comm: Any, cfg: Config) -> Any:
-    """The backend ``cfg.backend`` names (auto: torch under torchrun or over an initialized
-    torch.distributed, else MPI), over ``comm`` (a communicator or process group, or a list of
-    global ranks)."""
+    """The backend ``cfg.backend`` names (auto: ``auto_backend``), over ``comm`` (a
+    communicator or process group, or a list of global ranks)."""
     global _backend_name, _owns_torch_group
     import torch.distributed as dist
 
@@ -90,7 +99,7 @@ def _start_backend(comm: Any, cfg: Config) -> Any:
     torch_ready = dist.is_available() and dist.is_initialized()
     kind = cfg.backend
     if kind == "auto":
-        kind = "torch" if torch_ready or launch.launcher == "torchrun" else "mpi"
+        kind = auto_backend(launch.launcher, torch_ready)
     if kind == "torch":
         from commlayer.backends import torch_distributed
 

@@ -54,3 +54,18 @@ def test_mpi_under_torchrun_is_refused_before_mpi_starts(
     monkeypatch.setattr(config, "launch", lambda: config.Launch("torchrun", 4))
     with pytest.raises(ConfigError, match=r"COMMLAYER_BACKEND=mpi.*WORLD_SIZE=4.*torch"):
         runtime._start_backend(None, config.load({"COMMLAYER_BACKEND": "mpi"}))
+
+
+@pytest.mark.parametrize(
+    ("launcher", "torch_ready", "expected"),
+    [
+        ("mpi", False, "mpi"),
+        ("mpi", True, "mpi"),  # mpiexec made one MPI job, torch.distributed or not
+        ("torchrun", False, "torch"),
+        ("torchrun", True, "torch"),
+        ("", True, "torch"),  # a plain process over an initialized torch.distributed
+        ("", False, "mpi"),
+    ],
+)
+def test_auto_backend(launcher: str, torch_ready: bool, expected: str) -> None:
+    assert runtime.auto_backend(launcher, torch_ready) == expected
