@@ -35,7 +35,7 @@ def dev(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
         torch.cuda.set_device(cl.local_rank() % torch.cuda.device_count())
         yield "cuda"
         return
-    monkeypatch.setattr(device, "STAGED_TYPES", {"cpu", "cuda"})
+    monkeypatch.setattr(device, "STAGE_CPU", True)
     yield "cpu"
 
 
