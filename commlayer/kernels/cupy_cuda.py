@@ -41,7 +41,8 @@ def module(name: str = "sparse_kernels") -> Any:
         if folder and ptx.is_file():
             return cupy.RawModule(path=str(ptx))
     source = (_SOURCES / f"{name}.cu").read_text()
-    return cupy.RawModule(code=source, options=("--std=c++17",))
+    # -I: the sources include commlayer_types.cuh from their own folder
+    return cupy.RawModule(code=source, options=("--std=c++17", f"-I{_SOURCES}"))
 
 
 def _kernel(kind: str, values: torch.dtype, indices: torch.dtype) -> Any:

@@ -29,19 +29,7 @@
 // whose element is past n takes part with a neutral value. With blockDim.x % 32 == 0 the
 // global thread index e satisfies e % 32 == lane.
 
-#ifdef __CUDACC_RTC__
-// NVRTC (the loader's fallback when no nvcc-built PTX is found) has no C library headers.
-typedef signed char int8_t;
-typedef unsigned char uint8_t;
-typedef short int16_t;
-typedef unsigned short uint16_t;
-typedef int int32_t;
-typedef unsigned int uint32_t;
-typedef long long int64_t;
-typedef unsigned long long uint64_t;
-#else
-#include <stdint.h>
-#endif
+#include "commlayer_types.cuh"
 
 // a / b for 0 <= a, 0 < b: one 32-bit unsigned division when both fit (every buffer below
 // 2^32 elements), the exact same quotient as the 64-bit one, which is a long emulated routine.

@@ -22,19 +22,7 @@
 //       M[lower_bound(a, b[j])] (the matched a's before it pair with b's before it).
 //    The output has na + nb - M[na] entries, sorted, with no repeated index.
 
-#ifdef __CUDACC_RTC__
-// NVRTC (the loader's fallback when no nvcc-built PTX is found) has no C library headers.
-typedef signed char int8_t;
-typedef unsigned char uint8_t;
-typedef short int16_t;
-typedef unsigned short uint16_t;
-typedef int int32_t;
-typedef unsigned int uint32_t;
-typedef long long int64_t;
-typedef unsigned long long uint64_t;
-#else
-#include <stdint.h>
-#endif
+#include "commlayer_types.cuh"
 
 template <typename I>
 __device__ int64_t lower_bound(const I* keys, int64_t n, I key) {
