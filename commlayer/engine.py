@@ -434,13 +434,13 @@ class Engine:
     def _wait(self, request: Request, spin_s: float | None = None) -> None:
         """Wait without busy-polling: yield the CPU between tests for ``spin_s`` (a collective:
         the wait policy's), then sleep with backoff."""
-        if request.test():
+        if self._test(request):
             return
         if spin_s is None:
             spin_s = self._data_spin_s
         start = time.perf_counter()
         sleep_s = 20e-6
-        while not request.test():
+        while not self._test(request):
             waited_s = time.perf_counter() - start
             if waited_s < spin_s:
                 os.sched_yield()
@@ -450,6 +450,25 @@ class Engine:
             if waited_s > self._timeout_s:
                 raise self._timeout_error(waited_s)
             self._check_peers()
+
+    def _test(self, request: Request) -> bool:
+        """``request.test()``; a transport error raised while a peer on this host has died is
+        that death (RankDiedError naming the rank): gloo reports a killed peer as "Connection
+        closed by peer" as soon as its socket closes, often before the next pid check."""
+        try:
+            return request.test()
+        except CommlayerError:
+            raise
+        except Exception as exc:
+            dead = self._global.backend.dead_peers()
+            if dead:
+                raise self._died(dead) from exc
+            raise
+
+    def _died(self, dead: list[int]) -> RankDiedError:
+        return RankDiedError(
+            f"rank {self.rank}: rank(s) {dead} exited while this rank waited on them"
+        )
 
     def _timeout_error(self, waited_s: float) -> CollectiveTimeoutError:
         """The watchdog's error: what made no progress, and which ranks it waits on, by host
@@ -490,9 +509,7 @@ class Engine:
         self._next_peer_check = (math.floor(wall / _PEER_CHECK_S) + 1) * _PEER_CHECK_S
         dead = self._global.backend.dead_peers()
         if dead:
-            raise RankDiedError(
-                f"rank {self.rank}: rank(s) {dead} exited while this rank waited on them"
-            )
+            raise self._died(dead)
 
     # -- execution -------------------------------------------------------------------------------
     def complete(
