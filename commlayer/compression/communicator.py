@@ -315,10 +315,6 @@ class Communicator:
         """Decode every rank's record and sum, per tensor, into the tensors."""
         counts = [len(c.payload) for c in compressed]
         dtypes = [t.dtype for c in compressed for t in c.payload]
-        # Decoded where the tensors are: a transport that stages through the host (gloo, an MPI
-        # without CUDA support) may hand the records back on the CPU; one copy of them to the
-        # device, instead of decoding and summing n records on the host. A no-op otherwise.
-        gathered = gathered.to(tensors[0].device)
         try:
             records = wire.split(gathered, dtypes)
         except PayloadError as exc:

@@ -29,9 +29,9 @@ top-k selection's are. ``COMMLAYER_SPARSE_ALGORITHM``: ``allgather`` (default) k
 compressor's allgather; ``auto`` runs whichever exact algorithm the cost model predicts
 fastest for k.
 
-The local work (sorting, merging, densifying, decoding) runs on the payload's device, and
-what the collectives return is moved there first (a no-op unless the transport staged it
-through the host); only the splits and cuts read with ``tolist`` live on the host.
+The local work (sorting, merging, densifying, decoding) runs on the payload's device, where
+the collectives return their results (commlayer/device.py brings staged CUDA results back);
+only the splits and cuts read with ``tolist`` live on the host.
 """
 
 from __future__ import annotations
@@ -286,7 +286,6 @@ class SparseReduction:
     def _merge(self, rows: torch.Tensor, received: list[int]) -> torch.Tensor:
         """This rank's block, summed over ranks, as a record."""
         start, stop = self.blocks[self.process_set.rank()]
-        rows = rows.to(self.device)
         idx_all = rows[:, :4].contiguous().view(torch.int32).view(-1)
         val_all = rows[:, 4:].contiguous().view(self.dtype).view(-1)
         if idx_all.numel() and (int(idx_all.min()) < start or int(idx_all.max()) >= stop):
@@ -306,7 +305,7 @@ class SparseReduction:
 
     def _decode(self, gathered: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        records = wire.split(gathered.to(self.device), [torch.int32, self.dtype, self.dtype])
+        records = wire.split(gathered, [torch.int32, self.dtype, self.dtype])
         if len(records) != len(self.blocks):
             raise PayloadError(f"{self.name}: {len(records)} blocks for {len(self.blocks)} ranks")
         for (start, stop), (idx, val, dense) in zip(self.blocks, records):
