@@ -87,6 +87,11 @@ def _mpi_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
 
 def _spec(tensor: torch.Tensor, count: int | None = None) -> list[Any]:
     """[buffer, count, datatype] for a contiguous CPU tensor, by address (zero-copy)."""
+    if tensor.is_cuda:  # its address is device memory, which this MPI would read as host memory
+        raise ValueError(
+            f"the MPI backend moves host memory; got a tensor on {tensor.device} (collectives "
+            "stage CUDA tensors through the host: commlayer/device.py)"
+        )
     nbytes = tensor.numel() * tensor.element_size()
     buf = MPI.buffer.fromaddress(tensor.data_ptr() if nbytes else 0, nbytes)
     return [buf, tensor.numel() if count is None else count, _DTYPES[tensor.dtype]]
