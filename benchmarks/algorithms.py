@@ -177,6 +177,7 @@ def main() -> int:
     parser.add_argument("--min-bytes", type=parse_bytes, default=1 << 10)
     parser.add_argument("--max-bytes", type=parse_bytes, default=256 << 20)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--size-factor", type=int, default=4, help="from one size to the next")
     parser.add_argument("--target-s", type=float, default=0.2)
     parser.add_argument("--max-iters", type=int, default=500)
     parser.add_argument("--calibration", help="where to save this run's calibration")
@@ -187,6 +188,8 @@ def main() -> int:
     parser.add_argument("--paired-bytes", type=parse_bytes, default=64 << 20)
     parser.add_argument("--pairs", type=int, default=12, help="0 skips the paired section")
     args = parser.parse_args()
+    if args.size_factor < 2:
+        parser.error(f"--size-factor {args.size_factor}: must be at least 2")
 
     world = MPI.COMM_WORLD
     backend = MPIBackend()
@@ -205,7 +208,7 @@ def main() -> int:
     n = args.min_bytes
     while n <= args.max_bytes:
         sizes.append(n)
-        n *= 4
+        n *= args.size_factor
     factor = 2 * (world.size - 1) / world.size
     lines = [
         f"# allreduce algorithms, {world.size} ranks, float32 Sum in place",
@@ -270,7 +273,13 @@ def main() -> int:
         first = model.choose(backend, nbytes // 4, 4)
         pick = auto.choose(backend, nbytes // 4, 4)
         measured.append(
-            {"bytes": nbytes, "seconds": dict(times), "model_pick": first, "tuned_pick": pick}
+            {
+                "bytes": nbytes,
+                "seconds": dict(times),
+                "model_pick": first,
+                "tuned_pick": pick,
+                "auto_in_turn": in_turn,
+            }
         )
         lines.append(
             f"| {human(nbytes)} | "

@@ -15,9 +15,12 @@ raw MPI, against the link rate (issue 21).
    link's rate, and a flat algorithm that sends every rank's share across the link separately
    cannot reach it with more than one rank per host.
 3. Writes ``network_<rate>_<layout>.md`` (the table, the link efficiency of the best algorithm
-   and of auto per size), ``.json`` (every measurement, machine-readable for the oracle and
-   auto-tuning) and ``.png`` (link efficiency against size, one line per algorithm; needs
-   matplotlib: ``pip install '.[bench]'``) under ``--out`` (default benchmarks/results), plus
+   and of auto per size; "auto vs best" compares auto's own measurement with the fastest
+   column, taken seconds to minutes apart on a machine whose speed drifts, "in turn" compares
+   auto with the row's two fastest algorithms measured alternately, at the same moment),
+   ``.json`` (every measurement, machine-readable for the oracle and auto-tuning) and
+   ``.png`` (link efficiency against size, one line per algorithm; needs matplotlib:
+   ``pip install '.[bench]'``) under ``--out`` (default benchmarks/results), plus
    algorithms.py's own table. ``--replot JSON`` draws the picture again without measuring.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
 import subprocess
 import sys
@@ -102,7 +106,9 @@ def main() -> int:
     parser.add_argument("--min-bytes", default="1K")
     parser.add_argument("--max-bytes", default="64M")
     parser.add_argument("--reps", default="3")
+    parser.add_argument("--size-factor", default="4", help="from one size to the next")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--suffix", help="appended to the result files' names (a repeat run)")
     parser.add_argument("--replot", type=Path, help="draw the .png again from this .json")
     args = parser.parse_args()
     if args.replot:
@@ -110,7 +116,7 @@ def main() -> int:
         return 0
     link_bps = rate_bits(args.rate)
     hosts, per_host = args.layout
-    tag = f"network_{args.rate}_{hosts}x{per_host}"
+    tag = f"network_{args.rate}_{hosts}x{per_host}" + (f"_{args.suffix}" if args.suffix else "")
     args.out.mkdir(parents=True, exist_ok=True)
     raw_json = args.out / f"{tag}.algorithms.json"
     command = [
@@ -119,13 +125,16 @@ def main() -> int:
         "-H", ",".join(f"node{k}:{per_host}" for k in range(1, hosts + 1)),
         sys.executable, str(ROOT / "benchmarks" / "algorithms.py"),
         "--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--reps", args.reps,
+        "--size-factor", args.size_factor,
         "--pairs", "0", "--out", str(args.out / f"{tag}.algorithms.md"), "--json", str(raw_json),
     ]  # fmt: skip
+    load_before = os.getloadavg()[0]
     try:
         cluster("up", str(hosts), "--rate", args.rate)
         subprocess.run(command, check=True, cwd=ROOT)
     finally:
         cluster("down")
+    load_after = os.getloadavg()[0]
     record = json.loads(raw_json.read_text())
     factor = 2 * (hosts - 1) / hosts
     names = [n for n in record["sizes"][0]["seconds"] if n != "auto"]
@@ -134,13 +143,17 @@ def main() -> int:
         "",
         f"{datetime.date.today()}, {record['mpi']}, hosts {sorted(set(record['hosts']))}, "
         f"`sudo python benchmarks/network.py --rate {args.rate} --layout {hosts}x{per_host} "
-        f"--max-bytes {args.max_bytes}` (scripts/cluster.sh: veth + tbf; UCX_TLS=tcp,self). "
+        f"--min-bytes {args.min_bytes} --max-bytes {args.max_bytes} --reps {args.reps} "
+        f"--size-factor {args.size_factor}"
+        + (f" --suffix {args.suffix}" if args.suffix else "")
+        + "` (scripts/cluster.sh: veth + tbf; UCX_TLS=tcp,self). "
         "link = the host link's lower bound (S x 2(H-1)/H / rate) over the measured time; "
-        "100% is the link's rate. 2-core VM: every rank and the links' traffic share 2 cores.",
+        "100% is the link's rate. 2-core VM: every rank and the links' traffic share 2 cores; "
+        f"load average (1 min) {load_before:.1f} before the run, {load_after:.1f} after.",
         "",
         "| bytes | " + " | ".join(f"{n} ms (link)" for n in names) + " | auto ms (link) "
-        "| best | auto vs best |",
-        "| ---: | " + " | ".join("---:" for _ in names) + " | ---: | --- | ---: |",
+        "| best | auto vs best | auto vs best two, in turn |",
+        "| ---: | " + " | ".join("---:" for _ in names) + " | ---: | --- | ---: | ---: |",
     ]
     summary = []
     for row in record["sizes"]:
@@ -149,13 +162,16 @@ def main() -> int:
         best = min(names, key=lambda n: seconds[n])
         cells = [f"{seconds[n] * 1e3:,.2f} ({bound / seconds[n]:.0%})" for n in names]
         auto = seconds["auto"]
+        in_turn = row.get("auto_in_turn")  # absent from runs before 2026-11-26
         lines.append(
             f"| {human(nbytes)} | " + " | ".join(cells)
-            + f" | {auto * 1e3:,.2f} ({bound / auto:.0%}) | {best} | {seconds[best] / auto:.2f}x |"
+            + f" | {auto * 1e3:,.2f} ({bound / auto:.0%}) | {best} | {seconds[best] / auto:.2f}x"
+            + (f" | {in_turn:.2f}x |" if in_turn is not None else " | - |")
         )  # fmt: skip
         summary.append(
             {"bytes": nbytes, "best": best, "best_link": bound / seconds[best],
-             "auto_link": bound / auto, "auto_vs_best": seconds[best] / auto}
+             "auto_link": bound / auto, "auto_vs_best": seconds[best] / auto,
+             "auto_in_turn": in_turn}
         )  # fmt: skip
     (args.out / f"{tag}.md").write_text("\n".join(lines) + "\n")
     result = {
