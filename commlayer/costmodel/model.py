@@ -282,6 +282,24 @@ def choose(
     return best[0]
 
 
+def _distinct(rows: list[tuple[str, float]]) -> list[str]:
+    """The names of ``rows`` (fastest first), less those predicted exactly as fast as a faster
+    one: the model sees the same steps there (with one rank per node, ``shd`` is
+    ``rabenseifner`` across the nodes, and ``hierarchical`` and ``torus2d`` ring through them),
+    so measuring both tells tuning nothing, and the next distinct schedule can be far faster.
+    Across 4 hosts x 1 rank at 1 Gbit/s, the two best were rabenseifner and shd, tied, 0.1%
+    ahead of the ring-like three; measured, those rings were 1.5-1.8x faster at 64-128 MiB, and
+    tuning, measuring neither, kept MPI's own at 0.56-0.65x of the best
+    (benchmarks/results/network_1gbit_4x1_large_run1.md)."""
+    names: list[str] = []
+    seen: set[float] = set()
+    for name, seconds in rows:
+        if seconds not in seen:
+            names.append(name)
+            seen.add(seconds)
+    return names
+
+
 def ranked(
     numel: int,
     element_size: int,
@@ -291,17 +309,17 @@ def ranked(
     topology: Topology | None = None,
     count: int = 4,
 ) -> list[str]:
-    """What online tuning (algorithms/autotune.py) measures against each other, at most
-    ``count`` names: ``auto``'s pick (``choose``), then the native algorithms (``shm`` on one
-    node, ``mpi``), then the two schedules with the lowest predicted times (with a calibration
-    that fits; else ``rabenseifner``, bandwidth-optimal, or below 64 KiB
-    ``recursive_doubling``, latency-optimal). The natives always take part: they are the
+    """What online tuning (algorithms/autotune.py) measures against each other, at most ``count``
+    names: ``auto``'s pick (``choose``), then the native algorithms (``shm`` on one node,
+    ``mpi``), then the two schedules with the lowest predicted times (with a calibration that
+    fits; else ``rabenseifner``, bandwidth-optimal, or below 64 KiB ``recursive_doubling``,
+    latency-optimal; ties count once: ``_distinct``). The natives always take part: they are the
     fastest where they are, and a calibration taken while the machine ran in another state can
-    rank them last (at 2 ranks here the window is 3x MPICH in one state and level with it in
-    the other). Two schedules, not one: the best ones are often predicted within a few percent
-    of each other, closer than the model's accuracy (at 4 ranks, 256 MiB: rabenseifner 252 ms,
-    ring 256 ms; ring measured up to 1.19x faster, and tuning, measuring rabenseifner alone,
-    kept it at 0.82x of ring in turn). Every rank computes the same."""
+    rank them last (at 2 ranks here the window is 3x MPICH in one state and level with it in the
+    other). Two schedules, not one: the best ones are often predicted within a few percent of
+    each other, closer than the model's accuracy (at 4 ranks, 256 MiB: rabenseifner 252 ms, ring
+    256 ms; ring measured up to 1.19x faster, and tuning, measuring rabenseifner alone, kept it
+    at 0.82x of ring in turn). Every rank computes the same."""
     pick = choose(numel, element_size, size, nodes, cal, topology)
     if size == 1:
         return [pick]
@@ -315,7 +333,7 @@ def ranked(
         if topology is not None and (topology.size != size or topology.nodes != nodes):
             topology = None
         rows = table(numel * element_size, cal, element_size, topology)
-        schedules = [name for name, _ in rows if name not in algorithms.NATIVE]
+        schedules = _distinct([row for row in rows if row[0] not in algorithms.NATIVE])
     else:
         schedules = ["rabenseifner" if numel * element_size >= 64 << 10 else "recursive_doubling"]
     return list(dict.fromkeys([pick, *natives, *schedules[:2]]))[:count]
