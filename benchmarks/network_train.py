@@ -125,6 +125,12 @@ class System:
         named = model.named_parameters()
         return model, self.hvd.DistributedOptimizer(optimizer, named_parameters=named)
 
+    def stats(self) -> dict[str, float]:
+        """commlayer's engine counters (communication_stats); nothing for DDP and Horovod."""
+        if self.name != "commlayer":
+            return {}
+        return dict(self.hvd.communication_stats())
+
     def barrier(self) -> None:
         if self.hvd is None:
             import torch.distributed as dist
@@ -157,15 +163,23 @@ def throughput(system: System, args: argparse.Namespace) -> dict[str, Any]:
         if step == args.warmup:
             system.barrier()
             rx0, tx0 = _link_bytes()
+            stats0 = system.stats()
         t0 = time.perf_counter()
         optimizer.zero_grad()
         F.cross_entropy(model(inputs), targets).backward()
         optimizer.step()
         times.append(time.perf_counter() - t0)
     rx1, tx1 = _link_bytes()
+    stats1 = system.stats()
     step_s = statistics.median(times[args.warmup :])
     quartiles = statistics.quantiles(times[args.warmup :], n=4)
+    engine = {  # commlayer only: where a step's communication went
+        f"{key}_per_step": (stats1[key] - stats0[key]) / args.steps
+        for key in ("operations", "collective_s", "cycles")
+        if key in stats1
+    }
     return {
+        **engine,
         "step_ms": step_s * 1e3,
         "step_ms_iqr": [q * 1e3 for q in (quartiles[0], quartiles[2])],
         "samples_per_s": args.batch * system.size / step_s,
