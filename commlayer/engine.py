@@ -680,12 +680,15 @@ def _describe(waiting_on: list[fusion.Entry] | Response | None) -> str:
 
 def _passive(policy: str, backend: Backend) -> bool:
     """Whether waits on collectives are passive (module docstring, constraint 4): the policy,
-    and for ``auto`` whether this node runs more ranks than it has cores."""
+    and for ``auto`` whether this machine runs more ranks than it has cores. The machine, not
+    the node: the hosts of scripts/cluster.sh (namespaces of one machine) run 1-2 ranks each
+    on the same 2 cores, where a yield-spinning wait takes a core from the other hosts' ranks
+    and from the kernel moving their TCP traffic."""
     if policy != "auto":
         return policy == "passive"
-    nodes = backend.nodes()
-    local = nodes.count(nodes[backend.rank])
-    return local > (os.cpu_count() or 1)
+    machines = backend.machines()
+    here = machines.count(machines[backend.rank])
+    return here > (os.cpu_count() or 1)
 
 
 def _topology(config: Config, backend: Backend) -> Topology | None:

@@ -128,6 +128,12 @@ class Backend(Protocol):
         """Host name of every rank of this group (for messages naming where a rank runs)."""
         ...
 
+    def machines(self) -> list[int]:
+        """Machine index of every rank of this group: ranks whose processes share one kernel,
+        hence its cores, share an index (numbered in order of their lowest rank), even where
+        they are different hosts to MPI (the namespace cluster's hosts, containers)."""
+        ...
+
     def dead_peers(self) -> list[int]:
         """Ranks of this group known to have exited (empty when none or when unknown)."""
         ...

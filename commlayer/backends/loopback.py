@@ -521,6 +521,10 @@ class LoopbackBackend:
     def hosts(self) -> list[str]:
         return [f"loopback-node{node}" for node in self.nodes()]
 
+    def machines(self) -> list[int]:
+        """Threads of one process: one machine, whatever nodes they pretend to be on."""
+        return [0] * self.size
+
     def abort(self, reason: str) -> None:
         """Threads cannot be killed: every pending and later call of the world fails instead."""
         self._group.world.abort(reason)

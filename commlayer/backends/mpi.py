@@ -27,7 +27,7 @@ from mpi4py import MPI  # noqa: E402
 
 from commlayer.algorithms.topology import Topology  # noqa: E402
 from commlayer.backends.base import COMPLETED, Request  # noqa: E402
-from commlayer.backends.peers import process_alive  # noqa: E402
+from commlayer.backends.peers import indices, machine_id, process_alive  # noqa: E402
 from commlayer.errors import CommlayerError  # noqa: E402
 from commlayer.reduce_ops import ReduceOp  # noqa: E402
 
@@ -182,8 +182,10 @@ class MPIBackend:
         self._comm: MPI.Comm = comm if comm is not None else dup_world(timeout_s)
         self._rank = self._comm.rank
         self._size = self._comm.size
-        me = (socket.gethostname(), os.getpid())
-        self._peers: list[tuple[str, int]] = self._comm.allgather(me)
+        me = (socket.gethostname(), os.getpid(), machine_id())
+        gathered: list[tuple[str, int, str]] = self._comm.allgather(me)
+        self._peers: list[tuple[str, int]] = [(host, pid) for host, pid, _ in gathered]
+        self._machines = indices([machine for _, _, machine in gathered])
         self._shm: SharedMemoryAllreduce | None = None
         # per node layout (shm_hierarchical_iallreduce): the backends of my node and across
         self._levels: dict[tuple[int, ...], tuple[MPIBackend, MPIBackend]] = {}
@@ -360,6 +362,9 @@ class MPIBackend:
 
     def hosts(self) -> list[str]:
         return [host for host, _ in self._peers]
+
+    def machines(self) -> list[int]:
+        return list(self._machines)
 
     def dead_peers(self) -> list[int]:
         host = socket.gethostname()

@@ -1,8 +1,29 @@
-"""Whether a peer process on this host is still alive (the backends' ``dead_peers``)."""
+"""Who a peer process is: alive on this host or not (the backends' ``dead_peers``), and which
+machine's cores it runs on (``machines``)."""
 
 from __future__ import annotations
 
 import os
+import socket
+from pathlib import Path
+
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def machine_id() -> str:
+    """The running kernel's boot id: processes that share it share this machine's cores, whatever
+    host name their namespaces give them (the hosts of scripts/cluster.sh are network and UTS
+    namespaces of one machine; so are containers); the host name where it cannot be read."""
+    try:
+        return _BOOT_ID.read_text().strip() or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+def indices(keys: list[str]) -> list[int]:
+    """Each key's index among the distinct keys, in order of first appearance."""
+    first: dict[str, int] = {}
+    return [first.setdefault(key, len(first)) for key in keys]
 
 
 def process_alive(pid: int) -> bool:

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from commlayer.backends.base import COMPLETED, Request
-from commlayer.backends.peers import process_alive
+from commlayer.backends.peers import indices, machine_id, process_alive
 from commlayer.errors import CommlayerError
 from commlayer.reduce_ops import ReduceOp
 
@@ -238,8 +238,10 @@ class TorchBackend:
         self._rank = dist.get_rank(self._group)
         self._size = dist.get_world_size(self._group)
         peers: list[Any] = [None] * self._size
-        dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=self._group)
-        self._peers: list[tuple[str, int]] = [tuple(p) for p in peers]
+        me = (socket.gethostname(), os.getpid(), machine_id())
+        dist.all_gather_object(peers, me, group=self._group)
+        self._peers: list[tuple[str, int]] = [(host, pid) for host, pid, _ in peers]
+        self._machines = indices([machine for _, _, machine in peers])
         order = list(dict.fromkeys(host for host, _ in self._peers))
         self._nodes = [order.index(host) for host, _ in self._peers]
         # one waiter per lane (module docstring, 2.): a send waits for its receiver to post,
@@ -423,6 +425,9 @@ class TorchBackend:
 
     def hosts(self) -> list[str]:
         return [host for host, _ in self._peers]
+
+    def machines(self) -> list[int]:
+        return list(self._machines)
 
     def dead_peers(self) -> list[int]:
         host = socket.gethostname()

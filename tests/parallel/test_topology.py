@@ -13,6 +13,8 @@ import socket
 from conftest import _world
 
 import commlayer as cl
+from commlayer import runtime
+from commlayer.backends import peers
 
 
 def test_topology_is_consistent_on_every_rank() -> None:
@@ -41,3 +43,12 @@ def test_topology_is_consistent_on_every_rank() -> None:
         assert got == expected, f"rank {r}: (local_rank, local_size, cross_rank, cross_size) {got}"
     homogeneous = len({info["local_size"] for info in every}) == 1
     assert all(info["homogeneous"] == homogeneous for info in every)
+
+
+def test_ranks_sharing_a_kernel_share_a_machine_index() -> None:
+    """The backend numbers machines by the kernel's boot id (what the wait policy counts ranks
+    on), in order of the lowest rank, for MPI and torch.distributed alike."""
+    machines = runtime.engine()._global.backend.machines()
+    ids = cl.allgather_object(peers.machine_id(), name="machine_ids")
+    order = list(dict.fromkeys(ids))
+    assert machines == [order.index(machine) for machine in ids]

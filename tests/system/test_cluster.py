@@ -235,6 +235,10 @@ def test_topology_is_detected_not_configured(job: Job) -> None:
         assert (record["local_rank"], record["local_size"]) == (local, PER_HOST), record
         assert (record["cross_rank"], record["cross_size"]) == (host, HOSTS), record
         assert record["nodes"] == [q // PER_HOST for q in range(HOSTS * PER_HOST)], record
+        # ...but one machine: the hosts share its kernel and cores, and the wait policy counts
+        # every rank on them (4 on 2 cores: passive)
+        assert record["machines"] == [0] * (HOSTS * PER_HOST), record
+        assert record["passive"] == (HOSTS * PER_HOST > record["cores"]), record
         assert record["ucx_tls"] == "tcp,self", record  # set by commlayerrun from mpi.env
 
 

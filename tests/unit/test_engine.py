@@ -19,7 +19,7 @@ from engine_harness import (
 )
 
 from commlayer import engine as engine_module
-from commlayer.backends.loopback import LoopbackBackend
+from commlayer.backends.loopback import LoopbackBackend, LoopbackWorld
 from commlayer.engine import Engine
 from commlayer.errors import (
     CollectiveTimeoutError,
@@ -341,36 +341,44 @@ def test_submit_all_queues_all_or_none() -> None:
         assert torch.equal(out, torch.full((2,), 2.0))
 
 
-class _Nodes:
-    def __init__(self, rank: int, nodes: list[int]) -> None:
-        self.rank, self._nodes = rank, nodes
+class _Machines:
+    def __init__(self, rank: int, machines: list[int]) -> None:
+        self.rank, self._machines = rank, machines
 
-    def nodes(self) -> list[int]:
-        return self._nodes
+    def machines(self) -> list[int]:
+        return self._machines
 
 
 @pytest.mark.parametrize(
-    ("policy", "cores", "nodes", "rank", "passive"),
+    ("policy", "cores", "machines", "rank", "passive"),
     [
         ("auto", 2, [0, 0, 0, 0], 0, True),  # 4 ranks on 2 cores
         ("auto", 2, [0, 0], 1, False),  # 2 ranks on 2 cores
-        ("auto", 2, [0, 0, 0, 1], 3, False),  # the other node runs 3, this one 1
+        ("auto", 2, [0, 0, 0, 1], 3, False),  # the other machine runs 3, this one 1
         ("auto", 2, [0, 0, 0, 1], 2, True),
         ("auto", 64, [0] * 8, 5, False),
         ("active", 1, [0] * 8, 0, False),
         ("passive", 64, [0, 0], 0, True),
     ],
 )
-def test_wait_policy_auto_is_passive_where_a_node_runs_more_ranks_than_cores(
+def test_wait_policy_auto_is_passive_where_a_machine_runs_more_ranks_than_cores(
     monkeypatch: pytest.MonkeyPatch,
     policy: str,
     cores: int,
-    nodes: list[int],
+    machines: list[int],
     rank: int,
     passive: bool,
 ) -> None:
     monkeypatch.setattr(engine_module.os, "cpu_count", lambda: cores)
-    assert engine_module._passive(policy, _Nodes(rank, nodes)) is passive  # type: ignore[arg-type]
+    backend = _Machines(rank, machines)
+    assert engine_module._passive(policy, backend) is passive  # type: ignore[arg-type]
+
+
+def test_loopback_ranks_are_one_machine_whatever_nodes_they_pretend() -> None:
+    """Threads of one process share its cores: 4 loopback ranks as 2 nodes are one machine."""
+    world = LoopbackWorld(4, nodes=[0, 0, 1, 1])
+    assert world.backend(3).nodes() == [0, 0, 1, 1]
+    assert world.backend(3).machines() == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("policy", ["active", "passive"])

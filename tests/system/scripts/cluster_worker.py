@@ -223,6 +223,9 @@ def main() -> None:
         cross_rank=cl.cross_rank(),
         cross_size=cl.cross_size(),
         nodes=backend.nodes(),
+        machines=backend.machines(),
+        passive=runtime.engine().passive,
+        cores=os.cpu_count(),
         override=os.environ.get("COMMLAYER_TOPOLOGY"),
         ucx_tls=os.environ.get("UCX_TLS"),
     )
