@@ -41,6 +41,12 @@ def _everyone(value: Any) -> list[Any]:
     return cl.allgather_object(value)
 
 
+def _first_number(sample: Any) -> int:
+    while not (isinstance(sample, torch.Tensor) and sample.dim() == 0):
+        sample = sample[0]
+    return int(sample)
+
+
 def _run_epochs(shuffler: PartialLocalShuffler, epochs: int) -> list[dict[str, Any]]:
     """Per epoch: what this rank visited, its store during and after the exchange."""
     seen = []
@@ -48,7 +54,7 @@ def _run_epochs(shuffler: PartialLocalShuffler, epochs: int) -> list[dict[str, A
         shuffler.set_epoch(epoch)
         visited = list(shuffler.sampler)
         during = len(shuffler.store.ids()) + len(shuffler.store.staged())
-        values = [int(shuffler.dataset[i][0][0]) for i in visited]
+        values = [_first_number(shuffler.dataset[i]) for i in visited]
         seen.append({"visited": visited, "values": values, "held": during})
     shuffler.set_epoch(epochs)  # commits the last epoch's exchange
     seen.append({"visited": [], "values": [], "held": 0})
@@ -238,6 +244,104 @@ def test_unreadable_sample_fails_on_every_rank_naming_rank_and_file(tmp_path: Pa
 
 
 def test_opening_a_folder_without_a_store_names_it(tmp_path: Path) -> None:
-    with pytest.raises(ShardStoreError, match=rf"rank {cl.rank()}: .*no folder 'samples'"):
+    (tmp_path / f"nothing{cl.rank()}").mkdir()
+    with pytest.raises(
+        ShardStoreError, match=rf"rank {cl.rank()}: .*nothing{cl.rank()}'.* holds no"
+    ):
         ShardStore(tmp_path / "nothing{rank}")
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _check_moved(
+    store: ShardStore, original: dict[int, Any], shuffler: PartialLocalShuffler
+) -> tuple[dict[int, Any], list[dict[int, Any]]]:
+    """After 2 epochs: every id once in all stores, each loading as it was first read."""
+    _run_epochs(shuffler, 2)
+    now = {i: _plain(store.load(i)) for i in store.ids()}
+    every = _everyone(now)
+    first = _everyone(original)
+    merged = {i: v for d in first for i, v in d.items()}
+    return merged, every
+
+
+def _plain(sample: Any) -> Any:
+    if isinstance(sample, torch.Tensor):
+        return sample.tolist()
+    return [_plain(x) for x in sample] if isinstance(sample, tuple | list) else sample
+
+
+def test_image_folder_store_numbers_moves_and_reopens(tmp_path: Path) -> None:
+    # Each rank's folder holds classes c<r> and c<r+1>, files named alike on every rank
+    # (img<k>.png): ids are numbered rank by rank, classes over the union, and files of one
+    # name from two ranks are both kept.
+    from PIL import Image
+
+    me, size = cl.rank(), cl.size()
+    folder = tmp_path / f"img{me}"
+    for k in range(3 + me):
+        (folder / f"c{me + k % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (1, 1), (me, k, 7)).save(folder / f"c{me + k % 2}" / f"img{k}.png")
+    store = ShardStore(tmp_path / "img{rank}")
+    original = {i: _plain(store.load(i)) for i in store.ids()}
+    first_id = sum(3 + r for r in range(me))
+    shuffler = PartialLocalShuffler(store, fraction=0.5, seed=1)
+    merged, every = _check_moved(store, original, shuffler)
+    reopened = ShardStore(tmp_path / "img{rank}")
+    again = {i: _plain(reopened.load(i)) for i in reopened.ids()}
+    files = sorted(str(p.relative_to(folder)) for p in folder.glob("c*/*"))
+
+    assert sorted(original) == list(range(first_id, first_id + 3 + me))
+    assert original[first_id] == [[[[me]], [[0]], [[7]]], me]  # a 3x1x1 uint8 tensor, class
+    assert {label for _, label in original.values()} == {me, me + 1}
+    assert sorted(i for d in every for i in d) == sorted(merged)
+    assert all(d[i] == merged[i] for d in every for i in d), "a sample changed on its way"
+    assert again == every[me]
+    assert len(files) == len(every[me]), f"files {files} against {sorted(every[me])}"
+    assert all(
+        f.endswith(".png") and f.split("/")[0] in {f"c{c}" for c in range(size + 1)} for f in files
+    )
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".npy"])
+def test_array_file_store_numbers_moves_and_reopens(tmp_path: Path, suffix: str) -> None:
+    import numpy as np
+
+    me = cl.rank()
+    rows = 4 + me
+    x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) + 100 * me
+    file = tmp_path / f"shard{me}{suffix}"
+    if suffix == ".npz":
+        np.savez(file, x=x, y=np.arange(rows) % 3)
+    else:
+        np.save(file, x)
+    store = ShardStore(tmp_path / f"shard{{rank}}{suffix}")
+    original = {i: _plain(store.load(i)) for i in store.ids()}
+    shuffler = PartialLocalShuffler(store, fraction=0.5, seed=2, chunks=2)
+    merged, every = _check_moved(store, original, shuffler)
+    reopened = ShardStore(tmp_path / f"shard{{rank}}{suffix}")
+    again = {i: _plain(reopened.load(i)) for i in reopened.ids()}
+
+    first_id = sum(4 + r for r in range(me))
+    row0 = [100.0 * me, 100.0 * me + 1]
+    assert original[first_id] == ([row0, 0] if suffix == ".npz" else row0)
+    assert sorted(i for d in every for i in d) == sorted(merged)
+    assert all(d[i] == merged[i] for d in every for i in d), "a sample changed on its way"
+    assert again == every[me]
+    assert np.array_equal(np.load(file)["x"] if suffix == ".npz" else np.load(file), x), (
+        "the array file is only read"
+    )
+
+
+def test_a_rank_that_cannot_open_its_store_fails_every_rank_naming_it(tmp_path: Path) -> None:
+    import numpy as np
+
+    bad = cl.size() - 1
+    file = tmp_path / f"shard{cl.rank()}.npy"
+    if cl.rank() == bad:
+        file.write_bytes(b"not an array")
+    else:
+        np.save(file, np.zeros((2, 2)))
+    with pytest.raises(
+        ShardStoreError, match=rf"rank {bad}: shard store: cannot read .*shard{bad}"
+    ):
+        ShardStore(tmp_path / "shard{rank}.npy")
