@@ -24,7 +24,7 @@ import io
 import os
 import pickle
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +134,8 @@ def ids_in(folder: Path) -> list[int]:
 def check_readable(files: list[Path]) -> None:
     for file in files:
         if not os.access(file, os.R_OK):
-            raise LayoutError(f"cannot read {str(file)!r}: permission denied")
+            why = "permission denied" if file.exists() else "no such file"
+            raise LayoutError(f"cannot read {str(file)!r}: {why}")
 
 
 class Memory:
@@ -228,8 +229,13 @@ class ImageFolder(_Staging):
     kind = "imagefolder"
 
     def __init__(
-        self, folder: Path, state: dict[str, Any] | None, loader: Callable[[str], Any] | None
+        self,
+        folder: Path,
+        state: dict[str, Any] | None,
+        loader: Callable[[str], Any] | None,
+        leaving: Collection[int] = (),
     ) -> None:
+        """``leaving``: samples a commit in progress sends away (their files may be gone)."""
         self.folder, self.loader = folder, loader or image_loader
         self.incoming = folder / ".commlayer-incoming"
         self.meta_file = folder / ".commlayer-store.json"
@@ -243,7 +249,7 @@ class ImageFolder(_Staging):
             self.classes = list(state["classes"])
             self.files = {int(i): rel for i, rel in state["files"].items()}
             self.owner = {rel: i for i, rel in self.files.items()}
-            check_readable([folder / rel for rel in self.files.values()])
+            check_readable([folder / r for i, r in self.files.items() if i not in leaving])
         else:
             self.found = self._scan()
             check_readable([folder / rel for rel in self.found])

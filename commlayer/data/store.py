@@ -219,7 +219,8 @@ class ShardStore:
             return self._call(PickleFiles, path)
         if path.is_dir() and any(p.is_dir() and not p.name.startswith(".") for p in path.iterdir()):
             state = self._read_meta(path / ".commlayer-store.json")
-            return self._call(ImageFolder, path, state, loader)
+            leaving = self._pending["sent"] if self._pending else ()
+            return self._call(ImageFolder, path, state, loader, leaving)
         raise self._error(
             f"{str(path)!r} holds no shard store: not a folder written by "
             "ShardStore.from_dataset (with 'samples/'), not an ImageFolder-like folder "

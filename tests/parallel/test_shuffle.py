@@ -170,29 +170,76 @@ def test_files_resume_and_state_dict(tmp_path: Path) -> None:
     assert again.dataset[final[cl.rank()][0]][0][0] == final[cl.rank()][0]
 
 
-@pytest.mark.parametrize("committed_on_rank0", [False, True], ids=["back", "forward"])
-def test_interrupted_exchange_recovers(tmp_path: Path, committed_on_rank0: bool) -> None:
-    # Every rank staged its part of epoch 0's exchange and "died" before (or, for rank 0 in
-    # the forward case, during) phase 2: reopening rolls every rank back, or forward when any
-    # rank had committed, and no sample is lost or duplicated either way.
+class _Died(Exception):
+    """A process dying in the middle of a commit, as far as its files can tell."""
+
+
+def _make_store(tmp_path: Path, layout: str, n: int) -> tuple[str, ShardStore]:
+    """Stores of ``n`` samples whose first number is their original index, in ``layout``."""
+    import numpy as np
+    from PIL import Image
+
+    mine = list(range(n))[cl.rank() :: cl.size()]
+    if layout == "files":
+        path = str(tmp_path / "shard{rank}")
+        return path, ShardStore.from_dataset(_dataset(n), path=path)
+    if layout == "imagefolder":
+        folder = tmp_path / f"img{cl.rank()}"
+        for i in mine:
+            (folder / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (1, 1), (i, 0, 0)).save(folder / f"c{i % 3}" / f"s{i:03d}.png")
+        path = str(tmp_path / "img{rank}")
+    else:
+        path = str(tmp_path / "shard{rank}.npz")
+        np.savez(path.format(rank=cl.rank()), x=np.array(mine, dtype=np.float32)[:, None])
+    return path, ShardStore(path)
+
+
+@pytest.mark.parametrize("layout", ["files", "imagefolder", "npz"])
+@pytest.mark.parametrize("when", ["back", "forward", "midcommit"])
+def test_interrupted_exchange_recovers(tmp_path: Path, layout: str, when: str) -> None:
+    # Every rank staged its part of epoch 0's exchange and "died" before phase 2; rank 0, in
+    # the forward case, after committing, and in the midcommit case halfway through taking in
+    # what it received. Reopening rolls every rank back, or forward when any rank had
+    # committed, and no sample is lost, duplicated or changed either way.
     n = _samples(cl.size())
-    path = tmp_path / "shard{rank}"
-    store = ShardStore.from_dataset(_dataset(n), path=path)
-    before = store.ids()
+    path, store = _make_store(tmp_path, layout, n)
+    before = {i: _first_number(store.load(i)) for i in store.ids()}
     shuffler = PartialLocalShuffler(store, fraction=0.5, seed=4)
-    exchange = shuffler._exchange
+    exchange, died = shuffler._exchange, None
     if exchange is not None:  # None at one rank
         exchange.finish()
         store.prepare(0, exchange.plan.sent_ids, store.staged())
-        if committed_on_rank0 and cl.rank() == 0:
-            store.commit()
+        if when != "back" and cl.rank() == 0:
+            take, taken, last = store.layout.take, [], len(store.staged()) - 1
+            if when == "midcommit":
+
+                def dying_take(sample_id: int) -> None:
+                    if len(taken) == min(1, last):
+                        raise _Died
+                    taken.append(sample_id)
+                    take(sample_id)
+
+                store.layout.take = dying_take  # type: ignore[method-assign]
+            try:
+                store.commit()
+            except _Died:
+                died = len(taken)
     cl.barrier()
     recovered = PartialLocalShuffler(ShardStore(path), fraction=0.5, seed=4)
-    final = _everyone(recovered.store.ids())
-    assert sorted(i for ids in final for i in ids) == list(range(n))
-    if not committed_on_rank0:
-        assert final[cl.rank()] == before
-    assert not (tmp_path / f"shard{cl.rank()}" / "incoming").exists()
+    now = {i: _first_number(recovered.store.load(i)) for i in recovered.store.ids()}
+    final, first = _everyone(now), _everyone(before)
+    staged = recovered.store.layout.incoming.exists()  # type: ignore[union-attr]
+
+    assert sorted(i for d in final for i in d) == sorted(i for d in first for i in d)
+    merged = {i: v for d in first for i, v in d.items()}
+    assert all(merged[i] == v for d in final for i, v in d.items()), "a sample changed"
+    assert sorted(merged.values()) == list(range(n))
+    if when == "back":
+        assert now == before
+    if when == "midcommit" and cl.rank() == 0 and exchange is not None:
+        assert died is not None, "the commit was to die midway"
+    assert not staged
 
 
 def test_bad_fraction_is_refused_before_any_collective() -> None:
