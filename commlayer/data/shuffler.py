@@ -31,7 +31,7 @@ from commlayer import runtime, state_sync
 from commlayer.data.exchange import Exchange
 from commlayer.data.plan import Plan, local_order, make_plan
 from commlayer.data.store import ShardStore
-from commlayer.errors import ShuffleMismatchError
+from commlayer.errors import ShardStoreError, ShuffleMismatchError
 
 _instances = itertools.count()  # every rank builds its shufflers in the same order
 
@@ -43,7 +43,16 @@ class ShardDataset(torch.utils.data.Dataset[Any]):
         self.store = store
 
     def __getitem__(self, sample_id: int) -> Any:
-        return self.store.load(sample_id)
+        try:
+            return self.store.load(sample_id)
+        except ShardStoreError as exc:
+            if self.store.path is None and torch.utils.data.get_worker_info() is not None:
+                raise ShardStoreError(
+                    f"{exc}: a DataLoader worker reads a copy of an in-memory store made when "
+                    "it started, which persistent_workers=True keeps past the exchange; give "
+                    "the store a path or leave persistent_workers off"
+                ) from exc
+            raise
 
     def __len__(self) -> int:
         return len(self.store)
@@ -69,8 +78,8 @@ class PartialLocalShuffler:
 
     def __init__(self, store: ShardStore, fraction: float, seed: int = 0, chunks: int = 8) -> None:
         self.rank, self.size = runtime.rank(), runtime.size()
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"rank {self.rank}: fraction {fraction!r} is outside [0, 1]")
+        if not isinstance(fraction, int | float) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"rank {self.rank}: fraction {fraction!r} is not a number in [0, 1]")
         if chunks < 1:
             raise ValueError(f"rank {self.rank}: chunks {chunks!r} must be at least 1")
         self.store, self.fraction, self.seed, self.chunks = store, float(fraction), seed, chunks

@@ -244,9 +244,9 @@ def test_interrupted_exchange_recovers(tmp_path: Path, layout: str, when: str) -
 
 def test_bad_fraction_is_refused_before_any_collective() -> None:
     store = ShardStore.from_dataset(_dataset(4))
-    for fraction in (-0.1, 1.5):
-        with pytest.raises(ValueError, match=rf"rank {cl.rank()}: fraction {fraction}"):
-            PartialLocalShuffler(store, fraction=fraction)
+    for fraction in (-0.1, 1.5, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match=rf"rank {cl.rank()}: fraction {fraction!r}"):
+            PartialLocalShuffler(store, fraction=fraction)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("setting", ["fraction", "seed"])
