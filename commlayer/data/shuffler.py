@@ -87,8 +87,9 @@ class PartialLocalShuffler:
         self.dataset = ShardDataset(store)
         self.sampler = ShuffleSampler(self)
         # The last completed exchange on this rank: what it sent and received, the time the
-        # sampler spent preparing and staging chunks between samples (busy_s) and blocked at
-        # the end of the shard on chunks still in flight (wait_s, the part not hidden).
+        # sampler spent preparing and staging chunks between samples (busy_s), blocked at
+        # the end of the shard on chunks still in flight (wait_s, the part not hidden), and
+        # in set_epoch voting, committing and planning the next (set_epoch_s).
         self.stats: dict[str, float] = {}
         self._times = {"busy_s": 0.0, "wait_s": 0.0}
         self._check_settings_and_recover()
@@ -104,9 +105,12 @@ class PartialLocalShuffler:
         """End the previous epoch's exchange, then plan ``epoch``'s (collective: every rank)."""
         if epoch == self.epoch:
             return
+        t0 = time.perf_counter()
         self._close_exchange()
         self.epoch = epoch
         self._plan_epoch()
+        if self.stats:
+            self.stats["set_epoch_s"] = time.perf_counter() - t0
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "fraction": self.fraction, "seed": self.seed}
