@@ -23,6 +23,7 @@ import torch
 
 import commlayer as cl
 from commlayer.data import PartialLocalShuffler, ShardStore
+from commlayer.data.exchange import Exchange
 from commlayer.errors import ShardStoreError, ShuffleMismatchError
 
 EPOCHS = 3
@@ -288,6 +289,34 @@ def test_unreadable_sample_fails_on_every_rank_naming_rank_and_file(tmp_path: Pa
     with pytest.raises(ShardStoreError, match="shard0/samples"):
         shuffler.set_epoch(1)  # the exchange is aborted: every store as before
     assert not (tmp_path / f"shard{cl.rank()}" / "incoming").exists()
+
+
+def test_a_sample_lost_on_the_way_fails_the_vote_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The last rank stages all but one of the samples it received: the vote fails on every
+    # rank, naming that rank's counts, and every store is as before the exchange.
+    if cl.size() == 1:
+        pytest.skip("one rank receives nothing")
+    last = cl.size() - 1
+    store = ShardStore.from_dataset(_dataset(8 * cl.size()), path=tmp_path / "shard{rank}")
+    before = store.ids()
+    shuffler = PartialLocalShuffler(store, fraction=1.0, seed=0, chunks=2)
+    if cl.rank() == last:
+        stage, lost = Exchange._stage, []
+
+        def losing(self: Exchange, sender: int, frame: bytes) -> None:
+            stage(self, sender, frame)
+            if not lost and self.received[sender]:
+                lost.append(sender)
+                self.received[sender] -= 1
+
+        monkeypatch.setattr(Exchange, "_stage", losing)
+    list(shuffler.sampler)
+    with pytest.raises(ShuffleMismatchError, match=rf"incomplete \(rank {last} got .*expected"):
+        shuffler.set_epoch(1)
+    assert store.ids() == before
+    assert not store.staged()
 
 
 def test_opening_a_folder_without_a_store_names_it(tmp_path: Path) -> None:
