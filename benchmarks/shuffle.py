@@ -417,12 +417,16 @@ def accuracy_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
 def plot_curves(result: dict[str, Any], meta: dict[str, Any], png: Path, plt: Any) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for strategy, runs in result["curves"].items():
-        mean_curve = np.mean(np.array(runs), axis=0) * 100
+        curves = np.array(runs) * 100
         label = "global (DistributedSampler)" if strategy == "global" else f"Q = {strategy}"
         style = "k--" if strategy == "global" else "-"
-        ax.plot(range(1, len(mean_curve) + 1), mean_curve, style, label=label)
+        epochs = range(1, curves.shape[1] + 1)
+        (line,) = ax.plot(epochs, curves.mean(axis=0), style, label=label)
+        ax.fill_between(
+            epochs, curves.min(axis=0), curves.max(axis=0), color=line.get_color(), alpha=0.12
+        )
     ax.set_xlabel("epoch")
-    ax.set_ylabel("test accuracy, % (mean over ranks and seeds)")
+    ax.set_ylabel("test accuracy, %: mean over ranks and seeds\n(band: min..max over seeds)")
     a = meta["args"]
     dataset = (
         f"Fashion-MNIST ({a['train_samples']} training images)"
