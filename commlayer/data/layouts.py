@@ -21,6 +21,7 @@ after the store saved the layout's new state (``_end_exchange``), so a redo stil
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -282,10 +283,22 @@ class ImageFolder(_Staging):
         return list(self.files)
 
     def _path(self, sample_id: int) -> Path:
+        if sample_id not in self.files:
+            self._reread_index()
         try:
             return self.folder / self.files[sample_id]
         except KeyError:
             raise LayoutError(f"sample {sample_id} is not in this rank's store") from None
+
+    def _reread_index(self) -> None:
+        """The index as the last commit saved it: a persistent DataLoader worker holds a copy
+        of this layout made before that commit took samples in."""
+        try:
+            saved = json.loads(self.meta_file.read_text())["layout"]["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # nothing newer: the caller reports the sample missing
+        self.files = {int(i): rel for i, rel in saved.items()}
+        self.owner = {rel: i for i, rel in self.files.items()}
 
     def load(self, sample_id: int) -> Any:
         path = self._path(sample_id)
@@ -325,7 +338,8 @@ class ImageFolder(_Staging):
 class ArrayFile(_Staging):
     """One .npy/.npz file, read only; received samples (pickled) and the ids of the rows sent
     away are kept in ``<file>.store/`` (module docstring). A .npz is decompressed into memory
-    once; a .npy is memory-mapped."""
+    once per process; a .npy is memory-mapped. DataLoader workers get the store without the
+    arrays and open the file themselves (a memory map would be pickled as a full copy)."""
 
     kind = "array"
 
@@ -333,14 +347,7 @@ class ArrayFile(_Staging):
         self.file = file
         self.side = file.with_name(file.name + ".store")
         self.incoming, self.meta_file = self.side / "incoming", self.side / "store.json"
-        try:
-            if file.suffix == ".npy":
-                self.arrays: list[np.ndarray] = [np.load(file, mmap_mode="r")]
-            else:
-                with np.load(file) as npz:
-                    self.arrays = [npz[key] for key in npz.files]
-        except Exception as exc:
-            raise LayoutError(f"cannot read {str(file)!r}: {exc}") from exc
+        self._arrays: list[np.ndarray] | None = None
         rows = {len(a) for a in self.arrays}
         if len(rows) != 1:
             raise LayoutError(f"the arrays of {str(file)!r} differ in length: {sorted(rows)}")
@@ -350,6 +357,22 @@ class ArrayFile(_Staging):
         self.first_id: int | None = None if state is None else int(state["first_id"])
         self.removed: set[int] = set() if state is None else set(state["removed"])
         (self.side / "samples").mkdir(parents=True, exist_ok=True)
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        if self._arrays is None:
+            try:
+                if self.file.suffix == ".npy":
+                    self._arrays = [np.load(self.file, mmap_mode="r")]
+                else:
+                    with np.load(self.file) as npz:
+                        self._arrays = [npz[key] for key in npz.files]
+            except Exception as exc:
+                raise LayoutError(f"cannot read {str(self.file)!r}: {exc}") from exc
+        return self._arrays
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None}
 
     def number(self, first_id: int) -> None:
         self.first_id, self.numbered = first_id, True

@@ -243,6 +243,33 @@ def test_interrupted_exchange_recovers(tmp_path: Path, layout: str, when: str) -
     assert not staged
 
 
+@pytest.mark.parametrize("layout", ["files", "imagefolder", "npz"])
+def test_persistent_dataloader_workers_read_what_each_exchange_brought(
+    tmp_path: Path, layout: str
+) -> None:
+    # A persistent worker keeps the store as it was when it started: it must still find the
+    # samples later exchanges took in (the ImageFolder index is reread from disk).
+    n = _samples(cl.size())
+    _, store = _make_store(tmp_path, layout, n)
+    shuffler = PartialLocalShuffler(store, fraction=0.5, seed=5, chunks=2)
+    loader = torch.utils.data.DataLoader(
+        shuffler.dataset,
+        batch_size=4,
+        sampler=shuffler.sampler,
+        num_workers=1,
+        persistent_workers=True,
+        collate_fn=list,
+    )
+    seen = []
+    for epoch in range(3):
+        shuffler.set_epoch(epoch)
+        seen.append([_first_number(sample) for batch in loader for sample in batch])
+    shuffler.set_epoch(3)
+    everyone = _everyone(seen)
+    for epoch in range(3):
+        assert sorted(v for rank in everyone for v in rank[epoch]) == list(range(n)), epoch
+
+
 def test_bad_fraction_is_refused_before_any_collective() -> None:
     store = ShardStore.from_dataset(_dataset(4))
     for fraction in (-0.1, 1.5, float("nan"), "0.1"):
