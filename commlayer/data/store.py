@@ -98,7 +98,7 @@ class ShardStore:
         seed: int = 0,
     ) -> ShardStore:
         """Keep this rank's part of ``dataset`` (every rank passes the same one); a store
-        already at ``path`` is replaced."""
+        already at ``path`` is replaced. With a path it is collective, as opening one is."""
         me, size = runtime.rank(), runtime.size()
         shard = partition(len(dataset), size, partition_by, seed)[me]
         if path is None:
