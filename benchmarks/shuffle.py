@@ -414,7 +414,12 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
             + (
                 f", {meta['args'].get('dataset', 'digits')}"
                 if "curves" in result
-                else f", stores under {meta['args']['dir']}"
+                else f", stores under {meta['args']['dir']}, {meta['args'].get('chunks', 8)} chunks"
+                + (
+                    ", namespace cluster (HTTP shared folder)"
+                    if meta["args"].get("shared_url")
+                    else ""
+                )
             ),
             "",
             f"- date: {meta['date']}; commit {meta['commit']}; machine {meta['machine']}; "
