@@ -19,29 +19,43 @@ statistics are per rank, as in any Horovod job without SyncBatchNorm) on the who
 the curves are the mean over ranks.
 
 io: a synthetic dataset of 3x32x32 float32 samples (12 kB pickled) and an MLP step per batch.
-"global" reads every sample from a shared folder through a reader throttled to a shared link
+"global" reads every sample from a shared folder: through a reader throttled to a shared link
 (``--shared-mbps`` divided among the ranks, plus ``--shared-latency-ms`` per file: emulated by
-sleeping, not a real network filesystem); the others read local per-rank folders (ShardStore
-files) and exchange Q of them over commlayer's alltoall during the epoch. Per epoch: its time
-(slowest rank), bytes read from shared storage, bytes exchanged, and the exchange's time on the
-user thread (busy: packing and staging chunks between batches; wait: blocked at the end of the
-shard on chunks in flight, the part not hidden behind compute).
+sleeping), or over HTTP from another host of the namespace cluster (``--shared-url``: every
+read crosses that host's rate-limited link); the others read local per-rank folders (ShardStore
+files) and exchange Q of them over commlayer's alltoall during the epoch. The strategies run
+interleaved, epoch e of each before epoch e + 1 of any, so that each epoch is compared with
+local shuffling's same epoch run seconds apart (other jobs' load drifts over minutes). Per
+epoch: its time (slowest rank), bytes read from shared storage, bytes exchanged, and the
+exchange's time on the user thread (busy: packing and staging chunks between batches; wait:
+blocked at the end of the shard on chunks in flight, the part not hidden behind compute).
+
+On the cluster (stores and the shared folder on the machine's one file system, which the
+hosts share; the storage host serves the shared folder):
+
+    bash scripts/cluster.sh up 3 --rate 1gbit
+    bash scripts/cluster.sh exec node3 python benchmarks/shuffle.py serve --dir /tmp/cl-shuffle &
+    commlayerrun -np 4 -H node1:2,node2:2 python benchmarks/shuffle.py io --dir /tmp/cl-shuffle \
+        --shared-url http://node3:8000 --out benchmarks/results/shuffle_io_cluster_1gbit.json
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import http.client
 import json
 import os
 import pickle
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -175,20 +189,71 @@ def run_accuracy(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- io -------------------------------------------------------------------------------------------
 class SharedFolder(torch.utils.data.Dataset[Any]):
-    """Samples read from the shared folder through a throttled link (module docstring)."""
+    """Samples read from the shared folder: through a throttled reader (a local folder whose
+    reads sleep for the modelled link), or over HTTP from a storage host (``--shared-url``,
+    the folder served by ``python -m http.server`` on another host of the namespace cluster,
+    so every read crosses its rate-limited link)."""
 
-    def __init__(self, folder: Path, n: int, rate_bytes_s: float, latency_s: float) -> None:
-        self.folder, self.n, self.rate, self.latency = folder, n, rate_bytes_s, latency_s
+    def __init__(self, folder: Path, n: int, args: argparse.Namespace) -> None:
+        self.folder, self.n, self.url = folder, n, args.shared_url
+        self.rate = args.shared_mbps * 1e6 / 8 / cl.size()
+        self.latency = args.shared_latency_ms / 1e3
         self.bytes_read = 0
+        self._conn: http.client.HTTPConnection | None = None
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> Any:
-        data = (self.folder / f"{i}.pkl").read_bytes()
+        if self.url:
+            data = self._fetch(f"/{i}.pkl")
+        else:
+            data = (self.folder / f"{i}.pkl").read_bytes()
+            time.sleep(self.latency + len(data) / self.rate)
         self.bytes_read += len(data)
-        time.sleep(self.latency + len(data) / self.rate)
         return pickle.loads(data)
+
+    def _fetch(self, path: str) -> bytes:
+        """GET over one kept-alive connection (``serve`` speaks HTTP/1.1): a connection per
+        sample made `python -m http.server` drop connections after ~9000 in a minute."""
+        for attempt in range(2):
+            if self._conn is None:
+                url = urllib.parse.urlsplit(self.url)
+                self._conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+            try:
+                self._conn.request("GET", path)
+                reply = self._conn.getresponse()
+                data = reply.read()
+                if reply.status != 200:
+                    raise OSError(f"GET {self.url}{path}: HTTP {reply.status}")
+                return data
+            except (http.client.HTTPException, ConnectionError):
+                self._conn.close()
+                self._conn = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+
+def serve(folder: str, port: int) -> None:
+    """The shared folder over HTTP/1.1 (kept-alive connections), for ``io --shared-url``."""
+    import functools
+    import http.server
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            # headers and body go out in two writes: with Nagle's algorithm the second waits
+            # for the client's delayed ACK, 40 ms a sample (measured: 11.7 s for 256 samples)
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    handler = functools.partial(Handler, directory=folder)
+    http.server.ThreadingHTTPServer(("", port), handler).serve_forever()
 
 
 def synthetic(n: int, seed: int = 0) -> list[tuple[torch.Tensor, int]]:
@@ -196,11 +261,97 @@ def synthetic(n: int, seed: int = 0) -> list[tuple[torch.Tensor, int]]:
     return [(torch.randn(3, 32, 32, generator=g), int(i % 10)) for i in range(n)]
 
 
-def timed_epochs(
-    loader: Any, sampler: Any, shuffler: PartialLocalShuffler | None, args: argparse.Namespace
-) -> dict[str, list[float]]:
-    """Per epoch: time (slowest rank), and for a shuffler its exchange's stats (max over ranks;
-    an epoch's exchange is committed, and its stats known, at the next set_epoch)."""
+class Strategy:
+    """One strategy's loader: global (shared folder) or a PartialLocalShuffler of fraction Q,
+    with the per-epoch numbers gathered so far."""
+
+    def __init__(self, name: str, data: list[Any], root: Path, args: argparse.Namespace) -> None:
+        self.name, self.shuffler = name, None
+        if name == "global":
+            self.dataset: Any = SharedFolder(root / "shared", args.samples, args)
+            self.sampler: Any = torch.utils.data.DistributedSampler(
+                self.dataset, num_replicas=cl.size(), rank=cl.rank(), shuffle=True, seed=0
+            )
+        else:
+            path = root / f"q{name}" / "local{rank}"
+            store = ShardStore.from_dataset(data, path=path, partition_by="given")
+            self.shuffler = PartialLocalShuffler(
+                store, fraction=float(name), seed=0, chunks=args.chunks
+            )
+            self.dataset, self.sampler = self.shuffler.dataset, self.shuffler.sampler
+        self.loader = torch.utils.data.DataLoader(
+            self.dataset, batch_size=args.batch_size, sampler=self.sampler
+        )
+        self.row: dict[str, list[float]] = {
+            key: []
+            for key in (
+                "epoch_s",
+                "collective_s",
+                "shared_bytes",
+                "busy_s",
+                "wait_s",
+                "set_epoch_s",
+                "sent_bytes",
+            )
+        }
+
+    def set_epoch(self, epoch: int) -> None:
+        (self.shuffler or self.sampler).set_epoch(epoch)
+
+    def record_exchange(self) -> None:
+        """The exchange the last set_epoch committed (max over ranks; bytes summed)."""
+        if self.shuffler is None:
+            return
+        stats = cl.allgather_object(self.shuffler.stats)
+        self.row["busy_s"].append(max(s.get("busy_s", 0.0) for s in stats))  # {}: Q = 0
+        self.row["wait_s"].append(max(s.get("wait_s", 0.0) for s in stats))
+        self.row["set_epoch_s"].append(max(s.get("set_epoch_s", 0.0) for s in stats))
+        self.row["sent_bytes"].append(sum(s.get("sent_bytes", 0) for s in stats))
+
+
+def run_epoch(st: Strategy, epoch: int, model: nn.Module, optimizer: Any, record: bool) -> None:
+    """One epoch of ``st``: its time (slowest rank, from set_epoch, which commits the previous
+    epoch's exchange, to the end of join), collective time and shared bytes."""
+    read0 = getattr(st.dataset, "bytes_read", 0)
+    cl.barrier()
+    collective0 = cl.communication_stats()["collective_s"]
+    t0 = time.perf_counter()
+    st.set_epoch(epoch)
+    for x, y in st.loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    cl.join()
+    mine = (
+        time.perf_counter() - t0,
+        cl.communication_stats()["collective_s"] - collective0,
+        getattr(st.dataset, "bytes_read", 0) - read0,
+    )
+    everyone = cl.allgather_object(mine)
+    if epoch > 0:
+        st.record_exchange()  # epoch - 1's exchange, committed by this set_epoch
+    if record:
+        st.row["epoch_s"].append(max(e[0] for e in everyone))
+        st.row["collective_s"].append(max(e[1] for e in everyone))
+        st.row["shared_bytes"].append(sum(e[2] for e in everyone))
+
+
+def run_io(args: argparse.Namespace) -> dict[str, Any]:
+    """Every strategy runs its epoch e before any runs e + 1 (interleaved: load from other
+    jobs drifts over minutes, so each epoch is compared with the same epoch of Q = 0 run
+    seconds apart). Epoch 0 (warm-up) is left out."""
+    root = Path(args.dir)
+    shared = root / "shared"
+    data = synthetic(args.samples)
+    if cl.rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        shared.mkdir(parents=True)
+        for i, sample in enumerate(data):
+            (shared / f"{i}.pkl").write_bytes(pickle.dumps(sample, protocol=5))
+    cl.barrier()
+    sample_bytes = (shared / "0.pkl").stat().st_size
+    names = ["global"] + [str(float(q)) for q in args.fractions]
+    strategies = [Strategy(name, data, root, args) for name in names]
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Flatten(), nn.Linear(3072, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10)
@@ -208,89 +359,23 @@ def timed_epochs(
     optimizer = cl.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
     )
-    out: dict[str, list[float]] = {"epoch_s": [], "busy_s": [], "wait_s": [], "sent_bytes": []}
     for epoch in range(args.epochs + 1):
-        cl.barrier()
-        t0 = time.perf_counter()
-        sampler.set_epoch(epoch)  # epoch == args.epochs: only commits the last exchange
-        if shuffler is not None and epoch > 0:
-            stats = cl.allgather_object(shuffler.stats)
-            out["busy_s"].append(max(s.get("busy_s", 0.0) for s in stats))  # {}: Q = 0
-            out["wait_s"].append(max(s.get("wait_s", 0.0) for s in stats))
-            out["sent_bytes"].append(sum(s.get("sent_bytes", 0) for s in stats))
-        if epoch == args.epochs:
-            break
-        for x, y in loader:
-            optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-        cl.join()
-        out["epoch_s"].append(max(cl.allgather_object(time.perf_counter() - t0)))
-    return out
-
-
-def io_strategy(
-    strategy: str, data: list[Any], root: Path, args: argparse.Namespace
-) -> dict[str, Any]:
-    shared = root / "shared"
-    shuffler = None
-    if strategy == "global":
-        dataset: Any = SharedFolder(
-            shared,
-            args.samples,
-            args.shared_mbps * 1e6 / 8 / cl.size(),
-            args.shared_latency_ms / 1e3,
-        )
-        sampler: Any = torch.utils.data.DistributedSampler(
-            dataset, num_replicas=cl.size(), rank=cl.rank(), shuffle=True, seed=0
-        )
-    else:
-        store = ShardStore.from_dataset(data, path=root / "local{rank}", partition_by="given")
-        shuffler = PartialLocalShuffler(store, fraction=float(strategy), seed=0)
-        dataset, sampler = shuffler.dataset, shuffler
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size, sampler=getattr(sampler, "sampler", sampler)
-    )
-    before = cl.communication_stats()["collective_s"]
-    row: dict[str, Any] = timed_epochs(loader, sampler, shuffler, args)
-    row["collective_s_per_epoch"] = (
-        max(cl.allgather_object(cl.communication_stats()["collective_s"] - before)) / args.epochs
-    )
-    row["shared_bytes_per_epoch"] = (
-        sum(cl.allgather_object(getattr(dataset, "bytes_read", 0))) / args.epochs
-    )
-    return row
-
-
-def run_io(args: argparse.Namespace) -> dict[str, Any]:
-    root = Path(args.dir)
-    shared = root / "shared"
-    data = synthetic(args.samples)
-    if cl.rank() == 0:
-        shutil.rmtree(shared, ignore_errors=True)
-        shared.mkdir(parents=True)
-        for i, sample in enumerate(data):
-            (shared / f"{i}.pkl").write_bytes(pickle.dumps(sample, protocol=5))
+        for st in strategies:
+            run_epoch(st, epoch, model, optimizer, record=epoch > 0)
+        if cl.rank() == 0 and epoch > 0:
+            times = " ".join(f"{st.name}={st.row['epoch_s'][-1]:.3f}" for st in strategies)
+            print(f"epoch {epoch}: {times}", flush=True)
+    for st in strategies:  # commit the last exchange: its stats
+        st.set_epoch(args.epochs + 1)
+        st.record_exchange()
     cl.barrier()
-    sample_bytes = (shared / "0.pkl").stat().st_size
-    # warm-up, not recorded: commlayer's first training steps take ~15 s more on this machine
-    io_strategy("0.0", data, root, argparse.Namespace(**{**vars(args), "epochs": 2}))
-    strategies = ["global"] + [str(q) for q in args.fractions]
-    rows: dict[str, dict[str, Any]] = {s: {} for s in strategies}
-    for _ in range(args.rounds):  # rounds interleave strategies: load from other jobs drifts
-        for strategy in strategies:
-            row = io_strategy(strategy, data, root, args)
-            for key, value in row.items():
-                if isinstance(value, list):
-                    rows[strategy].setdefault(key, []).extend(value)
-                else:
-                    rows[strategy].setdefault(key, []).append(value)
-            if cl.rank() == 0:
-                print(strategy, json.dumps(row), flush=True)
     if cl.rank() == 0:
-        shutil.rmtree(shared, ignore_errors=True)
-    shutil.rmtree(root / f"local{cl.rank()}", ignore_errors=True)
-    return {"rows": rows, "sample_bytes": sample_bytes}
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "rows": {st.name: st.row for st in strategies},
+        "sample_bytes": sample_bytes,
+        "interleaved": True,
+    }
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -329,7 +414,12 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
             + (
                 f", {meta['args'].get('dataset', 'digits')}"
                 if "curves" in result
-                else f", stores under {meta['args']['dir']}"
+                else f", stores under {meta['args']['dir']}, {meta['args'].get('chunks', 8)} chunks"
+                + (
+                    ", namespace cluster (HTTP shared folder)"
+                    if meta["args"].get("shared_url")
+                    else ""
+                )
             ),
             "",
             f"- date: {meta['date']}; commit {meta['commit']}; machine {meta['machine']}; "
@@ -376,12 +466,16 @@ def accuracy_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
 def plot_curves(result: dict[str, Any], meta: dict[str, Any], png: Path, plt: Any) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for strategy, runs in result["curves"].items():
-        mean_curve = np.mean(np.array(runs), axis=0) * 100
+        curves = np.array(runs) * 100
         label = "global (DistributedSampler)" if strategy == "global" else f"Q = {strategy}"
         style = "k--" if strategy == "global" else "-"
-        ax.plot(range(1, len(mean_curve) + 1), mean_curve, style, label=label)
+        epochs = range(1, curves.shape[1] + 1)
+        (line,) = ax.plot(epochs, curves.mean(axis=0), style, label=label)
+        ax.fill_between(
+            epochs, curves.min(axis=0), curves.max(axis=0), color=line.get_color(), alpha=0.12
+        )
     ax.set_xlabel("epoch")
-    ax.set_ylabel("test accuracy, % (mean over ranks and seeds)")
+    ax.set_ylabel("test accuracy, %: mean over ranks and seeds\n(band: min..max over seeds)")
     a = meta["args"]
     dataset = (
         f"Fashion-MNIST ({a['train_samples']} training images)"
@@ -397,47 +491,57 @@ def plot_curves(result: dict[str, Any], meta: dict[str, Any], png: Path, plt: An
 
 def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     a = meta["args"]
+    shared = (
+        f"served over HTTP from {a['shared_url']} (a storage host of the namespace cluster)"
+        if a.get("shared_url")
+        else f"{a['shared_mbps']} Mbit/s shared by the ranks + {a['shared_latency_ms']} ms per "
+        "file (throttled reader)"
+    )
     lines = [
         f"{a['samples']} samples of {result['sample_bytes']} B, batch {a['batch_size']} per rank, "
-        f"MLP 3072-{a['hidden']}-10, {a['rounds']} rounds of {a['epochs']} epochs per strategy, "
-        "each round's epoch 0 left out. Shared storage: "
-        f"{a['shared_mbps']} Mbit/s shared by the ranks + {a['shared_latency_ms']} ms per file "
-        "(throttled reader). Times are the slowest rank's; exchange busy/wait the most of any "
-        "rank, per epoch (median).",
+        f"MLP 3072-{a['hidden']}-10, {a['epochs']} epochs per strategy after a warm-up epoch, "
+        "strategies interleaved epoch by epoch. Shared storage: "
+        f"{shared}. Epoch times are the slowest rank's; 'paired' is each epoch's time over "
+        "Q = 0's in the same epoch (run seconds apart), median and min..max over epochs; "
+        "exchange busy/wait and set_epoch (vote, commit, next plan): the most of any rank, "
+        "per epoch (median).",
         "",
-        "| strategy | epoch s (median) | min..max | vs Q = 0 | shared storage read / epoch | "
-        "exchanged / epoch | collectives s / epoch | exchange busy s | exchange wait s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| strategy | epoch s, median | min..max | paired vs Q = 0, median | min..max | "
+        "shared storage read / epoch | exchanged / epoch | collectives s / epoch | "
+        "exchange busy s | exchange wait s | set_epoch s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     rows = result["rows"]
-    per_round = a["epochs"]
-
-    def measured(times: list[float]) -> list[float]:
-        return [t for i, t in enumerate(times) if i % per_round]
-
-    local = statistics.median(measured(rows["0.0"]["epoch_s"])) if "0.0" in rows else None
+    local = rows.get("0.0", {}).get("epoch_s")
     for strategy, row in rows.items():
-        times = measured(row["epoch_s"])
-        median = statistics.median(times)
-        ratio = f"{(median / local - 1) * 100:+.1f}%" if local else "n/a"
+        times = row["epoch_s"]
+        ratios = [t / q - 1 for t, q in zip(times, local)] if local else []
+        paired = (
+            f"{statistics.median(ratios) * 100:+.1f}% | "
+            f"{min(ratios) * 100:+.1f}..{max(ratios) * 100:+.1f}%"
+            if ratios
+            else "n/a | n/a"
+        )
         name = "global (shared folder)" if strategy == "global" else f"Q = {strategy}"
 
         def med(key: str, row: dict[str, Any] = row) -> float:
             return statistics.median(row.get(key) or [0.0])
 
         lines.append(
-            f"| {name} | {median:.3f} | {min(times):.3f}..{max(times):.3f} | {ratio} | "
-            f"{med('shared_bytes_per_epoch') / 1e6:.2f} MB | {med('sent_bytes') / 1e6:.2f} MB | "
-            f"{med('collective_s_per_epoch'):.3f} | {med('busy_s'):.3f} | {med('wait_s'):.3f} |"
+            f"| {name} | {statistics.median(times):.3f} | {min(times):.3f}..{max(times):.3f} | "
+            f"{paired} | {med('shared_bytes') / 1e6:.2f} MB | {med('sent_bytes') / 1e6:.2f} MB | "
+            f"{med('collective_s'):.3f} | {med('busy_s'):.3f} | {med('wait_s'):.3f} | "
+            f"{med('set_epoch_s'):.3f} |"
         )
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("part", choices=["accuracy", "io", "report"])
+    parser.add_argument("part", choices=["accuracy", "io", "report", "serve"])
     parser.add_argument("inputs", nargs="*", help="report: the .json files")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="where the .json (report: the .md) goes; not for serve")
+    parser.add_argument("--port", type=int, default=8000, help="serve: the port")
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -447,13 +551,19 @@ def main() -> None:
     parser.add_argument("--test-samples", type=int, default=2000)
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--fractions", type=float, nargs="*", default=[0.0, 0.1, 0.3, 1.0])
+    parser.add_argument("--chunks", type=int, default=8, help="io: collectives per exchange")
+    parser.add_argument("--fractions", nargs="*", default=["0.0", "0.1", "0.3", "1.0"])
     parser.add_argument("--shared-mbps", type=float, default=400.0)
     parser.add_argument("--shared-latency-ms", type=float, default=0.5)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shared-url", help="io: read global's samples over HTTP from here")
     parser.add_argument("--notes", help="report: a markdown file appended (the reading)")
     parser.add_argument("--dir", default=tempfile.gettempdir() + "/commlayer-shuffle-bench")
     args = parser.parse_intermixed_args()
+    if args.part == "serve":
+        serve(str(Path(args.dir) / "shared"), args.port)
+        return
+    if not args.out:
+        parser.error(f"{args.part} needs --out")
     if args.part == "report":
         report(args.inputs, args.out, args.notes)
         return

@@ -57,6 +57,7 @@ class Exchange:
         "handles",
         "received",
         "sent_bytes",
+        "vote",
         "_error",
     )
 
@@ -65,6 +66,7 @@ class Exchange:
         self.handles: list[ops.Handle | None] = []
         self.received = [0] * size  # samples staged, per sender
         self.sent_bytes = 0
+        self.vote: ops.Handle | None = None  # the vote that ends it (the shuffler's)
         self._error: ShardStoreError | None = None
 
     @property

@@ -1,79 +1,55 @@
 """ShardStore: one rank's part of a dataset, samples keyed by their global index.
 
-In memory (``path=None``) or one file per sample under a folder (``{rank}`` in the path keeps the
-ranks of one host apart). An exchange changes a store in two phases, so that a rank dying
-mid-exchange loses no sample (the shuffler runs the vote between them):
+In memory (``path=None``), or at a path (``{rank}`` in it keeps the ranks of one host apart):
+a folder the store wrote (``samples/<id>.pkl``), an ImageFolder-like folder or one .npy/.npz
+array file already staged per rank (layouts.py). An exchange changes a store in two phases, so
+that a rank dying mid-exchange loses no sample (the shuffler runs the vote between them):
 
-1. ``stage``: received samples go to ``incoming/``; the samples sent stay in ``samples/``.
-   ``prepare`` records both lists in ``store.json`` (state "prepared").
-2. After every rank voted that it staged all it expected, ``commit`` records "committed", moves
-   ``incoming/`` into ``samples/``, deletes the samples sent, and records the new epoch. With no
-   vote, ``abort`` drops ``incoming/``.
+1. ``stage``: received samples wait apart (``incoming/``); the samples sent stay.
+   ``prepare`` records both lists in the store's journal (state "prepared").
+2. After every rank voted that it staged all it expected, ``commit`` records "committed", drops
+   the samples sent, takes in the staged ones and records the new epoch. With no vote, ``abort``
+   drops what was staged.
 
 ``recover`` finishes an interrupted exchange the way every rank decides together (forward when
 any rank had committed, else back). Files are replaced atomically (``os.replace``); there is no
 fsync: this survives a process dying, not the host losing power.
+
+Opening a path is collective (every rank opens its store at once): the ranks number the samples
+of ImageFolder-like folders and array files opened the first time (rank 0's first, ids after
+any already numbered), agree on the class names, and a rank that cannot open its store makes
+every rank fail, naming it and the file, instead of leaving the others waiting.
 """
 
 from __future__ import annotations
 
-import io
+import itertools
 import json
 import os
-import pickle
 import random
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from commlayer import runtime
+from commlayer import runtime, state_sync
+from commlayer.data.layouts import (
+    ARRAY_SUFFIXES,
+    SUFFIX,
+    ArrayFile,
+    ImageFolder,
+    LayoutError,
+    Memory,
+    PickleFiles,
+    decode,
+    encode,
+)
 from commlayer.errors import ShardStoreError
 
-_SUFFIX = ".pkl"
+__all__ = ["ShardStore", "decode", "encode", "partition"]
 
-
-_NUMPY_DTYPES = {
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-}  # fmt: skip
-
-
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
-
-
-class _SamplePickler(pickle.Pickler):
-    """Pickles a CPU tensor as its numpy array: torch's own reduction goes through torch.save,
-    1.4 ms per small tensor against 0.02 ms, and writes the whole storage of a view (a digits
-    image indexed out of the dataset's tensor: 460 kB for 256 B of pixels); numpy writes only
-    the elements viewed."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if (
-            type(obj) is torch.Tensor
-            and obj.layout == torch.strided
-            and obj.device.type == "cpu"
-            and not obj.requires_grad
-            and obj.dtype in _NUMPY_DTYPES
-        ):
-            return _tensor, (obj.numpy(),)
-        return NotImplemented
-
-
-def encode(sample: Any) -> bytes:
-    # Each sample is read once per epoch: a 3x32x32 float32 sample is 12.5 kB and loads in
-    # 0.08 ms this way, 13.9 kB and 1.25 ms with torch.save/torch.load.
-    buffer = io.BytesIO()
-    _SamplePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(sample)
-    return buffer.getvalue()
-
-
-def decode(data: bytes) -> Any:
-    return pickle.loads(data)
+_opens = itertools.count()  # every rank opens its stores in the same order
+_Layout = Memory | PickleFiles | ImageFolder | ArrayFile
 
 
 def partition(
@@ -99,18 +75,19 @@ def partition(
 class ShardStore:
     """A rank's samples by global id (see the module docstring)."""
 
-    __slots__ = ("path", "epoch", "_memory", "_staged", "_pending")
+    __slots__ = ("path", "epoch", "layout", "_pending")
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
-        """Open the store at ``path`` (``{rank}`` is replaced by this rank), or an empty one in
-        memory when ``path`` is None."""
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, loader: Callable[[str], Any] | None = None
+    ) -> None:
+        """Open the store at ``path`` (collective), or an empty one in memory when ``path`` is
+        None. ``loader(file)`` reads an ImageFolder sample (default: an RGB uint8 tensor)."""
         self.path = None if path is None else Path(str(path).format(rank=runtime.rank()))
         self.epoch = 0
-        self._memory: dict[int, Any] = {}
-        self._staged: dict[int, Any] = {}
         self._pending: dict[str, Any] | None = None
+        self.layout: _Layout = Memory()
         if self.path is not None:
-            self._open()
+            self._open(self.path, loader)
 
     @classmethod
     def from_dataset(
@@ -121,69 +98,43 @@ class ShardStore:
         seed: int = 0,
     ) -> ShardStore:
         """Keep this rank's part of ``dataset`` (every rank passes the same one); a store
-        already at ``path`` is replaced."""
+        already at ``path`` is replaced. With a path it is collective, as opening one is."""
         me, size = runtime.rank(), runtime.size()
         shard = partition(len(dataset), size, partition_by, seed)[me]
         if path is None:
             store = cls(None)
-            store._memory = {i: dataset[i] for i in shard}
+            store.layout = Memory({i: dataset[i] for i in shard})
             return store
         folder = Path(str(path).format(rank=me))
         if folder.exists():
             shutil.rmtree(folder)
         (folder / "samples").mkdir(parents=True)
         for i in shard:
-            (folder / "samples" / f"{i}{_SUFFIX}").write_bytes(encode(dataset[i]))
+            (folder / "samples" / f"{i}{SUFFIX}").write_bytes(encode(dataset[i]))
         return cls(folder)
 
     # -- reading -----------------------------------------------------------------------------
     def ids(self) -> list[int]:
-        if self.path is None:
-            return sorted(self._memory)
-        return sorted(self._ids_in(self.path / "samples"))
+        return sorted(self._call(self.layout.ids))
 
     def __len__(self) -> int:
         return len(self.ids())
 
     def load(self, sample_id: int) -> Any:
         """The sample ``sample_id`` (errors name the rank and the file)."""
-        if self.path is None:
-            try:
-                return self._memory[sample_id]
-            except KeyError:
-                raise self._error(f"sample {sample_id} is not in this rank's store") from None
-        file = self._file(sample_id)
-        try:
-            return decode(file.read_bytes())
-        except Exception as exc:
-            raise self._error(f"cannot read sample {sample_id} from {str(file)!r}: {exc}") from exc
+        return self._call(self.layout.load, sample_id)
 
     def dump(self, sample_id: int) -> bytes:
-        """The sample's bytes as they travel (a file's content, as is)."""
-        if self.path is None:
-            return encode(self.load(sample_id))
-        file = self._file(sample_id)
-        try:
-            return file.read_bytes()
-        except OSError as exc:
-            raise self._error(f"cannot read sample {sample_id} from {str(file)!r}: {exc}") from exc
+        """The sample's bytes as they travel (a file's content, as is, where there is one)."""
+        return self._call(self.layout.dump, sample_id)
 
     # -- the two-phase change ----------------------------------------------------------------
     def stage(self, sample_id: int, data: bytes) -> None:
         """Phase 1: keep a received sample apart until ``commit``."""
-        if self.path is None:
-            self._staged[sample_id] = decode(data)
-            return
-        incoming = self.path / "incoming"
-        incoming.mkdir(exist_ok=True)
-        tmp = incoming / f"{sample_id}.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, incoming / f"{sample_id}{_SUFFIX}")
+        self.layout.stage(sample_id, data)
 
     def staged(self) -> list[int]:
-        if self.path is None:
-            return sorted(self._staged)
-        return sorted(self._ids_in(self.path / "incoming"))
+        return sorted(self._call(self.layout.staged))
 
     def prepare(self, epoch: int, sent: Iterable[int], received: Iterable[int]) -> None:
         """Phase 1 done: record what the exchange of ``epoch`` moves."""
@@ -196,30 +147,23 @@ class ShardStore:
         self._save()
 
     def commit(self) -> None:
-        """Phase 2 (every rank voted yes): take in what was staged, drop what was sent."""
+        """Phase 2 (every rank voted yes): drop what was sent, take in what was staged."""
         pending = self._pending
         if pending is None:
             return
         pending["state"] = "committed"
         self._save()
-        if self.path is None:
-            self._memory.update(self._staged)
-            for i in pending["sent"]:
-                self._memory.pop(i, None)
-        else:
-            for i in pending["received"]:
-                staged = self.path / "incoming" / f"{i}{_SUFFIX}"
-                if staged.exists():  # absent: moved already by a commit that was interrupted
-                    os.replace(staged, self._file(i))
-            for i in pending["sent"]:
-                self._file(i).unlink(missing_ok=True)
+        for i in pending["sent"]:
+            self.layout.remove(i)
+        staged = set(self.staged())
+        for i in pending["received"]:
+            if i in staged:  # not staged: taken in already by a commit that was interrupted
+                self._call(self.layout.take, i)
         self.epoch = int(pending["epoch"]) + 1
         self._end_exchange()
 
     def abort(self) -> None:
         """No vote: forget what was staged; the store is as before the exchange."""
-        if self.path is not None:
-            shutil.rmtree(self.path / "incoming", ignore_errors=True)
         self._end_exchange()
 
     def journal(self) -> dict[str, Any]:
@@ -231,8 +175,7 @@ class ShardStore:
         when any rank had committed it (so all had staged it), else back."""
         pending = self._pending
         if pending is None:
-            if self.path is not None:
-                shutil.rmtree(self.path / "incoming", ignore_errors=True)
+            self.layout.drop_staged()
             return
         forward = any(
             j["epoch"] > pending["epoch"]
@@ -244,59 +187,108 @@ class ShardStore:
         else:
             self.abort()
 
-    # -- files -------------------------------------------------------------------------------
-    def _open(self) -> None:
-        assert self.path is not None
-        samples = self.path / "samples"
-        if not samples.is_dir():
-            raise self._error(
-                f"{str(self.path)!r} holds no shard store (no folder 'samples'); "
-                "ShardStore.from_dataset writes one"
+    # -- opening -----------------------------------------------------------------------------
+    def _open(self, path: Path, loader: Callable[[str], Any] | None) -> None:
+        """Open this rank's layout, then agree with every rank (module docstring)."""
+        error = None
+        try:
+            self.layout = self._layout(path, loader)
+        except ShardStoreError as exc:
+            error = str(exc)
+        except OSError as exc:
+            error = str(self._error(f"cannot open {str(path)!r}: {exc}"))
+        gathered = state_sync.allgather_object(
+            (error, self._numbering()), name=f"commlayer.data.store{next(_opens)}.open"
+        )
+        errors = [e for e, _ in gathered if e is not None]
+        if errors:
+            raise ShardStoreError(
+                error
+                if error is not None
+                else f"rank {runtime.rank()}: another rank cannot open its store: "
+                + "; ".join(errors)
             )
-        meta = self.path / "store.json"
-        if meta.exists():
-            try:
-                saved = json.loads(meta.read_text())
-                self.epoch, self._pending = int(saved["epoch"]), saved["pending"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise self._error(f"cannot read {str(meta)!r}: {exc}") from exc
-        for file in samples.iterdir():
-            if not os.access(file, os.R_OK):
-                raise self._error(f"cannot read {str(file)!r}: permission denied")
+        self._number([n for _, n in gathered])
 
-    def _ids_in(self, folder: Path) -> list[int]:
-        if not folder.is_dir():
-            return []
-        ids = []
-        for file in folder.iterdir():
-            if file.suffix != _SUFFIX:
-                continue
-            try:
-                ids.append(int(file.stem))
-            except ValueError:
+    def _layout(self, path: Path, loader: Callable[[str], Any] | None) -> _Layout:
+        if path.suffix in ARRAY_SUFFIXES and path.is_file():
+            state = self._read_meta(path.with_name(path.name + ".store") / "store.json")
+            return self._call(ArrayFile, path, state)
+        if (path / "samples").is_dir():
+            self._read_meta(path / "store.json")
+            return self._call(PickleFiles, path)
+        if path.is_dir() and any(p.is_dir() and not p.name.startswith(".") for p in path.iterdir()):
+            state = self._read_meta(path / ".commlayer-store.json")
+            leaving = self._pending["sent"] if self._pending else ()
+            return self._call(ImageFolder, path, state, loader, leaving)
+        raise self._error(
+            f"{str(path)!r} holds no shard store: not a folder written by "
+            "ShardStore.from_dataset (with 'samples/'), not an ImageFolder-like folder "
+            f"(<class>/<file>) and not an array file ({', '.join(ARRAY_SUFFIXES)})"
+        )
+
+    def _read_meta(self, meta: Path) -> dict[str, Any] | None:
+        """The journal's epoch and exchange in progress; returns the layout's saved state."""
+        if not meta.exists():
+            return None
+        try:
+            saved = json.loads(meta.read_text())
+            self.epoch, self._pending = int(saved["epoch"]), saved["pending"]
+            return dict(saved["layout"]) if "layout" in saved else None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise self._error(f"cannot read {str(meta)!r}: {exc}") from exc
+
+    def _numbering(self) -> dict[str, Any] | None:
+        """What the ranks need to number new samples: how many, their classes, the ids used."""
+        layout = self.layout
+        if isinstance(layout, Memory):
+            return None  # a rank that could not open its store
+        return {
+            "new": 0 if layout.numbered else len(layout.found),
+            "classes": layout.local_classes() if isinstance(layout, ImageFolder) else None,
+            "max_id": max(self._call(layout.ids), default=-1) if layout.numbered else -1,
+        }
+
+    def _number(self, everyone: list[dict[str, Any] | None]) -> None:
+        first = 1 + max((n["max_id"] for n in everyone if n), default=-1)
+        me = runtime.rank()
+        first += sum(n["new"] for n in everyone[:me] if n)
+        classes = sorted({c for n in everyone if n and n["classes"] for c in n["classes"]})
+        layout = self.layout
+        if isinstance(layout, ArrayFile) and not layout.numbered:
+            layout.number(first)
+        elif isinstance(layout, ImageFolder):
+            if not layout.numbered:
+                layout.number(first, classes)
+            elif layout.classes != classes:
                 raise self._error(
-                    f"{str(file)!r} is not a sample file (names are <global index>{_SUFFIX})"
-                ) from None
-        return ids
+                    f"the class folders of all ranks, {classes}, differ from those this store "
+                    f"was numbered with, {layout.classes}: reopen every rank's folder fresh "
+                    f"(remove {str(layout.meta_file)!r})"
+                )
+        self._save()
 
-    def _file(self, sample_id: int) -> Path:
-        assert self.path is not None
-        return self.path / "samples" / f"{sample_id}{_SUFFIX}"
-
+    # -- files -------------------------------------------------------------------------------
     def _save(self) -> None:
-        if self.path is None:
+        meta = self.layout.meta_file
+        if meta is None:
             return
-        meta = self.path / "store.json"
         tmp = meta.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"epoch": self.epoch, "pending": self._pending}))
+        record = {"epoch": self.epoch, "pending": self._pending, "layout": self.layout.state()}
+        tmp.write_text(json.dumps(record))
         os.replace(tmp, meta)
 
     def _end_exchange(self) -> None:
-        self._staged = {}
         self._pending = None
         self._save()
-        if self.path is not None:
-            shutil.rmtree(self.path / "incoming", ignore_errors=True)
+        self.layout.drop_staged()
+
+    def _call(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)``, its LayoutError raised as a ShardStoreError naming this rank."""
+        try:
+            return function(*args)
+        except LayoutError as exc:
+            raise self._error(str(exc)) from exc
 
     def _error(self, what: str) -> ShardStoreError:
         return ShardStoreError(f"rank {runtime.rank()}: shard store: {what}")

@@ -23,6 +23,7 @@ import torch
 
 import commlayer as cl
 from commlayer.data import PartialLocalShuffler, ShardStore
+from commlayer.data.exchange import Exchange
 from commlayer.errors import ShardStoreError, ShuffleMismatchError
 
 EPOCHS = 3
@@ -41,6 +42,12 @@ def _everyone(value: Any) -> list[Any]:
     return cl.allgather_object(value)
 
 
+def _first_number(sample: Any) -> int:
+    while not (isinstance(sample, torch.Tensor) and sample.dim() == 0):
+        sample = sample[0]
+    return int(sample)
+
+
 def _run_epochs(shuffler: PartialLocalShuffler, epochs: int) -> list[dict[str, Any]]:
     """Per epoch: what this rank visited, its store during and after the exchange."""
     seen = []
@@ -48,7 +55,7 @@ def _run_epochs(shuffler: PartialLocalShuffler, epochs: int) -> list[dict[str, A
         shuffler.set_epoch(epoch)
         visited = list(shuffler.sampler)
         during = len(shuffler.store.ids()) + len(shuffler.store.staged())
-        values = [int(shuffler.dataset[i][0][0]) for i in visited]
+        values = [_first_number(shuffler.dataset[i]) for i in visited]
         seen.append({"visited": visited, "values": values, "held": during})
     shuffler.set_epoch(epochs)  # commits the last epoch's exchange
     seen.append({"visited": [], "values": [], "held": 0})
@@ -164,36 +171,110 @@ def test_files_resume_and_state_dict(tmp_path: Path) -> None:
     assert again.dataset[final[cl.rank()][0]][0][0] == final[cl.rank()][0]
 
 
-@pytest.mark.parametrize("committed_on_rank0", [False, True], ids=["back", "forward"])
-def test_interrupted_exchange_recovers(tmp_path: Path, committed_on_rank0: bool) -> None:
-    # Every rank staged its part of epoch 0's exchange and "died" before (or, for rank 0 in
-    # the forward case, during) phase 2: reopening rolls every rank back, or forward when any
-    # rank had committed, and no sample is lost or duplicated either way.
+class _Died(Exception):
+    """A process dying in the middle of a commit, as far as its files can tell."""
+
+
+def _make_store(tmp_path: Path, layout: str, n: int) -> tuple[str, ShardStore]:
+    """Stores of ``n`` samples whose first number is their original index, in ``layout``."""
+    import numpy as np
+    from PIL import Image
+
+    mine = list(range(n))[cl.rank() :: cl.size()]
+    if layout == "files":
+        path = str(tmp_path / "shard{rank}")
+        return path, ShardStore.from_dataset(_dataset(n), path=path)
+    if layout == "imagefolder":
+        folder = tmp_path / f"img{cl.rank()}"
+        for i in mine:
+            (folder / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (1, 1), (i, 0, 0)).save(folder / f"c{i % 3}" / f"s{i:03d}.png")
+        path = str(tmp_path / "img{rank}")
+    else:
+        path = str(tmp_path / "shard{rank}.npz")
+        np.savez(path.format(rank=cl.rank()), x=np.array(mine, dtype=np.float32)[:, None])
+    return path, ShardStore(path)
+
+
+@pytest.mark.parametrize("layout", ["files", "imagefolder", "npz"])
+@pytest.mark.parametrize("when", ["back", "forward", "midcommit"])
+def test_interrupted_exchange_recovers(tmp_path: Path, layout: str, when: str) -> None:
+    # Every rank staged its part of epoch 0's exchange and "died" before phase 2; rank 0, in
+    # the forward case, after committing, and in the midcommit case halfway through taking in
+    # what it received. Reopening rolls every rank back, or forward when any rank had
+    # committed, and no sample is lost, duplicated or changed either way.
     n = _samples(cl.size())
-    path = tmp_path / "shard{rank}"
-    store = ShardStore.from_dataset(_dataset(n), path=path)
-    before = store.ids()
+    path, store = _make_store(tmp_path, layout, n)
+    before = {i: _first_number(store.load(i)) for i in store.ids()}
     shuffler = PartialLocalShuffler(store, fraction=0.5, seed=4)
-    exchange = shuffler._exchange
+    exchange, died = shuffler._exchange, None
     if exchange is not None:  # None at one rank
         exchange.finish()
         store.prepare(0, exchange.plan.sent_ids, store.staged())
-        if committed_on_rank0 and cl.rank() == 0:
-            store.commit()
+        if when != "back" and cl.rank() == 0:
+            take, taken, last = store.layout.take, [], len(store.staged()) - 1
+            if when == "midcommit":
+
+                def dying_take(sample_id: int) -> None:
+                    if len(taken) == min(1, last):
+                        raise _Died
+                    taken.append(sample_id)
+                    take(sample_id)
+
+                store.layout.take = dying_take  # type: ignore[method-assign]
+            try:
+                store.commit()
+            except _Died:
+                died = len(taken)
     cl.barrier()
     recovered = PartialLocalShuffler(ShardStore(path), fraction=0.5, seed=4)
-    final = _everyone(recovered.store.ids())
-    assert sorted(i for ids in final for i in ids) == list(range(n))
-    if not committed_on_rank0:
-        assert final[cl.rank()] == before
-    assert not (tmp_path / f"shard{cl.rank()}" / "incoming").exists()
+    now = {i: _first_number(recovered.store.load(i)) for i in recovered.store.ids()}
+    final, first = _everyone(now), _everyone(before)
+    staged = recovered.store.layout.incoming.exists()  # type: ignore[union-attr]
+
+    assert sorted(i for d in final for i in d) == sorted(i for d in first for i in d)
+    merged = {i: v for d in first for i, v in d.items()}
+    assert all(merged[i] == v for d in final for i, v in d.items()), "a sample changed"
+    assert sorted(merged.values()) == list(range(n))
+    if when == "back":
+        assert now == before
+    if when == "midcommit" and cl.rank() == 0 and exchange is not None:
+        assert died is not None, "the commit was to die midway"
+    assert not staged
+
+
+@pytest.mark.parametrize("layout", ["files", "imagefolder", "npz"])
+def test_persistent_dataloader_workers_read_what_each_exchange_brought(
+    tmp_path: Path, layout: str
+) -> None:
+    # A persistent worker keeps the store as it was when it started: it must still find the
+    # samples later exchanges took in (the ImageFolder index is reread from disk).
+    n = _samples(cl.size())
+    _, store = _make_store(tmp_path, layout, n)
+    shuffler = PartialLocalShuffler(store, fraction=0.5, seed=5, chunks=2)
+    loader = torch.utils.data.DataLoader(
+        shuffler.dataset,
+        batch_size=4,
+        sampler=shuffler.sampler,
+        num_workers=1,
+        persistent_workers=True,
+        collate_fn=list,
+    )
+    seen = []
+    for epoch in range(3):
+        shuffler.set_epoch(epoch)
+        seen.append([_first_number(sample) for batch in loader for sample in batch])
+    shuffler.set_epoch(3)
+    everyone = _everyone(seen)
+    for epoch in range(3):
+        assert sorted(v for rank in everyone for v in rank[epoch]) == list(range(n)), epoch
 
 
 def test_bad_fraction_is_refused_before_any_collective() -> None:
     store = ShardStore.from_dataset(_dataset(4))
-    for fraction in (-0.1, 1.5):
-        with pytest.raises(ValueError, match=rf"rank {cl.rank()}: fraction {fraction}"):
-            PartialLocalShuffler(store, fraction=fraction)
+    for fraction in (-0.1, 1.5, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match=rf"rank {cl.rank()}: fraction {fraction!r}"):
+            PartialLocalShuffler(store, fraction=fraction)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("setting", ["fraction", "seed"])
@@ -237,7 +318,133 @@ def test_unreadable_sample_fails_on_every_rank_naming_rank_and_file(tmp_path: Pa
     assert not (tmp_path / f"shard{cl.rank()}" / "incoming").exists()
 
 
+def test_a_sample_lost_on_the_way_fails_the_vote_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The last rank stages all but one of the samples it received: the vote fails on every
+    # rank, naming that rank's counts, and every store is as before the exchange.
+    if cl.size() == 1:
+        pytest.skip("one rank receives nothing")
+    last = cl.size() - 1
+    store = ShardStore.from_dataset(_dataset(8 * cl.size()), path=tmp_path / "shard{rank}")
+    before = store.ids()
+    shuffler = PartialLocalShuffler(store, fraction=1.0, seed=0, chunks=2)
+    if cl.rank() == last:
+        stage, lost = Exchange._stage, []
+
+        def losing(self: Exchange, sender: int, frame: bytes) -> None:
+            stage(self, sender, frame)
+            if not lost and self.received[sender]:
+                lost.append(sender)
+                self.received[sender] -= 1
+
+        monkeypatch.setattr(Exchange, "_stage", losing)
+    list(shuffler.sampler)
+    with pytest.raises(ShuffleMismatchError, match=rf"incomplete \(rank {last} got .*expected"):
+        shuffler.set_epoch(1)
+    assert store.ids() == before
+    assert not store.staged()
+
+
 def test_opening_a_folder_without_a_store_names_it(tmp_path: Path) -> None:
-    with pytest.raises(ShardStoreError, match=rf"rank {cl.rank()}: .*no folder 'samples'"):
+    (tmp_path / f"nothing{cl.rank()}").mkdir()
+    with pytest.raises(
+        ShardStoreError, match=rf"rank {cl.rank()}: .*nothing{cl.rank()}'.* holds no"
+    ):
         ShardStore(tmp_path / "nothing{rank}")
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _check_moved(
+    store: ShardStore, original: dict[int, Any], shuffler: PartialLocalShuffler
+) -> tuple[dict[int, Any], list[dict[int, Any]]]:
+    """After 2 epochs: every id once in all stores, each loading as it was first read."""
+    _run_epochs(shuffler, 2)
+    now = {i: _plain(store.load(i)) for i in store.ids()}
+    every = _everyone(now)
+    first = _everyone(original)
+    merged = {i: v for d in first for i, v in d.items()}
+    return merged, every
+
+
+def _plain(sample: Any) -> Any:
+    if isinstance(sample, torch.Tensor):
+        return sample.tolist()
+    return [_plain(x) for x in sample] if isinstance(sample, tuple | list) else sample
+
+
+def test_image_folder_store_numbers_moves_and_reopens(tmp_path: Path) -> None:
+    # Each rank's folder holds classes c<r> and c<r+1>, files named alike on every rank
+    # (img<k>.png): ids are numbered rank by rank, classes over the union, and files of one
+    # name from two ranks are both kept.
+    from PIL import Image
+
+    me, size = cl.rank(), cl.size()
+    folder = tmp_path / f"img{me}"
+    for k in range(3 + me):
+        (folder / f"c{me + k % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (1, 1), (me, k, 7)).save(folder / f"c{me + k % 2}" / f"img{k}.png")
+    store = ShardStore(tmp_path / "img{rank}")
+    original = {i: _plain(store.load(i)) for i in store.ids()}
+    first_id = sum(3 + r for r in range(me))
+    shuffler = PartialLocalShuffler(store, fraction=0.5, seed=1)
+    merged, every = _check_moved(store, original, shuffler)
+    reopened = ShardStore(tmp_path / "img{rank}")
+    again = {i: _plain(reopened.load(i)) for i in reopened.ids()}
+    files = sorted(str(p.relative_to(folder)) for p in folder.glob("c*/*"))
+
+    assert sorted(original) == list(range(first_id, first_id + 3 + me))
+    assert original[first_id] == [[[[me]], [[0]], [[7]]], me]  # a 3x1x1 uint8 tensor, class
+    assert {label for _, label in original.values()} == {me, me + 1}
+    assert sorted(i for d in every for i in d) == sorted(merged)
+    assert all(d[i] == merged[i] for d in every for i in d), "a sample changed on its way"
+    assert again == every[me]
+    assert len(files) == len(every[me]), f"files {files} against {sorted(every[me])}"
+    assert all(
+        f.endswith(".png") and f.split("/")[0] in {f"c{c}" for c in range(size + 1)} for f in files
+    )
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".npy"])
+def test_array_file_store_numbers_moves_and_reopens(tmp_path: Path, suffix: str) -> None:
+    import numpy as np
+
+    me = cl.rank()
+    rows = 4 + me
+    x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) + 100 * me
+    file = tmp_path / f"shard{me}{suffix}"
+    if suffix == ".npz":
+        np.savez(file, x=x, y=np.arange(rows) % 3)
+    else:
+        np.save(file, x)
+    store = ShardStore(tmp_path / f"shard{{rank}}{suffix}")
+    original = {i: _plain(store.load(i)) for i in store.ids()}
+    shuffler = PartialLocalShuffler(store, fraction=0.5, seed=2, chunks=2)
+    merged, every = _check_moved(store, original, shuffler)
+    reopened = ShardStore(tmp_path / f"shard{{rank}}{suffix}")
+    again = {i: _plain(reopened.load(i)) for i in reopened.ids()}
+
+    first_id = sum(4 + r for r in range(me))
+    row0 = [100.0 * me, 100.0 * me + 1]
+    assert original[first_id] == ([row0, 0] if suffix == ".npz" else row0)
+    assert sorted(i for d in every for i in d) == sorted(merged)
+    assert all(d[i] == merged[i] for d in every for i in d), "a sample changed on its way"
+    assert again == every[me]
+    assert np.array_equal(np.load(file)["x"] if suffix == ".npz" else np.load(file), x), (
+        "the array file is only read"
+    )
+
+
+def test_a_rank_that_cannot_open_its_store_fails_every_rank_naming_it(tmp_path: Path) -> None:
+    import numpy as np
+
+    bad = cl.size() - 1
+    file = tmp_path / f"shard{cl.rank()}.npy"
+    if cl.rank() == bad:
+        file.write_bytes(b"not an array")
+    else:
+        np.save(file, np.zeros((2, 2)))
+    with pytest.raises(
+        ShardStoreError, match=rf"rank {bad}: shard store: cannot read .*shard{bad}"
+    ):
+        ShardStore(tmp_path / "shard{rank}.npy")

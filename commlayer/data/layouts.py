@@ -1,0 +1,418 @@
+"""Layouts: how a shard store's samples sit in memory or on disk.
+
+A ShardStore (store.py) runs the two-phase exchange; its layout keeps the samples:
+
+- ``Memory``: a dict (``path=None``).
+- ``PickleFiles``: ``samples/<global id>.pkl`` under a folder (what ``from_dataset`` writes).
+- ``ImageFolder``: files already staged per rank as ``<class>/<file>`` (torchvision's layout);
+  samples are ``(loader(file), class index)``, class indices numbered over the union of every
+  rank's class folders. Received files are written into their class folder, so the folder stays
+  ImageFolder-like; its index of ids lives in ``.commlayer-store.json``.
+- ``ArrayFile``: one ``.npy`` (sample i is row i) or ``.npz`` (sample i is the tuple of row i of
+  each array, in the file's order); the file is only read, received samples and the rows sent
+  away are kept in ``<file>.store/`` beside it.
+
+Every layout stages received samples apart (``stage``) and takes them in at ``commit`` with
+``take`` after ``remove`` dropped the samples sent. Both are idempotent: a commit interrupted
+by a dying process is redone from the journal. The staged bytes of a sample are removed only
+after the store saved the layout's new state (``_end_exchange``), so a redo still finds them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SUFFIX = ".pkl"
+ARRAY_SUFFIXES = (".npy", ".npz")
+
+_NUMPY_DTYPES = {
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+}  # fmt: skip
+
+
+def tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+class _SamplePickler(pickle.Pickler):
+    """Pickles a CPU tensor as its numpy array: torch's own reduction goes through torch.save,
+    1.4 ms per small tensor against 0.02 ms, and writes the whole storage of a view (a digits
+    image indexed out of the dataset's tensor: 460 kB for 256 B of pixels); numpy writes only
+    the elements viewed."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            type(obj) is torch.Tensor
+            and obj.layout == torch.strided
+            and obj.device.type == "cpu"
+            and not obj.requires_grad
+            and obj.dtype in _NUMPY_DTYPES
+        ):
+            return tensor, (obj.numpy(),)
+        return NotImplemented
+
+
+def encode(sample: Any) -> bytes:
+    # Each sample is read once per epoch: a 3x32x32 float32 sample is 12.5 kB and loads in
+    # 0.08 ms this way, 13.9 kB and 1.25 ms with torch.save/torch.load.
+    buffer = io.BytesIO()
+    _SamplePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(sample)
+    return buffer.getvalue()
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
+def read_bytes(file: Path, sample_id: int) -> bytes:
+    """A sample file's content; an error names the sample and the file (the store adds the
+    rank)."""
+    try:
+        return file.read_bytes()
+    except OSError as exc:
+        raise LayoutError(f"cannot read sample {sample_id} from {str(file)!r}: {exc}") from exc
+
+
+def image_loader(path: str) -> torch.Tensor:
+    """The default ImageFolder loader: an RGB uint8 tensor, channels first (PIL decodes)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        array = np.asarray(image.convert("RGB"))
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)
+
+
+class LayoutError(Exception):
+    """What is wrong with a store's files; ShardStore names the rank and re-raises."""
+
+
+class _Staging:
+    """Received samples kept as files under ``incoming/`` until the commit."""
+
+    incoming: Path
+
+    def stage(self, sample_id: int, data: bytes) -> None:
+        # Written in place, no temporary file and rename: a file cut short by a dying process
+        # is never taken in, since the vote that allows the commit comes after every write
+        # (one file operation less per sample: 1.8-4 ms each on this VM's ext4).
+        self.incoming.mkdir(parents=True, exist_ok=True)
+        (self.incoming / f"{sample_id}{SUFFIX}").write_bytes(data)
+
+    def staged(self) -> list[int]:
+        return ids_in(self.incoming)
+
+    def drop_staged(self) -> None:
+        shutil.rmtree(self.incoming, ignore_errors=True)
+
+
+def ids_in(folder: Path) -> list[int]:
+    """The ids of the ``<id>.pkl`` files in ``folder``."""
+    if not folder.is_dir():
+        return []
+    ids = []
+    for file in folder.iterdir():
+        if file.suffix != SUFFIX:
+            continue
+        try:
+            ids.append(int(file.stem))
+        except ValueError:
+            raise LayoutError(
+                f"{str(file)!r} is not a sample file (names are <global index>{SUFFIX})"
+            ) from None
+    return ids
+
+
+def check_readable(files: list[Path]) -> None:
+    for file in files:
+        if not os.access(file, os.R_OK):
+            why = "permission denied" if file.exists() else "no such file"
+            raise LayoutError(f"cannot read {str(file)!r}: {why}")
+
+
+class Memory:
+    """Samples in a dict; what is staged waits in another."""
+
+    kind = "memory"
+    meta_file: Path | None = None
+
+    def __init__(self, samples: dict[int, Any] | None = None) -> None:
+        self.samples = samples or {}
+        self._staged: dict[int, Any] = {}
+
+    def ids(self) -> list[int]:
+        return list(self.samples)
+
+    def load(self, sample_id: int) -> Any:
+        try:
+            return self.samples[sample_id]
+        except KeyError:
+            raise LayoutError(f"sample {sample_id} is not in this rank's store") from None
+
+    def dump(self, sample_id: int) -> bytes:
+        return encode(self.load(sample_id))
+
+    def stage(self, sample_id: int, data: bytes) -> None:
+        self._staged[sample_id] = decode(data)
+
+    def staged(self) -> list[int]:
+        return list(self._staged)
+
+    def take(self, sample_id: int) -> None:
+        self.samples[sample_id] = self._staged[sample_id]
+
+    def remove(self, sample_id: int) -> None:
+        self.samples.pop(sample_id, None)
+
+    def drop_staged(self) -> None:
+        self._staged = {}
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+
+class PickleFiles(_Staging):
+    """``samples/<id>.pkl`` under ``folder``; a sample travels as its file's bytes."""
+
+    kind = "files"
+    numbered, found = True, ()  # ids are the file names
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.incoming = folder, folder / "incoming"
+        self.meta_file = folder / "store.json"
+        check_readable(list((folder / "samples").iterdir()))
+
+    def file(self, sample_id: int) -> Path:
+        return self.folder / "samples" / f"{sample_id}{SUFFIX}"
+
+    def ids(self) -> list[int]:
+        return ids_in(self.folder / "samples")
+
+    def load(self, sample_id: int) -> Any:
+        return _decode_file(self.file(sample_id), sample_id)
+
+    def dump(self, sample_id: int) -> bytes:
+        return read_bytes(self.file(sample_id), sample_id)
+
+    def take(self, sample_id: int) -> None:
+        staged = self.incoming / f"{sample_id}{SUFFIX}"
+        if staged.exists():  # absent: moved already by a commit that was interrupted
+            os.replace(staged, self.file(sample_id))
+
+    def remove(self, sample_id: int) -> None:
+        self.file(sample_id).unlink(missing_ok=True)
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+
+def _decode_file(file: Path, sample_id: int) -> Any:
+    data = read_bytes(file, sample_id)
+    try:
+        return decode(data)
+    except Exception as exc:
+        raise LayoutError(f"cannot read sample {sample_id} from {str(file)!r}: {exc}") from exc
+
+
+class ImageFolder(_Staging):
+    """``<class>/<file>`` under ``folder`` (module docstring). ``files`` maps id -> relative path;
+    a sample travels as (relative path, the file's bytes)."""
+
+    kind = "imagefolder"
+
+    def __init__(
+        self,
+        folder: Path,
+        state: dict[str, Any] | None,
+        loader: Callable[[str], Any] | None,
+        leaving: Collection[int] = (),
+    ) -> None:
+        """``leaving``: samples a commit in progress sends away (their files may be gone)."""
+        self.folder, self.loader = folder, loader or image_loader
+        self.incoming = folder / ".commlayer-incoming"
+        self.meta_file = folder / ".commlayer-store.json"
+        self.classes: list[str] = []
+        self.files: dict[int, str] = {}
+        self.owner: dict[str, int] = {}  # relative path -> id
+        # before numbering (a first open): the files found, in order
+        self.found: list[str] = []
+        self.numbered = state is not None
+        if state is not None:
+            self.classes = list(state["classes"])
+            self.files = {int(i): rel for i, rel in state["files"].items()}
+            self.owner = {rel: i for i, rel in self.files.items()}
+            check_readable([folder / r for i, r in self.files.items() if i not in leaving])
+        else:
+            self.found = self._scan()
+            check_readable([folder / rel for rel in self.found])
+
+    def _scan(self) -> list[str]:
+        found = []
+        for root, dirs, names in os.walk(self.folder):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            if Path(root) == self.folder:
+                continue  # files beside the class folders belong to no class
+            found += [
+                str((Path(root) / n).relative_to(self.folder))
+                for n in sorted(names)
+                if not n.startswith(".")
+            ]
+        return found
+
+    def local_classes(self) -> list[str]:
+        return sorted({rel.split(os.sep)[0] for rel in (self.found or self.files.values())})
+
+    def number(self, first_id: int, classes: list[str]) -> None:
+        """Give the files found ids ``first_id``, ``first_id + 1``, ... (a first open)."""
+        self.classes = classes
+        self.files = {first_id + k: rel for k, rel in enumerate(self.found)}
+        self.owner = {rel: i for i, rel in self.files.items()}
+        self.found, self.numbered = [], True
+
+    def ids(self) -> list[int]:
+        return list(self.files)
+
+    def _path(self, sample_id: int) -> Path:
+        if sample_id not in self.files:
+            self._reread_index()
+        try:
+            return self.folder / self.files[sample_id]
+        except KeyError:
+            raise LayoutError(f"sample {sample_id} is not in this rank's store") from None
+
+    def _reread_index(self) -> None:
+        """The index as the last commit saved it: a persistent DataLoader worker holds a copy
+        of this layout made before that commit took samples in."""
+        try:
+            saved = json.loads(self.meta_file.read_text())["layout"]["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # nothing newer: the caller reports the sample missing
+        self.files = {int(i): rel for i, rel in saved.items()}
+        self.owner = {rel: i for i, rel in self.files.items()}
+
+    def load(self, sample_id: int) -> Any:
+        path = self._path(sample_id)
+        try:
+            image = self.loader(str(path))
+        except Exception as exc:
+            raise LayoutError(f"cannot read sample {sample_id} from {str(path)!r}: {exc}") from exc
+        return image, self.classes.index(self.files[sample_id].split(os.sep)[0])
+
+    def dump(self, sample_id: int) -> bytes:
+        return encode((self.files[sample_id], read_bytes(self._path(sample_id), sample_id)))
+
+    def take(self, sample_id: int) -> None:
+        # The staged file stays until the store saved the new index: a redo finds it.
+        rel, data = decode(read_bytes(self.incoming / f"{sample_id}{SUFFIX}", sample_id))
+        parts = Path(rel).parts
+        dest = str(Path(parts[0], parts[-1]))
+        if self.owner.get(dest, sample_id) != sample_id:  # another file of that name: keep both
+            dest = str(Path(parts[0], f"{sample_id}-{parts[-1]}"))
+        target = self.folder / dest
+        target.parent.mkdir(exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+        self.files[sample_id], self.owner[dest] = dest, sample_id
+
+    def remove(self, sample_id: int) -> None:
+        rel = self.files.pop(sample_id, None)
+        if rel is not None:
+            del self.owner[rel]
+            (self.folder / rel).unlink(missing_ok=True)
+
+    def state(self) -> dict[str, Any]:
+        return {"classes": self.classes, "files": {str(i): r for i, r in self.files.items()}}
+
+
+class ArrayFile(_Staging):
+    """One .npy/.npz file, read only; received samples (pickled) and the ids of the rows sent
+    away are kept in ``<file>.store/`` (module docstring). A .npz is decompressed into memory
+    once per process; a .npy is memory-mapped. DataLoader workers get the store without the
+    arrays and open the file themselves (a memory map would be pickled as a full copy)."""
+
+    kind = "array"
+
+    def __init__(self, file: Path, state: dict[str, Any] | None) -> None:
+        self.file = file
+        self.side = file.with_name(file.name + ".store")
+        self.incoming, self.meta_file = self.side / "incoming", self.side / "store.json"
+        self._arrays: list[np.ndarray] | None = None
+        rows = {len(a) for a in self.arrays}
+        if len(rows) != 1:
+            raise LayoutError(f"the arrays of {str(file)!r} differ in length: {sorted(rows)}")
+        self.rows = rows.pop()
+        self.found = range(self.rows)  # rows to number at a first open
+        self.numbered = state is not None
+        self.first_id: int | None = None if state is None else int(state["first_id"])
+        self.removed: set[int] = set() if state is None else set(state["removed"])
+        (self.side / "samples").mkdir(parents=True, exist_ok=True)
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        if self._arrays is None:
+            try:
+                if self.file.suffix == ".npy":
+                    self._arrays = [np.load(self.file, mmap_mode="r")]
+                else:
+                    with np.load(self.file) as npz:
+                        self._arrays = [npz[key] for key in npz.files]
+            except Exception as exc:
+                raise LayoutError(f"cannot read {str(self.file)!r}: {exc}") from exc
+        return self._arrays
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None}
+
+    def number(self, first_id: int) -> None:
+        self.first_id, self.numbered = first_id, True
+
+    def _row(self, sample_id: int) -> int | None:
+        assert self.first_id is not None
+        row = sample_id - self.first_id
+        return row if 0 <= row < self.rows and sample_id not in self.removed else None
+
+    def _kept(self, sample_id: int) -> Path:
+        return self.side / "samples" / f"{sample_id}{SUFFIX}"
+
+    def ids(self) -> list[int]:
+        assert self.first_id is not None
+        rows = range(self.first_id, self.first_id + self.rows)
+        return [i for i in rows if i not in self.removed] + ids_in(self.side / "samples")
+
+    def load(self, sample_id: int) -> Any:
+        row = self._row(sample_id)
+        if row is None:
+            return _decode_file(self._kept(sample_id), sample_id)
+        if len(self.arrays) == 1 and self.file.suffix == ".npy":
+            return tensor(np.asarray(self.arrays[0][row]))
+        return tuple(tensor(np.asarray(a[row])) for a in self.arrays)
+
+    def dump(self, sample_id: int) -> bytes:
+        if self._row(sample_id) is None:
+            return read_bytes(self._kept(sample_id), sample_id)
+        return encode(self.load(sample_id))
+
+    def take(self, sample_id: int) -> None:
+        staged = self.incoming / f"{sample_id}{SUFFIX}"
+        if staged.exists():  # absent: moved already by a commit that was interrupted
+            os.replace(staged, self._kept(sample_id))
+
+    def remove(self, sample_id: int) -> None:
+        self._kept(sample_id).unlink(missing_ok=True)
+        assert self.first_id is not None
+        if 0 <= sample_id - self.first_id < self.rows:
+            self.removed.add(sample_id)
+
+    def state(self) -> dict[str, Any]:
+        return {"first_id": self.first_id, "removed": sorted(self.removed)}
