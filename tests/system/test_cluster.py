@@ -65,7 +65,15 @@ def _why_not_permitted() -> str | None:
             f"a cluster is already up ({STATE}); these tests bring their own up and down: "
             "run 'bash scripts/cluster.sh down' first"
         )
-    return None
+    return _namespaces_in_use()
+
+
+def _namespaces_in_use() -> str | None:
+    """A cluster another job is bringing up or down has namespaces before (or after) its state
+    folder: never start one then (cluster.sh down would remove the other job's hosts)."""
+    names = _namespaces()
+    taken = sorted(n for n in names if n == "cl-switch" or re.fullmatch(r"node\d+", n))
+    return f"network namespaces {taken} exist: another cluster is up" if taken else None
 
 
 @pytest.fixture(scope="module")
