@@ -201,25 +201,34 @@ def job(
     out_dir = tmp_path_factory.mktemp("cluster")
     try:
         cluster("up", str(HOSTS), "--rate", RATE)
-        env = harness.worker_env(out_dir, JOB_TIMEOUT_S + 10, {})
-        hosts = ",".join(f"node{k}:{PER_HOST}" for k in range(1, HOSTS + 1))
-        command = [
-            _commlayerrun(), "-np", str(HOSTS * PER_HOST), "-H", hosts,
-            sys.executable, str(WORKER),
-        ]  # fmt: skip
-        code, stdout, stderr = harness.run_limited(
-            command, env, JOB_TIMEOUT_S, cwd=REPO, dump_stacks_of=str(WORKER)
-        )
-        output = f"$ {' '.join(command)}\nexit code {code}\n{stdout}\n--- stderr ---\n{stderr}"
-        records = [
-            json.loads(line)
-            for path in sorted(out_dir.glob("rank*.jsonl"))
-            for line in path.read_text().splitlines()
-            if line.strip()
-        ]
-        yield Job(code, output, records)
+        yield Job(*run_worker(harness, out_dir, WORKER, [], JOB_TIMEOUT_S))
     finally:
         cluster("down")
+
+
+def run_worker(
+    harness: ModuleType, out_dir: Path, worker: Path, args: list[str], timeout_s: float
+) -> tuple[int, str, list[dict[str, Any]]]:
+    """``worker`` on the cluster that is up, 2 ranks on each of its hosts, as a user starts it
+    (commlayerrun -H); its exit code, everything it printed, and the records its ranks wrote
+    under ``out_dir`` (scripts/_worker.py)."""
+    env = harness.worker_env(out_dir, timeout_s + 10, {})
+    hosts = ",".join(f"node{k}:{PER_HOST}" for k in range(1, HOSTS + 1))
+    command = [
+        _commlayerrun(), "-np", str(HOSTS * PER_HOST), "-H", hosts,
+        sys.executable, str(worker), *args,
+    ]  # fmt: skip
+    code, stdout, stderr = harness.run_limited(
+        command, env, timeout_s, cwd=REPO, dump_stacks_of=str(worker)
+    )
+    output = f"$ {' '.join(command)}\nexit code {code}\n{stdout}\n--- stderr ---\n{stderr}"
+    records = [
+        json.loads(line)
+        for path in sorted(out_dir.glob("rank*.jsonl"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
+    return code, output, records
 
 
 def _commlayerrun() -> str:

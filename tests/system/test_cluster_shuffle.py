@@ -11,15 +11,13 @@ the cluster up and down, and the job's start on the loaded 2-core machine.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-from test_cluster import REPO, _commlayerrun, _why_not_permitted, cluster
+from test_cluster import _why_not_permitted, cluster, run_worker
 from test_cluster import harness as harness  # noqa: F401  (the fixture)
 
 WORKER = Path(__file__).parent / "scripts" / "shuffle_cluster.py"
@@ -35,22 +33,7 @@ def records(harness: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> It
     out_dir = tmp_path_factory.mktemp("cluster_shuffle")
     try:
         cluster("up", "2", "--rate", "1gbit")
-        env = harness.worker_env(out_dir, JOB_TIMEOUT_S + 10, {})
-        command = [
-            _commlayerrun(), "-np", "4", "-H", f"node1:{PER_HOST},node2:{PER_HOST}",
-            sys.executable, str(WORKER), str(out_dir / "stores"),
-        ]  # fmt: skip
-        code, stdout, stderr = harness.run_limited(
-            command, env, JOB_TIMEOUT_S, cwd=REPO, dump_stacks_of=str(WORKER)
-        )
-        output = f"$ {' '.join(command)}\nexit code {code}\n{stdout}\n--- stderr ---\n{stderr}"
-        found = [
-            json.loads(line)
-            for path in sorted(out_dir.glob("rank*.jsonl"))
-            for line in path.read_text().splitlines()
-            if line.strip()
-        ]
-        yield code, output, found
+        yield run_worker(harness, out_dir, WORKER, [str(out_dir / "stores")], JOB_TIMEOUT_S)
     finally:
         cluster("down")
 
