@@ -10,7 +10,9 @@ so its published inputs read unchanged:
   first layer and 0 on the others); a model with no ``t`` at all is costed from FLOPs.
 - ``.plat``: ``KEY|value[|unit]`` lines: MEM_PER_NODE (bytes per GPU), NODE_SPEED (FLOP/s),
   BANDWIDTH (B/s), LATENCY (s), MAX_NODE (GPUs), GPU_PER_NODE; commlayer adds the optional
-  INTRA_BANDWIDTH and INTRA_LATENCY (inside a node; the inter-node figures when absent).
+  INTRA_BANDWIDTH and INTRA_LATENCY (inside a node; the inter-node figures when absent) and
+  CORES_PER_NODE (the processors a node's ranks share, a CPU node: ranks beyond it slow each
+  other's compute; absent, one device per rank as with GPUs).
 - ``.lc``: one ``NAME|0|1`` a line per layer (``NAME`` may carry a leading index): whether
   spatial, filter or channel parallelism splits that layer.
 
@@ -136,6 +138,15 @@ class Platform:
     intra_bandwidth_bytes_s: float | None = None
     intra_latency_s: float | None = None
     path: str = ""
+    # processors a node's ranks share (a CPU node: its cores); None, one device per rank (GPUs)
+    cores_per_node: int | None = None
+
+    def ranks_per_core(self, p: int) -> float:
+        """How many of p ranks (node-major) share one processor, at least 1: each rank's
+        compute runs that many times slower than in a one-rank profile."""
+        if not self.cores_per_node:
+            return 1.0
+        return max(1.0, min(p, self.gpus_per_node) / self.cores_per_node)
 
 
 _PLAT_KEYS = {
@@ -147,8 +158,9 @@ _PLAT_KEYS = {
     "GPU_PER_NODE": "gpus_per_node",
     "INTRA_BANDWIDTH": "intra_bandwidth_bytes_s",
     "INTRA_LATENCY": "intra_latency_s",
+    "CORES_PER_NODE": "cores_per_node",
 }
-_PLAT_OPTIONAL = ("INTRA_BANDWIDTH", "INTRA_LATENCY")
+_PLAT_OPTIONAL = ("INTRA_BANDWIDTH", "INTRA_LATENCY", "CORES_PER_NODE")
 
 
 def _lines(path: str | Path) -> list[tuple[int, str]]:
@@ -257,6 +269,12 @@ def parse_plat(path: str | Path) -> Platform:
     kwargs: dict[str, float | int | str] = {_PLAT_KEYS[k]: v for k, v in values.items()}
     kwargs["max_gpus"] = int(values["MAX_NODE"])
     kwargs["gpus_per_node"] = int(values["GPU_PER_NODE"])
+    if "CORES_PER_NODE" in values:
+        if values["CORES_PER_NODE"] < 1:
+            raise SpecError(
+                f"{path}: CORES_PER_NODE must be >= 1, got {values['CORES_PER_NODE']!r}"
+            )
+        kwargs["cores_per_node"] = int(values["CORES_PER_NODE"])
     return Platform(**kwargs, path=str(path))  # type: ignore[arg-type]
 
 
