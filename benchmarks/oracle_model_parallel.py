@@ -10,10 +10,13 @@
    data: B / ranks each), communication from this machine's committed calibrations.
 3. Measure: the example under ``mpiexec -n N``, median step.
 Accuracy 1 - |predicted - measured| / measured; and whether the oracle ranks the strategies
-as measured. Compute is scaled by ranks / cores where ranks exceed the cores. The prediction is
-given twice: as the calibration alone makes it, and with the engine's cost per collective call
-(``op_latency_s``: the median of 50 blocking 4-byte allreduces at that rank count, measured
-just before, independent of the runs predicted).
+as measured. This machine is the platform: one node of ``--cores`` cores (CORES_PER_NODE:
+ranks beyond them compute ranks / cores times slower). The prediction is given twice: as the
+calibration alone makes it, and with the engine's cost per collective call (``op_latency_s``:
+the median of 50 blocking 4-byte allreduces at that rank count, measured just before,
+independent of the runs predicted). As benchmarks/oracle.py: ``--rounds`` rounds, each a
+fresh profile, op latency and runs, each run after a wait for a quiet machine
+(``--quiet-load``); median over rounds [min-max], accuracy per round.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +37,7 @@ EXAMPLE = HERE.parent / "examples" / "model_parallel_cnn.py"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(EXAMPLE.parent))
 
-from oracle import this_machine  # noqa: E402
+from oracle import spread, this_machine, wait_quiet  # noqa: E402
 
 from commlayer import costmodel  # noqa: E402
 from commlayer import oracle as cl_oracle  # noqa: E402
@@ -93,18 +97,22 @@ def mask_of(net: cl_oracle.Net, strategy: str) -> tuple[bool, ...]:
 
 
 def predict_s(
-    net: cl_oracle.Net, strategy: str, ranks: int, batch: int, cals: list, op_latency_s: float
-) -> tuple[float, float]:
-    per_gpu = batch // ranks if strategy == "data" else batch
-    rows = cl_oracle.predict(
-        net, this_machine(ranks), strategy, [ranks], batch_per_gpu=per_gpu,
+    net: cl_oracle.Net,
+    strategy: str,
+    ranks: int,
+    args: argparse.Namespace,
+    cals: list,
+    op_latency_s: float,
+) -> float:
+    per_gpu = args.batch // ranks if strategy == "data" else args.batch
+    (row,) = cl_oracle.predict(
+        net, this_machine(ranks, args.cores), strategy, [ranks], batch_per_gpu=per_gpu,
         mask=mask_of(net, strategy), calibrations=cals, op_latency_s=op_latency_s,
     )  # fmt: skip
-    (row,) = rows
-    return row.iter_s, row.tcomp_s / row.iterations
+    return row.iter_s
 
 
-def main() -> int:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=lambda s: [int(x) for x in s.split(",")], default=[2])
     parser.add_argument("--batch", type=int, default=16)
@@ -112,63 +120,124 @@ def main() -> int:
     parser.add_argument("--channels", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quiet-load", type=float, help="wait for at most this many runnable")
+    parser.add_argument("--quiet-wait-s", type=float, default=120.0)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out")
-    args = parser.parse_args()
-    paths = sorted((HERE / "results").glob("algorithms_np*.calibration.json"))
-    cals = [c for p in paths for c in costmodel.load_all(p)]
-    single_s = run_example("data", 1, args)
-    net = net_of(args, single_s / args.batch)
+    return parser.parse_args()
+
+
+def measure(args: argparse.Namespace, cals: list) -> list[dict]:
+    records = []
+    for round_ in range(args.rounds):
+        profile_load = wait_quiet(args.quiet_load, args.quiet_wait_s)
+        single_s = run_example("data", 1, args)
+        net = net_of(args, single_s / args.batch)
+        for ranks in args.np:
+            op_latency_s = engine_op_latency_s(ranks)
+            for strategy in STRATEGIES:
+                load = wait_quiet(args.quiet_load, args.quiet_wait_s)
+                measured_s = run_example(strategy, ranks, args)
+                record = {
+                    "round": round_, "strategy": strategy, "ranks": ranks,
+                    "profile_s": single_s, "profile_load": profile_load, "load": load,
+                    "op_latency_s": op_latency_s, "measured_s": measured_s,
+                    "plain_s": predict_s(net, strategy, ranks, args, cals, 0.0),
+                    "latency_s": predict_s(net, strategy, ranks, args, cals, op_latency_s),
+                }  # fmt: skip
+                for key in ("plain", "latency"):
+                    got = record[f"{key}_s"]
+                    record[f"{key}_accuracy"] = 1 - abs(got - measured_s) / measured_s
+                records.append(record)
+                print(json.dumps(record), flush=True)
+    return records
+
+
+def _order(records: list[dict], key: str) -> list[str]:
+    return sorted(STRATEGIES, key=lambda s: next(r[key] for r in records if r["strategy"] == s))
+
+
+def report(args: argparse.Namespace, records: list[dict]) -> str:
+    loads = [r["load"]["runnable"] for r in records]
     lines = [
-        "| strategy | ranks | measured step ms | predicted ms | accuracy | "
-        "predicted with the engine's op latency, ms | accuracy |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| one process | 1 | {single_s * 1e3:.1f} | (the profile) | | | |",
-    ]
-    accuracy: dict[str, list[float]] = {"calibration alone": [], "with op latency": []}
-    for ranks in args.np:
-        op_latency_s = engine_op_latency_s(ranks)
-        lines.append(f"| (engine op latency at {ranks} ranks: {op_latency_s * 1e3:.2f} ms) |||||||")
-        measured, predicted = {}, {}
-        for strategy in STRATEGIES:
-            measured[strategy] = run_example(strategy, ranks, args)
-            got = []
-            for latency in (0.0, op_latency_s):
-                step_s, comp_s = predict_s(net, strategy, ranks, args.batch, cals, latency)
-                got.append(step_s + comp_s * (max(1.0, ranks / args.cores) - 1))
-            predicted[strategy] = got[1]
-            acc = [1 - abs(g - measured[strategy]) / measured[strategy] for g in got]
-            for key, value in zip(accuracy, acc):
-                accuracy[key].append(value)
-            lines.append(
-                f"| {strategy} | {ranks} | {measured[strategy] * 1e3:.1f} | {got[0] * 1e3:.1f} | "
-                f"{acc[0]:.1%} | {got[1] * 1e3:.1f} | {acc[1]:.1%} |"
-            )
-            print(lines[-1], flush=True)
-        order_m = sorted(STRATEGIES, key=measured.__getitem__)
-        order_p = sorted(STRATEGIES, key=predicted.__getitem__)
-        same = "same" if order_m == order_p else "different"
-        lines.append(
-            f"\n{ranks} ranks: measured fastest first {', '.join(order_m)}; predicted (with op "
-            f"latency) {', '.join(order_p)} ({same})\n"
-        )
-    for key, values in accuracy.items():
-        lines.append(
-            f"average accuracy, {key}: {sum(values) / len(values):.1%} over {len(values)} cases\n"
-        )
-    head = (
-        f"# the oracle against measured model-parallel steps of examples/model_parallel_cnn.py\n\n"
-        f"{datetime.date.today()}, {platform.node()}, {args.cores} cores, load average "
-        f"{os.getloadavg()[0]:.1f} at the start; batch {args.batch} of 3x{args.size}x{args.size},"
-        f" {args.channels} channels, float32, median of {args.steps} steps after {args.warmup}\n\n"
+        "# the oracle against measured model-parallel steps of examples/model_parallel_cnn.py",
+        "",
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
+        f"{args.cores} cores, niceness {os.nice(0)}, {args.rounds} round(s); other jobs' "
+        f"runnable threads before each run {spread(loads)} (quiet wait: <= {args.quiet_load} "
+        f"for at most {args.quiet_wait_s:.0f} s), 1-minute load average "
+        f"{spread([r['load']['load1'] for r in records])}; batch {args.batch} of "
+        f"3x{args.size}x{args.size}, {args.channels} channels, float32, median of "
+        f"{args.steps} steps after {args.warmup}",
+        "",
         f"`python benchmarks/oracle_model_parallel.py --np {','.join(map(str, args.np))} "
         f"--batch {args.batch} --size {args.size} --channels {args.channels} "
-        f"--steps {args.steps}`\n\n"
-    )
-    text = head + "\n".join(lines)
+        f"--steps {args.steps} --rounds {args.rounds}"
+        + (f" --quiet-load {args.quiet_load}`" if args.quiet_load else "`"),
+        "",
+        "Median over rounds [min-max]; each round's prediction from its own profile and op "
+        "latency.",
+        "",
+        "| strategy | ranks | measured step ms | predicted ms | accuracy | predicted with the "
+        "engine's op latency, ms | accuracy |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| one process | 1 | {spread(sorted({r['profile_s'] for r in records}), scale=1e3)} "
+        "| (the profile) | | | |",
+    ]
+    for ranks in args.np:
+        at = [r for r in records if r["ranks"] == ranks]
+        latency = sorted({r["op_latency_s"] for r in at})
+        lines.append(
+            f"| (engine op latency at {ranks} ranks: {spread(latency, '{:.2f}', 1e3)} ms) |||||||"
+        )
+        for strategy in STRATEGIES:
+            rs = [r for r in at if r["strategy"] == strategy]
+            lines.append(
+                f"| {strategy} | {ranks} | {spread([r['measured_s'] for r in rs], scale=1e3)} | "
+                f"{spread([r['plain_s'] for r in rs], scale=1e3)} | "
+                f"{spread([r['plain_accuracy'] for r in rs], '{:.1%}')} | "
+                f"{spread([r['latency_s'] for r in rs], scale=1e3)} | "
+                f"{spread([r['latency_accuracy'] for r in rs], '{:.1%}')} |"
+            )
+    lines.append("")
+    for ranks in args.np:
+        for round_ in range(args.rounds):
+            rs = [r for r in records if r["ranks"] == ranks and r["round"] == round_]
+            measured, predicted = _order(rs, "measured_s"), _order(rs, "latency_s")
+            same = "same" if measured == predicted else "different"
+            lines.append(
+                f"- {ranks} ranks, round {round_ + 1}: measured fastest first "
+                f"{', '.join(measured)}; predicted (with op latency) {', '.join(predicted)} "
+                f"({same})"
+            )
+    lines.append("")
+    for key in ("plain", "latency"):
+        label = "calibration alone" if key == "plain" else "with op latency"
+        per_round = [
+            statistics.mean(r[f"{key}_accuracy"] for r in records if r["round"] == i)
+            for i in range(args.rounds)
+        ]
+        lines.append(
+            f"average accuracy, {label}: {statistics.mean(per_round):.1%} over "
+            f"{len(records) // args.rounds} cases (rounds: "
+            f"{', '.join(f'{a:.1%}' for a in per_round)})"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = _arguments()
+    paths = sorted((HERE / "results").glob("algorithms_np*.calibration.json"))
+    cals = [c for p in paths for c in costmodel.load_all(p)]
+    records = measure(args, cals)
+    text = report(args, records)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+        Path(args.out).with_suffix(".jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records)
+        )
     return 0
 
 
