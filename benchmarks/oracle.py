@@ -16,10 +16,11 @@
 3. Measure: ``train.py --worker commlayer`` under ``mpiexec -n N`` (DistributedOptimizer),
    median step.
 This machine is shared: other jobs' load changes a profile several-fold within minutes. So
-the measurement is repeated in ``--rounds`` rounds, each a fresh profile followed at once by
-the runs it predicts; before each run the script waits (at most ``--quiet-wait-s``) until the
-runnable threads of other jobs, sampled from /proc/loadavg, average at most ``--quiet-load``,
-and records that figure and the 1-minute load average. Accuracy is 1 - |predicted - measured| /
+the measurement is repeated in ``--rounds`` rounds; in each, every run is preceded at once by
+its own profile, and both by a wait (at most ``--quiet-wait-s``) until the runnable threads of
+other jobs, sampled from /proc/loadavg, average at most ``--quiet-load``; the figure before
+and after the pair and the 1-minute load average are recorded, and a pair with both at most
+``--quiet-load`` counts as quiet. Accuracy is 1 - |predicted - measured| /
 measured per round (each round's prediction from its own profile); the table gives the median
 over rounds and the range. ``--measured train.md``: read one round from a table train.py wrote.
 """
@@ -162,34 +163,31 @@ def _arguments() -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace, cals: list[Any]) -> list[dict[str, Any]]:
-    """Every round: per model a profile, then each rank count; one record per run predicted."""
+    """Every round, model and rank count: a quiet wait, the one-process profile, at once the
+    run it predicts, and the load after; one record each."""
     table = read_table(Path(args.measured)) if args.measured else {}
     records = []
     for round_ in range(args.rounds):
         for model in args.models:
-            load = wait_quiet(args.quiet_load, args.quiet_wait_s)
-            if args.measured:
-                single_ms = table[(model, "single", 1)]
-            else:
-                single_ms = float(train.run_one(args, "single", model, 1)["step_ms"])
-            net = profiled_net(model, single_ms / 1e3 / args.batch)
             for ranks in args.np:
-                run_load = wait_quiet(args.quiet_load, args.quiet_wait_s)
+                load = wait_quiet(args.quiet_load, args.quiet_wait_s)
                 if args.measured:
+                    single_ms = table[(model, "single", 1)]
                     measured_ms = table[(model, "commlayer", ranks)]
                 else:
+                    single_ms = float(train.run_one(args, "single", model, 1)["step_ms"])
                     measured_ms = float(train.run_one(args, "commlayer", model, ranks)["step_ms"])
                 after = runnable_now(1.0, 10)
+                net = profiled_net(model, single_ms / 1e3 / args.batch)
                 record = {
                     "round": round_,
                     "model": model,
                     "ranks": ranks,
                     "profile_ms": single_ms,
-                    "profile_load": load,
-                    "load": run_load,
+                    "load": load,
                     "load_after": after,
                     "quiet": args.quiet_load is not None
-                    and max(run_load["runnable"], after) <= args.quiet_load,
+                    and max(load["runnable"], after) <= args.quiet_load,
                     "measured_s": measured_ms / 1e3,
                     "cores": predict_step_s(net, ranks, args.batch, cals, args.cores),
                     "gpu": predict_step_s(net, ranks, args.batch, cals, None),
