@@ -14,8 +14,8 @@ as measured. This machine is the platform: one node of ``--cores`` cores (CORES_
 ranks beyond them compute ranks / cores times slower). The prediction is given twice: as the
 calibration alone makes it, and with the engine's cost per collective call (``op_latency_s``:
 the median of 50 blocking 4-byte allreduces at that rank count, measured just before,
-independent of the runs predicted). As benchmarks/oracle.py: ``--rounds`` rounds, each a
-fresh profile, op latency and runs, each run after a wait for a quiet machine
+independent of the runs predicted). As benchmarks/oracle.py: ``--rounds`` rounds; every run
+preceded at once by its own profile and op latency, the three by a wait for a quiet machine
 (``--quiet-load``); median over rounds [min-max], accuracy per round.
 """
 
@@ -37,7 +37,7 @@ EXAMPLE = HERE.parent / "examples" / "model_parallel_cnn.py"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(EXAMPLE.parent))
 
-from oracle import spread, this_machine, wait_quiet  # noqa: E402
+from oracle import runnable_now, spread, this_machine, wait_quiet  # noqa: E402
 
 from commlayer import costmodel  # noqa: E402
 from commlayer import oracle as cl_oracle  # noqa: E402
@@ -129,19 +129,23 @@ def _arguments() -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace, cals: list) -> list[dict]:
+    """Every round, rank count and strategy: a quiet wait, the one-process profile, the op
+    latency, at once the run they predict, and the load after; one record each."""
     records = []
     for round_ in range(args.rounds):
-        profile_load = wait_quiet(args.quiet_load, args.quiet_wait_s)
-        single_s = run_example("data", 1, args)
-        net = net_of(args, single_s / args.batch)
         for ranks in args.np:
-            op_latency_s = engine_op_latency_s(ranks)
             for strategy in STRATEGIES:
                 load = wait_quiet(args.quiet_load, args.quiet_wait_s)
+                single_s = run_example("data", 1, args)
+                op_latency_s = engine_op_latency_s(ranks)
                 measured_s = run_example(strategy, ranks, args)
+                after = runnable_now(1.0, 10)
+                net = net_of(args, single_s / args.batch)
                 record = {
                     "round": round_, "strategy": strategy, "ranks": ranks,
-                    "profile_s": single_s, "profile_load": profile_load, "load": load,
+                    "profile_s": single_s, "load": load, "load_after": after,
+                    "quiet": args.quiet_load is not None
+                    and max(load["runnable"], after) <= args.quiet_load,
                     "op_latency_s": op_latency_s, "measured_s": measured_s,
                     "plain_s": predict_s(net, strategy, ranks, args, cals, 0.0),
                     "latency_s": predict_s(net, strategy, ranks, args, cals, op_latency_s),
@@ -159,14 +163,14 @@ def _order(records: list[dict], key: str) -> list[str]:
 
 
 def report(args: argparse.Namespace, records: list[dict]) -> str:
-    loads = [r["load"]["runnable"] for r in records]
+    loads = [r["load"]["runnable"] for r in records] + [r["load_after"] for r in records]
     lines = [
         "# the oracle against measured model-parallel steps of examples/model_parallel_cnn.py",
         "",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
         f"{args.cores} cores, niceness {os.nice(0)}, {args.rounds} round(s); other jobs' "
-        f"runnable threads before each run {spread(loads)} (quiet wait: <= {args.quiet_load} "
-        f"for at most {args.quiet_wait_s:.0f} s), 1-minute load average "
+        f"runnable threads before and after each run {spread(loads)} (quiet wait: <= "
+        f"{args.quiet_load} for at most {args.quiet_wait_s:.0f} s), 1-minute load average "
         f"{spread([r['load']['load1'] for r in records])}; batch {args.batch} of "
         f"3x{args.size}x{args.size}, {args.channels} channels, float32, median of "
         f"{args.steps} steps after {args.warmup}",
@@ -182,12 +186,12 @@ def report(args: argparse.Namespace, records: list[dict]) -> str:
         "| strategy | ranks | measured step ms | predicted ms | accuracy | predicted with the "
         "engine's op latency, ms | accuracy |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| one process | 1 | {spread(sorted({r['profile_s'] for r in records}), scale=1e3)} "
-        "| (the profile) | | | |",
+        f"| one process | 1 | {spread([r['profile_s'] for r in records], scale=1e3)} "
+        "| (the profile, before each run) | | | |",
     ]
     for ranks in args.np:
         at = [r for r in records if r["ranks"] == ranks]
-        latency = sorted({r["op_latency_s"] for r in at})
+        latency = [r["op_latency_s"] for r in at]
         lines.append(
             f"| (engine op latency at {ranks} ranks: {spread(latency, '{:.2f}', 1e3)} ms) |||||||"
         )
@@ -218,10 +222,17 @@ def report(args: argparse.Namespace, records: list[dict]) -> str:
             statistics.mean(r[f"{key}_accuracy"] for r in records if r["round"] == i)
             for i in range(args.rounds)
         ]
+        calm = [r[f"{key}_accuracy"] for r in records if r["quiet"]]
         lines.append(
-            f"average accuracy, {label}: {statistics.mean(per_round):.1%} over "
+            f"- average accuracy, {label}: {statistics.mean(per_round):.1%} over "
             f"{len(records) // args.rounds} cases (rounds: "
             f"{', '.join(f'{a:.1%}' for a in per_round)})"
+            + (
+                f"; over the {len(calm)} runs with other jobs' runnable threads <= "
+                f"{args.quiet_load} before and after: {statistics.mean(calm):.1%}"
+                if calm
+                else ""
+            )
         )
     return "\n".join(lines)
 
