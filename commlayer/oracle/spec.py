@@ -112,14 +112,18 @@ class Net:
         kept = [layer for layer in self.layers if layer.kind not in IN_PLACE_TYPES]
         return sum(la.in_items for la in kept), sum(la.out_items for la in kept)
 
-    def layer_times_s(self, node_speed_flops: float) -> list[float]:
+    def layer_times_s(self, node_speed_flops: float, per_layer: bool = False) -> list[float]:
         """Per layer, forward+backward seconds per sample: the file's measured total spread over
         the layers in proportion to their FLOPs (ParaDL's rule; the ``*_profall`` files measure
-        only the whole model), else FLOPs / ``node_speed_flops``."""
+        only the whole model), else FLOPs / ``node_speed_flops``. ``per_layer`` (commlayer's
+        model): where several layers carry a measured time (a per-layer profile) each keeps
+        its own, as on a CPU the memory-bound layers are far from their share of FLOPs."""
         flops = [layer.flops() for layer in self.layers]
         measured = [layer.t_s for layer in self.layers]
         if all(t is None for t in measured):
             return [f / node_speed_flops for f in flops]
+        if per_layer and sum(1 for t in measured if t) > 1:
+            return [t if t is not None else f / node_speed_flops for t, f in zip(measured, flops)]
         # ParaDL's sum: a layer without t counts its FLOPs at node speed (ALEXNET_ImageNet.net)
         total_s = sum(t if t is not None else f / node_speed_flops for t, f in zip(measured, flops))
         return [f * total_s / sum(flops) for f in flops]

@@ -75,6 +75,13 @@ def test_layer_times_spread_by_flops(net: oracle.Net) -> None:
     flops = [la.flops() for la in net.layers]
     assert sum(times) == pytest.approx(0.001)  # the file's measured total
     assert times[0] / times[3] == pytest.approx(flops[0] / flops[3])
+    # a profall file (one measured line) is spread by FLOPs in commlayer's model too
+    assert net.layer_times_s(1e12, per_layer=True) == times
+    # a per-layer profile keeps each layer's own time (ParaDL's rule still spreads the sum)
+    layers = [dataclasses.replace(la, t_s=t) for la, t in zip(net.layers, (1e-3, 0, 0, 3e-3))]
+    profiled = dataclasses.replace(net, layers=tuple(layers))
+    assert profiled.layer_times_s(1e12, per_layer=True) == [1e-3, 0, 0, 3e-3]
+    assert sum(profiled.layer_times_s(1e12)) == pytest.approx(4e-3)
 
 
 @pytest.mark.parametrize(
