@@ -110,7 +110,7 @@ def predict(
         network=network,
         batch_per_gpu=batch_per_gpu or default_batch_per_gpu(net, plat),
         max_batch=max_batch or 0.0,
-        comp_s=tuple(net.layer_times_s(plat.gpu_speed_flops)),
+        comp_s=tuple(net.layer_times_s(plat.gpu_speed_flops, per_layer=True)),
         fusion_bytes=fusion_bytes,
         overlap=overlap,
     )

@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         if args.calibration:
             from commlayer import costmodel
 
+            if not Path(args.calibration).is_file():
+                raise SpecError(f"--calibration {args.calibration!r}: no such file")
             calibrations = costmodel.load_all(Path(args.calibration))
             if not calibrations:
                 raise SpecError(

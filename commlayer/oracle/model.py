@@ -23,6 +23,11 @@ sample, x_l, y_l, w_l its input, output and weight items, 4 bytes each, p GPUs, 
    p / P2 nodes, B = b p / P2. data+filter allreduces each GPU's weight shard across nodes, the
    P2 flows sharing the node's link (P2 times the bytes); data+spatial allreduces all weights
    over the p GPUs.
+7. Ranks sharing processors (a CPU node running more ranks than its ``CORES_PER_NODE``): each
+   rank's compute takes ranks / cores times its one-rank profile, and the gradient allreduce
+   does not overlap backward: every core already has more runnable compute than it can run,
+   so the engine's copies and reductions (CPU work on such a node) add to the step instead of
+   filling idle time. At most one rank per core, the model is the GPU one.
 Memory per GPU: 2 x 4 bytes x (activations + weights held), values and gradients, activations
 of RELU and BNORM layers not counted (they run in place), as in ParaDL; rows above the GPU's
 memory are kept with ``fits`` false. An epoch is ceil(N / B) iterations.
@@ -326,6 +331,9 @@ STRATEGY_STEPS = {
 
 def row(s: Setup, strategy: str, p: int) -> Row | None:
     """The epoch of ``strategy`` on p GPUs, or None where it does not apply."""
+    shared = s.plat.ranks_per_core(p)
+    if shared > 1:  # ranks share processors: slower compute, and no core left to overlap on
+        s = dataclasses.replace(s, comp_s=tuple(t * shared for t in s.comp_s), overlap=False)
     step = STRATEGY_STEPS[strategy](s, p)
     if step is None or (s.max_batch and step.batch > s.max_batch):
         return None

@@ -10,7 +10,9 @@ so its published inputs read unchanged:
   first layer and 0 on the others); a model with no ``t`` at all is costed from FLOPs.
 - ``.plat``: ``KEY|value[|unit]`` lines: MEM_PER_NODE (bytes per GPU), NODE_SPEED (FLOP/s),
   BANDWIDTH (B/s), LATENCY (s), MAX_NODE (GPUs), GPU_PER_NODE; commlayer adds the optional
-  INTRA_BANDWIDTH and INTRA_LATENCY (inside a node; the inter-node figures when absent).
+  INTRA_BANDWIDTH and INTRA_LATENCY (inside a node; the inter-node figures when absent) and
+  CORES_PER_NODE (the processors a node's ranks share, a CPU node: ranks beyond it slow each
+  other's compute; absent, one device per rank as with GPUs).
 - ``.lc``: one ``NAME|0|1`` a line per layer (``NAME`` may carry a leading index): whether
   spatial, filter or channel parallelism splits that layer.
 
@@ -110,14 +112,18 @@ class Net:
         kept = [layer for layer in self.layers if layer.kind not in IN_PLACE_TYPES]
         return sum(la.in_items for la in kept), sum(la.out_items for la in kept)
 
-    def layer_times_s(self, node_speed_flops: float) -> list[float]:
+    def layer_times_s(self, node_speed_flops: float, per_layer: bool = False) -> list[float]:
         """Per layer, forward+backward seconds per sample: the file's measured total spread over
         the layers in proportion to their FLOPs (ParaDL's rule; the ``*_profall`` files measure
-        only the whole model), else FLOPs / ``node_speed_flops``."""
+        only the whole model), else FLOPs / ``node_speed_flops``. ``per_layer`` (commlayer's
+        model): where several layers carry a measured time (a per-layer profile) each keeps
+        its own, as on a CPU the memory-bound layers are far from their share of FLOPs."""
         flops = [layer.flops() for layer in self.layers]
         measured = [layer.t_s for layer in self.layers]
         if all(t is None for t in measured):
             return [f / node_speed_flops for f in flops]
+        if per_layer and sum(1 for t in measured if t) > 1:
+            return [t if t is not None else f / node_speed_flops for t, f in zip(measured, flops)]
         # ParaDL's sum: a layer without t counts its FLOPs at node speed (ALEXNET_ImageNet.net)
         total_s = sum(t if t is not None else f / node_speed_flops for t, f in zip(measured, flops))
         return [f * total_s / sum(flops) for f in flops]
@@ -136,6 +142,15 @@ class Platform:
     intra_bandwidth_bytes_s: float | None = None
     intra_latency_s: float | None = None
     path: str = ""
+    # processors a node's ranks share (a CPU node: its cores); None, one device per rank (GPUs)
+    cores_per_node: int | None = None
+
+    def ranks_per_core(self, p: int) -> float:
+        """How many of p ranks (node-major) share one processor, at least 1: each rank's
+        compute runs that many times slower than in a one-rank profile."""
+        if not self.cores_per_node:
+            return 1.0
+        return max(1.0, min(p, self.gpus_per_node) / self.cores_per_node)
 
 
 _PLAT_KEYS = {
@@ -147,8 +162,9 @@ _PLAT_KEYS = {
     "GPU_PER_NODE": "gpus_per_node",
     "INTRA_BANDWIDTH": "intra_bandwidth_bytes_s",
     "INTRA_LATENCY": "intra_latency_s",
+    "CORES_PER_NODE": "cores_per_node",
 }
-_PLAT_OPTIONAL = ("INTRA_BANDWIDTH", "INTRA_LATENCY")
+_PLAT_OPTIONAL = ("INTRA_BANDWIDTH", "INTRA_LATENCY", "CORES_PER_NODE")
 
 
 def _lines(path: str | Path) -> list[tuple[int, str]]:
@@ -257,6 +273,12 @@ def parse_plat(path: str | Path) -> Platform:
     kwargs: dict[str, float | int | str] = {_PLAT_KEYS[k]: v for k, v in values.items()}
     kwargs["max_gpus"] = int(values["MAX_NODE"])
     kwargs["gpus_per_node"] = int(values["GPU_PER_NODE"])
+    if "CORES_PER_NODE" in values:
+        if values["CORES_PER_NODE"] < 1:
+            raise SpecError(
+                f"{path}: CORES_PER_NODE must be >= 1, got {values['CORES_PER_NODE']!r}"
+            )
+        kwargs["cores_per_node"] = int(values["CORES_PER_NODE"])
     return Platform(**kwargs, path=str(path))  # type: ignore[arg-type]
 
 

@@ -37,8 +37,11 @@ def _load(spec: str) -> Any:
         raise SpecError(f"--model {spec!r}: give module:callable, e.g. torchvision.models:resnet50")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise SpecError(f"--model {spec!r}: {exc}") from None
+    except Exception as exc:  # a module failing on import (e.g. a torchvision
+        # built for another torch) is the user's input problem: name it, no traceback
+        raise SpecError(f"--model {spec!r}: {type(exc).__name__}: {exc}") from None
+    if not callable(factory):
+        raise SpecError(f"--model {spec!r}: {attr!r} is not callable")
     return factory
 
 
@@ -81,8 +84,15 @@ def describe_model(factory: Any, input_shape: str, dataset_size: int, label: str
         raise SpecError(f"--input {input_shape!r}: sizes joined by x, e.g. 3x224x224") from None
     if dataset_size < 1:
         raise SpecError(f"--dataset-size {dataset_size!r} must be >= 1")
-    with torch.device("meta"):
-        model = factory()
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as exc:  # the user's callable: name it, no traceback
+        raise SpecError(
+            f"--model {label!r}: building it failed: {type(exc).__name__}: {exc}"
+        ) from None
+    if not hasattr(model, "named_modules"):
+        raise SpecError(f"--model {label!r}: built a {type(model).__name__}, not a torch module")
     leaves = [(name, m) for name, m in model.named_modules() if not list(m.children())]
     calls: list[tuple[str, Any, tuple[int, ...], tuple[int, ...]]] = []
 
@@ -95,11 +105,18 @@ def describe_model(factory: Any, input_shape: str, dataset_size: int, label: str
 
     handles = [m.register_forward_hook(hook(name)) for name, m in leaves]
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        dtype = next((p.dtype for p in model.parameters()), torch.float32)
-        model(torch.empty((1, *sample), device="meta", dtype=dtype))
-    for handle in handles:
-        handle.remove()
+    try:
+        with counter, torch.no_grad():
+            dtype = next((p.dtype for p in model.parameters()), torch.float32)
+            model(torch.empty((1, *sample), device="meta", dtype=dtype))
+    except Exception as exc:  # most often an --input the model cannot take
+        raise SpecError(
+            f"--model {label!r} on --input {input_shape!r}: forward failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    finally:
+        for handle in handles:
+            handle.remove()
     per_module = counter.get_flop_counts()
     layers = []
     for name, module, x, y in calls:

@@ -3,6 +3,7 @@ cases (ParaDL's and commlayer's), the memory limits, and the command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -74,6 +75,13 @@ def test_layer_times_spread_by_flops(net: oracle.Net) -> None:
     flops = [la.flops() for la in net.layers]
     assert sum(times) == pytest.approx(0.001)  # the file's measured total
     assert times[0] / times[3] == pytest.approx(flops[0] / flops[3])
+    # a profall file (one measured line) is spread by FLOPs in commlayer's model too
+    assert net.layer_times_s(1e12, per_layer=True) == times
+    # a per-layer profile keeps each layer's own time (ParaDL's rule still spreads the sum)
+    layers = [dataclasses.replace(la, t_s=t) for la, t in zip(net.layers, (1e-3, 0, 0, 3e-3))]
+    profiled = dataclasses.replace(net, layers=tuple(layers))
+    assert profiled.layer_times_s(1e12, per_layer=True) == [1e-3, 0, 0, 3e-3]
+    assert sum(profiled.layer_times_s(1e12)) == pytest.approx(4e-3)
 
 
 @pytest.mark.parametrize(
@@ -396,6 +404,67 @@ def test_model_hybrids_need_whole_nodes(net: oracle.Net, plat: oracle.Platform) 
     assert r is not None and r.B == 8  # 2 nodes of 2 GPUs: b x P1
 
 
+def test_model_hybrid_formulas(net: oracle.Net, plat: oracle.Platform) -> None:
+    s = _setup(net, plat)
+    network, times = s.network, s.comp_s
+    # 4 GPUs = 2 nodes x 2: the split CONV among a node's 2 GPUs, data across the 2 nodes
+    df = model.row(s, "data+filter", 4)
+    assert df is not None and df.iterations == 125  # B = 4 x 2
+    assert df.tcomp_s == pytest.approx(125 * 4 * (times[0] / 2 + sum(times[1:])))
+    # inside the node: the CONV's output (4 x 256 items x 4 B) allgathered, as filter on 2
+    assert df.parts_s["allgather"] == pytest.approx(125 * network.allgather_s(4096, 2, 1))
+    # across nodes: the node's whole gradient (712 items), its 2 shards' flows on one link
+    assert df.parts_s["gradient allreduce"] == pytest.approx(
+        125 * network.gradient_s(712 * 4, 2, 2)
+    )
+    assert df.mem_bytes == 2 * 4 * (4 * 778 + 72 / 2 + 640)
+    ds = model.row(s, "data+spatial", 4)
+    assert ds is not None and ds.iterations == 125
+    halo = 2 * 2 * network.p2p_s(2 * 8 * 1 * 4 * 4, 2, False)  # as spatial on one node's 2
+    assert ds.parts_s["halo"] == pytest.approx(125 * halo)
+    assert ds.parts_s["allgather"] == pytest.approx(125 * network.allgather_s(4096, 2, 1))
+    # every weight's gradient allreduced over all 4 GPUs (the replicated layers' too)
+    assert ds.parts_s["gradient allreduce"] == pytest.approx(125 * network.gradient_s(712 * 4, 4))
+    # the split CONV's activations (128 + 256 items) halved, the others whole
+    assert ds.mem_bytes == 2 * 4 * (4 * (384 / 2 + 320 + 74) + 712)
+
+
+def test_model_spatial_and_pipeline_memory(net: oracle.Net, plat: oracle.Platform) -> None:
+    s = _setup(net, plat)
+    sp = model.row(s, "spatial", 2)
+    assert sp is not None and sp.mem_bytes == 2 * 4 * (4 * (384 / 2 + 320 + 74) + 712)
+    assert model.row(s, "spatial", 16) is None  # wider than the CONV's 8 columns
+    pipe = model.row(s, "pipeline", 2)
+    # stages [CONV1] and [RELU, MPOOL, FC2]: the larger holds B = 8 samples of 320 + 74
+    # items (RELU in place) and the FC's 640 weights
+    assert pipe is not None and pipe.mem_bytes == 2 * 4 * (8 * (320 + 74) + 640)
+    small = dataclasses.replace(plat, mem_per_gpu_bytes=pipe.mem_bytes - 1)
+    tight = model.row(_setup(net, small), "pipeline", 2)
+    assert tight is not None and not tight.fits  # listed, marked as not fitting
+
+
+def test_model_ranks_sharing_cores(files: dict[str, Path], net: oracle.Net) -> None:
+    path = files["toy.plat"]
+    path.write_text(
+        PLAT.replace("GPU_PER_NODE|2|GPUs", "GPU_PER_NODE|4|GPUs") + "CORES_PER_NODE|2\n"
+    )
+    cpu = oracle.parse_plat(path)
+    assert cpu.cores_per_node == 2
+    assert [cpu.ranks_per_core(p) for p in (1, 2, 3, 4, 8)] == [1, 1, 1.5, 2, 2]
+    gpu = dataclasses.replace(cpu, cores_per_node=None)
+    mask = (True, True, True, True)
+    for p, shared in ((2, 1.0), (4, 2.0)):
+        rows = [model.row(_setup(net, pl, mask=mask), "data", p) for pl in (gpu, cpu)]
+        assert rows[0] is not None and rows[1] is not None
+        assert rows[1].tcomp_s == pytest.approx(shared * rows[0].tcomp_s)
+        assert rows[1].tcomm_s == pytest.approx(rows[0].tcomm_s)
+        # one rank per core: overlap as on GPUs; more: the engine's work adds to the step
+        assert rows[1].hidden_s == (rows[0].hidden_s if shared == 1 else 0.0)
+    path.write_text(PLAT + "CORES_PER_NODE|0\n")
+    with pytest.raises(SpecError, match="CORES_PER_NODE must be >= 1"):
+        oracle.parse_plat(path)
+
+
 def test_predict_rows_and_json(net: oracle.Net, plat: oracle.Platform) -> None:
     rows = oracle.predict(
         net, plat, "all", [1, 2, 4], batch_per_gpu=4, mask=(True, False, False, False)
@@ -439,6 +508,14 @@ def test_torch_model_from_the_meta_device() -> None:
     assert net.samples == 100 and net.sample == (3, 8, 8)
     with pytest.raises(SpecError, match="module:callable"):
         torchmodel.describe("resnet50", "3x8x8", 1)
+    # a module failing on import, a callable that fails, an input the model cannot take:
+    # one line naming the problem, no traceback
+    with pytest.raises(SpecError, match="No module named"):
+        torchmodel.describe("no_such_module_23:net", "3x8x8", 1)
+    with pytest.raises(SpecError, match="building it failed: TypeError"):
+        torchmodel.describe("torch.nn:Conv2d", "3x8x8", 1)
+    with pytest.raises(SpecError, match="on --input '5x8x8': forward failed"):
+        torchmodel.describe_model(tiny, "5x8x8", 1)
 
 
 # -- command line -------------------------------------------------------------------------------
