@@ -4,6 +4,9 @@
  *        replay --builtin BYTES    MPI_Allreduce of BYTES (floats, an operation computing
  *                                  nothing, see no_op): SMPI's own algorithm,
  *                                  picked with --cfg=smpi/allreduce:NAME
+ *        replay --allgather BYTES  MPI_Allgather of BYTES from every rank (the sparse
+ *                                  ``allgather``: every rank's (index, value) pairs to all),
+ *                                  SMPI's algorithm picked with --cfg=smpi/allgather:NAME
  *
  * A trace (written by commlayer/sim/export.py) is text:
  *   commlayer-sim-trace 1
@@ -124,6 +127,23 @@ static double builtin(long long nbytes) {
   return last - first;
 }
 
+/* Every rank's BYTES to every rank; the receive buffer is one shared block too. */
+static double allgather(long long nbytes) {
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  char *send = SMPI_SHARED_MALLOC((size_t)nbytes > 0 ? (size_t)nbytes : 1);
+  char *recv = SMPI_SHARED_MALLOC((size_t)nbytes * size > 0 ? (size_t)nbytes * size : 1);
+  double start = MPI_Wtime();
+  MPI_Allgather(send, (int)nbytes, MPI_BYTE, recv, (int)nbytes, MPI_BYTE, MPI_COMM_WORLD);
+  double end = MPI_Wtime();
+  SMPI_SHARED_FREE(send);
+  SMPI_SHARED_FREE(recv);
+  double first = 0, last = 0;
+  MPI_Reduce(&start, &first, 1, MPI_DOUBLE, MPI_MIN, 0, MPI_COMM_WORLD);
+  MPI_Reduce(&end, &last, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+  return last - first;
+}
+
 int main(int argc, char *argv[]) {
   MPI_Init(&argc, &argv);
   int rank = 0;
@@ -131,10 +151,12 @@ int main(int argc, char *argv[]) {
   double seconds;
   if (argc == 3 && strcmp(argv[1], "--builtin") == 0)
     seconds = builtin(atoll(argv[2]));
+  else if (argc == 3 && strcmp(argv[1], "--allgather") == 0)
+    seconds = allgather(atoll(argv[2]));
   else if (argc == 2)
     seconds = replay(argv[1], rank);
   else {
-    if (rank == 0) fprintf(stderr, "usage: replay TRACE_DIR | replay --builtin BYTES\n");
+    if (rank == 0) fprintf(stderr, "usage: replay TRACE_DIR | replay --builtin BYTES | replay --allgather BYTES\n");
     MPI_Finalize();
     return 2;
   }
