@@ -205,6 +205,28 @@ def sparse_model_time(name: str, platform: Platform, numel: int, nnz: int) -> fl
     return sparse_cost.predict(name, platform.ranks, numel, nnz, topology, rates=rates).seconds
 
 
+def allgather_streams(
+    ranks: int, nbytes: int
+) -> list[list[tuple[list[tuple[int, float]], list[tuple[int, float]]]]]:
+    """Every rank's ``nbytes`` to every rank, as MPI libraries' allgather moves them: recursive
+    doubling on a power of two (step k: 2^k lists with the partner r XOR 2^k; SMPI's ``rdb``,
+    the sparse cost model's log2 p rounds), a ring otherwise (p - 1 steps of one list). A trace
+    rather than SMPI's MPI_Allgather, whose receive buffers of p lists per rank are real
+    memory (256 ranks at 10% of 64 MiB: 3.4 GB each)."""
+    if ranks & (ranks - 1) == 0:
+        return [
+            [
+                ([(r ^ (1 << k), nbytes << k)], [(r ^ (1 << k), nbytes << k)])
+                for k in range(ranks.bit_length() - 1)
+            ]  # fmt: skip
+            for r in range(ranks)
+        ]
+    return [
+        [([((r + 1) % ranks, nbytes)], [((r - 1) % ranks, nbytes)])] * (ranks - 1)
+        for r in range(ranks)
+    ]
+
+
 def simulate_sparse(
     algorithm: str,
     platform: Platform,
@@ -216,26 +238,19 @@ def simulate_sparse(
     """Replay sparse allreduce ``algorithm`` of a ``size_bytes`` gradient of which every rank
     holds ``density`` (nnz = density x elements, random indices): a schedule's streams with the
     bytes the sparse cost model expects of them (export.write_sparse), or for ``allgather``
-    SMPI's MPI_Allgather of every rank's (index, value) pairs (recursive doubling on a power of
-    two, the cost model's log2 p rounds; ring otherwise). Merging costs nothing."""
+    every rank's (index, value) pairs to all (``allgather_streams``). Merging costs nothing."""
     check_sparse(algorithm, density)
     start = time.monotonic()
     numel = max(size_bytes // ELEMENT_SIZE, 1)
     nnz = max(round(density * numel), 1)
     if algorithm in sparse.NATIVE:
-        nbytes = nnz * (ELEMENT_SIZE + INDEX_SIZE)
-        p = platform.ranks
-        cfg = [f"smpi/allgather:{'rdb' if p & (p - 1) == 0 else 'ring'}"]
-        args = ["--allgather", str(nbytes)]
-        simulated = smpi.run(platform, args, nbytes, factors, cfg, timeout_s)
-        messages = 0
+        streams = allgather_streams(platform.ranks, nnz * (ELEMENT_SIZE + INDEX_SIZE))
     else:
         streams = sparse_cost.streams(algorithm, platform.ranks, numel, nnz, platform.topology())
-        with tempfile.TemporaryDirectory(prefix="commlayer-traces-") as tmp:
-            messages = export.write_sparse(streams, Path(tmp))
-            # a static stream can outgrow the dense range: (index, value) pairs, 2x at most
-            largest = 2 * numel * ELEMENT_SIZE
-            simulated = smpi.run(platform, [tmp], largest, factors, (), timeout_s)
+    largest = max(b for rank in streams for step in rank for _, b in (*step[0], *step[1]))
+    with tempfile.TemporaryDirectory(prefix="commlayer-traces-") as tmp:
+        messages = export.write_sparse(streams, Path(tmp))
+        simulated = smpi.run(platform, [tmp], math.ceil(largest), factors, (), timeout_s)
     model = sparse_model_time(algorithm, platform, numel, nnz)
     wall = time.monotonic() - start
     return Result(
