@@ -138,6 +138,7 @@ def summary_table(results: list[Result]) -> str:
     return "\n".join(lines) + "\n"
 
 
+DENSE_COLOURS = {"hierarchical": "C5", "rabenseifner": "C6", "shd": "C7"}  # same in every panel
 SPARSE = ("topo_sparse", "dsar", "ssar_split_allgather", "allgather")
 
 
@@ -161,12 +162,13 @@ def sparse_table(results: list[Result]) -> str:
                 else "-"
                 for n in SPARSE
             ]
-            topo = by["topo_sparse"].simulated_s
+            topo = by["topo_sparse"].simulated_s if "topo_sparse" in by else None
             others = [by[n].simulated_s for n in SPARSE[1:] if n in by]
-            vs = f"{100 * (1 - topo / min(others)):+.0f}%" if others else "-"
+            vs = f"{100 * (1 - topo / min(others)):+.0f}%" if topo and others else "-"
+            vs_dense = f"{100 * (1 - topo / dense.simulated_s):+.0f}%" if topo else "-"
             lines.append(
                 f"| {ranks} | {density:.3g} | {' | '.join(cells)} | {vs} | {dense.algorithm} "
-                f"{dense.simulated_s * 1e3:,.3f} | {100 * (1 - topo / dense.simulated_s):+.0f}% |"
+                f"{dense.simulated_s * 1e3:,.3f} | {vs_dense} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -189,11 +191,10 @@ def sparse_plot(results: list[Result], path: Path) -> None:
             if rows:
                 ax.plot([100 * (r.density or 0) for r in rows], [r.simulated_s * 1e3 for r in rows],
                         marker="o", color=f"C{i}", label=name)  # fmt: skip
-        for j, r in enumerate(
-            sorted((r for r in here if r.density is None), key=lambda r: r.algorithm)
-        ):
+        for r in sorted((r for r in here if r.density is None), key=lambda r: r.algorithm):
+            colour = DENSE_COLOURS.get(r.algorithm, "k")
             ax.axhline(
-                r.simulated_s * 1e3, color=f"C{5 + j}", linestyle="--", label=f"dense {r.algorithm}"
+                r.simulated_s * 1e3, color=colour, linestyle="--", label=f"dense {r.algorithm}"
             )
         ax.set_xscale("log")
         ax.set_yscale("log")
