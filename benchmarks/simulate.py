@@ -104,6 +104,110 @@ def claim_table(results: list[Result]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(rows: list[Result], t: float, named: bool = False) -> str:
+    """The fastest of ``rows``: its time and SHD-on-DLN's reduction ``1 - t / time``."""
+    if not rows:
+        return "-"
+    r = min(rows, key=lambda r: r.simulated_s)
+    name = f"{r.algorithm} " if named else ""
+    return f"{name}{r.simulated_s * 1e3:,.3f} ({100 * (1 - t / r.simulated_s):+.0f}%)"
+
+
+def summary_table(results: list[Result]) -> str:
+    """One row per (ranks, size): SHD on DLN, then each baseline on the fat tree and the best
+    on the torus and on the dragonfly, with the reduction SHD-on-DLN gives over it."""
+    lines = [
+        "| ranks | size | SHD on DLN ms | ring FT | HD FT | hier. FT | SHD FT | best on torus "
+        "| best on dragonfly |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for ranks, size in sorted({(r.ranks, r.size_bytes) for r in results}):
+        here = [r for r in results if (r.ranks, r.size_bytes) == (ranks, size)]
+        dln = [r for r in here if r.algorithm == "shd" and kind(r) == "dln"]
+        if not dln:
+            continue
+        t = dln[0].simulated_s
+        ft = [r for r in here if kind(r) == "fat-tree"]
+        cells = [
+            _cell([r for r in ft if r.algorithm == a], t)
+            for a in ("ring", "rabenseifner", "hierarchical", "shd")
+        ]
+        cells += [_cell([r for r in here if kind(r) == k], t, True) for k in ("torus", "dragonfly")]
+        row = f"| {ranks} | {report._size(size)} | {t * 1e3:,.3f} | " + " | ".join(cells)
+        lines.append(row + " |")
+    return "\n".join(lines) + "\n"
+
+
+DENSE_COLOURS = {"hierarchical": "C5", "rabenseifner": "C6", "shd": "C7"}  # same in every panel
+SPARSE = ("topo_sparse", "dsar", "ssar_split_allgather", "allgather")
+
+
+def sparse_table(results: list[Result]) -> str:
+    """Per (ranks, density): each sparse algorithm's simulated time (model/sim beside it),
+    topo_sparse's reduction against the best other sparse one and against the best dense."""
+    head = " | ".join(f"{n} ms (model/sim)" for n in SPARSE)
+    lines = [
+        f"| ranks | density | {head} | topo_sparse vs best other sparse | best dense ms "
+        "| topo_sparse vs best dense |",
+        "|---:|---:|" + "---:|" * len(SPARSE) + "---:|---|---:|",
+    ]
+    for ranks in sorted({r.ranks for r in results}):
+        here = [r for r in results if r.ranks == ranks]
+        dense = min((r for r in here if r.density is None), key=lambda r: r.simulated_s)
+        for density in sorted({r.density for r in here if r.density is not None}):
+            by = {r.algorithm: r for r in here if r.density == density}
+            cells = [
+                f"{by[n].simulated_s * 1e3:,.3f} ({(by[n].model_s or 0) / by[n].simulated_s:.2f})"
+                if n in by
+                else "-"
+                for n in SPARSE
+            ]
+            topo = by["topo_sparse"].simulated_s if "topo_sparse" in by else None
+            others = [by[n].simulated_s for n in SPARSE[1:] if n in by]
+            vs = f"{100 * (1 - topo / min(others)):+.0f}%" if topo and others else "-"
+            vs_dense = f"{100 * (1 - topo / dense.simulated_s):+.0f}%" if topo else "-"
+            lines.append(
+                f"| {ranks} | {density:.3g} | {' | '.join(cells)} | {vs} | {dense.algorithm} "
+                f"{dense.simulated_s * 1e3:,.3f} | {vs_dense} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def sparse_plot(results: list[Result], path: Path) -> None:
+    """Simulated time against density, one panel per rank count; dense times as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({r.ranks for r in results})
+    fig, axes = plt.subplots(1, len(counts), figsize=(4.6 * len(counts), 4.4), squeeze=False)
+    for ax, ranks in zip(axes[0], counts):
+        here = [r for r in results if r.ranks == ranks]
+        for i, name in enumerate(SPARSE):
+            rows = sorted(
+                (r for r in here if r.algorithm == name and r.density), key=lambda r: r.density or 0
+            )
+            if rows:
+                ax.plot([100 * (r.density or 0) for r in rows], [r.simulated_s * 1e3 for r in rows],
+                        marker="o", color=f"C{i}", label=name)  # fmt: skip
+        for r in sorted((r for r in here if r.density is None), key=lambda r: r.algorithm):
+            colour = DENSE_COLOURS.get(r.algorithm, "k")
+            ax.axhline(
+                r.simulated_s * 1e3, color=colour, linestyle="--", label=f"dense {r.algorithm}"
+            )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("density (% of the gradient per rank)")
+        ax.set_ylabel("simulated allreduce time (ms)")
+        ax.set_title(f"{ranks} ranks, 64 MiB, fat tree, 4 GPUs/node")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="64,256")
@@ -111,7 +215,25 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/simulate_claim")
     parser.add_argument("--ring-max-ranks", type=int, default=256)
     parser.add_argument("--replot", action="store_true", help="only redraw from OUT.jsonl")
+    parser.add_argument("--only", help="comma list of ALGORITHM@KIND to run (e.g. ring@fat-tree)")
+    parser.add_argument(
+        "--sparse-report",
+        type=Path,
+        help="write the sparse table (.md) and plot (.png) of this JSON-lines file and stop",
+    )
     args = parser.parse_args()
+    if args.sparse_report:
+        rows = load(args.sparse_report)
+        made = f"`python benchmarks/simulate.py --sparse-report {args.sparse_report}`"
+        args.sparse_report.with_suffix(".md").write_text(
+            f"Rendered by {made} from every run in `{args.sparse_report.name}` "
+            "(the commands: simulate.md, 7)\n\n"
+            + sparse_table(rows)
+            + "\n## Every run\n\n"
+            + report.markdown(rows)
+        )
+        sparse_plot(rows, args.sparse_report.with_suffix(".png"))
+        return 0
     units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
     sizes = [int(s[:-3]) * units[s[-3:]] for s in args.size.split(",")]
     jsonl = args.out.with_suffix(".jsonl")
@@ -122,7 +244,9 @@ def main() -> int:
             for size in sizes:
                 for algorithm, k in runs(ranks, args.ring_max_ranks):
                     spec = specs(ranks)[k]
-                    if (algorithm, spec, ranks, size) in done:
+                    if (algorithm, spec, ranks, size) in done or (
+                        args.only and f"{algorithm}@{k}" not in args.only.split(",")
+                    ):
                         continue
                     start = time.monotonic()
                     r = simulate(algorithm, platforms.generate(spec), size)
@@ -135,7 +259,9 @@ def main() -> int:
     made = "Rendered from the JSON lines by" if args.replot else "Made by (the last run)"
     args.out.with_suffix(".md").write_text(
         f"{made}: `{command}`; every run: `{jsonl.name}` (the commands: simulate.md, 4)\n\n"
-        "## SHD on DLN against each baseline\n\n"
+        "## Summary: SHD on DLN and the reduction it gives over each (negative: slower)\n\n"
+        + summary_table(results)
+        + "\n## SHD on DLN against each baseline\n\n"
         + claim_table(results)
         + "\n## Every run\n\n"
         + body

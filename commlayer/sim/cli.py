@@ -3,53 +3,84 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from commlayer.sim import platforms, report, smpi
 from commlayer.sim.platforms import Platform
-from commlayer.sim.simulate import Result, simulate
+from commlayer.sim.simulate import Result, check, check_sparse, simulate, simulate_sparse
 
 DESCRIPTION = (
     "Replay allreduce schedules (the ones the executor runs) in SimGrid's SMPI and print, per "
     "algorithm, platform, ranks and size: the simulated time, bus bandwidth and the cost "
     "model's prediction.\n\nPlatforms (--platform, repeatable):\n"
-    + "\n".join(
-        line
-        for line in (platforms.__doc__ or "").split("\n\n", 1)[1].splitlines()
-        if not line.startswith("DLN. ")
-    )
+    + (platforms.__doc__ or "").split("\n\n", 1)[1]
 )
+DENSE = ["ring", "rabenseifner", "shd", "hierarchical", "auto"]
 
 
-def _list(cast: Callable[[str], object]) -> Callable[[str], list[object]]:
-    return lambda text: [cast(part) for part in text.split(",") if part.strip()]
+def _list(cast: Callable[[str], object], what: str) -> Callable[[str], list[object]]:
+    """A comma list parser; argparse names ``what`` in its error ("invalid size value")."""
+
+    def parse(text: str) -> list[object]:
+        return [cast(part) for part in text.split(",") if part.strip()]
+
+    parse.__name__ = what
+    return parse
+
+
+def _density(text: str) -> float:
+    """A fraction (0.01) or a percentage (1%)."""
+    value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0 < value <= 1:
+        raise ValueError(text)
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser, size: Callable[[str], int]) -> None:
     parser.add_argument(
         "--algorithm",
-        type=_list(str),
-        default=["ring", "rabenseifner", "shd", "hierarchical", "auto"],
-        help="comma list: schedule names, auto (the cost model's pick), smpi:NAME (SMPI's own "
-        "MPI_Allreduce, e.g. smpi:lr ring, smpi:rdb, smpi:rab_rdb)",
+        type=_list(str, "algorithm"),
+        help="comma list: schedule names, auto (the cost model's pick), hierarchical:INTER "
+        "(two levels, INTER across nodes), smpi:NAME (SMPI's own MPI_Allreduce, e.g. smpi:lr "
+        f"ring, smpi:rdb, smpi:rab_rdb); default {','.join(DENSE)}, none with --sparse",
+    )
+    parser.add_argument(
+        "--sparse",
+        type=_list(str, "sparse algorithm"),
+        default=[],
+        help="comma list of sparse allreduce algorithms (topo_sparse, ssar_split_allgather, "
+        "dsar, ssar_recursive_doubling, gtopk, allgather): each rank holds --density of the "
+        "--size buffer at random indices; dense --algorithm rows run beside them if given",
+    )
+    parser.add_argument(
+        "--density",
+        type=_list(_density, "density"),
+        default=[0.01],
+        help="with --sparse: comma list of nnz/numel per rank, 0.01 or 1%% (default 0.01)",
     )
     parser.add_argument(
         "--platform",
         action="append",
-        help="KIND:key=value,... (above) or a SimGrid XML file; repeat for several (default flat)",
+        help="KIND:key=value,... (above) or a SimGrid XML file; repeat for several "
+        "(default flat, sized by --ranks)",
     )
     parser.add_argument("--hostfile", type=Path, help="with an XML file: host[:count] per line")
     parser.add_argument(
         "--gpus-per-node", type=int, help="ranks per node (generated: default 1; file: per host)"
     )
     parser.add_argument(
-        "--ranks", type=_list(int), help="comma list (default: every GPU of the platform)"
+        "--ranks", type=_list(int, "ranks"), help="comma list (default: every GPU of the platform)"
     )
     parser.add_argument(
-        "--size", type=_list(size), default=[1 << 20, 32 << 20], help="comma list, e.g. 1MiB,32MiB"
+        "--size",
+        type=_list(size, "size"),
+        default=[1 << 20, 32 << 20],
+        help="comma list, e.g. 1MiB,32MiB",
     )
     parser.add_argument("--out", type=Path, help="write the Markdown table here")
     parser.add_argument("--plot", type=Path, help="draw simulated time against ranks (PNG)")
@@ -74,35 +105,59 @@ def _platform(spec: str, args: argparse.Namespace, ranks: int | None) -> Platfor
     return platforms.generate(spec, ranks, args.gpus_per_node)
 
 
+def _checked(args: argparse.Namespace) -> list[Platform]:
+    """Every input checked before the first simulation (ValueError or OSError naming it):
+    names, sizes, counts, the plot's matplotlib, and every platform built once."""
+    if args.algorithm is None:
+        args.algorithm = [] if args.sparse else DENSE
+    for name in args.algorithm:
+        check(name)
+    for name in args.sparse:
+        for density in args.density:
+            check_sparse(name, density)
+    if not args.algorithm and not args.sparse:
+        raise ValueError("nothing to simulate: give --algorithm or --sparse")
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be at least 1")
+    for nbytes in args.size:
+        if nbytes < 4:
+            raise ValueError(f"--size {nbytes}: must be at least one float32 (4 bytes)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'commlayer[bench]'")
+    return [_platform(s, args, r) for s in args.platform or ["flat"] for r in args.ranks or [None]]
+
+
+def _results(args: argparse.Namespace, machines: list[Platform]) -> Iterator[Result]:
+    gamma = 1 / (args.reduce_GBps * 1e9) if args.reduce_GBps > 0 else 0.0
+    for platform in machines:
+        for nbytes in args.size:
+            for algorithm in args.algorithm:
+                yield simulate(algorithm, platform, nbytes, args.factors, gamma, args.timeout_s)
+            for density in args.density if args.sparse else []:
+                for name in args.sparse:
+                    yield simulate_sparse(
+                        name, platform, nbytes, density, args.factors, args.timeout_s
+                    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         smpi.tools()
-    except smpi.SimGridMissing as exc:
+        machines = _checked(args)
+    except (smpi.SimGridMissing, ValueError, OSError) as exc:
         print(f"commlayer simulate: {exc}", file=sys.stderr)
         return 2
-    gamma = 1 / (args.reduce_GBps * 1e9) if args.reduce_GBps > 0 else 0.0
     results: list[Result] = []
     if args.format == "table":
         print(report.HEADER, flush=True)
-    for spec in args.platform or ["flat"]:
-        for ranks in args.ranks or [None]:
-            try:
-                platform = _platform(spec, args, ranks)
-            except (ValueError, OSError) as exc:
-                print(f"commlayer simulate: {exc}", file=sys.stderr)
-                return 2
-            for nbytes in args.size:
-                for algorithm in args.algorithm:
-                    try:
-                        result = simulate(
-                            algorithm, platform, nbytes, args.factors, gamma, args.timeout_s
-                        )
-                    except ValueError as exc:
-                        print(f"commlayer simulate: {exc}", file=sys.stderr)
-                        return 2
-                    results.append(result)
-                    line = report.json_line(result) if args.format == "json" else None
-                    print(line or report.markdown_row(result), flush=True)
+    try:
+        for result in _results(args, machines):
+            results.append(result)
+            line = report.json_line(result) if args.format == "json" else None
+            print(line or report.markdown_row(result), flush=True)
+    except (ValueError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"commlayer simulate: {exc}", file=sys.stderr)
+        return 2
     command = "commlayer " + " ".join(shlex.quote(a) for a in args.argv)
     if args.out:
         args.out.write_text(f"Made by: `{command}`\n\n" + report.markdown(results))

@@ -17,10 +17,16 @@ Pieces of one step to one peer (the ring's chunks of ``RING_CHUNK_ELEMENTS``) tr
 message with ``aggregate`` (default): the executor cuts them to overlap its reduction with the
 transfer, which the replay does not model, and a 1024-rank ring at 1 GiB would otherwise post
 hundreds of thousands of extra messages.
+
+A sparse schedule (``write_sparse``) is written in the same format from the streams the sparse
+cost model expects (``algorithms/sparse/cost.py`` ``streams``: each rank holding nnz random
+indices, ranges filling in as they merge, a stream turning dense where its policy says): the
+peers and order are the schedule's, the bytes the expected (index, value) pairs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from commlayer import algorithms
@@ -63,6 +69,24 @@ def step_line(
     return f"{len(sends)} {len(recvs)} {compute_s!r} {pairs}"
 
 
+def stream_line(sends: Sequence[tuple[int, float]], recvs: Sequence[tuple[int, float]]) -> str:
+    """A sparse step (``sparse.cost.streams``): (peer, expected bytes) of each stream, rounded
+    to whole bytes the same way at both ends; merging costs nothing (COMPUTE_S 0)."""
+    pairs = " ".join(f"{peer} {round(nbytes)}" for peer, nbytes in (*sends, *recvs))
+    return f"{len(sends)} {len(recvs)} 0.0 {pairs}"
+
+
+def _write(ranks: Iterable[list[str]], directory: Path) -> int:
+    """One trace per rank (its step lines) into ``directory``; the number of messages."""
+    directory.mkdir(parents=True, exist_ok=True)
+    messages = 0
+    for rank, lines in enumerate(ranks):
+        messages += sum(int(line.split(" ", 1)[0]) for line in lines)
+        text = "\n".join([f"commlayer-sim-trace {VERSION}", str(len(lines)), *lines])
+        (directory / f"rank{rank}.trace").write_text(text + "\n")
+    return messages
+
+
 def write(
     all_schedules: list[Schedule],
     directory: Path,
@@ -72,13 +96,20 @@ def write(
     aggregate: bool = True,
 ) -> int:
     """One trace per rank into ``directory``; returns the number of messages in all."""
-    directory.mkdir(parents=True, exist_ok=True)
-    messages = 0
-    for rank, schedule in enumerate(all_schedules):
-        lines = [f"commlayer-sim-trace {VERSION}", str(len(schedule))]
-        for step in schedule:
-            line = step_line(step, element_size, gamma_s_per_byte, copy_s_per_byte, aggregate)
-            messages += int(line.split(" ", 1)[0])
-            lines.append(line)
-        (directory / f"rank{rank}.trace").write_text("\n".join(lines) + "\n")
-    return messages
+    return _write(
+        (
+            [
+                step_line(st, element_size, gamma_s_per_byte, copy_s_per_byte, aggregate)
+                for st in schedule
+            ]  # fmt: skip
+            for schedule in all_schedules
+        ),
+        directory,
+    )
+
+
+def write_sparse(
+    streams: list[list[tuple[list[tuple[int, float]], list[tuple[int, float]]]]], directory: Path
+) -> int:
+    """Traces of a sparse schedule's streams (``sparse.cost.streams``); the message count."""
+    return _write(([stream_line(s, r) for s, r in rank] for rank in streams), directory)

@@ -138,15 +138,22 @@ def generate(spec: str, ranks: int | None = None, gpus_per_node: int | None = No
     """The platform of ``spec`` with ``ranks`` ranks (default: every GPU of every node)."""
     kind, fields = parse_spec(spec)
     gpus = int(fields.pop("gpus-per-node", gpus_per_node or 1))
+    if gpus < 1:
+        raise ValueError(f"platform {spec!r}: gpus-per-node={gpus} must be at least 1")
     values = {k: fields.pop(k, v) for k, v in DEFAULTS.items()}
     bw, lat = bandwidth(values["bw"]), seconds(values["lat"])
     intra = (bandwidth(values["intra-bw"]), seconds(values["intra-lat"]))
     if kind == "flat" and "ranks" in fields:
         fields["nodes"] = str(-(-int(fields.pop("ranks")) // gpus))
     key = _SIZE_FIELD.get(kind)
-    if key and key not in fields and "shape" not in fields and ranks is not None:
+    if key and key not in fields and "shape" not in fields:
+        if ranks is None:
+            raise ValueError(f"platform {spec!r}: give its size ({kind}:{key}=N) or --ranks N")
         fields[key] = str(-(-ranks // gpus))  # as many nodes as the ranks need
-    body, nodes, hops = _BUILDERS[kind](fields, bw, lat)
+    try:
+        body, nodes, hops = _BUILDERS[kind](fields, bw, lat)
+    except ValueError as exc:
+        raise ValueError(f"platform {spec!r}: {exc}") from None
     body = body.replace("{loopback}", f'loopback_bw="{intra[0]!r}Bps" loopback_lat="{intra[1]!r}s"')
     if fields:
         raise ValueError(f"platform {spec!r}: unknown field(s) {', '.join(sorted(fields))}")

@@ -29,7 +29,7 @@ HEADER = (
 def markdown_row(r: Result) -> str:
     ratio = "-" if r.model_s is None else f"{r.model_s / r.simulated_s:.3f}"
     return (
-        f"| {r.algorithm} | {r.platform} | {r.ranks} | {_size(r.size_bytes)} | "
+        f"| {r.label} | {r.platform} | {r.ranks} | {_size(r.size_bytes)} | "
         f"{_ms(r.simulated_s)} | {r.busbw_Bps / 1e9:.2f} | {_ms(r.model_s)} | {ratio} | "
         f"{r.messages} | {r.wall_s:.1f} |"
     )
@@ -54,7 +54,7 @@ def plot(results: Sequence[Result], path: Path, title: str = "") -> None:
     sizes = sorted({r.size_bytes for r in results})
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4.8), squeeze=False)
     # colour by algorithm, line style by platform: a dozen lines stay readable
-    names = sorted({r.algorithm.split("=")[0] for r in results})
+    names = sorted({r.label.split("=")[0] for r in results})
     kinds = sorted({r.platform.split(":")[0] for r in results})
     colours = {n: f"C{i % 10}" for i, n in enumerate(names)}
     styles = {k: ("-", "--", ":", "-.")[i % 4] for i, k in enumerate(kinds)}
@@ -63,7 +63,7 @@ def plot(results: Sequence[Result], path: Path, title: str = "") -> None:
         for r in results:
             if r.size_bytes == size:
                 # "auto=shd" and "auto=ring" are one line: auto's picks across ranks
-                key = (r.algorithm.split("=")[0], r.platform.split(":")[0])
+                key = (r.label.split("=")[0], r.platform.split(":")[0])
                 lines.setdefault(key, []).append(r)
         for (algorithm, platform), rows in sorted(lines.items()):
             rows.sort(key=lambda r: r.ranks)

@@ -28,13 +28,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from commlayer import algorithms, costmodel
-from commlayer.algorithms import hierarchical
+from commlayer.algorithms import hierarchical, sparse
 from commlayer.algorithms.schedule import Schedule
+from commlayer.algorithms.sparse import cost as sparse_cost
 from commlayer.algorithms.topology import Topology
 from commlayer.sim import export, smpi
 from commlayer.sim.platforms import Platform
 
 ELEMENT_SIZE = 4  # float32, as the research's runs
+INDEX_SIZE = 4  # int32 indices of a sparse stream, as the executor's
 SMPI_PREFIX = "smpi:"
 # The cost model reads messages off a curve, log-log between its points: alpha + beta n on
 # points 2^(1/8) apart is read within 0.2% (0.6% at 2^(1/4): 16 ranks, 1 MiB ring on flat).
@@ -51,6 +53,12 @@ class Result:
     model_s: float | None
     messages: int  # messages replayed (0 for SMPI's own)
     wall_s: float  # export and smpirun, seconds of this machine
+    density: float | None = None  # a sparse algorithm's nnz / numel per rank; None: dense
+
+    @property
+    def label(self) -> str:
+        """The algorithm, with the density for a sparse one (``topo_sparse@0.01``)."""
+        return self.algorithm if self.density is None else f"{self.algorithm}@{self.density:.3g}"
 
     @property
     def busbw_Bps(self) -> float:
@@ -105,10 +113,17 @@ def resolve(name: str, platform: Platform, size_bytes: int) -> str:
             return "ring"
         rows = costmodel.table(size_bytes, cal, ELEMENT_SIZE, platform.topology())
         return rows[0][0]
-    if name.startswith(SMPI_PREFIX) or name in algorithms.schedules():
-        return name
+    return check(name)
+
+
+def check(name: str) -> str:
+    """``name`` if it is a dense algorithm ``simulate`` runs, else ValueError listing them."""
     family, _, inter = name.partition(":")
-    if family == "hierarchical" and inter in algorithms.schedules():
+    if name == algorithms.AUTO or name in algorithms.schedules():
+        return name
+    if (name.startswith(SMPI_PREFIX) and inter) or (
+        family == "hierarchical" and inter in algorithms.schedules()
+    ):
         return name
     raise ValueError(
         f"unknown algorithm {name!r}; allowed: auto, {', '.join(algorithms.schedules())}, "
@@ -168,6 +183,80 @@ def simulate(
         messages,
         time.monotonic() - start,
     )
+
+
+def check_sparse(name: str, density: float) -> None:
+    """ValueError naming what is wrong with a sparse algorithm name or density."""
+    if name == sparse.AUTO or name not in sparse.available():
+        allowed = ", ".join(n for n in sparse.available() if n != sparse.AUTO)
+        raise ValueError(f"unknown sparse algorithm {name!r}; allowed: {allowed}")
+    if not 0 < density <= 1:
+        raise ValueError(f"density {density!r}: must be in (0, 1], e.g. 0.01 for 1%")
+
+
+def sparse_model_time(name: str, platform: Platform, numel: int, nnz: int) -> float | None:
+    """The sparse cost model (algorithms/sparse/cost.py) on the platform's inter-node alpha and
+    beta, merges free as in the replay (None for an XML file)."""
+    links = platform.links
+    if links is None:
+        return None
+    rates = sparse_cost.Rates(links.inter_alpha_s, links.inter_beta_s_per_byte, 0.0, 0.0)
+    topology = platform.topology()
+    return sparse_cost.predict(name, platform.ranks, numel, nnz, topology, rates=rates).seconds
+
+
+def allgather_streams(
+    ranks: int, nbytes: int
+) -> list[list[tuple[list[tuple[int, float]], list[tuple[int, float]]]]]:
+    """Every rank's ``nbytes`` to every rank, as MPI libraries' allgather moves them: recursive
+    doubling on a power of two (step k: 2^k lists with the partner r XOR 2^k; SMPI's ``rdb``,
+    the sparse cost model's log2 p rounds), a ring otherwise (p - 1 steps of one list). A trace
+    rather than SMPI's MPI_Allgather, whose receive buffers of p lists per rank are real
+    memory (256 ranks at 10% of 64 MiB: 3.4 GB each)."""
+    if ranks & (ranks - 1) == 0:
+        return [
+            [
+                ([(r ^ (1 << k), nbytes << k)], [(r ^ (1 << k), nbytes << k)])
+                for k in range(ranks.bit_length() - 1)
+            ]  # fmt: skip
+            for r in range(ranks)
+        ]
+    return [
+        [([((r + 1) % ranks, nbytes)], [((r - 1) % ranks, nbytes)])] * (ranks - 1)
+        for r in range(ranks)
+    ]
+
+
+def simulate_sparse(
+    algorithm: str,
+    platform: Platform,
+    size_bytes: int,
+    density: float,
+    factors: bool = False,
+    timeout_s: float | None = None,
+) -> Result:
+    """Replay sparse allreduce ``algorithm`` of a ``size_bytes`` gradient of which every rank
+    holds ``density`` (nnz = density x elements, random indices): a schedule's streams with the
+    bytes the sparse cost model expects of them (export.write_sparse), or for ``allgather``
+    every rank's (index, value) pairs to all (``allgather_streams``). Merging costs nothing."""
+    check_sparse(algorithm, density)
+    start = time.monotonic()
+    numel = max(size_bytes // ELEMENT_SIZE, 1)
+    nnz = max(round(density * numel), 1)
+    if algorithm in sparse.NATIVE:
+        streams = allgather_streams(platform.ranks, nnz * (ELEMENT_SIZE + INDEX_SIZE))
+    else:
+        streams = sparse_cost.streams(algorithm, platform.ranks, numel, nnz, platform.topology())
+    largest = max(b for rank in streams for step in rank for _, b in (*step[0], *step[1]))
+    with tempfile.TemporaryDirectory(prefix="commlayer-traces-") as tmp:
+        messages = export.write_sparse(streams, Path(tmp))
+        simulated = smpi.run(platform, [tmp], math.ceil(largest), factors, (), timeout_s)
+    model = sparse_model_time(algorithm, platform, numel, nnz)
+    wall = time.monotonic() - start
+    return Result(
+        algorithm, platform.name, platform.ranks, numel * ELEMENT_SIZE, simulated, model,
+        messages, wall, density,
+    )  # fmt: skip
 
 
 def alpha_beta(name: str, ranks: int, size_bytes: int, alpha_s: float, beta: float) -> float:

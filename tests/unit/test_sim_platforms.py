@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from commlayer import algorithms
+from commlayer import algorithms, cli
 from commlayer.algorithms import hierarchical
+from commlayer.algorithms.sparse import cost as sparse_cost
 from commlayer.algorithms.topology import Topology
-from commlayer.sim import export, platforms, simulate
+from commlayer.sim import export, platforms, simulate, smpi
 
 
 def _parse(xml: str) -> ET.Element:
@@ -144,3 +145,50 @@ def test_hierarchical_with_another_inter_is_registered_only_while_simulated() ->
     assert schedule == hierarchical.two_level(0, 1000, groups, "rabenseifner")
     with pytest.raises(ValueError, match="unknown algorithm"):
         simulate.resolve("hierarchical:nope", p, 1 << 20)
+
+
+@pytest.mark.parametrize("name", ["topo_sparse", "dsar", "ssar_split_allgather", "gtopk"])
+def test_sparse_streams_match_and_are_what_the_model_costs(name: str, tmp_path: Path) -> None:
+    topology = Topology(tuple(r // 4 for r in range(16)))
+    numel, nnz = 1 << 18, (1 << 18) // 100
+    streams = sparse_cost.streams(name, 16, numel, nnz, topology)
+    # the k-th message from a to b carries the bytes of b's k-th receive from a
+    sent: dict[tuple[int, int], list[float]] = {}
+    received: dict[tuple[int, int], list[float]] = {}
+    for rank, steps in enumerate(streams):
+        for sends, recvs in steps:
+            for peer, nbytes in sends:
+                sent.setdefault((rank, peer), []).append(nbytes)
+            for peer, nbytes in recvs:
+                received.setdefault((peer, rank), []).append(nbytes)
+    assert sent == received
+    most = max(sum(b for sends, _ in steps for _, b in sends) for steps in streams)
+    assert most == pytest.approx(sparse_cost.predict(name, 16, numel, nnz, topology).bytes_sent)
+    messages = export.write_sparse(streams, tmp_path)
+    assert messages == sum(len(s) for key, s in sent.items())
+    first = (tmp_path / "rank0.trace").read_text().splitlines()
+    assert first[:2] == ["commlayer-sim-trace 1", str(len(streams[0]))]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--algorithm", "nope"], "unknown algorithm 'nope'"),
+        (["--sparse", "nope"], "unknown sparse algorithm 'nope'"),
+        (["--sparse", "auto"], "unknown sparse algorithm 'auto'"),
+        (["--platform", "flat"], "give its size"),
+        (["--platform", "dln:4", "--gpus-per-node", "0"], "--gpus-per-node 0"),
+        (["--platform", "flat:ranks=4", "--size", "2"], "at least one float32"),
+        (["--platform", "missing.xml"], "missing.xml"),
+    ],
+)
+def test_simulate_refuses_bad_input_before_simulating(
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(smpi, "tools", lambda: ("smpicc", "smpirun"))
+    monkeypatch.setattr(smpi, "run", lambda *a, **k: pytest.fail("simulated bad input"))
+    assert cli.main(["simulate", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -119,6 +119,7 @@ class Prediction:
 
 
 Pieces = tuple[tuple[int, int], ...]  # (elements, ranks whose entries they hold), by ranks
+_Stream = tuple[int, int, Pieces]  # (peer, length, pieces) of one transfer
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +144,9 @@ class _DryRun:
     schedules' ranges make), how many ranks' entries each rank holds, step by step. The k-th
     send from a to b meets the k-th receive of b from a, as in MPI."""
 
-    def __init__(self, schedules: list[Schedule], numel: int, policy: sparse.Policy) -> None:
+    def __init__(
+        self, schedules: list[Schedule], numel: int, policy: sparse.Policy, record: bool = False
+    ) -> None:
         ends = {e for s in schedules for st in s for t in (*st.sends, *st.recvs)
                 for e in (t.start, t.stop)}  # fmt: skip
         edges = sorted({0, numel, *ends})
@@ -154,6 +157,12 @@ class _DryRun:
         self._sent: dict[tuple[int, int], deque[list[int]]] = {}  # (src, dst): counts in order
         self._posted: list[tuple[tuple[int, int, Pieces], ...] | None] = [None] * len(schedules)
         self.shapes: list[list[_Shape]] = [[] for _ in schedules]
+        # with ``record``: per rank and step, the (peer, length, pieces) of every send and
+        # receive (``streams``: what a simulator replays)
+        self.streams: list[list[tuple[list[_Stream], list[_Stream]]]] | None = (
+            [[] for _ in schedules] if record else None
+        )
+        self._sending: list[list[_Stream]] = [[] for _ in schedules]
 
     def run(self, name: str) -> None:
         left = [r for r in range(len(self._schedules)) if self._schedules[r]]
@@ -178,23 +187,31 @@ class _DryRun:
             for t in st.sends:
                 counts = self._held[r][self._at[t.start] : self._at[t.stop]]
                 self._sent.setdefault((r, t.peer), deque()).append(counts)
-                posted[t.numel, self._pieces(t, counts)] += 1
+                pieces = self._pieces(t, counts)
+                posted[t.numel, pieces] += 1
+                if self.streams is not None:
+                    self._sending[r].append((t.peer, t.numel, pieces))
             self._posted[r] = tuple((n, length, p) for (length, p), n in posted.items())
             return True
         wanted = Counter(t.peer for t in st.recvs)
         if any(len(self._sent.get((p, r), ())) < n for p, n in wanted.items()):
             return False
-        held, receives = self._held[r], []
+        held, receives, received = self._held[r], [], []
         for t in st.recvs:
             got, lo = self._sent[(t.peer, r)].popleft(), self._at[t.start]
             own = self._pieces(t, held[lo : self._at[t.stop]])
             receives.append(_Receive(t.numel, self._pieces(t, got), own))
+            if self.streams is not None:
+                received.append((t.peer, t.numel, receives[-1].received))
             for i, m in enumerate(got, lo):
                 held[i] = held[i] + m if st.reduce else m
         select = self._policy.select and st.reduce and bool(st.sends) and bool(st.recvs)
         if select:  # k entries kept: one rank's worth
             held[:] = [1] * len(held)
         self.shapes[r].append(_Shape(sends, tuple(receives), st.reduce, select))
+        if self.streams is not None:
+            self.streams[r].append((self._sending[r], received))
+            self._sending[r] = []
         self._posted[r] = None
         return True
 
@@ -313,6 +330,34 @@ def predict(
         rank_seconds, rank_sent = _rank_cost(steps, d, r)
         seconds, sent = max(seconds, rank_seconds), max(sent, rank_sent)
     return Prediction(seconds, sent)
+
+
+def streams(
+    name: str,
+    size: int,
+    numel: int,
+    nnz: int,
+    topology: Topology | None = None,
+    value_bytes: int = 4,
+    index_bytes: int = 4,
+) -> list[list[tuple[list[tuple[int, float]], list[tuple[int, float]]]]]:
+    """Every rank's steps of sparse schedule ``name`` as the network sees them, each rank
+    holding ``nnz`` of ``numel`` indices at random: per step, the (peer, expected bytes) of each
+    send and each receive in the schedule's order (the fill-in and dense switch ``predict``
+    costs; a send and its matching receive carry the same number). sim/export.py writes these
+    as traces for SimGrid."""
+    if name not in sparse.available() or name == sparse.AUTO or name in sparse.NATIVE:
+        names = [n for n in sparse.available() if n != sparse.AUTO and n not in sparse.NATIVE]
+        raise ValueError(f"{name!r} is not a sparse schedule; schedules: {', '.join(names)}")
+    schedules = [_coalesced(sparse.schedule(name, r, size, numel, topology)) for r in range(size)]
+    run = _DryRun(schedules, numel, sparse.policy(name), record=True)
+    run.run(name)
+    d = _Density(numel, nnz, value_bytes, index_bytes, sparse.policy(name).switch)
+
+    def wire(transfers: list[_Stream]) -> list[tuple[int, float]]:
+        return [(peer, d.wire(d.entries(pieces), length)) for peer, length, pieces in transfers]
+
+    return [[(wire(sends), wire(recvs)) for sends, recvs in rank] for rank in run.streams or []]
 
 
 def choose(
