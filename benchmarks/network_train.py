@@ -557,7 +557,11 @@ def main() -> int:
     parser.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS))
     parser.add_argument("--systems", type=lambda s: s.split(","), help="labels, default all")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=4)
+    # Steps before timing: auto's tuning explores its candidates for the first 6 calls of each
+    # (autotune.round_calls: 12-24 calls per size class, one call per bucket and step). With 4,
+    # uncompressed commlayer was timed while exploring: 0.73-0.82x DDP at 1 Gbit/s, 0.96-0.98x
+    # with 24 (results/network_train_1gbit_2x1_tuned.md).
+    parser.add_argument("--warmup", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=2, help="throughput runs per system")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--epochs", type=int, default=12)
