@@ -44,7 +44,7 @@ from commlayer.data.layouts import (
     decode,
     encode,
 )
-from commlayer.errors import ShardStoreError
+from commlayer.errors import ShardStoreError, ShuffleMismatchError
 
 __all__ = ["ShardStore", "decode", "encode", "partition"]
 
@@ -98,8 +98,19 @@ class ShardStore:
         seed: int = 0,
     ) -> ShardStore:
         """Keep this rank's part of ``dataset`` (every rank passes the same one); a store
-        already at ``path`` is replaced. With a path it is collective, as opening one is."""
+        already at ``path`` is replaced. Collective: the ranks first compare their dataset's
+        length (ShuffleMismatchError on every rank where they differ: the partitions would
+        leave samples out or in two stores), and with a path, open the store together."""
         me, size = runtime.rank(), runtime.size()
+        lengths = state_sync.allgather_object(
+            len(dataset), name=f"commlayer.data.store{next(_opens)}.from_dataset"
+        )
+        if len(set(lengths)) > 1:
+            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
+            raise ShuffleMismatchError(
+                f"rank {me}: ShardStore.from_dataset needs the same dataset on every rank; "
+                f"got datasets of {shown} samples"
+            )
         shard = partition(len(dataset), size, partition_by, seed)[me]
         if path is None:
             store = cls(None)

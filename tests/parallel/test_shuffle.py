@@ -289,6 +289,16 @@ def test_settings_differing_across_ranks_fail_on_every_rank(setting: str) -> Non
         PartialLocalShuffler(store, **kwargs)
 
 
+@pytest.mark.parametrize("path", [False, True])
+def test_datasets_of_different_lengths_fail_on_every_rank(path: bool, tmp_path: Path) -> None:
+    if cl.size() == 1:
+        pytest.skip("one rank cannot differ from another")
+    data = _dataset(4 * cl.size() + (1 if cl.rank() == 1 else 0))
+    where = str(tmp_path / "shard{rank}") if path else None
+    with pytest.raises(ShuffleMismatchError, match=r"same dataset on every rank.*rank 1: \d+"):
+        ShardStore.from_dataset(data, path=where)
+
+
 def test_overlapping_stores_fail_on_every_rank() -> None:
     if cl.size() == 1:
         pytest.skip("one rank cannot overlap another")
