@@ -412,6 +412,11 @@ def _baseline_records(output: str) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: r["rank"])
 
 
+# Measured: 20-40 s on the loaded 2-core machine (two agents, four workers importing torch).
+# Below pytest's 120 s, so that a hang shows both agents' output.
+TORCHRUN_TIMEOUT_S = 90.0
+
+
 def test_torchrun_multinode_on_the_cluster(job: Job, tmp_path: Path) -> None:
     """DDP's launcher as on real machines: one torchrun agent per host, c10d rendezvous on
     node1; gloo's 4 MiB allreduce is exact and crosses the link."""
@@ -434,13 +439,17 @@ def test_torchrun_multinode_on_the_cluster(job: Job, tmp_path: Path) -> None:
         )
         for k in range(1, HOSTS + 1)
     ]
+    deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
     outputs = []
-    for agent in agents:
+    for k, agent in enumerate(agents, start=1):
         try:
-            outputs.append(agent.communicate(timeout=120)[0])
+            outputs.append(agent.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
         except subprocess.TimeoutExpired:
-            agent.kill()
-            outputs.append(agent.communicate()[0] + "\n(killed after 120 s)")
+            agent.kill()  # its workers run in the host's namespace: cluster.sh down ends them
+            outputs.append(
+                f"--- node{k}'s agent, killed after {TORCHRUN_TIMEOUT_S:.0f} s ---\n"
+                + agent.communicate()[0]
+            )
     output = "\n".join(outputs)
     assert [a.returncode for a in agents] == [0] * HOSTS, output
     records = _baseline_records(output)
