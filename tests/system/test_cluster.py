@@ -412,8 +412,7 @@ def _baseline_records(output: str) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: r["rank"])
 
 
-# Measured: 20-40 s on the loaded 2-core machine (two agents, four workers importing torch).
-# Below pytest's 120 s, so that a hang shows both agents' output.
+# Both agents together; below pytest's 120 s per test, so that a hang shows their output.
 TORCHRUN_TIMEOUT_S = 90.0
 
 
