@@ -66,6 +66,19 @@ def cluster(*args: str) -> None:
     subprocess.run(["bash", str(CLUSTER), *args], check=True)
 
 
+def require_no_cluster() -> None:
+    """Exit, naming them, where another job's cluster is up: this benchmark's ``up`` would
+    resize it and its ``down`` remove it under that job (it happened once)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    names = [line.split()[0] for line in listed.stdout.splitlines() if line.strip()]
+    taken = sorted(n for n in names if n == "cl-switch" or re.fullmatch(r"node\d+", n))
+    if taken:
+        sys.exit(
+            f"{Path(sys.argv[0]).name}: a cluster is already up (namespaces {taken}); "
+            "wait for its job, or 'bash scripts/cluster.sh down' if it is yours"
+        )
+
+
 def plot(result: dict, path: Path) -> None:
     """Link efficiency (% of the link bound) against size, one line per algorithm."""
     import matplotlib
@@ -128,6 +141,7 @@ def main() -> int:
         "--size-factor", args.size_factor,
         "--pairs", "0", "--out", str(args.out / f"{tag}.algorithms.md"), "--json", str(raw_json),
     ]  # fmt: skip
+    require_no_cluster()
     load_before = os.getloadavg()[0]
     try:
         cluster("up", str(hosts), "--rate", args.rate)

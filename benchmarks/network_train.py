@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "RESULT "
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
 
-from network import CLUSTER, layout, rate_bits  # noqa: E402  (benchmarks/network.py)
+from network import CLUSTER, layout, rate_bits, require_no_cluster  # noqa: E402
 
 # (label, system, COMMLAYER_COMPRESSION, COMMLAYER_SPARSE_ALGORITHM)
 SYSTEMS: list[tuple[str, str, str, str]] = [
@@ -509,6 +509,7 @@ def driver(args: argparse.Namespace) -> None:
     tag = f"network_train_{'_'.join(args.rates)}_{hosts}x{per_host}"
     tag += f"_{args.suffix}" if args.suffix else ""
     args.out.mkdir(parents=True, exist_ok=True)
+    require_no_cluster()
     try:
         cluster("up", str(hosts))
         for rate in args.rates:
