@@ -13,7 +13,8 @@ costs it like any other and ``auto`` elsewhere never sees it.
 
 The cost model is given the platform as a ``Calibration`` (``calibration``): alpha and beta
 of a message inside a node and between nodes from the generated links (the farthest pair's
-route latency, the node link's bandwidth), no reduction cost. It predicts contention only on
+route: its links' latencies summed, its slowest link's bandwidth, per level where the platform
+has levels), no reduction cost. It predicts contention only on
 each node's own link (costmodel/model.py); what the simulation adds is the network's.
 """
 
