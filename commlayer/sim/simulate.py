@@ -196,12 +196,19 @@ def check_sparse(name: str, density: float) -> None:
 
 
 def sparse_model_time(name: str, platform: Platform, numel: int, nnz: int) -> float | None:
-    """The sparse cost model (algorithms/sparse/cost.py) on the platform's inter-node alpha and
-    beta, merges free as in the replay (None for an XML file)."""
+    """The sparse cost model (algorithms/sparse/cost.py) on the platform's inter-node and
+    intra-node alpha and beta, merges free as in the replay (None for an XML file)."""
     links = platform.links
     if links is None:
         return None
-    rates = sparse_cost.Rates(links.inter_alpha_s, links.inter_beta_s_per_byte, 0.0, 0.0)
+    rates = sparse_cost.Rates(
+        links.inter_alpha_s,
+        links.inter_beta_s_per_byte,
+        0.0,
+        0.0,
+        intra_alpha_s=links.intra_alpha_s,
+        intra_beta_s_per_byte=links.intra_beta_s_per_byte,
+    )
     topology = platform.topology()
     return sparse_cost.predict(name, platform.ranks, numel, nnz, topology, rates=rates).seconds
 
