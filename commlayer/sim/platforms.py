@@ -10,13 +10,17 @@ network link (``bw``, ``lat``), which the node's ranks share, and cross the netw
   routes are node link up, node link down (alpha = 2 lat, beta = 1/bw).
 - ``fat-tree:nodes=N,leaf=L,oversub=O``: two levels, L nodes per leaf switch, L/O spine
   switches, every leaf linked to every spine (SimGrid's FAT_TREE cluster: links of ``bw``,
-  ``lat``); O > 1 oversubscribes the leaves' uplinks.
+  ``lat``); O > 1 oversubscribes the leaves' uplinks. Per level: ``node-bw``/``node-lat``
+  (node to leaf), ``spine-bw``/``spine-lat`` (leaf to spine); when they differ the tree is
+  written link by link with FAT_TREE's routing (destination node mod spines), one route per
+  node pair (256 nodes: 65 k routes, ~10 MB of XML).
 - ``torus:XxY[xZ]``: one node per torus vertex, links of ``bw``/``lat`` to the neighbours in
-  each dimension (SimGrid's TORUS cluster, dimension-order routing).
+  each dimension (SimGrid's TORUS cluster, dimension-order routing; one bw/lat for every link).
 - ``dragonfly:groups=G,chassis=C,routers=R,nodes=N``: G groups of C chassis of R routers with
-  N nodes each (SimGrid's DRAGONFLY cluster, one link of each kind, minimal routing); SimGrid
-  needs R >= G - 1.
-- ``dln:S`` (``dln:switches=S``): Distributed Loop Network, below.
+  N nodes each (SimGrid's DRAGONFLY cluster, one link of each kind, minimal routing; one
+  bw/lat for every level); SimGrid needs R >= G - 1.
+- ``dln:S`` (``dln:switches=S``): Distributed Loop Network, below. Per level: ``node-bw``/
+  ``node-lat`` (node to its switch), ``switch-bw``/``switch-lat`` (switch to switch).
 
 DLN. The research (Nguyen & Wahib, CCGrid 2021) co-designs SHD with a "distributed loop
 network" whose fixed path lengths suit halving-doubling; its paper is not available to us, so
@@ -30,9 +34,12 @@ S = 256: degree 15, diameter 4; S = 1024: degree 19, diameter 5. Shortest-path r
 (SimGrid Dijkstra). Its "2D DLN(x,y,z)" buildable form is not modelled.
 
 Every generated kind has ``bw`` 12.5 GBps and ``lat`` 0.5 us per link (100 Gb/s, the order of
-one switch hop), ``intra-bw`` 50 GBps and ``intra-lat`` 0.1 us unless given (Tsubame3's node in
-the research's platforms: 4 GPUs on NVLink of 50 GB/s, 100 Gb/s Omni-Path per node pair of
-GPUs; benchmarks/results/simulate.md uses their numbers).
+one switch hop; the default of every per-level field), ``intra-bw`` 50 GBps and ``intra-lat``
+0.1 us unless given (Tsubame3's node in the research's platforms: 4 GPUs on NVLink of 50 GB/s,
+100 Gb/s Omni-Path per node pair of GPUs; benchmarks/results/simulate.md uses their numbers).
+A bandwidth is > 0 in Bps or bps with a prefix k/M/G/T (``100Gbps``), a latency >= 0 in
+s/ms/us/ns (``0.5us``); a bare number is bytes/s or seconds. The cost model's prediction is
+given the farthest pair's route: its latencies summed, its slowest link's bandwidth.
 
 A file: ``--platform FILE.xml --hostfile HOSTS.txt --gpus-per-node G``: ranks placed on hosts
 in hostfile order (smpirun's ``host[:count]`` lines), ranks of one host share a node.
@@ -45,6 +52,7 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from commlayer.algorithms.topology import Topology
 
@@ -58,7 +66,8 @@ KINDS = ("flat", "fat-tree", "torus", "dragonfly", "dln")
 @dataclasses.dataclass(frozen=True)
 class Links:
     """What the cost model is told about a platform: one message's alpha and beta inside a
-    node and between nodes (the farthest pair: the latency of its longest route)."""
+    node and between nodes (the farthest pair: the latencies of its longest route summed, the
+    slowest link of that route's bandwidth)."""
 
     intra_alpha_s: float
     intra_beta_s_per_byte: float
@@ -102,20 +111,29 @@ class Platform:
         return "\n".join(lines) + "\n"
 
 
-def bandwidth(text: str) -> float:
-    """Bytes per second from ``12.5GBps``, ``100Gbps`` or a bare number (bytes/s)."""
+def bandwidth(text: str, name: str = "bandwidth") -> float:
+    """Bytes per second (> 0) from ``12.5GBps``, ``100Gbps`` or a bare number (bytes/s)."""
     match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKMGT]?)(bps|Bps)?\s*", text)
-    if not match:
-        raise ValueError(f"bandwidth {text!r}: expected a number with a unit like 12.5GBps")
-    return float(match.group(1)) * _PREFIX[match.group(2)] * _BANDWIDTH[match.group(3) or "Bps"]
+    value = _number(match.group(1)) if match else None
+    if match is None or value is None or not 0 < value < math.inf:
+        raise ValueError(f"{name} {text!r}: expected a bandwidth > 0 with a unit like 12.5GBps")
+    return value * _PREFIX[match.group(2)] * _BANDWIDTH[match.group(3) or "Bps"]
 
 
-def seconds(text: str) -> float:
-    """Seconds from ``0.5us``, ``1ms`` or a bare number (seconds)."""
+def seconds(text: str, name: str = "latency") -> float:
+    """Seconds (>= 0) from ``0.5us``, ``1ms`` or a bare number (seconds)."""
     match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(s|ms|us|ns)?\s*", text)
-    if not match:
-        raise ValueError(f"latency {text!r}: expected a number with a unit like 0.5us")
-    return float(match.group(1)) * _TIME[match.group(2) or "s"]
+    value = _number(match.group(1)) if match else None
+    if match is None or value is None or not 0 <= value < math.inf:
+        raise ValueError(f"{name} {text!r}: expected a latency >= 0 with a unit like 0.5us")
+    return value * _TIME[match.group(2) or "s"]
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -140,9 +158,15 @@ def generate(spec: str, ranks: int | None = None, gpus_per_node: int | None = No
     gpus = int(fields.pop("gpus-per-node", gpus_per_node or 1))
     if gpus < 1:
         raise ValueError(f"platform {spec!r}: gpus-per-node={gpus} must be at least 1")
-    values = {k: fields.pop(k, v) for k, v in DEFAULTS.items()}
-    bw, lat = bandwidth(values["bw"]), seconds(values["lat"])
-    intra = (bandwidth(values["intra-bw"]), seconds(values["intra-lat"]))
+    try:
+        values = {k: fields.pop(k, v) for k, v in DEFAULTS.items()}
+        net = Link(bandwidth(values["bw"], "bw"), seconds(values["lat"], "lat"))
+        intra = Link(
+            bandwidth(values["intra-bw"], "intra-bw"), seconds(values["intra-lat"], "intra-lat")
+        )
+        levels = {level: _level(fields, level, net) for level in LEVELS[kind]}
+    except ValueError as exc:
+        raise ValueError(f"platform {spec!r}: {exc}") from None
     if kind == "flat" and "ranks" in fields:
         fields["nodes"] = str(-(-int(fields.pop("ranks")) // gpus))
     key = _SIZE_FIELD.get(kind)
@@ -151,10 +175,12 @@ def generate(spec: str, ranks: int | None = None, gpus_per_node: int | None = No
             raise ValueError(f"platform {spec!r}: give its size ({kind}:{key}=N) or --ranks N")
         fields[key] = str(-(-ranks // gpus))  # as many nodes as the ranks need
     try:
-        body, nodes, hops = _BUILDERS[kind](fields, bw, lat)
+        _refuse_levels(kind, fields)
+        body, nodes, route = _BUILDERS[kind](fields, net, levels)
     except ValueError as exc:
         raise ValueError(f"platform {spec!r}: {exc}") from None
-    body = body.replace("{loopback}", f'loopback_bw="{intra[0]!r}Bps" loopback_lat="{intra[1]!r}s"')
+    loopback = f'loopback_bw="{intra.bw!r}Bps" loopback_lat="{intra.lat!r}s"'
+    body = body.replace("{loopback}", loopback)
     if fields:
         raise ValueError(f"platform {spec!r}: unknown field(s) {', '.join(sorted(fields))}")
     total = nodes * gpus
@@ -163,9 +189,49 @@ def generate(spec: str, ranks: int | None = None, gpus_per_node: int | None = No
         raise ValueError(f"platform {spec!r} holds {total} ranks ({nodes} x {gpus}), not {ranks}")
     xml = _document(body)
     hosts = tuple(f"node-{r // gpus}" for r in range(ranks))
-    config = (f"network/loopback-bw:{intra[0]!r}", f"network/loopback-lat:{intra[1]!r}")
-    links = Links(intra[1], 1 / intra[0], hops * lat, 1 / bw)
+    config = (f"network/loopback-bw:{intra.bw!r}", f"network/loopback-lat:{intra.lat!r}")
+    # the model's one inter-node curve: the farthest pair's route (a same-leaf pair is costed
+    # as if it crossed the spine too; tests/system/test_simulate.py shows the direction holds)
+    inter_lat, inter_bw = sum(link.lat for link in route), min(link.bw for link in route)
+    links = Links(intra.lat, 1 / intra.bw, inter_lat, 1 / inter_bw)
     return Platform(spec, xml, hosts, config, links)
+
+
+class Link(NamedTuple):
+    """One network link's bandwidth (bytes/s) and latency (s)."""
+
+    bw: float
+    lat: float
+
+
+# the network levels of each kind that take their own NAME-bw / NAME-lat (default bw / lat)
+LEVELS: dict[str, tuple[str, ...]] = {
+    "flat": (),
+    "fat-tree": ("node", "spine"),
+    "torus": (),
+    "dragonfly": (),
+    "dln": ("node", "switch"),
+}
+_ALL_LEVELS = {level for levels in LEVELS.values() for level in levels}
+
+
+def _level(fields: dict[str, str], level: str, net: Link) -> Link:
+    bw, lat = fields.pop(f"{level}-bw", None), fields.pop(f"{level}-lat", None)
+    return Link(
+        net.bw if bw is None else bandwidth(bw, f"{level}-bw"),
+        net.lat if lat is None else seconds(lat, f"{level}-lat"),
+    )
+
+
+def _refuse_levels(kind: str, fields: dict[str, str]) -> None:
+    """A per-level field on a kind without it: say which kinds have which levels."""
+    wrong = sorted(k for k in fields if k.rsplit("-", 1)[0] in _ALL_LEVELS and k[-3:] in "-bw-lat")
+    if wrong:
+        have = "; ".join(f"{k}: {', '.join(v)}" for k, v in LEVELS.items() if v)
+        raise ValueError(
+            f"{kind}: no per-level field {', '.join(wrong)} (its SimGrid cluster has one bw/lat "
+            f"for every link; per-level links exist on {have})"
+        )
 
 
 def from_file(path: Path, hostfile: Path | None, ranks: int | None, gpus_per_node: int) -> Platform:
@@ -240,36 +306,79 @@ def _take(fields: dict[str, str], key: str, default: int | None = None) -> int:
     return value
 
 
-def _flat(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
+def _flat(
+    fields: dict[str, str], net: Link, levels: dict[str, Link]
+) -> tuple[str, int, list[Link]]:
     nodes = _take(fields, "nodes")
-    return (
-        _cluster(nodes, bw, lat, 'bb_bw="1e15Bps" bb_lat="0s" bb_sharing_policy="FATPIPE"'),
-        nodes,
-        2,
-    )
+    extra = 'bb_bw="1e15Bps" bb_lat="0s" bb_sharing_policy="FATPIPE"'
+    return _cluster(nodes, net.bw, net.lat, extra), nodes, [net, net]
 
 
-def _fat_tree(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
+def _fat_tree(
+    fields: dict[str, str], net: Link, levels: dict[str, Link]
+) -> tuple[str, int, list[Link]]:
     nodes = _take(fields, "nodes")
     leaf = _take(fields, "leaf", min(nodes, 16))
     oversub = _take(fields, "oversub", 1)
     if nodes % leaf or leaf % oversub:
         raise ValueError(f"fat-tree: nodes={nodes} by leaf={leaf} by oversub={oversub}")
-    params = f"2;{leaf},{nodes // leaf};1,{leaf // oversub};1,1"
-    return _cluster(nodes, bw, lat, f'topology="FAT_TREE" topo_parameters="{params}"'), nodes, 4
+    node, spine = levels["node"], levels["spine"]
+    route = [node, spine, spine, node] if nodes > leaf else [node, node]  # one leaf: no spine
+    if node == spine == net:  # SimGrid's own FAT_TREE cluster: every result before per-level
+        params = f"2;{leaf},{nodes // leaf};1,{leaf // oversub};1,1"
+        extra = f'topology="FAT_TREE" topo_parameters="{params}"'
+        return _cluster(nodes, net.bw, net.lat, extra), nodes, route
+    return fat_tree_links(nodes, leaf, leaf // oversub, node, spine), nodes, route
 
 
-def _torus(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
+def fat_tree_links(nodes: int, leaf: int, spines: int, node: Link, spine: Link) -> str:
+    """A two-level fat tree written link by link (a Full zone: one route per node pair), with
+    the routing of SimGrid's FAT_TREE cluster: node a to node b on another leaf goes up through
+    spine b mod ``spines`` (d-mod-k), every link one each way (SPLITDUPLEX). With equal levels
+    it simulates what the cluster does (tests/system/test_simulate.py)."""
+    hosts = [f'<host id="node-{i}" speed="1Gf"/>\n' for i in range(nodes)]
+    links = [
+        f'<link id="{name}" bandwidth="{link.bw!r}Bps" latency="{link.lat!r}s"/>\n'
+        for name, link in [
+            *((f"n{i}-{way}", node) for i in range(nodes) for way in ("up", "down")),
+            *(
+                (f"l{j}-s{k}-{way}", spine)
+                for j in range(nodes // leaf)
+                for k in range(spines)
+                for way in ("up", "down")
+            ),
+        ]
+    ]
+    routes = []
+    for a in range(nodes):
+        for b in range(nodes):
+            if a == b:
+                continue
+            path = [f"n{a}-up", f"n{b}-down"]
+            if a // leaf != b // leaf:
+                k = b % spines
+                path[1:1] = [f"l{a // leaf}-s{k}-up", f"l{b // leaf}-s{k}-down"]
+            hops = "".join(f'<link_ctn id="{p}"/>' for p in path)
+            routes.append(f'<route src="node-{a}" dst="node-{b}" symmetrical="NO">{hops}</route>\n')
+    return "".join(['<zone id="net" routing="Full">\n', *hosts, *links, *routes, "</zone>\n"])
+
+
+def _torus(
+    fields: dict[str, str], net: Link, levels: dict[str, Link]
+) -> tuple[str, int, list[Link]]:
     dims = [int(d) for d in fields.pop("shape", "").split("x") if d]
     if not dims or min(dims) < 1:
         raise ValueError("torus: give the shape, e.g. torus:8x8x16")
     nodes = math.prod(dims)
     hops = sum(d // 2 for d in dims) + 1  # farthest pair, plus the links into the torus
     params = ",".join(map(str, dims))
-    return _cluster(nodes, bw, lat, f'topology="TORUS" topo_parameters="{params}"'), nodes, hops
+    extra = f'topology="TORUS" topo_parameters="{params}"'
+    return _cluster(nodes, net.bw, net.lat, extra), nodes, [net] * hops
 
 
-def _dragonfly(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
+def _dragonfly(
+    fields: dict[str, str], net: Link, levels: dict[str, Link]
+) -> tuple[str, int, list[Link]]:
     g, c = _take(fields, "groups"), _take(fields, "chassis", 1)
     r, n = _take(fields, "routers", 1), _take(fields, "nodes", 1)
     if r < g - 1:  # SimGrid 3.32 segfaults then (seen: groups=4 with routers=2)
@@ -278,28 +387,32 @@ def _dragonfly(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int,
         )
     params = f"{g},1;{c},1;{r},1;{n}"
     extra = f'topology="DRAGONFLY" topo_parameters="{params}"'
-    return _cluster(g * c * r * n, bw, lat, extra), g * c * r * n, 5
+    return _cluster(g * c * r * n, net.bw, net.lat, extra), g * c * r * n, [net] * 5
 
 
-def _dln(fields: dict[str, str], bw: float, lat: float) -> tuple[str, int, int]:
+def _dln(fields: dict[str, str], net: Link, levels: dict[str, Link]) -> tuple[str, int, list[Link]]:
     switches = int(fields.pop("switches", fields.pop("shape", "0")))
     if switches < 2 or switches & (switches - 1):
         raise ValueError(f"dln: switches={switches} must be a power of two >= 2")
+    node, switch = levels["node"], levels["switch"]
     # SimGrid's DTD: hosts, routers and links first, then the routes (the graph's edges)
     nodes, links, routes = [], [], []
-    edges = [(f"node-{i}", f"sw-{i}") for i in range(switches)]
-    edges += [(f"sw-{i}", f"sw-{j}") for i, j in dln_chords(switches)]
+    edges = [(f"node-{i}", f"sw-{i}", node) for i in range(switches)]
+    edges += [(f"sw-{i}", f"sw-{j}", switch) for i, j in dln_chords(switches)]
     for i in range(switches):
         nodes.append(f'<host id="node-{i}" speed="1Gf"/><router id="sw-{i}"/>\n')
-    for a, b in edges:
+    for a, b, link in edges:
         for src, dst in ((a, b), (b, a)):  # one link per direction: full duplex
-            links.append(f'<link id="{src}_{dst}" bandwidth="{bw!r}Bps" latency="{lat!r}s"/>\n')
+            links.append(
+                f'<link id="{src}_{dst}" bandwidth="{link.bw!r}Bps" latency="{link.lat!r}s"/>\n'
+            )
             routes.append(
                 f'<route src="{src}" dst="{dst}" symmetrical="NO">'
                 f'<link_ctn id="{src}_{dst}"/></route>\n'
             )
     body = "".join(['<zone id="dln" routing="DijkstraCache">\n', *nodes, *links, *routes])
-    return body + "</zone>\n", switches, 2 + dln_diameter(switches)
+    route = [node, *[switch] * dln_diameter(switches), node]
+    return body + "</zone>\n", switches, route
 
 
 def dln_chords(switches: int) -> list[tuple[int, int]]:

@@ -13,7 +13,8 @@ costs it like any other and ``auto`` elsewhere never sees it.
 
 The cost model is given the platform as a ``Calibration`` (``calibration``): alpha and beta
 of a message inside a node and between nodes from the generated links (the farthest pair's
-route latency, the node link's bandwidth), no reduction cost. It predicts contention only on
+route: its links' latencies summed, its slowest link's bandwidth, per level where the platform
+has levels), no reduction cost. It predicts contention only on
 each node's own link (costmodel/model.py); what the simulation adds is the network's.
 """
 
@@ -195,12 +196,19 @@ def check_sparse(name: str, density: float) -> None:
 
 
 def sparse_model_time(name: str, platform: Platform, numel: int, nnz: int) -> float | None:
-    """The sparse cost model (algorithms/sparse/cost.py) on the platform's inter-node alpha and
-    beta, merges free as in the replay (None for an XML file)."""
+    """The sparse cost model (algorithms/sparse/cost.py) on the platform's inter-node and
+    intra-node alpha and beta, merges free as in the replay (None for an XML file)."""
     links = platform.links
     if links is None:
         return None
-    rates = sparse_cost.Rates(links.inter_alpha_s, links.inter_beta_s_per_byte, 0.0, 0.0)
+    rates = sparse_cost.Rates(
+        links.inter_alpha_s,
+        links.inter_beta_s_per_byte,
+        0.0,
+        0.0,
+        intra_alpha_s=links.intra_alpha_s,
+        intra_beta_s_per_byte=links.intra_beta_s_per_byte,
+    )
     topology = platform.topology()
     return sparse_cost.predict(name, platform.ranks, numel, nnz, topology, rates=rates).seconds
 

@@ -74,6 +74,74 @@ def test_units() -> None:
     assert platforms.seconds("0.5us") == pytest.approx(5e-7)
 
 
+def _link_bandwidths(xml: str) -> dict[str, float]:
+    return {
+        link.get("id", ""): float(link.get("bandwidth", "0").removesuffix("Bps"))
+        for link in _parse(xml).iter("link")
+    }
+
+
+def test_fat_tree_levels_have_their_own_bandwidths() -> None:
+    spec = "fat-tree:nodes=8,leaf=4,node-bw=100Gbps,node-lat=1us,spine-bw=25Gbps,spine-lat=2us"
+    p = platforms.generate(spec)
+    bandwidths = _link_bandwidths(p.xml)
+    node = {k: v for k, v in bandwidths.items() if k.startswith("n")}
+    spine = {k: v for k, v in bandwidths.items() if k.startswith("l")}
+    assert len(node) == 2 * 8 and set(node.values()) == {12.5e9}  # one link each way per node
+    assert len(spine) == 2 * 2 * 4 and set(spine.values()) == {3.125e9}  # 2 leaves x 4 spines
+    routes = {(r.get("src"), r.get("dst")): r for r in _parse(p.xml).iter("route")}
+    assert len(routes) == 8 * 7
+    same_leaf = [c.get("id") for c in routes[("node-0", "node-3")]]
+    assert same_leaf == ["n0-up", "n3-down"]
+    cross = [c.get("id") for c in routes[("node-1", "node-6")]]
+    assert cross == ["n1-up", "l0-s2-up", "l1-s2-down", "n6-down"]  # spine 6 mod 4
+    # the model's inter-node message: the farthest route's latencies, its slowest bandwidth
+    assert p.links is not None
+    assert p.links.inter_alpha_s == pytest.approx(2 * 1e-6 + 2 * 2e-6)
+    assert p.links.inter_beta_s_per_byte == pytest.approx(1 / 3.125e9)
+
+
+def test_fat_tree_with_default_levels_is_simgrids_cluster() -> None:
+    default = platforms.generate("fat-tree:nodes=8,leaf=4")
+    same = platforms.generate("fat-tree:nodes=8,leaf=4,node-bw=12.5GBps,spine-lat=0.5us")
+    assert default.xml == same.xml and default.links == same.links
+    assert 'topology="FAT_TREE"' in default.xml
+    assert (
+        platforms.generate("fat-tree:nodes=8,leaf=4,bw=10GBps").links
+        == platforms.generate("fat-tree:nodes=8,leaf=4,node-bw=10GBps,spine-bw=10GBps").links
+    )
+
+
+def test_dln_levels_have_their_own_bandwidths() -> None:
+    p = platforms.generate("dln:8,node-bw=50GBps,switch-bw=10GBps,switch-lat=1us")
+    bandwidths = _link_bandwidths(p.xml)
+    assert {v for k, v in bandwidths.items() if "node-" in k} == {50e9}
+    assert {v for k, v in bandwidths.items() if "node-" not in k} == {10e9}
+    assert p.links is not None
+    # node link in and out at the default 0.5 us, diameter 2 switch hops of 1 us
+    assert p.links.inter_alpha_s == pytest.approx(2 * 0.5e-6 + 2 * 1e-6)
+    assert p.links.inter_beta_s_per_byte == pytest.approx(1 / 10e9)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("fat-tree:nodes=4,spine-bw=0GBps", r"spine-bw '0GBps': expected a bandwidth > 0"),
+        ("fat-tree:nodes=4,node-bw=-5GBps", r"node-bw '-5GBps'"),
+        ("fat-tree:nodes=4,spine-lat=-1us", r"spine-lat '-1us': expected a latency >= 0"),
+        ("fat-tree:nodes=4,node-lat=soon", r"node-lat 'soon'"),
+        ("dln:8,switch-bw=fastGBps", r"switch-bw"),
+        ("torus:2x2,spine-bw=1GBps", r"torus: no per-level field spine-bw .*fat-tree: node"),
+        ("dragonfly:groups=2,node-lat=1us", r"dragonfly: no per-level field node-lat"),
+        ("fat-tree:nodes=4,switch-bw=1GBps", r"fat-tree: no per-level field switch-bw"),
+        ("flat:ranks=4,bw=0", r"bw '0'"),
+    ],
+)
+def test_bad_level_values_name_the_field(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        platforms.generate(spec)
+
+
 @pytest.mark.parametrize("switches, degree, diameter", [(8, 5, 2), (64, 11, 3), (256, 15, 4)])
 def test_dln_degree_and_diameter(switches: int, degree: int, diameter: int) -> None:
     chords = platforms.dln_chords(switches)

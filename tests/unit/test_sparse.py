@@ -225,6 +225,28 @@ def test_cost_model_sees_fill_in() -> None:
         cost.predict("ring", 4, n, 10)
 
 
+def test_cost_model_counts_the_ranks_sharing_a_node_link() -> None:
+    """16 ranks, 4 per node: DSAR's and the allgather's streams from the 4 GPUs of a node to
+    the other nodes all leave through the node's one link. One rank per node (no topology)
+    keeps every rank's own link, as before."""
+    n, nnz = 1 << 24, (1 << 24) // 100
+    rates = cost.Rates(1e-6, 1 / 12.5e9, 0.0, 0.0)
+    nodes = Topology(tuple(r // 4 for r in range(16)))
+    for name in ("dsar", "ssar_split_allgather", "allgather"):
+        alone = cost.predict(name, 16, n, nnz, None, rates=rates)
+        shared = cost.predict(name, 16, n, nnz, nodes, rates=rates)
+        # of a rank's 15 peers 12 are on other nodes: its node link carries 4 x 12 streams
+        assert shared.seconds > 2.5 * alone.seconds
+        assert shared.bytes_sent == alone.bytes_sent  # what one rank sends does not change
+    # the allgather by recursive doubling: 3 lists inside the node, then 4 x 12 across
+    pair = 8 * nnz * rates.beta_s_per_byte
+    allgather = cost.predict("allgather", 16, n, nnz, nodes, rates=rates).seconds
+    assert allgather == pytest.approx(4 * rates.alpha_s + (3 + 4 * 12) * pair, rel=1e-9)
+    # one node, or nodes of one rank: nothing shared
+    one = cost.predict("dsar", 4, n, nnz, Topology((0, 0, 0, 0)), rates=rates)
+    assert one.seconds == cost.predict("dsar", 4, n, nnz, None, rates=rates).seconds
+
+
 def test_prepare_sorts_and_sums_repeats() -> None:
     idx, val = prepare(torch.tensor([5, 1, 5, 3]), torch.tensor([1.0, 2.0, 3.0, 4.0]), 6)
     assert idx.dtype == torch.int32

@@ -9,7 +9,11 @@ k-th send from a to b with the k-th receive of b from a as MPI does, and records
 transfer how many ranks' entries each part of its range carries (and, for a receive, how many
 the receiver's own range held before it). A stream of e entries over L elements costs
 e (index + value bytes), or L value bytes once the policy switches to dense and that is
-smaller; a step costs alpha + beta max(bytes sent, received); a reducing step merges the
+smaller; a step costs alpha + beta max(bytes sent, received); with several ranks per node
+(a topology), the slower of its node's link (alpha + beta times the bytes the streams of all
+the node's ranks to or from other nodes carry in that step, the ranks assumed step-aligned as
+in the dense model) and the rank's own bytes at the intra-node alpha and beta (``Rates``,
+default the same); a reducing step merges the
 rank's own entries of each received range with the stream, in order (``merge_s_per_pair`` per
 pair, own + received; nothing once the range is dense: an add), a copying step only moves
 bytes; a selecting step (gtopk) then runs a top-k (~two merge passes) and keeps k entries.
@@ -53,6 +57,10 @@ class Rates:
     beta_s_per_byte: float = 1 / 3e9
     merge_s_per_pair: float = 1 / 150e6  # numba merge, 1%+1% of 4M: ~150 M pairs/s (own + in)
     scatter_s_per_entry: float = 1 / 300e6
+    # between ranks of one node, where the topology has several nodes (None: alpha_s, beta);
+    # alpha_s and beta_s_per_byte are then the node link's
+    intra_alpha_s: float | None = None
+    intra_beta_s_per_byte: float | None = None
 
     @classmethod
     def of(cls, cal: Calibration | None, path: Path | None = None) -> Rates:
@@ -137,6 +145,11 @@ class _Shape:
     receives: tuple[_Receive, ...]
     reduce: bool
     select: bool  # keeps the top k afterwards (policy ``select``, a step both ways)
+    # with several ranks per node: what the rank's node link carries in this step, out and in
+    # (every stream of the node's ranks to or from another node, as ``sends``)
+    shared: bool = False
+    link_out: tuple[tuple[int, int, Pieces], ...] = ()
+    link_in: tuple[tuple[int, int, Pieces], ...] = ()
 
 
 class _DryRun:
@@ -240,9 +253,49 @@ def _shapes(
     """The distinct step lists of the ranks under schedule ``name`` (``_DryRun``); cached per
     buffer, ``generation`` (the registry's) keeping a name registered again from the cache."""
     schedules = [_coalesced(sparse.schedule(name, r, size, numel, topology)) for r in range(size)]
-    run = _DryRun(schedules, numel, sparse.policy(name))
+    shared = topology is not None and 1 < topology.nodes < size
+    run = _DryRun(schedules, numel, sparse.policy(name), record=shared)
     run.run(name)
-    return tuple(dict.fromkeys(tuple(steps) for steps in run.shapes))
+    shapes = run.shapes
+    if shared and topology is not None and run.streams is not None:
+        shapes = _with_node_links(shapes, run.streams, topology)
+    return tuple(dict.fromkeys(tuple(steps) for steps in shapes))
+
+
+def _with_node_links(
+    shapes: list[list[_Shape]],
+    streams: list[list[tuple[list[_Stream], list[_Stream]]]],
+    topology: Topology,
+) -> list[list[_Shape]]:
+    """Each step told what its node's link carries then: the streams of all the node's ranks
+    to (from) other nodes in the same step, the ranks assumed step-aligned as in the dense
+    model (costmodel/model.py). Four GPUs of a node sending across at once share one link."""
+    node_of = topology.node_of
+    out: dict[tuple[int, int], Counter[tuple[int, Pieces]]] = {}
+    into: dict[tuple[int, int], Counter[tuple[int, Pieces]]] = {}
+    for r, steps in enumerate(streams):
+        for i, (sends, recvs) in enumerate(steps):
+            for found, transfers in ((out, sends), (into, recvs)):
+                counter = found.setdefault((node_of[r], i), Counter())
+                for peer, length, pieces in transfers:
+                    if node_of[peer] != node_of[r]:
+                        counter[length, pieces] += 1
+
+    def carried(found: Counter[tuple[int, Pieces]]) -> tuple[tuple[int, int, Pieces], ...]:
+        return tuple(sorted((n, length, p) for (length, p), n in found.items()))
+
+    return [
+        [
+            dataclasses.replace(
+                shape,
+                shared=True,
+                link_out=carried(out[node_of[r], i]),
+                link_in=carried(into[node_of[r], i]),
+            )
+            for i, shape in enumerate(steps)
+        ]
+        for r, steps in enumerate(shapes)
+    ]
 
 
 class _Density:
@@ -284,24 +337,69 @@ def _rank_cost(steps: tuple[_Shape, ...], d: _Density, r: Rates) -> tuple[float,
             received += wire(got, x.length)
             if st.reduce:
                 merged += d.merged(entries(x.own), got, x.length)
-        seconds += r.alpha_s + r.beta_s_per_byte * max(sent, received)
+        seconds += _transfer_time(st, max(sent, received), d, r)
         # a selecting step then runs torch.topk of the merged vector: ~ a merge pass or two
         seconds += (3 if st.select else 1) * r.merge_s_per_pair * merged
         total_sent += sent
     return seconds, total_sent
 
 
-def _allgather(size: int, numel: int, nnz: int, d: _Density, r: Rates) -> Prediction:
+def _transfer_time(st: _Shape, own_bytes: float, d: _Density, r: Rates) -> float:
+    """The step's transfers: the rank's own bytes each way, or on a node of several ranks
+    (``st.shared``), the slower of the node link (its ranks' streams to and from other nodes)
+    and the rank's own bytes at the intra-node rate (what it sends across is in the link's)."""
+    if not st.shared:
+        return r.alpha_s + r.beta_s_per_byte * own_bytes
+    link = max(
+        sum(n * d.wire(d.entries(pieces), length) for n, length, pieces in carried)
+        for carried in (st.link_out, st.link_in)
+    )
+    intra_alpha = r.alpha_s if r.intra_alpha_s is None else r.intra_alpha_s
+    intra_beta = r.beta_s_per_byte if r.intra_beta_s_per_byte is None else r.intra_beta_s_per_byte
+    if not (st.link_out or st.link_in):
+        return intra_alpha + intra_beta * own_bytes
+    return max(r.alpha_s + r.beta_s_per_byte * link, intra_alpha + intra_beta * own_bytes)
+
+
+def _allgather(
+    size: int, numel: int, nnz: int, d: _Density, r: Rates, topology: Topology | None = None
+) -> Prediction:
     """The native allgather: p - 1 lists in log2 p rounds, merged one after another, or
-    scatter-added into a dense buffer once p lists would be larger sparse."""
+    scatter-added into a dense buffer once p lists would be larger sparse. By recursive
+    doubling (MPI's on a power of two, and the simulator's trace) on nodes of g ranks each
+    (g a power of two, rank r on node r // g), the first log2 g rounds bring g - 1 lists
+    inside the node (intra-node rates), and in every later round all g ranks send across at
+    once: the node's link carries g (p - g) lists, not p - g (16 ranks, 4 per node: 48)."""
     sent = (size - 1) * nnz * d.pair
-    seconds = math.ceil(math.log2(size)) * r.alpha_s + r.beta_s_per_byte * sent
+    g = _ranks_per_node(topology)
+    if g > 1 and size & (size - 1) == 0:
+        intra_alpha = r.alpha_s if r.intra_alpha_s is None else r.intra_alpha_s
+        intra_beta = (
+            r.beta_s_per_byte if r.intra_beta_s_per_byte is None else r.intra_beta_s_per_byte
+        )
+        inside = math.log2(g) * intra_alpha + intra_beta * (g - 1) * nnz * d.pair
+        across = (
+            math.log2(size // g) * r.alpha_s + r.beta_s_per_byte * g * (size - g) * nnz * d.pair
+        )
+        seconds = inside + across
+    else:
+        seconds = math.ceil(math.log2(size)) * r.alpha_s + r.beta_s_per_byte * sent
     if size * nnz * d.pair >= numel * d.vb:
         seconds += r.scatter_s_per_entry * size * nnz
     else:
         merged = sum(d.entries(((numel, j),)) + nnz for j in range(1, size))
         seconds += r.merge_s_per_pair * merged
     return Prediction(seconds, sent)
+
+
+def _ranks_per_node(topology: Topology | None) -> int:
+    """g when the topology is several nodes of g ranks each, g a power of two, rank r on node
+    r // g (how recursive doubling meets the nodes); 1 otherwise."""
+    if topology is None or not 1 < topology.nodes < topology.size:
+        return 1
+    g = topology.size // topology.nodes
+    node_major = topology.node_of == tuple(r // g for r in range(topology.size))
+    return g if node_major and g & (g - 1) == 0 else 1
 
 
 def predict(
@@ -324,7 +422,7 @@ def predict(
     r = rates or calibrated(size)
     d = _Density(numel, nnz, value_bytes, index_bytes, sparse.policy(name).switch)
     if name in sparse.NATIVE:
-        return _allgather(size, numel, nnz, d, r)
+        return _allgather(size, numel, nnz, d, r, topology)
     seconds = sent = 0.0
     for steps in _shapes(name, size, numel, topology, sparse.generation()):
         rank_seconds, rank_sent = _rank_cost(steps, d, r)
