@@ -57,6 +57,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -292,6 +293,7 @@ def calibrate_cluster(args: argparse.Namespace, rate: str, hosts: int, per_host:
         launcher, "-np", str(hosts * per_host), "-H", _hostlist(hosts, per_host),
         sys.executable, "-m", "commlayer.cli", "calibrate", "--out", str(path),
     ]  # fmt: skip
+    load = wait_quiet(args.quiet_load, args.quiet_wait_s)
     t0 = time.monotonic()
     done = subprocess.run(
         command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -299,7 +301,12 @@ def calibrate_cluster(args: argparse.Namespace, rate: str, hosts: int, per_host:
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
-    print(f"calibrated {rate} {hosts}x{per_host} in {time.monotonic() - t0:.0f} s: {path}")
+    print(
+        f"calibrated {rate} {hosts}x{per_host} in {time.monotonic() - t0:.0f} s after "
+        f"{load['waited_s']:.0f} s of quiet wait, other jobs' runnable threads before "
+        f"{load['runnable']:.1f}, after {runnable_now(1.0, 10):.1f}: {path}",
+        flush=True,
+    )
     return path
 
 
@@ -314,6 +321,8 @@ def measure_cluster(args: argparse.Namespace) -> tuple[list[Any], list[dict[str,
     records: list[dict[str, Any]] = []
     cals: list[Any] = []
     hosts_needed = max(h for h, _ in args.cluster)
+    # a SIGTERM (a background job's kill) unwinds through the finally: the cluster comes down
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         _cluster("up", str(hosts_needed), "--rate", args.rates[0])
         for rate in args.rates:
