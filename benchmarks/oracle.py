@@ -193,6 +193,17 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--quiet-load", type=float, help="wait for at most this many runnable")
     parser.add_argument("--quiet-wait-s", type=float, default=120.0)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    # The profile runs under the glibc malloc thresholds commlayer.init() sets in every measured
+    # run (train.py's "+malloc": glibc's own variables). Without them the one process unmaps
+    # and faults in its gradients every step: 2026-11-26, quiet, 3 runs each: MLP 37.5-41.2 ms
+    # plain, 28.0-29.3 with the thresholds, 30.5-31.7 commlayer at 1 rank; ResNet 281-299,
+    # 252-259, 262-267. The plain profile put every prediction 12-15% high.
+    parser.add_argument(
+        "--profile",
+        choices=("single+malloc", "single"),
+        default="single+malloc",
+        help="train.py worker for the one-process profile",
+    )
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--measured", help="train.py's table to read instead of running")
     parser.add_argument(
@@ -223,7 +234,7 @@ def measure_one(
     the cluster), and the load after; predicted on each of ``plats`` ("cores", "gpu")."""
     ranks = plats["cores"].max_gpus
     load = wait_quiet(args.quiet_load, args.quiet_wait_s)
-    single_ms = float(train.run_one(args, "single", model, 1)["step_ms"])
+    single_ms = float(train.run_one(args, args.profile, model, 1)["step_ms"])
     run = train.run_one(args, "commlayer", model, ranks, hosts)
     after = runnable_now(1.0, 10)
     net = profiled_net(model, single_ms / 1e3 / args.batch)
@@ -356,7 +367,7 @@ def _command(args: argparse.Namespace) -> str:
     )
     return (
         f"`python benchmarks/oracle.py {where} --models {','.join(args.models)} --steps "
-        f"{args.steps} --warmup {args.warmup} --rounds {args.rounds}"
+        f"{args.steps} --warmup {args.warmup} --rounds {args.rounds} --profile {args.profile}"
         + (f" --quiet-load {args.quiet_load} --quiet-wait-s {args.quiet_wait_s:.0f}"
            if args.quiet_load else "")
         + (f" --measured {args.measured}`" if args.measured else "`")
@@ -416,7 +427,7 @@ def report(args: argparse.Namespace, cals: list[Any], records: list[dict[str, An
         "",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()},"
         f" {args.cores} cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
-        f"niceness {os.nice(0)}, {args.rounds} round(s); "
+        f"niceness {os.nice(0)}, {args.rounds} round(s), profile `{args.profile}`; "
         + (
             f"steps read from the first table of {args.measured}"
             if args.measured
