@@ -311,7 +311,11 @@ _GLIBC_THRESHOLDS = {
 }
 
 
-def run_one(args: argparse.Namespace, system: str, model: str, ranks: int) -> dict[str, Any]:
+def run_one(
+    args: argparse.Namespace, system: str, model: str, ranks: int, hosts: str | None = None
+) -> dict[str, Any]:
+    """One job's RESULT; ``hosts`` (``node1:2,node2:2``): commlayer across the namespace
+    cluster's hosts, started by ``commlayerrun -H`` as on real machines."""
     worker = system.removesuffix(MALLOC_CONTROL)
     command = [
         sys.executable, __file__, "--worker", worker, "--model", model,
@@ -321,6 +325,9 @@ def run_one(args: argparse.Namespace, system: str, model: str, ranks: int) -> di
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", str(ranks), *command[1:]]  # fmt: skip
         command[command.index("--worker") + 1] = "commlayer"
+    elif hosts is not None:
+        launcher = os.path.join(sysconfig.get_path("scripts"), "commlayerrun")
+        command = [launcher, "-np", str(ranks), "-H", hosts, *command]
     elif system != "single":
         command = [_mpiexec(), "-n", str(ranks), *command]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -554,3 +554,21 @@ def test_cli_errors_name_the_line(
     assert "bad.net:8:" in capsys.readouterr().err
     assert cli.main(["oracle", "--plat", str(files["toy.plat"])]) == 2
     assert "--net FILE or --model" in capsys.readouterr().err
+
+
+def test_the_namespace_cluster_splits_the_machines_cores_among_its_hosts() -> None:
+    """benchmarks/oracle.py --cluster: the hosts are namespaces of one machine, so 2 hosts on
+    2 cores get 1 core each: 2 x 1 ranks compute at full speed, 2 x 2 at half."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "oracle.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_oracle", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    one_each = bench.cluster_platform(2, 1, "1gbit", 2)
+    two_each = bench.cluster_platform(2, 2, "10gbit", 2)
+    assert (one_each.gpus_per_node, one_each.cores_per_node) == (1, 1)
+    assert one_each.ranks_per_core(2) == 1.0 and two_each.ranks_per_core(4) == 2.0
+    assert (one_each.bandwidth_bytes_s, two_each.bandwidth_bytes_s) == (125e6, 1.25e9)
+    assert bench.cluster_platform(2, 2, "1gbit", None).ranks_per_core(4) == 1.0
