@@ -404,6 +404,12 @@ record = {"rank": rank, "size": size, "host": socket.gethostname(), "local": loc
           "exact": bool((big == size * (size + 1) / 2).all()), "link_bytes": moved}
 # one write of the whole line: the ranks of a host share the agent's pipe
 os.write(1, ("RECORD " + json.dumps(record) + "\\n").encode())
+# gloo's threads must stop before the interpreter exits: without it a worker can abort at
+# exit ("terminate called without an active exception", SIGABRT), failing its agent
+if sys.argv[1] == "torchrun":
+    dist.destroy_process_group()
+else:
+    hvd.shutdown()
 """
 
 
