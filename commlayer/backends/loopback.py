@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
+from commlayer.backends.peers import indices
 from commlayer.errors import CommlayerError, ShutdownError
 from commlayer.reduce_ops import SUPPORTED_OPS, ReduceOp, reduce_into
 
@@ -514,9 +515,7 @@ class LoopbackBackend:
         return req.result  # type: ignore[no-any-return]
 
     def nodes(self) -> list[int]:
-        raw = [self._group.world.node_of[m] for m in self._group.members]
-        first: dict[int, int] = {}
-        return [first.setdefault(node, len(first)) for node in raw]
+        return indices(self._group.world.node_of[m] for m in self._group.members)
 
     def hosts(self) -> list[str]:
         return [f"loopback-node{node}" for node in self.nodes()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Hashable, Iterable
 from pathlib import Path
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -20,9 +21,10 @@ def machine_id() -> str:
         return socket.gethostname()
 
 
-def indices(keys: list[str]) -> list[int]:
-    """Each key's index among the distinct keys, in order of first appearance."""
-    first: dict[str, int] = {}
+def indices(keys: Iterable[Hashable]) -> list[int]:
+    """Each key's index among the distinct keys, in order of first appearance (the backends'
+    ``nodes`` and ``machines``)."""
+    first: dict[Hashable, int] = {}
     return [first.setdefault(key, len(first)) for key in keys]
 
 

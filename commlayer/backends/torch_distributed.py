@@ -242,8 +242,7 @@ class TorchBackend:
         dist.all_gather_object(peers, me, group=self._group)
         self._peers: list[tuple[str, int]] = [(host, pid) for host, pid, _ in peers]
         self._machines = indices([machine for _, _, machine in peers])
-        order = list(dict.fromkeys(host for host, _ in self._peers))
-        self._nodes = [order.index(host) for host, _ in self._peers]
+        self._nodes = indices(host for host, _ in self._peers)
         # one waiter per lane (module docstring, 2.): a send waits for its receiver to post,
         # and a receive that completes lets the engine post the next (a sized message's body):
         # in one lane a send waited for first would hold back that receive, on both ranks
