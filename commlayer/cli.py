@@ -4,6 +4,8 @@ strategy to use.
 
 mpiexec -n 2 commlayer calibrate [--quick] [--out FILE]
 commlayer algorithms --size 64MiB [--ranks 2] [--file FILE]
+commlayer algorithms --platform torus:8x8x4 --gpus-per-node 4 --size 1MiB,64MiB \
+    [--sim-table simulated.jsonl]
 commlayer simulate --algorithm ring,shd,auto --platform fat-tree:gpus-per-node=4 \
     --ranks 64,256 --size 1MiB,32MiB [--out r.md] [--plot r.png] [--format json]
 commlayer oracle --net resnet50.net --plat abci.plat --gpus 1-1024 --batch-per-gpu 64
@@ -75,6 +77,17 @@ def calibrate(args: argparse.Namespace) -> int:
 
 
 def algorithms_table(args: argparse.Namespace) -> int:
+    from commlayer.sim import cli as sim_cli
+
+    if args.platform:
+        return sim_cli.predict(args)
+    if args.sim_table or args.hostfile or args.gpus_per_node or args.format != "table":
+        print(
+            "commlayer algorithms: --sim-table, --hostfile, --gpus-per-node and --format need "
+            "--platform (without it the table is read from a local calibration)",
+            file=sys.stderr,
+        )
+        return 2
     path = Path(args.file) if args.file else None
     found = costmodel.load_all(path)
     if args.ranks is not None:
@@ -89,7 +102,7 @@ def algorithms_table(args: argparse.Namespace) -> int:
         )
         return 1
     for cal in found:
-        _print_table(cal, [args.size])
+        _print_table(cal, args.size)
     return 0
 
 
@@ -106,12 +119,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     cal.add_argument("--out", help=f"calibration file (default {costmodel.default_path()})")
     cal.set_defaults(run=calibrate)
-    table = sub.add_parser("algorithms", help="predicted time of every algorithm for a size")
-    table.add_argument("--size", type=_bytes, default=64 << 20, help="bytes, e.g. 64MiB")
-    table.add_argument("--ranks", type=int, help="only the calibration for this many ranks")
-    table.add_argument("--file", help="calibration file to read")
-    table.set_defaults(run=algorithms_table)
     from commlayer.sim import cli as sim_cli
+
+    table = sub.add_parser(
+        "algorithms",
+        help="predicted time of every algorithm: from the local calibration, or on a platform "
+        "(--platform), corrected by simulated tables (--sim-table)",
+    )
+    table.add_argument(
+        "--size", type=sim_cli._list(_bytes, "size"), default=[64 << 20], help="e.g. 1MiB,64MiB"
+    )
+    table.add_argument(
+        "--ranks", type=int, help="only the calibration for this many ranks; with --platform: "
+        "the ranks placed on it"
+    )  # fmt: skip
+    table.add_argument("--file", help="calibration file to read")
+    sim_cli.add_predict_arguments(table)
+    table.set_defaults(run=algorithms_table)
 
     sim = sub.add_parser(
         "simulate",

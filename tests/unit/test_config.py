@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from commlayer import config
 from commlayer.config import Config
 from commlayer.errors import ConfigError
 
+SIM_TABLE = Path(__file__).with_name("sim_table_one_node.jsonl")
 DEFAULTS = {
     "fusion_threshold_bytes": 64 * 1024 * 1024,
     "min_bucket_bytes": 1024 * 1024,
@@ -35,6 +37,7 @@ DEFAULTS = {
     "init_timeout_s": 60.0,
     "collective_timeout_s": 60.0,
     "backend": "auto",
+    "sim_table": "",
 }
 
 # (variable, text, Config field, parsed value)
@@ -100,6 +103,7 @@ GOOD = [
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "0", "collective_timeout_s", 0.0),
     ("COMMLAYER_BACKEND", " Torch ", "backend", "torch"),
     ("COMMLAYER_BACKEND", "mpi", "backend", "mpi"),
+    ("COMMLAYER_SIM_TABLE", str(SIM_TABLE), "sim_table", str(SIM_TABLE)),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -167,6 +171,7 @@ BAD = [
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "-1", "a finite number >= 0 (0 disables)"),
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "inf", "a finite number >= 0 (0 disables)"),
     ("COMMLAYER_BACKEND", "nccl", "one of auto, mpi, torch"),
+    ("COMMLAYER_SIM_TABLE", "/no/such/table.jsonl", "/no/such/table.jsonl: cannot read"),
 ]
 
 
