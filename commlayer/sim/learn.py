@@ -16,7 +16,8 @@ an (algorithm, platform, ranks, size) a prediction is, in this order:
    recomputed with today's model for every row, read in log space:
    a. at each rank count of the family's rows, interpolated linearly in log(size) between the
       two nearest sizes, held at the nearest one outside the sizes simulated;
-   b. across rank counts, linearly in log(ranks) between the two nearest; beyond the largest
+   b. across rank counts (this one and those simulated at sizes on both sides of this one, if
+      any; else all), linearly in log(ranks) between the two nearest; beyond the largest
       (or below the smallest) extrapolated along the line of the two nearest, for at most the
       distance between them (then held): contention that grew from 64 to 256 ranks is assumed
       to grow as much again up to 1024, not for ever. One rank count: held.
@@ -237,9 +238,16 @@ class Table:
                 levels.setdefault(r.ranks, []).append(point)
         if not levels:
             return None
+        x = math.log2(size_bytes)
+        # this rank count, and those simulated around this size: a count simulated only at
+        # other sizes says little here (a 4096-rank DLN point at 1 MiB pulled 1024 x 32 MiB
+        # off by 8%)
+        covering = [
+            p for p in levels if p == ranks or min(levels[p])[0] <= x <= max(levels[p])[0]
+        ]
         by_ranks = [
-            (math.log2(p), _interpolate(sorted(levels[p]), math.log2(size_bytes), False))
-            for p in sorted(levels)
+            (math.log2(p), _interpolate(sorted(levels[p]), x, False))
+            for p in sorted(covering or levels)
         ]
         return math.exp(_interpolate(by_ranks, math.log2(ranks), self.extrapolate))
 
