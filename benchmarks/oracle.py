@@ -307,36 +307,22 @@ def calibrate_cluster(args: argparse.Namespace, rate: str, hosts: int, per_host:
     path = Path(args.out or HERE / "results" / "oracle_cluster.md")
     path = path.with_name(f"{path.stem}_{rate}_{hosts}x{per_host}.calibration.json")
     launcher = os.path.join(sysconfig.get_path("scripts"), "commlayerrun")
-    command = [
-        launcher, "-np", str(hosts * per_host), "-H", _hostlist(hosts, per_host),
-        sys.executable, "-m", "commlayer.cli", "calibrate", "--out", str(path),
-    ]  # fmt: skip
-    load = wait_quiet(args.quiet_load, args.quiet_wait_s)
-    t0 = time.monotonic()
-    done = subprocess.run(
-        command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-        timeout=args.timeout_s,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
-    print(
-        f"calibrated {rate} {hosts}x{per_host} in {time.monotonic() - t0:.0f} s after "
-        f"{load['waited_s']:.0f} s of quiet wait, other jobs' runnable threads before "
-        f"{load['runnable']:.1f}, after {runnable_now(1.0, 10):.1f}: {path}",
-        flush=True,
-    )
-    return path
+    start = [launcher, "-np", str(hosts * per_host), "-H", _hostlist(hosts, per_host)]
+    return _calibrate(args, start, path, f"{rate} {hosts}x{per_host}")
 
 
 def calibrate_here(args: argparse.Namespace, ranks: int) -> Path:
-    """``commlayer calibrate`` at ``ranks`` on this machine, after a quiet wait; its file."""
+    """``commlayer calibrate`` at ``ranks`` on this machine; the file it wrote."""
     path = Path(args.out or HERE / "results" / "oracle_data_parallel.md")
     path = path.with_name(f"{path.stem}_np{ranks}.calibration.json")
     path.unlink(missing_ok=True)
-    command = [
-        "mpiexec", "-n", str(ranks), sys.executable, "-m", "commlayer.cli", "calibrate",
-        "--out", str(path),
-    ]  # fmt: skip
+    return _calibrate(args, ["mpiexec", "-n", str(ranks)], path, f"{ranks} ranks")
+
+
+def _calibrate(args: argparse.Namespace, start: list[str], path: Path, what: str) -> Path:
+    """``commlayer calibrate --out path`` started by ``start`` (a launcher and its arguments),
+    after a quiet wait; says how long it took and under what load."""
+    command = [*start, sys.executable, "-m", "commlayer.cli", "calibrate", "--out", str(path)]
     load = wait_quiet(args.quiet_load, args.quiet_wait_s)
     t0 = time.monotonic()
     done = subprocess.run(
@@ -346,8 +332,9 @@ def calibrate_here(args: argparse.Namespace, ranks: int) -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
     print(
-        f"calibrated {ranks} ranks in {time.monotonic() - t0:.0f} s, other jobs' runnable "
-        f"threads before {load['runnable']:.1f}, after {runnable_now(1.0, 10):.1f}: {path}",
+        f"calibrated {what} in {time.monotonic() - t0:.0f} s after "
+        f"{load['waited_s']:.0f} s of quiet wait, other jobs' runnable threads before "
+        f"{load['runnable']:.1f}, after {runnable_now(1.0, 10):.1f}: {path}",
         flush=True,
     )
     return path
