@@ -14,6 +14,7 @@ commlayer oracle --net resnet50.net --plat abci.plat --gpus 1-1024 --batch-per-g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +32,8 @@ def _print_table(cal: costmodel.Calibration, sizes: Sequence[int]) -> None:
         f"# predicted allreduce time, {cal.size} ranks on {cal.nodes} node(s), calibrated "
         f"{cal.date} on {cal.host}: alpha {cal.alpha_s * 1e6:.1f} us, beta "
         f"{1 / cal.beta_s_per_byte / 1e9:.2f} GB/s, reduce {1 / cal.gamma_s_per_byte / 1e9:.2f} "
-        f"GB/s, copy {1 / cal.copy_s_per_byte / 1e9:.2f} GB/s"
+        f"GB/s, copy {1 / cal.copy_s_per_byte / 1e9:.2f} GB/s, engine "
+        f"{cal.op_latency_s * 1e6:,.0f} us a collective call"
     )
     for nbytes in sizes:
         rows = costmodel.table(nbytes, cal)
@@ -40,6 +42,36 @@ def _print_table(cal: costmodel.Calibration, sizes: Sequence[int]) -> None:
             f"{name} {seconds * 1e6:,.0f} us ({seconds / best:.2f}x)" for name, seconds in rows
         )
         print(f"{nbytes:>12,} B: {cells}")
+
+
+def _engine_op_latency_s(cal: costmodel.Calibration, quick: bool) -> float:
+    """commlayer's engine per collective call (``Calibration.op_latency_s``): the median
+    blocking 4-byte allreduce through the engine (``commlayer.init``, as training runs it),
+    the slowest rank's, less the fastest native allreduce of the smallest size the calibration measured."""
+    import statistics
+    import time
+
+    import torch
+
+    import commlayer
+
+    commlayer.init()
+    try:
+        one = torch.zeros(1)
+        for _ in range(10):  # the first calls negotiate and tune
+            commlayer.allreduce(one, name="commlayer.calibrate.op_latency")
+        times = []
+        for _ in range(20 if quick else 60):
+            start = time.perf_counter()
+            commlayer.allreduce(one, name="commlayer.calibrate.op_latency")
+            times.append(time.perf_counter() - start)
+        mine = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        slowest = float(commlayer.allreduce(mine, op=commlayer.Max, name="commlayer.calibrate.op"))
+    finally:
+        commlayer.shutdown()
+    # the natives' smallest point (1 KiB) is a latency, as 4 bytes' is
+    native = [points[0][1] for points in cal.native.values() if points]
+    return max(0.0, slowest - min(native, default=0.0))
 
 
 def calibrate(args: argparse.Namespace) -> int:
@@ -59,6 +91,7 @@ def calibrate(args: argparse.Namespace) -> int:
         return 2
     cal = costmodel.calibrate(backend, quick=args.quick, topology=topo)
     backend.close()
+    cal = dataclasses.replace(cal, op_latency_s=_engine_op_latency_s(cal, args.quick))
     if backend.rank == 0:
         path = costmodel.save(cal, Path(args.out) if args.out else None)
         print(f"saved to {path}")
