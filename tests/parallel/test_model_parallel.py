@@ -202,25 +202,28 @@ def _example() -> Any:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "model_ways", "micro"),
+    ("strategy", "model_ways", "micro", "cuts"),
     [
-        ("data+filter", 2, 1),
-        ("data+spatial", 2, 1),
-        ("data+filter", 1, 1),
-        ("data+spatial", "all", 1),
-        ("pipeline", 1, 1),
-        ("pipeline", 1, 3),
-        ("pipeline", 1, 8),
+        ("data+filter", 2, 1, None),
+        ("data+spatial", 2, 1, None),
+        ("data+filter", 1, 1, None),
+        ("data+spatial", "all", 1, None),
+        ("pipeline", 1, 1, None),
+        ("pipeline", 1, 3, None),
+        ("pipeline", 1, 8, None),
+        ("pipeline", 1, 5, "2"),  # 2 ranks only: [conv1, conv2], [fc]
     ],
 )
-def test_example_matches_one_process(strategy: str, model_ways: int | str, micro: int) -> None:
+def test_example_matches_one_process(
+    strategy: str, model_ways: int | str, micro: int, cuts: str | None
+) -> None:
     """examples/model_parallel_cnn.py's training, 3 steps of SGD in float64: the losses as one
     process's at every step (its ``--check``, rank 0's worst difference sent to all)."""
     example = _example()
     size = cl.size()
     ways = size if model_ways == "all" else int(model_ways)
     args = argparse.Namespace(
-        strategy=strategy, model_ways=ways, micro_batches=micro, cuts=None, channels=4,
+        strategy=strategy, model_ways=ways, micro_batches=micro, cuts=cuts, channels=4,
         size=6, batch=12, steps=3, warmup=0, check=True, dtype="float64",
     )  # fmt: skip
     problem = example.arguments_problem(args, size)
