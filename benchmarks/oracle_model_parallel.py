@@ -7,7 +7,11 @@
 2. Predict, per strategy and rank count: ``oracle.predict`` with the split layers as the
    example splits them (filter and spatial: both convolutions; channel: the second), the
    batch as it runs it (model parallelism: every rank the whole batch, ``--batch-per-gpu B``;
-   data: B / ranks each), communication from this machine's committed calibrations.
+   data: B / ranks each; data+filter and data+spatial: groups of ``--model-ways`` ranks,
+   B / groups each, measured where there are at least 2 groups; pipeline: B / ranks per rank
+   as GPipe's ``b p``, ``--micro-batches``, the example cut where the oracle cuts, measured
+   where the 3 layers give every rank a stage), communication from this machine's committed
+   calibrations.
 3. Measure: the example under ``mpiexec -n N``, median step.
 Accuracy 1 - |predicted - measured| / measured; and whether the oracle ranks the strategies
 as measured. This machine is the platform: one node of ``--cores`` cores (CORES_PER_NODE:
@@ -46,16 +50,40 @@ from commlayer import costmodel  # noqa: E402
 from commlayer import oracle as cl_oracle  # noqa: E402
 from commlayer.oracle import torchmodel  # noqa: E402
 
-STRATEGIES = ("data", "filter", "channel", "spatial")
+STRATEGIES = ("data", "filter", "channel", "spatial", "pipeline", "data+filter", "data+spatial")
 
 
-def run_example(strategy: str, ranks: int, args: argparse.Namespace) -> float:
+def applies(strategy: str, ranks: int, args: argparse.Namespace) -> bool:
+    """Whether the example runs ``strategy`` at ``ranks`` (a hybrid: with 2 groups or more)."""
+    from model_parallel_cnn import arguments_problem
+
+    run = argparse.Namespace(**{**vars(args), "strategy": strategy, "cuts": None})
+    if strategy.startswith("data+") and ranks < 2 * args.model_ways:
+        return False
+    return arguments_problem(run, ranks) is None
+
+
+def cuts_of(net: cl_oracle.Net, ranks: int) -> str:
+    """The oracle's pipeline stages (balanced compute) as the example's ``--cuts``."""
+    times = net.layer_times_s(1.0, per_layer=True)
+    parts = cl_oracle.model.stages(times, ranks)
+    if parts is None:
+        raise ValueError(f"pipeline: no {ranks} stages of {len(times)} layers")
+    return ",".join(str(first) for first, _ in parts[1:])
+
+
+def run_example(
+    strategy: str, ranks: int, args: argparse.Namespace, cuts: str | None = None
+) -> float:
     command = [
         "mpiexec", "-n", str(ranks), sys.executable, str(EXAMPLE), "--strategy", strategy,
         "--dtype", "float32", "--batch", str(args.batch), "--size", str(args.size),
         "--channels", str(args.channels), "--steps", str(args.steps),
-        "--warmup", str(args.warmup),
+        "--warmup", str(args.warmup), "--model-ways", str(args.model_ways),
+        "--micro-batches", str(args.micro_batches),
     ]  # fmt: skip
+    if cuts:
+        command += ["--cuts", cuts]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     for line in done.stdout.splitlines():
@@ -148,7 +176,7 @@ def net_of(
 
 def mask_of(net: cl_oracle.Net, strategy: str) -> tuple[bool, ...]:
     split = {"filter": ("conv1", "conv2"), "spatial": ("conv1", "conv2"), "channel": ("conv2",)}
-    names = split.get(strategy, ())
+    names = split.get(strategy.removeprefix("data+"), ("conv1", "conv2"))
     return tuple(any(la.name.endswith(n) for n in names) for la in net.layers)
 
 
@@ -160,10 +188,16 @@ def predict_s(
     cals: list,
     op_latency_s: float,
 ) -> float:
-    per_gpu = args.batch // ranks if strategy == "data" else args.batch
+    per_gpu: float = args.batch
+    if strategy in ("data", "pipeline"):  # pipeline: B = b p
+        per_gpu = args.batch / ranks
+    elif strategy.startswith("data+"):
+        per_gpu = args.batch / (ranks // args.model_ways)
     (row,) = cl_oracle.predict(
-        net, this_machine(ranks, args.cores), strategy, [ranks], batch_per_gpu=per_gpu,
+        net, this_machine(ranks, args.cores), strategy, [ranks],
+        batch_per_gpu=per_gpu,  # type: ignore[arg-type]
         mask=mask_of(net, strategy), calibrations=cals, op_latency_s=op_latency_s,
+        micro_batches=args.micro_batches, model_ways=args.model_ways,
     )  # fmt: skip
     return row.iter_s
 
@@ -177,6 +211,14 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model-ways", type=int, default=2, help="hybrids' group size")
+    parser.add_argument("--micro-batches", type=int, default=4, help="pipeline's GPipe m")
+    parser.add_argument(
+        "--strategies",
+        type=lambda s: s.split(","),
+        default=list(STRATEGIES),
+        help="comma list of " + ", ".join(STRATEGIES),
+    )
     parser.add_argument("--quiet-load", type=float, help="wait for at most this many runnable")
     parser.add_argument("--quiet-wait-s", type=float, default=120.0)
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
@@ -191,15 +233,19 @@ def measure(args: argparse.Namespace, cals: list, shares: dict[str, float]) -> l
     records = []
     for round_ in range(args.rounds):
         for ranks in args.np:
-            for strategy in STRATEGIES:
+            for strategy in args.strategies:
+                if not applies(strategy, ranks, args):
+                    continue
                 load = wait_quiet(args.quiet_load, args.quiet_wait_s)
                 single_s = run_example("data", 1, args)
                 op_latency_s = engine_op_latency_s(ranks)
-                measured_s = run_example(strategy, ranks, args)
-                after = runnable_now(1.0, 10)
                 net = net_of(args, single_s / args.batch, shares)
+                cuts = cuts_of(net, ranks) if strategy == "pipeline" else None
+                measured_s = run_example(strategy, ranks, args, cuts)
+                after = runnable_now(1.0, 10)
                 record = {
-                    "round": round_, "strategy": strategy, "ranks": ranks,
+                    "round": round_, "strategy": strategy, "ranks": ranks, "cuts": cuts,
+                    "model_ways": args.model_ways, "micro_batches": args.micro_batches,
                     "profile_s": single_s, "load": load, "load_after": after,
                     "quiet": args.quiet_load is not None
                     and max(load["runnable"], after) <= args.quiet_load,
@@ -216,7 +262,7 @@ def measure(args: argparse.Namespace, cals: list, shares: dict[str, float]) -> l
 
 
 def _order(records: list[dict], key: str) -> list[str]:
-    return sorted(STRATEGIES, key=lambda s: next(r[key] for r in records if r["strategy"] == s))
+    return [r["strategy"] for r in sorted(records, key=lambda r: r[key])]
 
 
 def report(args: argparse.Namespace, records: list[dict]) -> str:
@@ -234,7 +280,8 @@ def report(args: argparse.Namespace, records: list[dict]) -> str:
         "",
         f"`python benchmarks/oracle_model_parallel.py --np {','.join(map(str, args.np))} "
         f"--batch {args.batch} --size {args.size} --channels {args.channels} "
-        f"--steps {args.steps} --rounds {args.rounds}"
+        f"--steps {args.steps} --rounds {args.rounds} --model-ways {args.model_ways} "
+        f"--micro-batches {args.micro_batches} --strategies {','.join(args.strategies)}"
         + (f" --quiet-load {args.quiet_load}" if args.quiet_load else "")
         + (f" --repredict {args.repredict}`" if args.repredict else "`"),
         "",
@@ -255,6 +302,8 @@ def report(args: argparse.Namespace, records: list[dict]) -> str:
         )
         for strategy in STRATEGIES:
             rs = [r for r in at if r["strategy"] == strategy]
+            if not rs:
+                continue
             lines.append(
                 f"| {strategy} | {ranks} | {spread([r['measured_s'] for r in rs], scale=1e3)} | "
                 f"{spread([r['plain_s'] for r in rs], scale=1e3)} | "
@@ -266,6 +315,8 @@ def report(args: argparse.Namespace, records: list[dict]) -> str:
     for ranks in args.np:
         for round_ in range(args.rounds):
             rs = [r for r in records if r["ranks"] == ranks and r["round"] == round_]
+            if not rs:
+                continue
             measured, predicted = _order(rs, "measured_s"), _order(rs, "latency_s")
             same = "same" if measured == predicted else "different"
             lines.append(

@@ -16,6 +16,18 @@ them every rank computes the same thing, so every rank holds the same output gra
 Slices are ``shard(n, rank, size)``: rank r holds [n r / size, n (r + 1) / size).
 ``FilterParallelConv2d``, ``ChannelParallelConv2d`` and ``SpatialParallelConv2d`` wrap a
 ``torch.nn.Conv2d`` (its weights sliced, copied from the full layer) with them.
+
+4. hybrids (data+filter, data+spatial): ``grid(model_ways)`` registers the process sets, the
+   ranks as size / model_ways groups of model_ways consecutive ranks (filter or spatial inside a
+   group, the layers above given the group's set) and model_ways data-parallel sets across
+   the groups (the gradients averaged there);
+5. pipeline: ``send`` and ``recv`` within a 2-rank process set, differentiable. The engine has
+   no point-to-point operation; both are one alltoall in the pair in which only the sender
+   brings rows (splits [0, n] or [n, 0]; the receiver brings none). The alltoall's own backward
+   (an alltoall with the received splits) carries the gradient back the other way, so nothing
+   else is needed, and exactly the activation's bytes go over the wire. A broadcast in the pair
+   would do the forward too, but its backward (a sum to the root) is not a send, and the
+   receiver would have to bring a zero tensor of the full size.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commlayer import functions, ops
+from commlayer import functions, ops, runtime
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import ReduceOp
 
@@ -212,3 +224,63 @@ class SpatialParallelConv2d(nn.Module):
     def forward(self, x: torch.Tensor) -> Any:
         x = halo_exchange(x, self.halo, -1, self.process_set)
         return F.conv2d(x, self.weight, self.bias, 1, (self.padding_h, 0))
+
+
+def grid(model_ways: int) -> tuple[ProcessSet, ProcessSet]:
+    """Hybrid parallelism's process sets, registered on every rank (collective, every rank calls
+    it with the same ``model_ways``): groups of ``model_ways`` consecutive ranks (the model
+    split inside one: filter or spatial) and, across the groups, the data-parallel sets of the
+    ranks at the same place in their group. Returns (this rank's group, its data set)."""
+    rank, size = runtime.rank(), runtime.size()
+    if model_ways < 1 or size % model_ways:
+        raise ValueError(
+            f"rank {rank}: {size} ranks do not divide into groups of {model_ways} "
+            "(model_ways must divide the number of ranks)"
+        )
+    groups = [list(range(g, g + model_ways)) for g in range(0, size, model_ways)]
+    datas = [list(range(i, size, model_ways)) for i in range(model_ways)]
+    registered = [ops.add_process_set(ranks) for ranks in groups + datas]
+    mine = [ps for ps in registered if rank in ps.ranks]
+    return mine[0], mine[1]
+
+
+def _pair(process_set: ProcessSet, what: str) -> tuple[int, int]:
+    if process_set.size() != 2 or not process_set.included():
+        raise ValueError(
+            f"{what}: needs a 2-rank process set this rank belongs to, got {process_set!r} "
+            f"on rank {runtime.rank()}"
+        )
+    me = process_set.rank()
+    return me, 1 - me
+
+
+def send(tensor: torch.Tensor, process_set: ProcessSet) -> torch.Tensor:
+    """Send ``tensor`` (its rows, dim 0) to the other rank of the 2-rank ``process_set``, which
+    calls ``recv``. Returns a 0-row tensor in the graph: calling backward on it (a zero
+    gradient, ``backward_sent``) receives the gradient of ``tensor`` from the other rank and
+    goes on into this rank's graph."""
+    me, other = _pair(process_set, "send")
+    splits = [0, 0]
+    splits[other] = tensor.shape[0]
+    out, _ = functions.alltoall(tensor.contiguous(), splits, process_set=process_set)
+    return out  # type: ignore[no-any-return]
+
+
+def recv(shape: tuple[int, ...], dtype: torch.dtype, process_set: ProcessSet) -> torch.Tensor:
+    """What the other rank of the 2-rank ``process_set`` sends (``shape``: its shape, rows
+    first); requires grad: this rank's backward through it sends the gradient back."""
+    _pair(process_set, "recv")
+    nothing = torch.zeros((0, *shape[1:]), dtype=dtype, requires_grad=True)
+    out, received = functions.alltoall(nothing, [0, 0], process_set=process_set)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(
+            f"recv on rank {runtime.rank()}: expected {tuple(shape)}, the other rank sent "
+            f"{tuple(out.shape)}"
+        )
+    return out  # type: ignore[no-any-return]
+
+
+def backward_sent(token: torch.Tensor) -> None:
+    """Backward from ``send``'s result: the gradient of what was sent comes back from the
+    receiver, then flows through this rank's graph."""
+    torch.autograd.backward(token, token.new_zeros(token.shape))

@@ -80,12 +80,19 @@ def predict(
     overlap: bool = True,
     fusion_bytes: int = FUSION_BYTES,
     op_latency_s: float | None = None,
+    micro_batches: int | None = None,
+    model_ways: int | None = None,
 ) -> list[Row]:
     """Rows for every (strategy, GPU count) that applies. ``paradl_model``: ParaDL's own model
     (its GPU counts are 2, 4, ... up to max(gpus); ``max_batch`` defaults to its 256), which
     ignores ``calibrations``, ``algorithm``, ``compression``, ``overlap`` and
     ``op_latency_s`` (commlayer's engine: seconds per collective call besides its transfers;
-    None: each calibration's own measurement, 0 without one)."""
+    None: each calibration's own measurement, 0 without one).
+    ``micro_batches``: the pipeline's (default 4 per stage); ``model_ways``: the hybrids' group
+    of GPUs splitting the model (default a node's), data parallel across the groups."""
+    for what, value in (("micro_batches", micro_batches), ("model_ways", model_ways)):
+        if value is not None and value < 1:
+            raise ValueError(f"{what} must be >= 1, got {value}")
     names = strategy_names(strategies) if isinstance(strategies, str) else list(strategies)
     if paradl_model and isinstance(strategies, str) and {"a", "all"} & set(strategies.split(",")):
         names.insert(0, "single")  # ParaDL's ``a`` includes ``o``
@@ -114,6 +121,8 @@ def predict(
         comp_s=tuple(net.layer_times_s(plat.gpu_speed_flops, per_layer=True)),
         fusion_bytes=fusion_bytes,
         overlap=overlap,
+        micro_batches=micro_batches,
+        model_ways=model_ways,
     )
     rows = []
     for name in names:

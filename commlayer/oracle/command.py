@@ -63,6 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engine's cost per collective call besides its transfers (default: the "
         "calibration's, which commlayer calibrate measures; 0 without a calibration)",
     )
+    scan.add_argument(
+        "--micro-batches", type=int, help="pipeline: GPipe's micro-batches (default 4 per stage)"
+    )
+    scan.add_argument(
+        "--model-ways",
+        type=int,
+        help="data+filter, data+spatial: GPUs splitting the model (default a node's)",
+    )
     scan.add_argument("--paradl", action="store_true", help="ParaDL's own model and quirks")
     out = parser.add_argument_group("output")
     out.add_argument("--format", choices=("table", "json"), default="table")
@@ -112,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
             paradl_model=args.paradl,
             overlap=not args.no_overlap,
             op_latency_s=None if args.op_latency_us is None else args.op_latency_us * 1e-6,
+            micro_batches=args.micro_batches,
+            model_ways=args.model_ways,
         )
     except (SpecError, ValueError) as exc:
         print(f"commlayer oracle: {exc}", file=sys.stderr)

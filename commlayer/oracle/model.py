@@ -16,13 +16,17 @@ sample, x_l, y_l, w_l its input, output and weight items, 4 bytes each, p GPUs, 
 4. channel (a split layer's input channels divided): its partial output allreduced forward,
    its input gradient allgathered backward; weights sharded.
 5. pipeline (GPipe: the layers cut into p stages of balanced compute, B = b p cut into
-   m = 4 p micro-batches, GPipe's m >= 4 K for a small bubble): (m + p - 1) slots of the
-   slowest stage, each its compute on B / m samples and its boundary's activations forward and
-   their gradient backward; a stage keeps the activations of all B samples (no recomputation).
-6. data+filter, data+spatial: filter or spatial among a node's P2 GPUs, data across the
-   p / P2 nodes, B = b p / P2. data+filter allreduces each GPU's weight shard across nodes, the
-   P2 flows sharing the node's link (P2 times the bytes); data+spatial allreduces all weights
-   over the p GPUs.
+   m micro-batches, by default m = 4 p, GPipe's m >= 4 K for a small bubble): every
+   micro-batch forward through the stages, then every one backward, so (m + p - 1) slots of
+   the slowest stage (a bubble of (p - 1) / (m + p - 1)), each its compute on B / m samples
+   and its boundary's transfers: the activations forward and their gradient backward, one
+   point-to-point call each (examples/model_parallel_cnn.py's --strategy pipeline: an alltoall
+   in the pair of stages, both blocked while it runs, so it is on the slot's critical path);
+   a stage keeps the activations of all B samples (no recomputation).
+6. data+filter, data+spatial: filter or spatial among P2 GPUs (a node's, or ``model_ways``,
+   consecutive ranks), data across the p / P2 groups, B = b p / P2. data+filter allreduces each
+   GPU's weight shard across the groups, the P2 sets' flows sharing the nodes' links (P2 times
+   the bytes); data+spatial allreduces all weights over the p GPUs.
 7. Ranks sharing processors (a CPU node running more ranks than its ``CORES_PER_NODE``): each
    rank's compute takes ranks / cores times its one-rank profile, and the gradient allreduce
    does not overlap backward: every core already has more runnable compute than it can run,
@@ -61,6 +65,8 @@ class Setup:
     comp_s: tuple[float, ...]  # per layer, forward+backward seconds per sample
     fusion_bytes: int
     overlap: bool
+    micro_batches: int | None = None  # pipeline's m; None: 4 p
+    model_ways: int | None = None  # the hybrids' P2; None: a node's GPUs
 
     @property
     def layers(self) -> tuple[Layer, ...]:
@@ -256,7 +262,7 @@ def pipeline(s: Setup, p: int) -> Step | None:
     if parts is None or p < 2:
         return None
     batch = s.batch_per_gpu * p  # b samples per GPU on average, as data parallelism
-    micro = min(PIPELINE_MICRO_PER_STAGE * p, batch)
+    micro = min(s.micro_batches or PIPELINE_MICRO_PER_STAGE * p, batch)
     b = batch / micro  # samples per micro-batch
     slot, boundary, mem = 0.0, 0.0, 0.0
     for k, (first, last) in enumerate(parts):
@@ -278,11 +284,18 @@ def pipeline(s: Setup, p: int) -> Step | None:
     return Step((slot - boundary) * slots, {"p2p": boundary * slots}, mem, batch)
 
 
+def _groups(s: Setup, p: int) -> tuple[int, int, int]:
+    """(P2, P1, the nodes a data set spans): groups of P2 consecutive ranks, node-major."""
+    p2 = s.model_ways or s.plat.gpus_per_node
+    p1 = p // p2
+    return p2, p1, min(p1, s.network.nodes(p))
+
+
 def data_filter(s: Setup, p: int) -> Step | None:
-    p2 = s.plat.gpus_per_node
+    p2, p1, nodes = _groups(s, p)
     if p < p2 or p % p2 or not any(s.mask) or p2 > min(la.y[0] for la, _ in s.split()):
         return None
-    b, p1 = s.batch_per_gpu, p // p2
+    b = s.batch_per_gpu
     comm = _sharded(s, p2, b, "allgather", nodes=1)
     mem = 2 * ITEM_BYTES * (b * _activations(s) + _weights(s, p2))
     # Each of a node's P2 GPUs allreduces its shard across nodes at once, the P2 flows sharing
@@ -294,17 +307,17 @@ def data_filter(s: Setup, p: int) -> Step | None:
         mem,
         b * p1,
         _buckets(s, b, p2),
-        lambda n: s.network.gradient_s(n, p1, p1),
+        lambda n: s.network.gradient_s(n, p1, nodes),
     )
 
 
 def data_spatial(s: Setup, p: int) -> Step | None:
-    p2 = s.plat.gpus_per_node
+    p2, p1, _ = _groups(s, p)
     if p < p2 or p % p2 or not any(s.mask):
         return None
     if p2 > min(min(la.x[1], la.y[1]) for la, _ in s.split()):
         return None
-    b, p1 = s.batch_per_gpu, p // p2
+    b = s.batch_per_gpu
     gather = s.layers[_last_split(s)].out_items * b * ITEM_BYTES
     comm = {"halo": _halo_s(s, b, p2, False), "allgather": s.network.allgather_s(gather, p2, 1)}
     mem = 2 * ITEM_BYTES * (b * _activations(s, p2) + s.net.total_weight_items())

@@ -591,3 +591,49 @@ def test_the_namespace_cluster_splits_the_machines_cores_among_its_hosts() -> No
     assert one_each.ranks_per_core(2) == 1.0 and two_each.ranks_per_core(4) == 2.0
     assert (one_each.bandwidth_bytes_s, two_each.bandwidth_bytes_s) == (125e6, 1.25e9)
     assert bench.cluster_platform(2, 2, "1gbit", None).ranks_per_core(4) == 1.0
+
+
+def test_model_pipeline_micro_batches(net: oracle.Net, plat: oracle.Platform) -> None:
+    """GPipe with m given: (m + p - 1) slots of the slowest stage, each its compute on B / m
+    samples and its boundary's activation forward and gradient backward (one call each)."""
+    s = _setup(net, plat, micro_batches=2, network=Network(plat, op_latency_s=1e-4))
+    r = model.row(s, "pipeline", 2)
+    assert r is not None and r.B == 8
+    first, rest = s.comp_s[0], sum(s.comp_s[1:])
+    # stage 0 = [CONV1] (out 256 items) on micro-batches of 8 / 2 = 4 samples
+    send = 2 * (s.network.p2p_s(256 * 4 * 4, 2, False) + 1e-4)
+    slot = max(4 * first + send, 4 * rest)
+    assert slot == 4 * first + send  # the CONV's stage is the slowest here
+    assert r.time_s == pytest.approx(125 * (2 + 2 - 1) * slot)
+    assert r.parts_s["p2p"] == pytest.approx(125 * 3 * send)
+    # m = 8: micro-batches of one sample, 8 + 2 - 1 slots of the CONV stage's compute
+    many = model.row(_setup(net, plat, micro_batches=8), "pipeline", 2)
+    assert many is not None
+    assert many.tcomp_s / (125 * 9 * first) == pytest.approx(1.0)
+    # m above B: one sample per micro-batch at most
+    capped = model.row(_setup(net, plat, micro_batches=100), "pipeline", 2)
+    assert capped is not None and capped.tcomp_s == pytest.approx(many.tcomp_s)
+
+
+def test_model_hybrids_model_ways(net: oracle.Net, plat: oracle.Platform) -> None:
+    """Groups of model_ways consecutive GPUs on one node (4 GPUs per node here): the group's
+    communication inside the node, data+filter's gradient over the P1 = 2 groups on 1 node."""
+    one_node = dataclasses.replace(plat, gpus_per_node=4)
+    s = _setup(net, one_node, model_ways=2)
+    network, times = s.network, s.comp_s
+    df = model.row(s, "data+filter", 4)
+    assert df is not None and df.B == 8  # b x P1
+    assert df.tcomp_s == pytest.approx(125 * 4 * (times[0] / 2 + sum(times[1:])))
+    assert df.parts_s["allgather"] == pytest.approx(125 * network.allgather_s(4096, 2, 1))
+    assert df.parts_s["gradient allreduce"] == pytest.approx(
+        125 * network.gradient_s(712 * 4, 2, 1)
+    )
+    ds = model.row(s, "data+spatial", 4)
+    assert ds is not None and ds.B == 8
+    assert ds.parts_s["gradient allreduce"] == pytest.approx(125 * network.gradient_s(712 * 4, 4))
+    # without model_ways the group is the node's 4: one group, B = b
+    whole = model.row(_setup(net, one_node), "data+filter", 4)
+    assert whole is not None and whole.B == 4
+    assert model.row(_setup(net, one_node, model_ways=3), "data+filter", 4) is None
+    with pytest.raises(ValueError, match="model_ways must be >= 1"):
+        oracle.predict(net, plat, "df", [4], model_ways=0)
