@@ -179,9 +179,7 @@ def _submit(
             "Min or Product (logical and)"
         )
     try:  # CUDA tensors: taken by the backend directly, or staged in host memory (device.py)
-        inputs, outputs, staged, channel = device.prepare(
-            inputs, outputs, engine.backend(set_id)
-        )
+        inputs, outputs, staged, channel = device.prepare(inputs, outputs, engine.backend(set_id))
     except ValueError as exc:
         raise _input_error(f"{kind}: {exc}") from None
     announce = Announce(

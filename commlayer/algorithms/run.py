@@ -17,7 +17,6 @@ from commlayer.algorithms.schedule import Schedule
 from commlayer.backends.base import Backend, Request
 from commlayer.reduce_ops import ReduceOp, reduce_into
 
-
 _CPU = torch.device("cpu")
 
 

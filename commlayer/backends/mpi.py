@@ -32,8 +32,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from commlayer.algorithms.topology import Topology  # noqa: E402
 from commlayer import device  # noqa: E402
+from commlayer.algorithms.topology import Topology  # noqa: E402
 from commlayer.backends import cuda_aware  # noqa: E402
 from commlayer.backends.base import COMPLETED, Request  # noqa: E402
 from commlayer.backends.peers import indices, machine_id, process_alive  # noqa: E402

@@ -169,7 +169,7 @@ class _SizedRecv:
     ) -> None:
         self._backend, self._dtype, self._peer, self._queue = backend, dtype, peer, waiting
         self._header = torch.empty(1, dtype=torch.int64)
-        self._head: _WaitedRequest | None = None
+        self._head: Request | None = None
         self._body: Request | None = None
         self.tensor: torch.Tensor | None = None
         waiting.append(self)
@@ -424,7 +424,7 @@ class TorchBackend:
         return _GatherBytesRequest(self, payload, out), out
 
     # -- point to point -----------------------------------------------------------------------
-    def _p2p(self, call: Any, buf: torch.Tensor, peer: int) -> _WaitedRequest:
+    def _p2p(self, call: Any, buf: torch.Tensor, peer: int) -> Request:
         if not 0 <= peer < self._size or peer == self._rank:
             raise ValueError(
                 f"rank {self._rank}: peer {peer} is not another rank of [0, {self._size})"
