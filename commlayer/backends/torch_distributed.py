@@ -19,7 +19,8 @@ The engine, its negotiation and every schedule run unchanged over this backend; 
    needs nothing from its own rank and the receive lane always moves. ``test()`` reads the
    mark: the engine still never blocks on a transfer.
 3. torch.distributed has no probe, so a message of unknown length (``irecv_any``, the sparse
-   schedules' streams) is sent by ``isend_any`` as a one-element length header followed by the
+   schedules' streams) is sent by ``isend_any`` as a header (length, and whether the body
+   travels over the CUDA data group, so the receiver makes it there) followed by the
    data; the receives for one peer run one at a time, in the order posted, as MPI's matched
    probes do.
 4. CUDA tensors over NCCL (``COMMLAYER_NCCL``): ``start`` makes an NCCL group over the same
@@ -168,7 +169,7 @@ class _SizedRecv:
         self, backend: TorchBackend, dtype: torch.dtype, peer: int, waiting: deque[_SizedRecv]
     ) -> None:
         self._backend, self._dtype, self._peer, self._queue = backend, dtype, peer, waiting
-        self._header = torch.empty(1, dtype=torch.int64)
+        self._header = torch.empty(2, dtype=torch.int64)  # (length, on the CUDA data group)
         self._head: Request | None = None
         self._body: Request | None = None
         self.tensor: torch.Tensor | None = None
@@ -183,7 +184,9 @@ class _SizedRecv:
         if self._head is None or not self._head.test():
             return False
         if self._body is None:
-            self.tensor = torch.empty(int(self._header[0]), dtype=self._dtype)
+            length, cuda = self._header.tolist()
+            where = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+            self.tensor = torch.empty(length, dtype=self._dtype, device=where)
             self._body = (
                 self._backend.irecv(self.tensor, self._peer) if self.tensor.numel() else COMPLETED
             )
@@ -445,7 +448,8 @@ class TorchBackend:
         return self._p2p(dist.irecv, buf, peer)
 
     def isend_any(self, buf: torch.Tensor, peer: int) -> Request:
-        header = self._p2p(dist.isend, torch.tensor([buf.numel()], dtype=torch.int64), peer)
+        cuda = int(buf.is_cuda and "cuda" in self._data)
+        header = self._p2p(dist.isend, torch.tensor([buf.numel(), cuda], dtype=torch.int64), peer)
         body = self.isend(buf, peer)
         return _Both(header, body)
 
