@@ -186,6 +186,13 @@ def _arguments() -> argparse.Namespace:
         default=[],
         help="calibration file(s); default the committed algorithms_np*.json",
     )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first run commlayer calibrate at each rank count above 1 (files beside --out) "
+        "and predict from those: they hold the engine's cost per collective call "
+        "(op_latency_s), which the committed ones predate",
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=10)
@@ -300,10 +307,22 @@ def calibrate_cluster(args: argparse.Namespace, rate: str, hosts: int, per_host:
     path = Path(args.out or HERE / "results" / "oracle_cluster.md")
     path = path.with_name(f"{path.stem}_{rate}_{hosts}x{per_host}.calibration.json")
     launcher = os.path.join(sysconfig.get_path("scripts"), "commlayerrun")
-    command = [
-        launcher, "-np", str(hosts * per_host), "-H", _hostlist(hosts, per_host),
-        sys.executable, "-m", "commlayer.cli", "calibrate", "--out", str(path),
-    ]  # fmt: skip
+    start = [launcher, "-np", str(hosts * per_host), "-H", _hostlist(hosts, per_host)]
+    return _calibrate(args, start, path, f"{rate} {hosts}x{per_host}")
+
+
+def calibrate_here(args: argparse.Namespace, ranks: int) -> Path:
+    """``commlayer calibrate`` at ``ranks`` on this machine; the file it wrote."""
+    path = Path(args.out or HERE / "results" / "oracle_data_parallel.md")
+    path = path.with_name(f"{path.stem}_np{ranks}.calibration.json")
+    path.unlink(missing_ok=True)
+    return _calibrate(args, ["mpiexec", "-n", str(ranks)], path, f"{ranks} ranks")
+
+
+def _calibrate(args: argparse.Namespace, start: list[str], path: Path, what: str) -> Path:
+    """``commlayer calibrate --out path`` started by ``start`` (a launcher and its arguments),
+    after a quiet wait; says how long it took and under what load."""
+    command = [*start, sys.executable, "-m", "commlayer.cli", "calibrate", "--out", str(path)]
     load = wait_quiet(args.quiet_load, args.quiet_wait_s)
     t0 = time.monotonic()
     done = subprocess.run(
@@ -313,7 +332,7 @@ def calibrate_cluster(args: argparse.Namespace, rate: str, hosts: int, per_host:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
     print(
-        f"calibrated {rate} {hosts}x{per_host} in {time.monotonic() - t0:.0f} s after "
+        f"calibrated {what} in {time.monotonic() - t0:.0f} s after "
         f"{load['waited_s']:.0f} s of quiet wait, other jobs' runnable threads before "
         f"{load['runnable']:.1f}, after {runnable_now(1.0, 10):.1f}: {path}",
         flush=True,
@@ -370,6 +389,7 @@ def _command(args: argparse.Namespace) -> str:
         f"{args.steps} --warmup {args.warmup} --rounds {args.rounds} --profile {args.profile}"
         + (f" --quiet-load {args.quiet_load} --quiet-wait-s {args.quiet_wait_s:.0f}"
            if args.quiet_load else "")
+        + (" --calibrate" if args.calibrate else "")
         + (f" --measured {args.measured}`" if args.measured else "`")
     )  # fmt: skip
 
@@ -379,7 +399,7 @@ def _calibration_text(c: Any) -> str:
     if c.has_inter:  # the link as the ranks see it: every pair at once exchanging across it
         n, t = c.exchange_inter[-1]
         text += f"; a {n >> 20} MiB exchange across the link {t * 1e3:.0f} ms"
-    return text + ")"
+    return text + f"; engine {c.op_latency_s * 1e3:.2f} ms a collective call)"
 
 
 def _averages(args: argparse.Namespace, records: list[dict[str, Any]]) -> list[str]:
@@ -482,6 +502,8 @@ def main() -> int:
     if args.cluster:
         cals, records = measure_cluster(args)
     else:
+        if args.calibrate:
+            paths = [str(calibrate_here(args, n)) for n in args.np if n > 1]
         cals = [c for p in paths for c in costmodel.load_all(Path(p))]
         records = measure(args, cals)
     text = report(args, cals, records)

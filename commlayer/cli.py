@@ -4,6 +4,8 @@ strategy to use.
 
 mpiexec -n 2 commlayer calibrate [--quick] [--out FILE]
 commlayer algorithms --size 64MiB [--ranks 2] [--file FILE]
+commlayer algorithms --platform torus:8x8x4 --gpus-per-node 4 --size 1MiB,64MiB \
+    [--sim-table simulated.jsonl]
 commlayer simulate --algorithm ring,shd,auto --platform fat-tree:gpus-per-node=4 \
     --ranks 64,256 --size 1MiB,32MiB [--out r.md] [--plot r.png] [--format json]
 commlayer oracle --net resnet50.net --plat abci.plat --gpus 1-1024 --batch-per-gpu 64
@@ -12,6 +14,7 @@ commlayer oracle --net resnet50.net --plat abci.plat --gpus 1-1024 --batch-per-g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +32,8 @@ def _print_table(cal: costmodel.Calibration, sizes: Sequence[int]) -> None:
         f"# predicted allreduce time, {cal.size} ranks on {cal.nodes} node(s), calibrated "
         f"{cal.date} on {cal.host}: alpha {cal.alpha_s * 1e6:.1f} us, beta "
         f"{1 / cal.beta_s_per_byte / 1e9:.2f} GB/s, reduce {1 / cal.gamma_s_per_byte / 1e9:.2f} "
-        f"GB/s, copy {1 / cal.copy_s_per_byte / 1e9:.2f} GB/s"
+        f"GB/s, copy {1 / cal.copy_s_per_byte / 1e9:.2f} GB/s, engine "
+        f"{cal.op_latency_s * 1e6:,.0f} us a collective call"
     )
     for nbytes in sizes:
         rows = costmodel.table(nbytes, cal)
@@ -38,6 +42,36 @@ def _print_table(cal: costmodel.Calibration, sizes: Sequence[int]) -> None:
             f"{name} {seconds * 1e6:,.0f} us ({seconds / best:.2f}x)" for name, seconds in rows
         )
         print(f"{nbytes:>12,} B: {cells}")
+
+
+def _engine_op_latency_s(cal: costmodel.Calibration, quick: bool) -> float:
+    """commlayer's engine per collective call (``Calibration.op_latency_s``): the median
+    blocking 4-byte allreduce through the engine (``commlayer.init``, as training runs it),
+    the slowest rank's, less the fastest native allreduce of the smallest size the calibration measured."""
+    import statistics
+    import time
+
+    import torch
+
+    import commlayer
+
+    commlayer.init()
+    try:
+        one = torch.zeros(1)
+        for _ in range(10):  # the first calls negotiate and tune
+            commlayer.allreduce(one, name="commlayer.calibrate.op_latency")
+        times = []
+        for _ in range(20 if quick else 60):
+            start = time.perf_counter()
+            commlayer.allreduce(one, name="commlayer.calibrate.op_latency")
+            times.append(time.perf_counter() - start)
+        mine = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        slowest = float(commlayer.allreduce(mine, op=commlayer.Max, name="commlayer.calibrate.op"))
+    finally:
+        commlayer.shutdown()
+    # the natives' smallest point (1 KiB) is a latency, as 4 bytes' is
+    native = [points[0][1] for points in cal.native.values() if points]
+    return max(0.0, slowest - min(native, default=0.0))
 
 
 def calibrate(args: argparse.Namespace) -> int:
@@ -57,6 +91,7 @@ def calibrate(args: argparse.Namespace) -> int:
         return 2
     cal = costmodel.calibrate(backend, quick=args.quick, topology=topo)
     backend.close()
+    cal = dataclasses.replace(cal, op_latency_s=_engine_op_latency_s(cal, args.quick))
     if backend.rank == 0:
         path = costmodel.save(cal, Path(args.out) if args.out else None)
         print(f"saved to {path}")
@@ -75,6 +110,17 @@ def calibrate(args: argparse.Namespace) -> int:
 
 
 def algorithms_table(args: argparse.Namespace) -> int:
+    from commlayer.sim import cli as sim_cli
+
+    if args.platform:
+        return sim_cli.predict(args)
+    if args.sim_table or args.hostfile or args.gpus_per_node or args.format != "table":
+        print(
+            "commlayer algorithms: --sim-table, --hostfile, --gpus-per-node and --format need "
+            "--platform (without it the table is read from a local calibration)",
+            file=sys.stderr,
+        )
+        return 2
     path = Path(args.file) if args.file else None
     found = costmodel.load_all(path)
     if args.ranks is not None:
@@ -89,7 +135,7 @@ def algorithms_table(args: argparse.Namespace) -> int:
         )
         return 1
     for cal in found:
-        _print_table(cal, [args.size])
+        _print_table(cal, args.size)
     return 0
 
 
@@ -106,12 +152,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     cal.add_argument("--out", help=f"calibration file (default {costmodel.default_path()})")
     cal.set_defaults(run=calibrate)
-    table = sub.add_parser("algorithms", help="predicted time of every algorithm for a size")
-    table.add_argument("--size", type=_bytes, default=64 << 20, help="bytes, e.g. 64MiB")
-    table.add_argument("--ranks", type=int, help="only the calibration for this many ranks")
-    table.add_argument("--file", help="calibration file to read")
-    table.set_defaults(run=algorithms_table)
     from commlayer.sim import cli as sim_cli
+
+    table = sub.add_parser(
+        "algorithms",
+        help="predicted time of every algorithm: from the local calibration, or on a platform "
+        "(--platform), corrected by simulated tables (--sim-table)",
+    )
+    table.add_argument(
+        "--size", type=sim_cli._list(_bytes, "size"), default=[64 << 20], help="e.g. 1MiB,64MiB"
+    )
+    table.add_argument(
+        "--ranks", type=int, help="only the calibration for this many ranks; with --platform: "
+        "the ranks placed on it"
+    )  # fmt: skip
+    table.add_argument("--file", help="calibration file to read")
+    sim_cli.add_predict_arguments(table)
+    table.set_defaults(run=algorithms_table)
 
     sim = sub.add_parser(
         "simulate",

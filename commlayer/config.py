@@ -59,6 +59,7 @@ class Config:
     backend: str = "auto"
     cuda_aware_mpi: str = "auto"
     nccl: str = "auto"
+    sim_table: str = ""
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -109,6 +110,11 @@ def _parse_log_level(text: str) -> str:
     if value not in _LOG_LEVELS:
         raise ValueError(f"one of {', '.join(_LOG_LEVELS)}")
     return value
+
+
+class InvalidValue(ValueError):
+    """A parser's ValueError that says why (a file that cannot be read): the ConfigError
+    quotes it; other ValueErrors only say what is allowed."""
 
 
 def one_of(choices: Callable[[], Sequence[str]]) -> Callable[[str], str]:
@@ -324,6 +330,15 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "when torch has CUDA and NCCL and every rank a GPU of its own (1: an error otherwise), "
         "0: stage them through pinned host buffers over gloo",
     ),
+    (
+        "COMMLAYER_SIM_TABLE",
+        "sim_table",
+        _REGISTERED,
+        "JSON-lines file(s) of `commlayer simulate --format json` for the machine the job runs "
+        "on (several joined by ':'): auto picks the algorithm they predict fastest for the "
+        "job's ranks, GPUs per node and size (simulated points, else the cost model corrected "
+        "by them) before any calibration, where they fit the job; default none",
+    ),
 )
 
 _FIELDS = {field.name for field in dataclasses.fields(Config)}
@@ -426,9 +441,10 @@ def parse_variable(name: str, text: str, registries: Registries | None = None) -
             validator = _validator(field, declared, registries)
             try:
                 return validator.parse(text)
-            except ValueError:
+            except ValueError as exc:
+                why = f" ({exc})" if isinstance(exc, InvalidValue) else ""
                 raise ConfigError(
-                    f"{name}={text!r} is not valid: expected {validator.allowed()}"
+                    f"{name}={text!r} is not valid{why}: expected {validator.allowed()}"
                 ) from None
     raise ConfigError(f"unknown commlayer variable {name!r}")
 
@@ -452,9 +468,11 @@ def _check_settings(
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 raise ValueError(value)
             checked[field] = validator.parse(str(value))
-        except ValueError:
+        except ValueError as exc:
+            why = f" ({exc})" if isinstance(exc, InvalidValue) else ""
             raise ConfigError(
-                f"setting {field}={value!r} (or {var}) is not valid: expected {validator.allowed()}"
+                f"setting {field}={value!r} (or {var}) is not valid{why}: expected "
+                f"{validator.allowed()}"
             ) from None
     return checked
 

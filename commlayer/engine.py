@@ -177,13 +177,13 @@ class Engine:
         self._incoming: list[Operation] = []
         self._inflight: set[tuple[int, str]] = set()
         topo = _topology(config, backend)
+        auto = config.allreduce_algorithm == "auto"
         self._allreduce = Allreducer(
             config.allreduce_algorithm,
-            agreed_calibrations(backend, costmodel.load_all())
-            if config.allreduce_algorithm == "auto"
-            else None,
+            agreed_calibrations(backend, costmodel.load_all()) if auto else None,
             topo,
             tuning=config.auto_tuning == "on",
+            simulated=agreed_sim_table(backend, config.sim_table) if auto else None,
         )
         self._fused = allreduce.FusedAllreduce(self._allreduce, config.fusion_threshold_bytes, self)
         self._error: BaseException | None = None
@@ -679,6 +679,40 @@ def agreed_calibrations(
             differ,
         )
     return costmodel.from_bytes(payloads[0])
+
+
+def agreed_sim_table(backend: Backend, text: str) -> costmodel.Simulated | None:
+    """COMMLAYER_SIM_TABLE's rows as rank 0 read them, on every rank (collective, at engine
+    start, when a table is given: every rank's config has it): ``auto`` must pick alike. A
+    rank whose files differ from rank 0's is logged by rank 0; ConfigError on every rank when
+    rank 0's cannot be read (they were checked at init(): changed since)."""
+    if not text:
+        return None
+    from commlayer.sim import learn  # SimGrid's side: imported only when a table is given
+
+    try:
+        mine = learn.to_bytes(learn.load(text))
+    except ValueError:
+        mine = b""  # rank 0's decides, below; no rank leaves the collective early
+    if backend.size == 1:
+        payloads = [mine]
+    else:
+        request, payloads = backend.iallgather_bytes(mine)
+        while not request.test():
+            time.sleep(_MIN_BACKOFF_S)
+    if not payloads[0]:
+        raise ConfigError(
+            f"rank {backend.rank}: COMMLAYER_SIM_TABLE={text!r}: rank 0 could not read it "
+            "(changed since init() checked it?)"
+        )
+    differ = [r for r, payload in enumerate(payloads) if payload != payloads[0]]
+    if differ and backend.rank == 0:
+        log.warning(
+            "commlayer: rank(s) %s read a COMMLAYER_SIM_TABLE that differs from rank 0's; every "
+            "rank uses rank 0's",
+            differ,
+        )
+    return learn.from_bytes(payloads[0])
 
 
 def _describe(waiting_on: list[fusion.Entry] | Response | None) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from commlayer import algorithms, compression, kernels, malloc
 from commlayer.algorithms import sparse, topology
-from commlayer.config import Registries, Validator, one_of
+from commlayer.config import InvalidValue, Registries, Validator, one_of
 
 
 def _names(choices: Callable[[], Sequence[str]]) -> Validator:
@@ -29,6 +29,20 @@ def _topology(text: str) -> str:
     return text
 
 
+def _sim_table(text: str) -> str:
+    """COMMLAYER_SIM_TABLE: its files read and checked now (sim/learn.py), so a missing or
+    malformed one is named at init(), not at the first allreduce."""
+    text = text.strip()
+    if text:
+        from commlayer.sim import learn  # SimGrid's side: imported only when a table is given
+
+        try:
+            learn.load(text)
+        except ValueError as exc:
+            raise InvalidValue(str(exc)) from None
+    return text
+
+
 # One per config.REGISTERED_FIELDS (tests/unit/test_config_consumers.py checks the two agree).
 REGISTRIES: Registries = {
     "allreduce_algorithm": _names(algorithms.available),
@@ -40,4 +54,10 @@ REGISTRIES: Registries = {
         lambda: "comma-separated nodes=N, local=L, torus=RxC (e.g. nodes=2,local=2)",
     ),
     "malloc_tuning": _names(lambda: malloc.CHOICES),
+    "sim_table": Validator(
+        _sim_table,
+        lambda: (
+            "JSON-lines files of `commlayer simulate --format json` (joined by ':') of one machine"
+        ),
+    ),
 }

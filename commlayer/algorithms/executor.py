@@ -35,10 +35,13 @@ class Allreducer:
         calibrations: list[Calibration] | None = None,
         topology: Topology | None = None,
         tuning: bool = False,
+        simulated: costmodel.Simulated | None = None,
     ) -> None:
         """``topology``: the job's, when COMMLAYER_TOPOLOGY overrides the detected one; it
         applies to groups of its size (the global set), others use their detected nodes.
-        ``tuning``: ``auto`` measures its candidates online (algorithms/autotune.py)."""
+        ``tuning``: ``auto`` measures its candidates online (algorithms/autotune.py).
+        ``simulated``: a simulated table of this machine (COMMLAYER_SIM_TABLE) that ``auto``
+        reads before the calibrations where it fits the job (costmodel.choose)."""
         self.algorithm = algorithms.check_name(algorithm)
         self._override = topology
         # per backend object (not its id: a removed process set's id can be reused): its
@@ -51,6 +54,7 @@ class Allreducer:
         self._auto: dict[tuple[int, int, int, int, bool], str] = {}
         self._tuning = tuning
         self._tuner = autotune.Tuner()
+        self._simulated = simulated
 
     def choose(self, backend: Backend, numel: int, element_size: int) -> str:
         """The algorithm for a buffer: the configured one, or for ``auto`` the pick measured
@@ -68,7 +72,8 @@ class Allreducer:
             key = (backend.size, topology.nodes, numel.bit_length(), element_size, capable)
             name = self._auto.get(key, "")
             if not name:
-                name = costmodel.choose(*self._model(backend, numel, element_size))
+                facts = self._model(backend, numel, element_size)
+                name = costmodel.choose(*facts, simulated=self._simulated)
                 self._auto[key] = name
         if name == "shm" and not capable:
             return "mpi"
@@ -92,7 +97,8 @@ class Allreducer:
         """The cost model's best ``count`` for the buffer's size class, as this backend can run
         them (``shm`` only where every rank is on one node)."""
         capable = self._backend_facts(backend)[1]
-        names = costmodel.ranked(*self._model(backend, numel, element_size), count)
+        facts = self._model(backend, numel, element_size)
+        names = costmodel.ranked(*facts, count, simulated=self._simulated)
         return list(dict.fromkeys("mpi" if n == "shm" and not capable else n for n in names))
 
     def _next(self, backend: Backend, numel: int, element_size: int) -> tuple[str, Any]:

@@ -43,6 +43,10 @@ class Calibration:
     # as ``exchange``, between partners on different nodes (every pair at once, so a node's
     # ranks share its link); empty on one node and in calibrations from before it: see has_inter
     exchange_inter: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    # commlayer's engine per collective call besides its transfers (negotiation, the handoff
+    # to and from the engine's thread, its cycle): a blocking 4-byte allreduce through the
+    # engine less the fastest native one; 0 in calibrations from before it was measured
+    op_latency_s: float = 0.0
 
     @property
     def has_inter(self) -> bool:

@@ -79,12 +79,13 @@ def predict(
     paradl_model: bool = False,
     overlap: bool = True,
     fusion_bytes: int = FUSION_BYTES,
-    op_latency_s: float = 0.0,
+    op_latency_s: float | None = None,
 ) -> list[Row]:
     """Rows for every (strategy, GPU count) that applies. ``paradl_model``: ParaDL's own model
     (its GPU counts are 2, 4, ... up to max(gpus); ``max_batch`` defaults to its 256), which
     ignores ``calibrations``, ``algorithm``, ``compression``, ``overlap`` and
-    ``op_latency_s`` (commlayer's engine: seconds per collective call besides its transfers)."""
+    ``op_latency_s`` (commlayer's engine: seconds per collective call besides its transfers;
+    None: each calibration's own measurement, 0 without one)."""
     names = strategy_names(strategies) if isinstance(strategies, str) else list(strategies)
     if paradl_model and isinstance(strategies, str) and {"a", "all"} & set(strategies.split(",")):
         names.insert(0, "single")  # ParaDL's ``a`` includes ``o``

@@ -60,9 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scan.add_argument(
         "--op-latency-us",
         type=float,
-        default=0.0,
-        help="the engine's cost per collective call besides its transfers "
-        "(a blocking 4-byte allreduce's time; not in a calibration)",
+        help="the engine's cost per collective call besides its transfers (default: the "
+        "calibration's, which commlayer calibrate measures; 0 without a calibration)",
     )
     scan.add_argument("--paradl", action="store_true", help="ParaDL's own model and quirks")
     out = parser.add_argument_group("output")
@@ -112,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             args.compression,
             paradl_model=args.paradl,
             overlap=not args.no_overlap,
-            op_latency_s=args.op_latency_us * 1e-6,
+            op_latency_s=None if args.op_latency_us is None else args.op_latency_us * 1e-6,
         )
     except (SpecError, ValueError) as exc:
         print(f"commlayer oracle: {exc}", file=sys.stderr)

@@ -161,7 +161,7 @@ def _halo_s(s: Setup, b: float, ways: int, inter: bool) -> float:
         if rows > 0:
             column = layer.x[0] * math.prod(layer.x[2:]) * rows * b * ITEM_BYTES
             # both neighbours forward and back; one collective call (an alltoall) each way
-            total += 2 * 2 * s.network.p2p_s(column, ways, inter) + 2 * s.network.op_latency_s
+            total += 2 * 2 * s.network.p2p_s(column, ways, inter) + 2 * s.network.op_latency(ways)
     return total
 
 
@@ -266,7 +266,7 @@ def pipeline(s: Setup, p: int) -> Step | None:
             inter = (k + 1) % s.plat.gpus_per_node == 0
             send = 2 * (
                 s.network.p2p_s(layers[-1].out_items * b * ITEM_BYTES, p, inter)
-                + s.network.op_latency_s
+                + s.network.op_latency(p)
             )
         comp = b * sum(s.comp_s[first:last])
         if comp + send > slot:

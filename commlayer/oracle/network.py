@@ -18,8 +18,10 @@ measured). Compression changes the bytes on the wire: fp16 and bf16 halve an all
 top-k and random-k allgather k (value, int32 index) pairs per rank (compression/topk.py).
 Allgather and point-to-point transfers (halo, pipeline stages) read the same curves: an
 allgather is a ring's p - 1 steps of n / p bytes, across nodes as soon as p GPUs span several.
-Each collective call also costs ``op_latency_s``, the engine's own work per operation
-(negotiation, the handoff to its thread), which no calibration measures yet: 0 unless given.
+Each collective call also costs ``op_latency(p)``, the engine's own work per operation
+(negotiation, the handoff to its thread): the calibration's ``op_latency_s`` (``commlayer
+calibrate`` measures it through the engine; 0 in a platform file and in calibrations from
+before it), unless ``op_latency_s`` is given.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class Network:
         calibrations: list[Calibration] | None = None,
         algorithm: str = "auto",
         compression: Compression | None = None,
-        op_latency_s: float = 0.0,
+        op_latency_s: float | None = None,
     ) -> None:
         if algorithm != "auto" and algorithm not in algorithms.schedules():
             raise ValueError(
@@ -106,7 +108,7 @@ class Network:
         self.algorithm = algorithm
         self.compression = compression or Compression()
         # what one collective call costs on the engine besides its transfers (negotiation, the
-        # engine thread's handoff): not in a calibration, so given (measured) or 0
+        # engine thread's handoff): given, or None to read it from the calibration (op_latency)
         self.op_latency_s = op_latency_s
         # the cost model is pure, and an epoch asks for the same few sizes many times
         self.allreduce_s = functools.lru_cache(maxsize=4096)(self._allreduce_s)  # type: ignore[method-assign]
@@ -143,6 +145,13 @@ class Network:
             date="platform file",
         )
 
+    def op_latency(self, p: int) -> float:
+        """The engine's seconds per collective call over p ranks: as given, else the
+        calibration's measurement (``Calibration.op_latency_s``; 0 from a platform file)."""
+        if self.op_latency_s is not None:
+            return self.op_latency_s
+        return self.calibration(p).op_latency_s if p > 1 else 0.0
+
     def topology(self, p: int, nodes: int | None = None) -> Topology:
         per_node = math.ceil(p / (nodes or self.nodes(p)))
         return Topology(tuple(r // per_node for r in range(p)))
@@ -167,7 +176,7 @@ class Network:
                 key=lambda n: costmodel.predict(n, numel, element_bytes, cal, topo) or 0,
             )
             seconds = costmodel.predict(name, numel, element_bytes, cal, topo)
-        return float(seconds or 0.0) + self.op_latency_s
+        return float(seconds or 0.0) + self.op_latency(p)
 
     def gradient_s(self, nbytes: int, p: int, nodes: int | None = None) -> float:
         """The allreduce of ``nbytes`` of float32 gradients, compressed as configured."""
@@ -190,10 +199,10 @@ class Network:
         if p <= 1 or total_bytes <= 0:
             return 0.0
         inter = (nodes or self.nodes(p)) > 1
-        return (p - 1) * self.message_s(total_bytes / p, p, inter) + self.op_latency_s
+        return (p - 1) * self.message_s(total_bytes / p, p, inter) + self.op_latency(p)
 
     def p2p_s(self, nbytes: float, p: int, inter: bool) -> float:
-        """One message each way (its collective call's ``op_latency_s`` not included)."""
+        """One message each way (its collective call's ``op_latency`` not included)."""
         return self.message_s(nbytes, p, inter) if nbytes > 0 else 0.0
 
     def describe(self) -> str:

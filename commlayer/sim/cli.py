@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import shlex
 import subprocess
 import sys
+from argparse import Namespace
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from commlayer.sim import platforms, report, smpi
+from commlayer import algorithms
+from commlayer.sim import learn, platforms, report, smpi
 from commlayer.sim.platforms import Platform
-from commlayer.sim.simulate import Result, check, check_sparse, simulate, simulate_sparse
+from commlayer.sim.simulate import (
+    Result,
+    check,
+    check_sparse,
+    gpus_per_node,
+    simulate,
+    simulate_sparse,
+)
 
 DESCRIPTION = (
     "Replay allreduce schedules (the ones the executor runs) in SimGrid's SMPI and print, per "
@@ -164,3 +174,80 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(results, args.plot)
     return 0
+
+
+def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
+    """``commlayer algorithms``'s options for a platform instead of a local calibration."""
+    parser.add_argument(
+        "--platform",
+        help="predict for this platform (a `commlayer simulate` spec or XML file) from its links "
+        "instead of a local calibration; needs --ranks unless the spec sizes it",
+    )
+    parser.add_argument("--gpus-per-node", type=int, help="with --platform: ranks per node")
+    parser.add_argument("--hostfile", type=Path, help="with an XML --platform: host[:count] lines")
+    parser.add_argument(
+        "--sim-table",
+        action="append",
+        type=Path,
+        default=[],
+        help="with --platform: JSON lines of `commlayer simulate --format json` (repeatable): "
+        "its simulated points, and elsewhere the model corrected by what they measured",
+    )
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def predict(args: argparse.Namespace) -> int:
+    """``commlayer algorithms --platform``: every schedule's predicted time on the platform,
+    corrected by ``--sim-table`` (sim/learn.py); each cell says where its time came from."""
+    try:
+        if args.gpus_per_node is not None and args.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be at least 1")
+        single = Namespace(hostfile=args.hostfile, gpus_per_node=args.gpus_per_node)
+        platform = _platform(args.platform, single, args.ranks)
+        table = learn.Table(learn.read(args.sim_table))
+    except (ValueError, OSError) as exc:
+        print(f"commlayer algorithms: {exc}", file=sys.stderr)
+        return 2
+    gpus = gpus_per_node(platform) or 1
+    spec = learn.canonical(platform.name, gpus)
+    if args.format == "table":
+        print(_predict_header(platform, gpus, table, args.sim_table))
+    for nbytes in args.size:
+        cells = []
+        for name in algorithms.schedules():
+            found = table.predict(name, spec, platform.ranks, gpus, nbytes)
+            if found is not None:
+                cells.append((name, found))
+        cells.sort(key=lambda c: (c[1].seconds, c[0]))
+        if args.format == "json":
+            for name, p in cells:
+                print(json.dumps({
+                    "algorithm": name, "platform": platform.name, "ranks": platform.ranks,
+                    "gpus_per_node": gpus, "size_bytes": nbytes, "predicted_s": p.seconds,
+                    "source": p.source, "model_s": p.model_s, "ratio": p.ratio,
+                }, sort_keys=True))  # fmt: skip
+        elif cells:
+            best = cells[0][1].seconds
+            print(f"{nbytes:>14,} B: " + ", ".join(
+                f"{name} {p.seconds * 1e6:,.0f} us ({p.seconds / best:.2f}x, {p.source}"
+                + (f" x{p.ratio:.2f})" if p.ratio is not None else ")")
+                for name, p in cells
+            ))  # fmt: skip
+        else:
+            print(f"{nbytes:>14,} B: no prediction (a file platform: only simulated points)")
+    return 0
+
+
+def _predict_header(platform: Platform, gpus: int, table: learn.Table, files: list[Path]) -> str:
+    nodes = platform.topology().nodes
+    text = (
+        f"# predicted allreduce time on {platform.name}, {platform.ranks} ranks ({nodes} nodes x "
+        f"{gpus}): the cost model on the platform's links, each node's link shared by its ranks"
+    )
+    if not files:
+        return text + " (model: no --sim-table; the network's own contention is not counted)"
+    return text + (
+        f"; with {len(table.rows)} simulated rows of {', '.join(map(str, files))}: "
+        "simulated = the table's own point, learned xR = model x R, the simulated/model ratio "
+        "learned for the algorithm on this platform family, model = no row of it"
+    )

@@ -20,6 +20,7 @@ each node's own link (costmodel/model.py); what the simulation adds is the netwo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -55,6 +56,9 @@ class Result:
     messages: int  # messages replayed (0 for SMPI's own)
     wall_s: float  # export and smpirun, seconds of this machine
     density: float | None = None  # a sparse algorithm's nnz / numel per rank; None: dense
+    # ranks per node (the platform's topology; 0 when its nodes hold different numbers):
+    # what a table read back (sim/learn.py) needs beside a spec that leaves it to the option
+    gpus_per_node: int = 0
 
     @property
     def label(self) -> str:
@@ -183,7 +187,14 @@ def simulate(
         model,
         messages,
         time.monotonic() - start,
+        gpus_per_node=gpus_per_node(platform),
     )
+
+
+def gpus_per_node(platform: Platform) -> int:
+    """Ranks per node of ``platform``, 0 when its nodes hold different numbers of ranks."""
+    counts = set(collections.Counter(platform.topology().node_of).values())
+    return counts.pop() if len(counts) == 1 else 0
 
 
 def check_sparse(name: str, density: float) -> None:
@@ -263,7 +274,7 @@ def simulate_sparse(
     wall = time.monotonic() - start
     return Result(
         algorithm, platform.name, platform.ranks, numel * ELEMENT_SIZE, simulated, model,
-        messages, wall, density,
+        messages, wall, density, gpus_per_node(platform),
     )  # fmt: skip
 
 

@@ -146,3 +146,23 @@ def test_auto_tuning_agrees_on_every_rank_and_stays_right(backend: Backend) -> N
     assert all(theirs == picks for theirs in everyone), everyone
     if cl.size() > 1:
         assert allreducer._tuner.rounds == 2
+
+
+def test_auto_with_a_simulated_table_takes_its_pick(backend: Backend) -> None:
+    # COMMLAYER_SIM_TABLE's table of one node of 2-4 ranks (tests/unit/sim_table_one_node.jsonl:
+    # tree fastest at 1 MiB): auto runs the table's pick where the model's rule would say shm.
+    from pathlib import Path
+
+    from commlayer.sim import learn
+
+    table = Path(__file__).parents[1] / "unit" / "sim_table_one_node.jsonl"
+    allreducer = Allreducer(algorithms.AUTO, simulated=learn.load(str(table)))
+    numel = (1 << 20) // 4
+    inputs = every_rank_small_ints(seed_of("sim_table"), (numel,), torch.int32)
+    result = run_with(backend, allreducer, inputs[cl.rank()], cl.Sum)
+    pick = allreducer.choose(backend, numel, 4)
+    everyone = cl.allgather_object(pick, name="sim_table.pick")
+    assert_reduced(result, inputs, cl.Sum)
+    assert all(theirs == pick for theirs in everyone), everyone
+    if 2 <= cl.size() <= 4 and allreducer.topology(backend).nodes == 1:
+        assert pick == "tree"

@@ -65,6 +65,9 @@ def test_calibrate_writes_what_auto_and_the_table_read(run_mpi: RunMPI, tmp_path
     assert list(stored) == ["size=2,nodes=1"]
     cal = costmodel.load(2, 1, out)
     assert cal is not None and cal.alpha_s > 0 and cal.beta_s_per_byte > 0
+    # the engine's own cost per collective call, measured through commlayer.init (the handoff
+    # to the engine's thread and back is more than MPI's own 1 KiB allreduce)
+    assert cal.op_latency_s > 0 and "a collective call" in job.stdout, job.output()
     assert sorted(cal.native) == ["mpi", "shm"] and all(t > 0 for _, t in cal.native["mpi"])
     best = costmodel.table(64 << 20, cal)[0][0]
     assert costmodel.choose(16 << 20, 4, 2, 1, cal) in costmodel.candidates(True)

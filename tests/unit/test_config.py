@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from commlayer import config
 from commlayer.config import Config
 from commlayer.errors import ConfigError
 
+SIM_TABLE = Path(__file__).with_name("sim_table_one_node.jsonl")
 DEFAULTS = {
     "fusion_threshold_bytes": 64 * 1024 * 1024,
     "min_bucket_bytes": 1024 * 1024,
@@ -37,6 +39,7 @@ DEFAULTS = {
     "backend": "auto",
     "cuda_aware_mpi": "auto",
     "nccl": "auto",
+    "sim_table": "",
 }
 
 # (variable, text, Config field, parsed value)
@@ -105,6 +108,7 @@ GOOD = [
     ("COMMLAYER_CUDA_AWARE_MPI", " 1", "cuda_aware_mpi", "1"),
     ("COMMLAYER_CUDA_AWARE_MPI", "AUTO", "cuda_aware_mpi", "auto"),
     ("COMMLAYER_NCCL", "0", "nccl", "0"),
+    ("COMMLAYER_SIM_TABLE", str(SIM_TABLE), "sim_table", str(SIM_TABLE)),
 ]
 
 _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
@@ -175,6 +179,7 @@ BAD = [
     ("COMMLAYER_CUDA_AWARE_MPI", "yes", "one of auto, 0, 1"),
     ("COMMLAYER_CUDA_AWARE_MPI", "2", "one of auto, 0, 1"),
     ("COMMLAYER_NCCL", "on", "one of auto, 0, 1"),
+    ("COMMLAYER_SIM_TABLE", "/no/such/table.jsonl", "/no/such/table.jsonl: cannot read"),
 ]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from commlayer import cli, oracle
+from commlayer import cli, costmodel, oracle
 from commlayer.errors import SpecError
 from commlayer.oracle import model, paradl, report
 from commlayer.oracle.network import Compression, Network
@@ -325,6 +325,25 @@ def test_engine_op_latency(net: oracle.Net, plat: oracle.Platform) -> None:
     assert spatial[0] is not None and spatial[1] is not None
     # one split layer with a kernel: an alltoall forward and one backward, 250 iterations
     assert spatial[1].parts_s["halo"] - spatial[0].parts_s["halo"] == pytest.approx(250 * 2e-3)
+
+
+def test_engine_op_latency_from_the_calibration(plat: oracle.Platform) -> None:
+    # commlayer calibrate stores the engine's cost per call; the oracle adds it to every
+    # collective of the ranks it measured, and to a calibration carried to other rank counts
+    cal = costmodel.Calibration(
+        size=2, nodes=1, alpha_s=1e-6, beta_s_per_byte=1e-9, gamma_s_per_byte=0.0,
+        copy_s_per_byte=0.0, native={}, exchange=[(1, 1e-6), (1 << 30, 1e-6 + 2**30 * 1e-9)],
+        op_latency_s=2e-3,
+    )  # fmt: skip
+    measured, given = Network(plat, [cal], "ring"), Network(plat, [cal], "ring", op_latency_s=0.0)
+    assert measured.op_latency(2) == measured.op_latency(4) == 2e-3
+    assert measured.op_latency(1) == 0.0 and given.op_latency(2) == 0.0
+    assert measured.allreduce_s(4096, 2) == pytest.approx(given.allreduce_s(4096, 2) + 2e-3)
+    assert Network(plat, algorithm="ring").op_latency(2) == 0.0  # a platform file: none
+    # a calibration file from before op_latency_s reads with 0
+    raw = dataclasses.asdict(cal)
+    del raw["op_latency_s"]
+    assert costmodel.from_bytes(json.dumps([raw]).encode())[0].op_latency_s == 0.0
 
 
 def test_compression_on_the_wire(plat: oracle.Platform) -> None:
