@@ -262,7 +262,8 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "how the engine thread waits on a collective: active yields the CPU between tests until "
         "it completes (lowest latency), passive does so for 200 us and then sleeps between "
         "tests, up to 250 us (leaves the cores to forward and backward); auto (default): "
-        "passive when this node runs more ranks than it has cores, else active",
+        "passive when this node runs more ranks than it has cores (the torch backend counts "
+        "a core per rank for gloo's thread too), else active",
     ),
     (
         "COMMLAYER_MALLOC_TUNING",

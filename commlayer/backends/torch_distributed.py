@@ -235,6 +235,10 @@ class _GatherBytesRequest:
 class TorchBackend:
     """Backend over one torch.distributed process group (gloo)."""
 
+    # transfers progress on gloo's threads, not on the engine's tests: the engine's wait policy
+    # counts a core for them (engine._passive)
+    progress_threads = 1
+
     def __init__(self, group: Any = None, data: dict[str, Any] | None = None) -> None:
         """Over ``group`` (default: the default process group, which must be initialized);
         ``data``: the groups that move the tensors of a device type instead ("cuda": an NCCL
