@@ -59,7 +59,7 @@ step env 60 bash -c '
 # mpiexec -n 2 must make one job of 2 ranks (not two singletons)
 step mpi-size 60 mpiexec -n 2 "$PY" -c 'from mpi4py import MPI; size = MPI.COMM_WORLD.Get_size(); print("rank", MPI.COMM_WORLD.Get_rank(), "of", size, MPI.Get_library_version().splitlines()[0]); assert size == 2, "mpiexec -n 2 gave singletons"'
 step nvcc-build 120 bash -c 'cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null && cmake --build build && ls build/ext/cuda'
-step tests-gpu 240 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
+step tests-gpu 300 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
 for n in 1 2; do
     step "device-mpiexec-$n" 120 mpiexec -n "$n" "$PY" -m pytest tests/parallel/test_device.py \
         -q -p no:cacheprovider -x
