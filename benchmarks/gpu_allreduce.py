@@ -13,7 +13,9 @@ how the script is tested without a GPU.
 One process (``python``, or ``mpiexec -n 1``):
 1. ``torch.distributed.init_process_group("nccl")`` at world size 1 (a file:// rendezvous),
    then ``commlayer.init()``: over an initialized torch.distributed commlayer's ``auto`` backend
-   is its torch one (a gloo group of its own), CUDA tensors staged through pinned host memory.
+   is its torch one (a gloo group of its own). With a GPU per rank that backend also makes an
+   NCCL group and takes CUDA tensors directly (commlayer/device.py); ``COMMLAYER_NCCL=0``
+   stages them through pinned host memory as before (the header names the path).
 2. Per size, each call followed by ``torch.cuda.synchronize()``: NCCL's ``all_reduce``,
    commlayer's ``allreduce_``, ``allreduce_async_`` + ``synchronize``, and the pinned
    device-to-host + host-to-device copy of the tensor (what staging must at least move).
@@ -253,6 +255,14 @@ def multi_rank_rows(systems: dict[str, System], n: int) -> tuple[list[str], Call
     return head, row
 
 
+def _staged(bench: Bench) -> bool:
+    """Whether commlayer stages this run's tensors through the host (device.py decides)."""
+    from commlayer import device, runtime
+
+    backend = runtime.engine().backend(0)
+    return bench.device.type != "cuda" or device.path(backend, bench.device, torch.float32) is None
+
+
 def header(bench: Bench, backend: str) -> list[str]:
     world, device = bench.world, bench.device
     where = torch.cuda.get_device_name(device) if bench.cuda else platform.processor() or "CPU"
@@ -267,7 +277,8 @@ def header(bench: Bench, backend: str) -> list[str]:
         f"`{' '.join([*command, 'python', *sys.argv])}`",
         "",
         f"{datetime.date.today()}, {platform.node()}, {where}, torch {torch.__version__}"
-        f"{nccl}, {library_version()}, commlayer backend: {cl.backend_name()}; per-call time "
+        f"{nccl}, {library_version()}, commlayer backend: {cl.backend_name()} (CUDA tensors "
+        f"{'staged' if _staged(bench) else 'direct'}); per-call time "
         f"with the device synchronized after each call, slowest rank, median of "
         f"{bench.args.reps} loops of ~{bench.args.target_s:g} s after {bench.args.warmup} "
         "warm-up calls (the first checked: every rank's sum right)",

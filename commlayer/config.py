@@ -29,6 +29,7 @@ WAIT_POLICIES = ("auto", "active", "passive")
 JOIN_MODES = ("horovod", "active")
 ON_OFF = ("on", "off")
 BACKENDS = ("auto", "mpi", "torch")
+AUTO_OFF_ON = ("auto", "0", "1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,8 @@ class Config:
     init_timeout_s: float = 60.0
     collective_timeout_s: float = 60.0
     backend: str = "auto"
+    cuda_aware_mpi: str = "auto"
+    nccl: str = "auto"
     sim_table: str = ""
 
     @property
@@ -151,6 +154,7 @@ _WAIT_POLICY = _fixed(one_of(lambda: WAIT_POLICIES), f"one of {', '.join(WAIT_PO
 _JOIN_MODE = _fixed(one_of(lambda: JOIN_MODES), f"one of {', '.join(JOIN_MODES)}")
 _ON_OFF = _fixed(one_of(lambda: ON_OFF), f"one of {', '.join(ON_OFF)}")
 _BACKEND = _fixed(one_of(lambda: BACKENDS), f"one of {', '.join(BACKENDS)}")
+_AUTO_OFF_ON = _fixed(one_of(lambda: AUTO_OFF_ON), f"one of {', '.join(AUTO_OFF_ON)}")
 _PATH = _fixed(str, "a path")
 # In _VARIABLES: a setting whose allowed values are names other modules own (algorithms,
 # compressors, ...); config imports none of them, their Validators are passed in.
@@ -258,7 +262,8 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "how the engine thread waits on a collective: active yields the CPU between tests until "
         "it completes (lowest latency), passive does so for 200 us and then sleeps between "
         "tests, up to 250 us (leaves the cores to forward and backward); auto (default): "
-        "passive when this node runs more ranks than it has cores, else active",
+        "passive when this node runs more ranks than it has cores (the torch backend counts "
+        "a core per rank for gloo's thread too), else active",
     ),
     (
         "COMMLAYER_MALLOC_TUNING",
@@ -308,6 +313,23 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "what carries the engine's messages: mpi (mpi4py), torch (torch.distributed over gloo), "
         "or auto (default): mpi under mpiexec/commlayerrun, torch under torchrun or (no "
         "launcher) when torch.distributed is already initialized, else mpi",
+    ),
+    (
+        "COMMLAYER_CUDA_AWARE_MPI",
+        "cuda_aware_mpi",
+        _AUTO_OFF_ON,
+        "whether the MPI backend hands CUDA tensors to MPI directly: 1 (the MPI is CUDA-aware), "
+        "0 (stage them through pinned host buffers), or auto (default): ask the MPI library "
+        "(MPIX_Query_cuda_support, MPICH's MPIX_GPU_query_support; MPIR_CVAR_ENABLE_GPU=0 "
+        "says no), staging when it cannot tell",
+    ),
+    (
+        "COMMLAYER_NCCL",
+        "nccl",
+        _AUTO_OFF_ON,
+        "whether the torch backend moves CUDA tensors over NCCL directly: auto (default) and 1 "
+        "when torch has CUDA and NCCL and every rank a GPU of its own (1: an error otherwise), "
+        "0: stage them through pinned host buffers over gloo",
     ),
     (
         "COMMLAYER_SIM_TABLE",

@@ -1,9 +1,32 @@
-"""Device tensors: CUDA tensors through the engine's host-memory backends, staged in pinned
-host buffers.
+"""Device tensors: CUDA tensors either taken by the backend as they are (direct) or staged in
+pinned host buffers.
 
-The engine's backends move host memory (MPI without CUDA support, gloo), so an operation with
-tensors on a CUDA device is staged, and this module is the one place that knows it. ``stage``
-runs at submit, in the caller's thread:
+One decision, ``path(backend, device, dtype)``: does this backend take this device's tensors
+directly? The backend answers (``direct_path``): the MPI backend when its MPI is CUDA-aware
+(backends/cuda_aware.py), the torch backend when it has an NCCL group for CUDA tensors. This
+module is the one place that acts on the answer; ``prepare`` runs at submit, in the caller's
+thread, and returns either record:
+
+**Direct** (``Direct``): the operation's own tensors go to the engine; an event is recorded on
+the caller's current stream (the producer's). The engine thread runs all its device work
+(fusion buffers, which are then on the device; packs, the Python reductions of the schedules,
+unpacks) on a stream of its own (``_work_stream``) and, before the collective reads an input,
+waits on that event the way the backend needs (``Path.wait``):
+
+- ``"stream"`` (NCCL, which orders its work after the calling thread's current stream): the
+  work stream waits on the event, no host wait, no device-wide synchronisation;
+- ``"host"`` (MPI, stream-unaware): the engine polls the event host-side before the call, and
+  the backend synchronizes the work stream before it hands MPI a device buffer
+  (``sync_before_host_call``), so the engine's own packs and reductions are done too.
+
+Once the collective and the unpack are done, ``Direct.done`` records an event on the work
+stream after them and waits for it (engine thread), so the future's value is usable on any
+stream. A ``Path.channel`` that is not empty must be the same on every rank of an operation
+(NCCL on one rank and gloo on another would never meet): it is negotiated with the operation
+(``Announce.channel``), and a joined rank makes its buffers on that channel's device.
+
+**Staged** (``Staged``), for every other CUDA tensor (the backends move host memory: MPI without
+CUDA support, gloo):
 
 1. **In**: the device's copy stream waits on the caller's current stream (an event: no
    device-wide synchronisation, nothing the caller queued later is waited for) and copies each
@@ -19,15 +42,17 @@ runs at submit, in the caller's thread:
    reducescatter); alltoall's received splits stay on the CPU, as Horovod's do. The future
    completes once those copies are done, so its value is usable on any stream.
 
-The device-dependent steps are the three functions ``_copy_stream``, ``_host_buffer`` and
-``_event``; everything else runs unchanged on CPU tensors when a test sets ``STAGE_CPU``
-(tests/parallel/test_device.py), which is how CI, without a GPU,
-checks the seam's logic. tests/gpu/ runs it on CUDA tensors.
+The device-dependent steps are the functions ``_copy_stream``, ``_work_stream``,
+``_host_buffer`` and ``_event``; everything else runs unchanged on CPU tensors when a test sets
+``STAGE_CPU`` (staging) or ``DIRECT_CPU`` (the direct path, with a CPU data group on the torch
+backend) (tests/parallel/test_device.py), which is how CI, without a GPU, checks the seam's
+logic. tests/gpu/ runs it on CUDA tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -38,6 +63,18 @@ from commlayer.backends.base import COMPLETED, Request
 
 # CUDA tensors are staged through host memory; tests set this to stage CPU tensors the same way.
 STAGE_CPU = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """How a backend takes a device's tensors directly (module docstring, **Direct**)."""
+
+    wait: str  # "stream": the backend queues after the engine's stream (NCCL); "host": MPI
+    channel: str = ""  # negotiated: what every rank of an operation must use ("": nothing)
+
+
+# Tests: CPU tensors through the direct path with this Path (None: CPU tensors are plain).
+DIRECT_CPU: Path | None = None
 DEVICE_TYPES = ("cpu", "cuda")  # what the collectives accept
 
 
@@ -140,26 +177,163 @@ class Staged:
         return lambda raw: finish(self.unstage(raw))
 
 
+def path(backend: Any, device: torch.device, dtype: torch.dtype) -> Path | None:
+    """The one decision: does ``backend`` take ``device``'s tensors of ``dtype`` as they are
+    (how, when it does)? None: stage them (CUDA) or nothing to decide (CPU)."""
+    if device.type == "cpu":
+        return DIRECT_CPU
+    query = getattr(backend, "direct_path", None)
+    return None if query is None else query(device, dtype)
+
+
+@functools.cache
+def _work_stream(device: torch.device) -> Any:
+    """The stream the engine thread queues its device work on for ``device`` (one per device;
+    None for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.Stream(device=device)
+    return None
+
+
+_channel_devices: dict[str, torch.device] = {}  # the device each channel was last used with
+
+
+def channel_device(channel: str) -> torch.device:
+    """Where a rank that has no tensors of an operation (a joined rank) makes its buffers: the
+    CPU for operations without a channel, else the device this rank used the channel with
+    (the current CUDA device if it never did)."""
+    if not channel:
+        return _CPU
+    found = _channel_devices.get(channel)
+    if found is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return found
+
+
+_CPU = torch.device("cpu")
+
+
+def buffer_device(tensors: Sequence[torch.Tensor], channel: str) -> torch.device:
+    """The device of an operation's buffers: its tensors' (the first), else the channel's."""
+    return tensors[0].device if tensors else channel_device(channel)
+
+
+class _Produced:
+    """The engine's wait for the producer's event before a direct operation's collective
+    (module docstring, **Direct**): a Request the engine polls like a staged one."""
+
+    __slots__ = ("device", "wait", "event")
+
+    def __init__(self, device: torch.device, wait: str, event: Any) -> None:
+        self.device, self.wait, self.event = device, wait, event
+
+    def test(self) -> bool:
+        stream = _work_stream(self.device)
+        if stream is not None:  # the engine thread's device work goes on its own stream
+            if torch.cuda.current_device() != self.device.index:
+                torch.cuda.set_device(self.device)  # (a thread's device starts at 0)
+            torch.cuda.set_stream(stream)
+        if self.event is None:
+            return True
+        if self.wait == "host":  # MPI: the producer's work must be done before MPI reads
+            return bool(self.event.query())
+        if stream is not None:  # NCCL: its stream follows the work stream, which follows this
+            stream.wait_event(self.event)
+        else:
+            self.event.wait()
+        return True
+
+
+class Direct:
+    """A direct operation's device side (module docstring, **Direct**)."""
+
+    __slots__ = ("device", "route", "ready")
+
+    def __init__(self, device: torch.device, route: Path, produced: Any) -> None:
+        self.device, self.route = device, route
+        self.ready: Request = _Produced(device, route.wait, produced)
+
+    def done(self, raw: Any) -> Any:
+        """``raw`` once the engine's device work on it is done: an event recorded on the work
+        stream after the collective and the unpack, waited for on the engine thread."""
+        finished = _event(_work_stream(self.device))
+        if finished is not None:
+            finished.synchronize()
+        return raw
+
+    def wrap(self, finish: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
+        if finish is None:
+            return self.done
+        return lambda raw: finish(self.done(raw))
+
+
+def sync_before_host_call(tensor: torch.Tensor) -> None:
+    """Before a stream-unaware backend (MPI) touches ``tensor``'s device memory: wait, host-side,
+    for the work the engine thread queued on its current stream (packs, reductions)."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
 def _staged(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or STAGE_CPU
 
 
-def stage(
-    inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor], Staged | None]:
-    """Host stand-ins for an operation's tensors on a staged device (step 1), and the
-    ``Staged`` record that brings the result back; (inputs, outputs, None) when none is."""
-    # Every submit comes here: CPU operations leave after one is_cuda pass (13 us for a group of
-    # 100 tensors in place, where reading each tensor's device took 65 us).
-    if not (STAGE_CPU or any(t.is_cuda for t in inputs) or any(t.is_cuda for t in outputs)):
-        return list(inputs), list(outputs), None
-    devices = {t.device for t in (*inputs, *outputs) if _staged(t)}
+def _device_of(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> torch.device:
+    devices = {t.device for t in (*inputs, *outputs) if _staged(t) or DIRECT_CPU is not None}
     if len(devices) > 1:
         raise ValueError(
             "the tensors of one operation must be on one device (or the CPU); got "
             f"{sorted(map(str, devices))}"
         )
     (device,) = devices
+    return device
+
+
+def prepare(
+    inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], backend: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor], Staged | Direct | None, str]:
+    """An operation's tensors as the engine gets them, the record that brings the result back
+    (None: plain CPU tensors), and its channel (negotiated; "" for none)."""
+    # Every submit comes here: CPU operations leave after one is_cuda pass (13 us for a group of
+    # 100 tensors in place, where reading each tensor's device took 65 us).
+    if not (
+        STAGE_CPU
+        or DIRECT_CPU is not None
+        or any(t.is_cuda for t in inputs)
+        or any(t.is_cuda for t in outputs)
+    ):
+        return list(inputs), list(outputs), None, ""
+    device = _device_of(inputs, outputs)
+    route = None
+    every = (*inputs, *outputs)
+    if not STAGE_CPU and all(t.device == device for t in every):  # a CPU member: staged
+        dtype = every[0].dtype if every else torch.uint8
+        route = path(backend, device, dtype)
+    if route is None:
+        return (*stage(inputs, outputs, device), "")  # type: ignore[return-value]
+    _channel_devices[route.channel] = device
+    produced = None
+    stream = _work_stream(device)
+    if stream is not None:
+        produced = _event(torch.cuda.current_stream(device))
+        for tensor in every:  # not reused by the caller's stream while the engine works on it
+            tensor.record_stream(stream)
+    elif DIRECT_CPU is not None:
+        produced = _event(None)
+    return list(inputs), list(outputs), Direct(device, route, produced), route.channel
+
+
+def stage(
+    inputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    device: torch.device | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], Staged | None]:
+    """Host stand-ins for an operation's tensors on a staged device (step 1), and the
+    ``Staged`` record that brings the result back; (inputs, outputs, None) when none is."""
+    if device is None:
+        if not (STAGE_CPU or any(t.is_cuda for t in inputs) or any(t.is_cuda for t in outputs)):
+            return list(inputs), list(outputs), None
+        device = _device_of(inputs, outputs)
     stream = _copy_stream(device)
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(device))

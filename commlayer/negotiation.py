@@ -69,6 +69,9 @@ class Announce:
     op: int = 0
     root: int = -1
     splits: tuple[int, ...] | None = None
+    # what carries the data where every rank must use the same (device.Path.channel: "nccl"
+    # for CUDA tensors over the torch backend's NCCL group); "" for the backend's default
+    channel: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,7 @@ class Response:
     dim0: tuple[int, ...]  # first dimension of every rank's tensor (allgather, alltoall)
     splits: tuple[tuple[int, ...], ...]  # alltoall: splits[q][r] rows from rank q to rank r
     error: str | None = None
+    channel: str = ""  # Announce.channel, the same on every rank
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -133,6 +137,7 @@ def build_response(name: str, announced: dict[int, Announce], size: int) -> Resp
     checks: list[tuple[str, Callable[[Announce], Any]]] = [
         ("operation", lambda a: a.kind),
         ("dtype", lambda a: a.dtype),
+        ("data channel", lambda a: a.channel or "host"),
     ]
     if kind in (ALLREDUCE, REDUCESCATTER):
         checks.append(("reduce op", lambda a: _op_name(a.op)))
@@ -163,7 +168,10 @@ def build_response(name: str, announced: dict[int, Announce], size: int) -> Resp
             announced[r].splits or (0,) * size if r in announced else (0,) * size
             for r in range(size)
         )
-    return Response(name, kind, first.dtype, first.shapes, first.op, first.root, dim0, splits)
+    return Response(
+        name, kind, first.dtype, first.shapes, first.op, first.root, dim0, splits,
+        channel=first.channel,
+    )  # fmt: skip
 
 
 def _error_response(name: str, first: Announce, message: str) -> Response:
@@ -321,6 +329,7 @@ class Negotiator:
         return (
             response.kind == mine.kind
             and response.dtype == mine.dtype
+            and response.channel == mine.channel
             and response.op == mine.op
             and response.root == mine.root
             and (

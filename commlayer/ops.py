@@ -178,6 +178,10 @@ def _submit(
             f"{kind}: Average is not defined for bool tensors; use Sum or Max (logical or), "
             "Min or Product (logical and)"
         )
+    try:  # CUDA tensors: taken by the backend directly, or staged in host memory (device.py)
+        inputs, outputs, staged, channel = device.prepare(inputs, outputs, engine.backend(set_id))
+    except ValueError as exc:
+        raise _input_error(f"{kind}: {exc}") from None
     announce = Announce(
         _auto_name(kind, name, set_id),
         kind,
@@ -186,11 +190,8 @@ def _submit(
         int(op),
         root,
         splits,
+        channel,
     )
-    try:  # CUDA tensors: pinned host stand-ins, copied in on a side stream (device.py)
-        inputs, outputs, staged = device.stage(inputs, outputs)
-    except ValueError as exc:
-        raise _input_error(f"{kind}: {exc}") from None
     operation = Operation(
         announce,
         inputs,

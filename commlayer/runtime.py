@@ -103,7 +103,9 @@ def _start_backend(comm: Any, cfg: Config) -> Any:
     if kind == "torch":
         from commlayer.backends import torch_distributed
 
-        backend, _owns_torch_group = torch_distributed.start(comm, cfg.init_timeout_s, launch)
+        backend, _owns_torch_group = torch_distributed.start(
+            comm, cfg.init_timeout_s, launch, cfg.nccl
+        )
         _backend_name = "torch"
         return backend
     if launch.launcher == "torchrun" and launch.world_size > 1:
@@ -124,7 +126,7 @@ def _start_backend(comm: Any, cfg: Config) -> Any:
                 f"{world_rank()}) is not among those ranks"
             )
     _backend_name = "mpi"
-    return MPIBackend(comm, cfg.init_timeout_s)
+    return MPIBackend(comm, cfg.init_timeout_s, cuda_aware=cfg.cuda_aware_mpi)
 
 
 def backend_name() -> str:

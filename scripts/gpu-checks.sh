@@ -59,19 +59,31 @@ step env 60 bash -c '
 # mpiexec -n 2 must make one job of 2 ranks (not two singletons)
 step mpi-size 60 mpiexec -n 2 "$PY" -c 'from mpi4py import MPI; size = MPI.COMM_WORLD.Get_size(); print("rank", MPI.COMM_WORLD.Get_rank(), "of", size, MPI.Get_library_version().splitlines()[0]); assert size == 2, "mpiexec -n 2 gave singletons"'
 step nvcc-build 120 bash -c 'cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null && cmake --build build && ls build/ext/cuda'
-step tests-gpu 240 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
+step tests-gpu 300 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
 for n in 1 2; do
     step "device-mpiexec-$n" 120 mpiexec -n "$n" "$PY" -m pytest tests/parallel/test_device.py \
         -q -p no:cacheprovider -x
 done
 step device-torchrun-2 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 \
     -m pytest tests/parallel/test_device.py -q -p no:cacheprovider -x
+# 1 rank per GPU: the torch backend takes CUDA tensors over NCCL directly (device.py's direct
+# path; 2 ranks on one GPU are staged over gloo above); tests/gpu/test_direct_cuda.py (in
+# tests-gpu) runs the direct worker at 1 and, with 2 GPUs, 2 ranks
+step device-torchrun-1-nccl 120 env COMMLAYER_NCCL=1 "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node 1 -m pytest tests/parallel/test_device.py -q -p no:cacheprovider -x
+step detect-cuda-aware-mpi 60 "$PY" -c 'from commlayer.backends import mpi; print("CUDA-aware MPI:", mpi.detect_cuda_aware("auto"))'
 # Benchmarks (tables into OUT_DIR; commit them under benchmarks/results/)
 step bench-kernels 120 "$PY" benchmarks/kernels.py --device cuda --out "$OUT/kernels_cuda.md"
 step bench-allreduce-np1 90 "$PY" benchmarks/gpu_allreduce.py --max-size 64MiB --reps 3 \
     --out "$OUT/gpu_allreduce_np1.md"
 step bench-allreduce-np2 120 mpiexec -n 2 "$PY" benchmarks/gpu_allreduce.py --max-size 64MiB \
     --reps 3 --out "$OUT/gpu_allreduce_np2.md"
+# commlayer over NCCL vs torch.distributed.all_reduce alone, one rank per GPU (issue target:
+# busbw >= 0.95 from 1 MiB; one GPU gives latency only)
+GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)"
+step bench-nccl-allreduce 150 "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node "${GPUS:-1}" benchmarks/gpu_nccl_allreduce.py --max-size 256MiB --reps 3 \
+    --out "$OUT/gpu_nccl_allreduce_np${GPUS:-1}.md"
 step bench-train 200 "$PY" benchmarks/gpu_train.py --steps 30 --warmup 20 --budget-s 150 \
     --out "$OUT/gpu_train.md"
 

@@ -128,6 +128,14 @@ class Allreducer:
         when the backend can and the nodes allow it (``_backend_facts``); else its schedule.
         ``packed_s``: what packing ``buf`` took, counted twice (pack and the unpack that
         mirrors it) when online tuning measures this call."""
+        if buf.device.type != "cpu":
+            # A device buffer (a direct CUDA operation, device.py): the backend's own allreduce
+            # (NCCL's, a CUDA-aware MPI's) unless a schedule was asked for by name; the cost
+            # model, the tuner and the shared-memory window know host memory only.
+            name = self.algorithm
+            if name in (algorithms.AUTO, "shm", "hierarchical"):
+                name = "mpi"
+            return self._run(name, backend, send, buf, op, self._backend_facts(backend)[0])
         name, key = self._next(backend, buf.numel(), buf.element_size())
         topology, _, two_level = self._backend_facts(backend)
         if name == "hierarchical" and two_level:

@@ -17,17 +17,21 @@ from commlayer.algorithms.schedule import Schedule
 from commlayer.backends.base import Backend, Request
 from commlayer.reduce_ops import ReduceOp, reduce_into
 
+_CPU = torch.device("cpu")
+
 
 class Scratch:
-    """One growing receive buffer per dtype, reused by every step (one engine thread)."""
+    """One growing receive buffer per dtype and device, reused by every step (one engine
+    thread); on the buffer's device, so a direct CUDA operation's reductions run there."""
 
     def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buf = self._buffers.get(dtype)
+    def get(self, dtype: torch.dtype, numel: int, device: torch.device = _CPU) -> torch.Tensor:
+        key = (dtype, device)
+        buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
-            buf = self._buffers[dtype] = torch.empty(numel, dtype=dtype)
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
 
@@ -68,7 +72,7 @@ class ScheduleRequest:
     def _post(self) -> None:
         step = self._schedule[self._index]
         total = sum(t.numel for t in step.recvs)
-        space = self._scratch.get(self._buf.dtype, total)
+        space = self._scratch.get(self._buf.dtype, total, self._buf.device)
         offset = 0
         recvs = []
         for t in step.recvs:

@@ -3,6 +3,13 @@
 Buffers are passed to MPI by address (``MPI.buffer.fromaddress``), so any dtype, bfloat16
 included, travels without a copy. float16 and bfloat16 reductions use user-defined MPI ops that
 reduce with torch (MPI has no 16-bit float types); every other dtype uses MPI's built-in ops.
+
+CUDA tensors: where the MPI library is CUDA-aware (``COMMLAYER_CUDA_AWARE_MPI``, detected by
+backends/cuda_aware.py), ``direct_path`` says the backend takes them as they are (device.py's
+one decision) and ``_spec`` hands MPI the device buffer (mpi4py reads its
+``__cuda_array_interface__``) after a host-side wait on the engine's stream (MPI is
+stream-unaware). 16-bit floats stay staged: their user-defined reductions read host memory.
+Elsewhere CUDA tensors are staged through pinned host buffers (device.py).
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
+from commlayer import device  # noqa: E402
 from commlayer.algorithms.topology import Topology  # noqa: E402
+from commlayer.backends import cuda_aware  # noqa: E402
 from commlayer.backends.base import COMPLETED, Request  # noqa: E402
 from commlayer.backends.peers import indices, machine_id, process_alive  # noqa: E402
 from commlayer.errors import CommlayerError  # noqa: E402
@@ -85,13 +94,31 @@ def _mpi_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
     return _BUILTIN_OPS[op]
 
 
+# Whether this process's MPI takes CUDA buffers: decided once, by the first backend
+# (cuda_aware.decide); None until then.
+_cuda_aware: bool | None = None
+_DIRECT = device.Path("host", "cuda-mpi")
+_STAGED_DTYPES = (torch.float16, torch.bfloat16)  # reduced by user ops on host memory
+
+
+def detect_cuda_aware(setting: str) -> tuple[bool, str]:
+    """(CUDA-aware, why) for ``COMMLAYER_CUDA_AWARE_MPI``'s value (MPI initialized)."""
+    return cuda_aware.decide(setting, os.environ, cuda_aware.library_queries(MPI))
+
+
 def _spec(tensor: torch.Tensor, count: int | None = None) -> list[Any]:
-    """[buffer, count, datatype] for a contiguous CPU tensor, by address (zero-copy)."""
-    if tensor.is_cuda:  # its address is device memory, which this MPI would read as host memory
-        raise ValueError(
-            f"the MPI backend moves host memory; got a tensor on {tensor.device} (collectives "
-            "stage CUDA tensors through the host: commlayer/device.py)"
-        )
+    """[buffer, count, datatype] for a contiguous tensor, by address (zero-copy); a CUDA
+    tensor's device buffer where the MPI is CUDA-aware."""
+    if tensor.is_cuda:
+        if not _cuda_aware:  # its address is device memory, which this MPI reads as host memory
+            raise ValueError(
+                f"the MPI backend moves host memory here (not CUDA-aware: "
+                f"COMMLAYER_CUDA_AWARE_MPI); got a tensor on {tensor.device} (collectives stage "
+                "CUDA tensors through the host: commlayer/device.py)"
+            )
+        device.sync_before_host_call(tensor)  # the engine's packs and reductions are done
+        raw = tensor.reshape(-1).view(torch.uint8)  # any dtype: MPI reads the bytes
+        return [raw, tensor.numel() if count is None else count, _DTYPES[tensor.dtype]]
     nbytes = tensor.numel() * tensor.element_size()
     buf = MPI.buffer.fromaddress(tensor.data_ptr() if nbytes else 0, nbytes)
     return [buf, tensor.numel() if count is None else count, _DTYPES[tensor.dtype]]
@@ -177,9 +204,17 @@ class _GatherBytesRequest:
 class MPIBackend:
     """Backend over one MPI communicator."""
 
-    def __init__(self, comm: MPI.Comm | None = None, timeout_s: float = 60.0) -> None:
-        """Over ``comm``, or over a duplicate of COMM_WORLD made within ``timeout_s``."""
+    def __init__(
+        self, comm: MPI.Comm | None = None, timeout_s: float = 60.0, cuda_aware: str = "auto"
+    ) -> None:
+        """Over ``comm``, or over a duplicate of COMM_WORLD made within ``timeout_s``;
+        ``cuda_aware``: COMMLAYER_CUDA_AWARE_MPI's value, read by the first backend made."""
+        global _cuda_aware
         self._comm: MPI.Comm = comm if comm is not None else dup_world(timeout_s)
+        if _cuda_aware is None:
+            _cuda_aware, self.cuda_aware_reason = detect_cuda_aware(cuda_aware)
+        else:
+            self.cuda_aware_reason = "decided by the first MPI backend of this process"
         self._rank = self._comm.rank
         self._size = self._comm.size
         me = (socket.gethostname(), os.getpid(), machine_id())
@@ -207,6 +242,12 @@ class MPIBackend:
     @property
     def comm(self) -> MPI.Comm:
         return self._comm
+
+    def direct_path(self, where: torch.device, dtype: torch.dtype) -> device.Path | None:
+        """device.py's decision: CUDA tensors go to a CUDA-aware MPI as they are."""
+        if where.type == "cuda" and _cuda_aware and dtype not in _STAGED_DTYPES:
+            return _DIRECT
+        return None
 
     def iallreduce(self, send: torch.Tensor | None, recv: torch.Tensor, op: ReduceOp) -> Request:
         if self._size == 1 or recv.numel() == 0:

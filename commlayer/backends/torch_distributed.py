@@ -19,10 +19,19 @@ The engine, its negotiation and every schedule run unchanged over this backend; 
    needs nothing from its own rank and the receive lane always moves. ``test()`` reads the
    mark: the engine still never blocks on a transfer.
 3. torch.distributed has no probe, so a message of unknown length (``irecv_any``, the sparse
-   schedules' streams) is sent by ``isend_any`` as a one-element length header followed by the
+   schedules' streams) is sent by ``isend_any`` as a header (length, and whether the body
+   travels over the CUDA data group, so the receiver makes it there) followed by the
    data; the receives for one peer run one at a time, in the order posted, as MPI's matched
    probes do.
-4. Ranks are this group's ranks; torch.distributed calls take the group rank through
+4. CUDA tensors over NCCL (``COMMLAYER_NCCL``): ``start`` makes an NCCL group over the same
+   ranks as the gloo one, and every data call goes over the group of its tensor's device type
+   (``_data``), the negotiation (``icontrol``, ``iallgather_bytes``, ``ibarrier``) always over
+   gloo. ``direct_path`` tells device.py that CUDA tensors come as they are (``"stream"``: NCCL
+   orders its work after the engine thread's current stream, so the engine makes that stream
+   wait on the producer's event, no host wait). NCCL's Works report completion to
+   ``is_completed()`` (its kernels' events), so they are polled like the collectives, no
+   waiter thread. bool and int16 CUDA tensors stay staged (no NCCL reduction for them).
+5. Ranks are this group's ranks; torch.distributed calls take the group rank through
    ``group_src``/``group_dst``. ``nodes()`` groups ranks by host name; ``dead_peers()`` checks
    the pids of peers on this host, as the MPI backend does. ``abort()`` ends this process with
    exit code 70 (the MPI backend's MPI_Abort code): torchrun's agent then stops every other
@@ -45,6 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from commlayer import device
 from commlayer.backends.base import COMPLETED, Request
 from commlayer.backends.peers import indices, machine_id, process_alive
 from commlayer.errors import CommlayerError
@@ -65,6 +75,8 @@ _OPS = {
 }
 # dtypes gloo cannot reduce, and the dtype they travel as for a reduction
 _WIDENED = {torch.int16: torch.int32}
+_NCCL = device.Path("stream", "nccl")
+_NOT_NCCL = (torch.bool, torch.int16)  # staged over gloo: NCCL has no reduction for them
 
 
 def _op(op: ReduceOp) -> Any:
@@ -157,8 +169,8 @@ class _SizedRecv:
         self, backend: TorchBackend, dtype: torch.dtype, peer: int, waiting: deque[_SizedRecv]
     ) -> None:
         self._backend, self._dtype, self._peer, self._queue = backend, dtype, peer, waiting
-        self._header = torch.empty(1, dtype=torch.int64)
-        self._head: _WaitedRequest | None = None
+        self._header = torch.empty(2, dtype=torch.int64)  # (length, on the CUDA data group)
+        self._head: Request | None = None
         self._body: Request | None = None
         self.tensor: torch.Tensor | None = None
         waiting.append(self)
@@ -172,7 +184,9 @@ class _SizedRecv:
         if self._head is None or not self._head.test():
             return False
         if self._body is None:
-            self.tensor = torch.empty(int(self._header[0]), dtype=self._dtype)
+            length, cuda = self._header.tolist()
+            where = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+            self.tensor = torch.empty(length, dtype=self._dtype, device=where)
             self._body = (
                 self._backend.irecv(self.tensor, self._peer) if self.tensor.numel() else COMPLETED
             )
@@ -221,8 +235,14 @@ class _GatherBytesRequest:
 class TorchBackend:
     """Backend over one torch.distributed process group (gloo)."""
 
-    def __init__(self, group: Any = None) -> None:
-        """Over ``group`` (default: the default process group, which must be initialized)."""
+    # transfers progress on gloo's threads, not on the engine's tests: the engine's wait policy
+    # counts a core for them (engine._passive)
+    progress_threads = 1
+
+    def __init__(self, group: Any = None, data: dict[str, Any] | None = None) -> None:
+        """Over ``group`` (default: the default process group, which must be initialized);
+        ``data``: the groups that move the tensors of a device type instead ("cuda": an NCCL
+        group over the same ranks; module docstring, 4.)."""
         if not dist.is_initialized():
             raise CommlayerError(
                 "the torch backend needs torch.distributed initialized "
@@ -238,10 +258,12 @@ class TorchBackend:
         self._rank = dist.get_rank(self._group)
         self._size = dist.get_world_size(self._group)
         peers: list[Any] = [None] * self._size
-        me = (socket.gethostname(), os.getpid(), machine_id())
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        me = (socket.gethostname(), os.getpid(), machine_id(), gpus)
         dist.all_gather_object(peers, me, group=self._group)
-        self._peers: list[tuple[str, int]] = [(host, pid) for host, pid, _ in peers]
-        self._machines = indices([machine for _, _, machine in peers])
+        self._peers: list[tuple[str, int]] = [(host, pid) for host, pid, _, _ in peers]
+        self._machines = indices([machine for _, _, machine, _ in peers])
+        self._gpus = {host: count for host, _, _, count in peers}
         self._nodes = indices(host for host, _ in self._peers)
         # one waiter per lane (module docstring, 2.): a send waits for its receiver to post,
         # and a receive that completes lets the engine post the next (a sized message's body):
@@ -250,6 +272,34 @@ class TorchBackend:
             lane: _Waiter(f"commlayer-{lane}-{self._rank}") for lane in ("send", "recv", "coll")
         }
         self._sized: dict[int, deque[_SizedRecv]] = {}
+        self._data: dict[str, Any] = {}
+        self._polled: set[int] = set()  # ids of data groups whose Works report completion
+        for kind, data_group in (data or {}).items():
+            self.add_data_group(kind, data_group)
+
+    def add_data_group(self, device_type: str, group: Any) -> None:
+        """Move the tensors of ``device_type`` over ``group`` (same ranks, same order); tests
+        route CPU tensors over a second gloo group this way (tests/parallel/test_device.py)."""
+        self._data[device_type] = group
+        if dist.get_backend(group) == "nccl":
+            self._polled.add(id(group))
+
+    def direct_path(self, where: torch.device, dtype: torch.dtype) -> device.Path | None:
+        """device.py's decision: CUDA tensors go to the NCCL group as they are."""
+        if where.type == "cuda" and "cuda" in self._data and dtype not in _NOT_NCCL:
+            return _NCCL
+        return None
+
+    def _on(self, tensor: torch.Tensor) -> Any:
+        """The group that moves ``tensor``: its device type's data group, else gloo's."""
+        return self._data.get(tensor.device.type, self._group) if self._data else self._group
+
+    def _lane(self, group: Any, lane: str, work: Any, *keep: Any, after: Any = None) -> Request:
+        """A Work as a Request: polled where it reports completion (NCCL), else completed by
+        the waiter thread of ``lane`` (module docstring, 2.)."""
+        if id(group) in self._polled:
+            return _WorkRequest(work, *keep, after=after)
+        return self._waiters[lane].add(_WaitedRequest(work, *keep, after=after))
 
     @property
     def rank(self) -> int:
@@ -270,11 +320,12 @@ class TorchBackend:
         if self._size == 1 or recv.numel() == 0:
             return COMPLETED
         wide = _WIDENED.get(recv.dtype)
+        group = self._on(recv)
         if wide is None:
-            work = dist.all_reduce(recv, _op(op), group=self._group, async_op=True)
+            work = dist.all_reduce(recv, _op(op), group=group, async_op=True)
             return _WorkRequest(work, recv)
         widened = recv.to(wide)
-        work = dist.all_reduce(widened, _op(op), group=self._group, async_op=True)
+        work = dist.all_reduce(widened, _op(op), group=group, async_op=True)
         return _WorkRequest(work, widened, after=lambda: recv.copy_(widened))
 
     def _gather_equal(self, send: torch.Tensor, recv: torch.Tensor) -> Request:
@@ -282,7 +333,7 @@ class TorchBackend:
         if self._size == 1:
             recv.copy_(send)
             return COMPLETED
-        work = _all_gather_single(recv, send, group=self._group, async_op=True)
+        work = _all_gather_single(recv, send, group=self._on(recv), async_op=True)
         return _WorkRequest(work, send, recv)
 
     def iallgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Request:
@@ -294,9 +345,9 @@ class TorchBackend:
         if len(set(counts)) == 1:
             return self._gather_equal(send, recv)
         width = max(counts)
-        padded = torch.zeros(width, dtype=torch.uint8)
+        padded = torch.zeros(width, dtype=torch.uint8, device=recv.device)
         padded[: send.numel()].copy_(send)
-        gathered = torch.empty(width * self._size, dtype=torch.uint8)
+        gathered = torch.empty(width * self._size, dtype=torch.uint8, device=recv.device)
 
         def unpad() -> None:
             rows = gathered.view(self._size, width)
@@ -305,14 +356,14 @@ class TorchBackend:
                 recv[offset : offset + count].copy_(rows[r, :count])
                 offset += count
 
-        work = _all_gather_single(gathered, padded, group=self._group, async_op=True)
+        work = _all_gather_single(gathered, padded, group=self._on(recv), async_op=True)
         return _WorkRequest(work, padded, gathered, recv, after=unpad)
 
     def ibcast(self, buf: torch.Tensor, root: int) -> Request:
         if self._size == 1 or buf.numel() == 0:
             return COMPLETED
         raw = _raw(buf)
-        work = dist.broadcast(raw, group=self._group, group_src=root, async_op=True)
+        work = dist.broadcast(raw, group=self._on(raw), group_src=root, async_op=True)
         return _WorkRequest(work, raw)
 
     def ialltoallv(
@@ -332,7 +383,7 @@ class TorchBackend:
             send,
             [c * item for c in recv_counts],
             [c * item for c in send_counts],
-            group=self._group,
+            group=self._on(recv),
             async_op=True,
         )
         return _WorkRequest(work, send, recv)
@@ -346,18 +397,18 @@ class TorchBackend:
             return COMPLETED
         # gloo's reduce-scatter Work never reports completion: the waiter thread waits on it
         wide = _WIDENED.get(send.dtype)
+        group = self._on(send)
         if len(set(counts)) == 1 and wide is None:
             work = dist.reduce_scatter_tensor(
-                recv, send[: sum(counts)], _op(op), group=self._group, async_op=True
+                recv, send[: sum(counts)], _op(op), group=group, async_op=True
             )
-            return self._waiters["coll"].add(_WaitedRequest(work, send, recv))
+            return self._lane(group, "coll", work, send, recv)
         # uneven blocks (or a dtype gloo cannot reduce): one list entry per rank's block
         dtype = wide or send.dtype
         blocks = list(send[: sum(counts)].to(dtype).split(counts))
-        out = torch.empty(counts[self._rank], dtype=dtype)
-        work = dist.reduce_scatter(out, blocks, _op(op), group=self._group, async_op=True)
-        waited = _WaitedRequest(work, blocks, out, after=lambda: recv.copy_(out))
-        return self._waiters["coll"].add(waited)
+        out = torch.empty(counts[self._rank], dtype=dtype, device=send.device)
+        work = dist.reduce_scatter(out, blocks, _op(op), group=group, async_op=True)
+        return self._lane(group, "coll", work, blocks, out, after=lambda: recv.copy_(out))
 
     def ibarrier(self) -> Request:
         if self._size == 1:
@@ -380,15 +431,15 @@ class TorchBackend:
         return _GatherBytesRequest(self, payload, out), out
 
     # -- point to point -----------------------------------------------------------------------
-    def _p2p(self, call: Any, buf: torch.Tensor, peer: int) -> _WaitedRequest:
+    def _p2p(self, call: Any, buf: torch.Tensor, peer: int) -> Request:
         if not 0 <= peer < self._size or peer == self._rank:
             raise ValueError(
                 f"rank {self._rank}: peer {peer} is not another rank of [0, {self._size})"
             )
         key = "group_dst" if call is dist.isend else "group_src"
-        work = call(_raw(buf), group=self._group, tag=_P2P_TAG, **{key: peer})
-        lane = "send" if call is dist.isend else "recv"
-        return self._waiters[lane].add(_WaitedRequest(work, buf))
+        group = self._on(buf)
+        work = call(_raw(buf), group=group, tag=_P2P_TAG, **{key: peer})
+        return self._lane(group, "send" if call is dist.isend else "recv", work, buf)
 
     def isend(self, buf: torch.Tensor, peer: int) -> Request:
         if buf.numel() == 0:
@@ -401,7 +452,8 @@ class TorchBackend:
         return self._p2p(dist.irecv, buf, peer)
 
     def isend_any(self, buf: torch.Tensor, peer: int) -> Request:
-        header = self._p2p(dist.isend, torch.tensor([buf.numel()], dtype=torch.int64), peer)
+        cuda = int(buf.is_cuda and "cuda" in self._data)
+        header = self._p2p(dist.isend, torch.tensor([buf.numel(), cuda], dtype=torch.int64), peer)
         body = self.isend(buf, peer)
         return _Both(header, body)
 
@@ -411,16 +463,31 @@ class TorchBackend:
     # -- groups and the job -------------------------------------------------------------------
     def split(self, ranks: Sequence[int]) -> TorchBackend | None:
         members = [dist.get_global_rank(self._group, r) for r in ranks]
-        if self._size == dist.get_world_size():  # every process takes part, as new_group asks
-            sub = dist.new_group(members, backend="gloo")
-        elif self._rank in ranks:  # only the members of a smaller group meet
-            sub = dist.new_group(members, backend="gloo", use_local_synchronization=True)
-        else:
+
+        def group(backend: str) -> Any:
+            if self._size == dist.get_world_size():  # every process takes part, as new_group asks
+                return dist.new_group(members, backend=backend)
+            # only the members of a smaller group meet
+            return dist.new_group(members, backend=backend, use_local_synchronization=True)
+
+        if self._size != dist.get_world_size() and self._rank not in ranks:
             return None
-        return TorchBackend(sub) if self._rank in ranks else None
+        sub = group("gloo")
+        data = {kind: group(dist.get_backend(g)) for kind, g in self._data.items()}
+        return TorchBackend(sub, data) if self._rank in ranks else None
 
     def nodes(self) -> list[int]:
         return list(self._nodes)
+
+    def crowded_hosts(self) -> list[str]:
+        """Hosts running more of this group's ranks than they have GPUs ("host: n ranks, m
+        GPUs"), the same list on every rank."""
+        hosts = self.hosts()
+        return [
+            f"{host}: {hosts.count(host)} ranks, {gpus} GPUs"
+            for host, gpus in sorted(self._gpus.items())
+            if hosts.count(host) > gpus
+        ]
 
     def hosts(self) -> list[str]:
         return [host for host, _ in self._peers]
@@ -444,8 +511,9 @@ class TorchBackend:
     def close(self) -> None:
         for waiter in self._waiters.values():
             waiter.stop()
-        if self._group is not dist.group.WORLD and dist.is_initialized():
-            dist.destroy_process_group(self._group)
+        for group in (self._group, *self._data.values()):
+            if group is not dist.group.WORLD and dist.is_initialized():
+                dist.destroy_process_group(group)
 
 
 class _Both:
@@ -460,7 +528,35 @@ class _Both:
         return self._a.test() and self._b.test()
 
 
-def start(comm: Any, timeout_s: float, launch: Any) -> tuple[TorchBackend, bool]:
+def nccl_wanted(setting: str, cuda: bool, nccl: bool, crowded: list[str]) -> bool:
+    """Whether the torch backend moves CUDA tensors over an NCCL group (``COMMLAYER_NCCL``):
+    "auto" when torch has CUDA and NCCL and no host runs more ranks than it has GPUs
+    (``crowded`` names those hosts: NCCL refuses two ranks on one GPU); "1" the same, or an
+    error saying what is missing; "0" never. The same on every rank (``crowded`` is)."""
+    if setting == "0":
+        return False
+    if setting not in ("auto", "1"):
+        raise CommlayerError(f"COMMLAYER_NCCL={setting!r}: expected one of auto, 0, 1")
+    missing = (
+        "CUDA (torch.cuda.is_available() is False)"
+        if not cuda
+        else "NCCL (torch.distributed.is_nccl_available() is False)"
+        if not nccl
+        else ""
+    )
+    if setting == "1" and missing:
+        raise CommlayerError(f"COMMLAYER_NCCL=1, but this torch has no {missing}")
+    if setting == "1" and crowded:
+        raise CommlayerError(
+            f"COMMLAYER_NCCL=1, but {'; '.join(crowded)}: NCCL needs a GPU per rank (use "
+            "COMMLAYER_NCCL=auto or 0 to stage CUDA tensors over gloo)"
+        )
+    return not missing and not crowded
+
+
+def start(
+    comm: Any, timeout_s: float, launch: Any, nccl: str = "auto"
+) -> tuple[TorchBackend, bool]:
     """(the backend init() runs on, whether it initialized torch.distributed itself).
 
     Under torchrun, torch.distributed is initialized here from torchrun's variables (gloo,
@@ -504,7 +600,15 @@ def start(comm: Any, timeout_s: float, launch: Any) -> tuple[TorchBackend, bool]
         # and gloo matches the collectives of one group by their order. Gloo also when the
         # default group is NCCL: the engine negotiates on the CPU.
         group = dist.new_group(backend="gloo")
-    return TorchBackend(group), owns
+    backend = TorchBackend(group)
+    cuda = torch.cuda.is_available()
+    if nccl_wanted(nccl, cuda, cuda and dist.is_nccl_available(), backend.crowded_hosts()):
+        # CUDA tensors over NCCL (module docstring, 4.), over the gloo group's ranks
+        ranks = dist.get_process_group_ranks(backend.group)
+        every = len(ranks) == dist.get_world_size()
+        nccl_group = dist.new_group(ranks, backend="nccl", use_local_synchronization=not every)
+        backend.add_data_group("cuda", nccl_group)
+    return backend, owns
 
 
 def finish(owns_default_group: bool) -> None:

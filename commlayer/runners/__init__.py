@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from commlayer import device
 from commlayer.negotiation import Response
 
 
@@ -21,6 +22,12 @@ class Submitted(Protocol):
     outputs: list[torch.Tensor]
     prescale: float
     postscale: float
+
+
+def place(response: Response) -> torch.device:
+    """Where a runner makes an operation's buffers: the CPU, or for a direct operation
+    (``response.channel``) the device this rank uses that channel with (device.py)."""
+    return device.channel_device(response.channel)
 
 
 def row_numel(response: Response) -> int:

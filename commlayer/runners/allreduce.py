@@ -79,6 +79,9 @@ def entries(
     return entries
 
 
+_CPU = torch.device("cpu")
+
+
 class FusedAllreduce:
     """Buckets of fused entries reduced with the job's algorithm (module docstring, 2)."""
 
@@ -91,16 +94,23 @@ class FusedAllreduce:
         self._pool = fusion.BufferPool()
 
     def run(
-        self, backend: Backend, dtype: torch.dtype, op: ReduceOp, entries: list[fusion.Entry]
+        self,
+        backend: Backend,
+        dtype: torch.dtype,
+        op: ReduceOp,
+        entries: list[fusion.Entry],
+        device: torch.device = _CPU,
     ) -> None:
-        """Reduce ``entries`` (one dtype and op) in buckets of at most the fusion threshold."""
+        """Reduce ``entries`` (one dtype, op and channel) in buckets of at most the fusion
+        threshold; fusion buffers on ``device`` (the channel's: device.channel_device)."""
         host = self._host
         element = element_size(dtype)
         for bucket in fusion.plan_buckets(entries, element, self._threshold_bytes):
             numel = sum(e.numel for e in bucket)
             t0 = time.perf_counter()
             direct = len(bucket) == 1 and bucket[0].output is not None
-            pieces = fusion.pieces(bucket, dtype)
+            # the shared-memory window reads host memory only
+            pieces = fusion.pieces(bucket, dtype) if device.type == "cpu" else None
             request = None if pieces is None else self._allreduce.pieces(backend, *pieces, op)
             if request is not None:  # the window reads and writes the tensors where they lie
                 t1 = time.perf_counter()
@@ -123,7 +133,7 @@ class FusedAllreduce:
                 t2 = time.perf_counter()
                 fusion.scale_(entry.output, entry.postscale)
             else:
-                buf = self._pool.get(dtype, numel)
+                buf = self._pool.get(dtype, numel, device)
                 fusion.pack(bucket, buf)
                 t1 = time.perf_counter()
                 host.wait(self._allreduce(backend, None, buf, op, t1 - t0))

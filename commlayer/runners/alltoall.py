@@ -8,7 +8,7 @@ import torch
 
 from commlayer.backends.base import Backend, Request
 from commlayer.negotiation import Response
-from commlayer.runners import Submitted, row_numel
+from commlayer.runners import Submitted, place, row_numel
 
 
 def run(
@@ -20,7 +20,9 @@ def run(
     send_rows = list(response.splits[me])
     recv_rows = [response.splits[q][me] for q in range(backend.size)]
     rest = response.shapes[0][1:]
-    output = torch.empty((sum(recv_rows), *rest), dtype=response.torch_dtype)
+    output = torch.empty(
+        (sum(recv_rows), *rest), dtype=response.torch_dtype, device=place(response)
+    )
     request = backend.ialltoallv(
         op.inputs[0].reshape(-1),
         [r * row for r in send_rows],

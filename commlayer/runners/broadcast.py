@@ -8,14 +8,14 @@ import torch
 
 from commlayer.backends.base import Backend, Request
 from commlayer.negotiation import Response
-from commlayer.runners import Submitted
+from commlayer.runners import Submitted, place
 
 
 def run(
     backend: Backend, response: Response, op: Submitted | None, active: list[int]
 ) -> tuple[Any, Request, int, float]:
     if op is None:
-        buf = torch.empty(response.shapes[0], dtype=response.torch_dtype)
+        buf = torch.empty(response.shapes[0], dtype=response.torch_dtype, device=place(response))
     else:
         buf = op.outputs[0]
         if backend.rank == response.root and op.inputs[0] is not buf:

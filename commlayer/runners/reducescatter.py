@@ -11,7 +11,7 @@ from commlayer import fusion
 from commlayer.backends.base import Backend, Request
 from commlayer.negotiation import Response
 from commlayer.reduce_ops import ReduceOp
-from commlayer.runners import Submitted, row_numel
+from commlayer.runners import Submitted, place, row_numel
 
 
 def reducescatter_rows(dim0: int, size: int) -> list[int]:
@@ -27,13 +27,13 @@ def run(
     rows = reducescatter_rows(shape[0] if shape else 1, backend.size)
     dtype = response.torch_dtype
     if op is None:
-        send = torch.zeros(math.prod(shape), dtype=dtype)
+        send = torch.zeros(math.prod(shape), dtype=dtype, device=place(response))
     else:
         send = op.inputs[0].reshape(-1)
         if op.prescale != 1.0:
             send = send.clone()
             fusion.scale_(send, op.prescale)
-    output = torch.empty((rows[backend.rank], *shape[1:]), dtype=dtype)
+    output = torch.empty((rows[backend.rank], *shape[1:]), dtype=dtype, device=place(response))
     reduce_op = ReduceOp(response.op)
     request = backend.ireduce_scatter(send, output.view(-1), [r * row for r in rows], reduce_op)
     average = 1.0 / len(active) if reduce_op == ReduceOp.Average else 1.0

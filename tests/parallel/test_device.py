@@ -51,6 +51,17 @@ def _counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return made
 
 
+def _staged(dev: str) -> bool:
+    """Whether this job's CUDA float tensors are staged (else the backend takes them directly:
+    a CUDA-aware MPI, the torch backend's NCCL group; device.path decides)."""
+    from commlayer import runtime
+
+    if dev != "cuda":
+        return True
+    backend = runtime.engine().backend(0)
+    return device.path(backend, torch.device("cuda", 0), torch.float32) is None
+
+
 def _inputs(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list:
     return [small_ints(seed_of(name), r, shape, dtype) for r in range(cl.size())]
 
@@ -72,7 +83,7 @@ def test_allreduce_forms(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(mine.cpu(), xs[cl.rank()])  # out-of-place: input untouched
     assert torch.allclose(avg.cpu(), expected / cl.size())
     assert torch.equal(scaled.cpu(), expected)
-    assert made, "the seam made no host stand-in"
+    assert bool(made) is _staged(dev), "staged without host stand-ins, or direct with some"
 
 
 def test_grouped_allreduce(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,7 +98,7 @@ def test_grouped_allreduce(dev: str, monkeypatch: pytest.MonkeyPatch) -> None:
         assert out.device.type == dev and result is work
         assert torch.equal(out.cpu(), torch.stack(xs).sum(0))
         assert torch.equal(work.cpu(), torch.stack(xs).max(0).values)
-    assert len(made) >= 2 * len(shapes)
+    assert len(made) >= 2 * len(shapes) if _staged(dev) else not made
 
 
 def test_allgather_broadcast_alltoall_reducescatter(dev: str) -> None:
@@ -152,3 +163,177 @@ def test_other_devices_refused() -> None:
     meta = torch.empty(3, device="meta")
     with pytest.raises(ValueError, match=r"rank \d+: allreduce: tensor is on meta; collectives"):
         cl.allreduce(meta, name="dev.meta")
+
+
+# -- the direct path (device.py, **Direct**), with CPU tensors forced through it ---------------
+# Where a backend takes a device's tensors as they are (a CUDA-aware MPI, the torch backend's
+# NCCL group), the engine gets the caller's own tensors, makes its buffers on their device, waits
+# on the producer's event (host-side for MPI, as a stream wait for NCCL) before the collective
+# and on an event after its work before the future completes. On the CPU the same code runs with
+# ``device.DIRECT_CPU`` set and fake events that log what was done to them; under the torch
+# backend the data travels over a second gloo group standing for the NCCL one.
+
+
+class _FakeEvent:
+    """Stands for a CUDA event on the CPU: logs what the engine does with it."""
+
+    made = 0
+
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        self.log = log
+        _FakeEvent.made += 1
+        self.serial = _FakeEvent.made  # (ids of collected events are reused)
+
+    def query(self) -> bool:
+        self.log.append(("query", self.serial))
+        return True
+
+    def wait(self, stream: object = None) -> None:
+        self.log.append(("wait", self.serial))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.serial))
+
+
+@pytest.fixture
+def direct(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list, list]]:
+    """(the wait the route asks for, the event log, the data calls' groups under torch):
+    "stream" under the torch backend (as NCCL), "host" under MPI (as a CUDA-aware MPI)."""
+    from commlayer import runtime
+
+    log: list[tuple[str, int]] = []
+    monkeypatch.setattr(device, "_event", lambda stream: _FakeEvent(log))
+    groups: list[object] = []
+    if runtime.backend_name() == "torch":
+        import torch.distributed as dist
+
+        backend = runtime.engine()._global.backend
+        data = dist.new_group(backend="gloo")  # every rank, in the same order
+        monkeypatch.setattr(backend, "_data", {})
+        backend.add_data_group("cpu", data)
+        real = dist.all_reduce
+
+        def all_reduce(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+            groups.append(kwargs.get("group"))
+            return real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        route = device.Path("stream", "test-data-group")
+        groups.append(data)  # groups[0]: the data group
+    else:
+        route = device.Path("host", "test-direct")
+    monkeypatch.setattr(device, "DIRECT_CPU", route)
+    made = _counted(monkeypatch)
+    yield route.wait, log, groups
+    assert not made, f"the direct path made host stand-ins: {made}"
+
+
+def test_direct_allreduce_forms(direct: tuple[str, list, list]) -> None:
+    wait, log, groups = direct
+    xs = _inputs("direct.allreduce", (5, 3))
+    mine = xs[cl.rank()].clone()
+    out = cl.allreduce(mine, op=cl.Sum, name="direct.allreduce")
+    inplace = mine.clone()
+    same = cl.allreduce_(inplace, op=cl.Sum, name="direct.allreduce_")
+    shapes = [(7,), (2, 3), (1,), (1000,)]
+    per_rank = [_inputs(f"direct.grouped.{i}", s) for i, s in enumerate(shapes)]
+    grouped = cl.grouped_allreduce([xs[cl.rank()] for xs in per_rank], op=cl.Max,
+                                   name="direct.grouped")  # fmt: skip
+    avg = cl.allreduce(mine, name="direct.avg")
+    expected = torch.stack(xs).sum(0)
+    assert torch.equal(out, expected) and same is inplace and torch.equal(inplace, expected)
+    assert torch.equal(mine, xs[cl.rank()])
+    assert torch.allclose(avg, expected / cl.size())
+    for xs, result in zip(per_rank, grouped):
+        assert torch.equal(result, torch.stack(xs).max(0).values)
+    _assert_event_protocol(wait, log, operations=4)
+    if groups:  # torch backend: the data over the data group, the negotiation over gloo's
+        data, calls = groups[0], groups[1:]
+        if cl.size() > 1:
+            assert data in calls, "no allreduce went over the data group"
+            control = runtime_backend_group()
+            assert control in calls, "the negotiation did not stay on the control group"
+
+
+def runtime_backend_group() -> object:
+    from commlayer import runtime
+
+    return runtime.engine()._global.backend.group
+
+
+def _assert_event_protocol(wait: str, log: list[tuple[str, int]], operations: int) -> None:
+    """Every operation's producer event was waited for as its route asks (polled host-side for
+    MPI, a stream wait for NCCL) and one event after its work synchronized before its future
+    completed."""
+    waited = [e for what, e in log if what == ("query" if wait == "host" else "wait")]
+    other = [e for what, e in log if what == ("wait" if wait == "host" else "query")]
+    synchronized = [e for what, e in log if what == "synchronize"]
+    assert len(set(waited)) >= operations, log
+    assert not other, f"the {wait} route waited the other way: {log}"
+    assert len(set(synchronized)) >= operations, log
+    assert not set(waited) & set(synchronized), "a producer event taken for a done event"
+
+
+def test_direct_other_collectives(direct: tuple[str, list, list]) -> None:
+    wait, log, _ = direct
+    size, me = cl.size(), cl.rank()
+    rows = [1 + r % 3 for r in range(size)]
+    gathered_in = [
+        small_ints(seed_of("direct.gather"), r, (rows[r], 4), torch.float32) for r in range(size)
+    ]
+    gathered = cl.allgather(gathered_in[me], name="direct.allgather")
+    roots = _inputs("direct.bcast", (6,), torch.int64)
+    bcast = cl.broadcast(roots[me], size - 1, name="direct.bcast")
+    splits = [(me + q) % 2 + 1 for q in range(size)]
+    sent = small_ints(seed_of("direct.a2a"), me, (sum(splits), 2), torch.float32)
+    rows_in, received = cl.alltoall(sent, splits=splits, name="direct.alltoall")
+    scatter_in = _inputs("direct.rs", (2 * size + 1, 3))
+    scattered = cl.reducescatter(scatter_in[me], op=cl.Sum, name="direct.reducescatter")
+    assert torch.equal(gathered, torch.cat(gathered_in))
+    assert torch.equal(bcast, roots[size - 1])
+    assert received.tolist() == [(q + me) % 2 + 1 for q in range(size)]
+    assert rows_in.shape == (sum(received.tolist()), 2)
+    total = torch.stack(scatter_in).sum(0)
+    counts = [(2 * size + 1) // size + (1 if r < (2 * size + 1) % size else 0) for r in range(size)]
+    assert torch.equal(scattered, total[sum(counts[:me]) : sum(counts[: me + 1])])
+    _assert_event_protocol(wait, log, operations=4)
+
+
+def test_direct_optimizer_step_matches_plain(direct: tuple[str, list, list]) -> None:
+    """DistributedOptimizer through the direct path: the parameters after two steps equal those
+    of the same model trained with DIRECT_CPU off, in the same job."""
+    results = []
+    for forced in (False, True):
+        route = device.DIRECT_CPU
+        if not forced:
+            device.DIRECT_CPU = None
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                        torch.nn.Linear(16, 3))  # fmt: skip
+            opt = cl.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=[(f"direct{forced}.{n}", p) for n, p in model.named_parameters()],
+            )
+            g = torch.Generator().manual_seed(200 + cl.rank())
+            for _ in range(2):
+                x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        finally:
+            device.DIRECT_CPU = route
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_direct_channel_mismatch_fails_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operation some ranks send over a channel (NCCL) and others not (staged, over gloo)
+    would never meet: the negotiation refuses it on every rank, naming the channel."""
+    if cl.size() == 1:
+        pytest.skip("needs 2 ranks")
+    if cl.rank() == 0:
+        monkeypatch.setattr(device, "DIRECT_CPU", device.Path("host", "test-channel"))
+    with pytest.raises(cl.TensorMismatchError, match="data channel differs across ranks"):
+        cl.allreduce(torch.ones(3), name="direct.mismatch")

@@ -37,6 +37,8 @@ DEFAULTS = {
     "init_timeout_s": 60.0,
     "collective_timeout_s": 60.0,
     "backend": "auto",
+    "cuda_aware_mpi": "auto",
+    "nccl": "auto",
     "sim_table": "",
 }
 
@@ -103,6 +105,9 @@ GOOD = [
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "0", "collective_timeout_s", 0.0),
     ("COMMLAYER_BACKEND", " Torch ", "backend", "torch"),
     ("COMMLAYER_BACKEND", "mpi", "backend", "mpi"),
+    ("COMMLAYER_CUDA_AWARE_MPI", " 1", "cuda_aware_mpi", "1"),
+    ("COMMLAYER_CUDA_AWARE_MPI", "AUTO", "cuda_aware_mpi", "auto"),
+    ("COMMLAYER_NCCL", "0", "nccl", "0"),
     ("COMMLAYER_SIM_TABLE", str(SIM_TABLE), "sim_table", str(SIM_TABLE)),
 ]
 
@@ -171,6 +176,9 @@ BAD = [
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "-1", "a finite number >= 0 (0 disables)"),
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "inf", "a finite number >= 0 (0 disables)"),
     ("COMMLAYER_BACKEND", "nccl", "one of auto, mpi, torch"),
+    ("COMMLAYER_CUDA_AWARE_MPI", "yes", "one of auto, 0, 1"),
+    ("COMMLAYER_CUDA_AWARE_MPI", "2", "one of auto, 0, 1"),
+    ("COMMLAYER_NCCL", "on", "one of auto, 0, 1"),
     ("COMMLAYER_SIM_TABLE", "/no/such/table.jsonl", "/no/such/table.jsonl: cannot read"),
 ]
 

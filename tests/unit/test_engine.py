@@ -342,8 +342,9 @@ def test_submit_all_queues_all_or_none() -> None:
 
 
 class _Machines:
-    def __init__(self, rank: int, machines: list[int]) -> None:
+    def __init__(self, rank: int, machines: list[int], progress_threads: int = 0) -> None:
         self.rank, self._machines = rank, machines
+        self.progress_threads = progress_threads
 
     def machines(self) -> list[int]:
         return self._machines
@@ -359,6 +360,10 @@ class _Machines:
         ("auto", 64, [0] * 8, 5, False),
         ("active", 1, [0] * 8, 0, False),
         ("passive", 64, [0, 0], 0, True),
+        # a backend progressing on a thread of its own (gloo): 2 ranks need 4 cores
+        ("auto+thread", 2, [0, 0], 1, True),
+        ("auto+thread", 4, [0, 0], 1, False),
+        ("auto+thread", 2, [0], 0, False),
     ],
 )
 def test_wait_policy_auto_is_passive_where_a_machine_runs_more_ranks_than_cores(
@@ -370,8 +375,9 @@ def test_wait_policy_auto_is_passive_where_a_machine_runs_more_ranks_than_cores(
     passive: bool,
 ) -> None:
     monkeypatch.setattr(engine_module.os, "cpu_count", lambda: cores)
-    backend = _Machines(rank, machines)
-    assert engine_module._passive(policy, backend) is passive  # type: ignore[arg-type]
+    threads = int(policy.endswith("+thread"))
+    backend = _Machines(rank, machines, threads)
+    assert engine_module._passive(policy.removesuffix("+thread"), backend) is passive  # type: ignore[arg-type]
 
 
 def test_loopback_ranks_are_one_machine_whatever_nodes_they_pretend() -> None:
