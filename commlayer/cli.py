@@ -47,7 +47,8 @@ def _print_table(cal: costmodel.Calibration, sizes: Sequence[int]) -> None:
 def _engine_op_latency_s(cal: costmodel.Calibration, quick: bool) -> float:
     """commlayer's engine per collective call (``Calibration.op_latency_s``): the median
     blocking 4-byte allreduce through the engine (``commlayer.init``, as training runs it),
-    the slowest rank's, less the fastest native allreduce of the smallest size the calibration measured."""
+    the slowest rank's, less the fastest native allreduce of the smallest size the calibration
+    measured."""
     import statistics
     import time
 
