@@ -143,8 +143,9 @@ SPARSE = ("topo_sparse", "dsar", "ssar_split_allgather", "allgather")
 
 
 def sparse_table(results: list[Result]) -> str:
-    """Per (ranks, density): each sparse algorithm's simulated time (model/sim beside it),
-    topo_sparse's reduction against the best other sparse one and against the best dense."""
+    """Per (ranks, density): each sparse algorithm's simulated time (model/sim beside it;
+    ``p``: replayed in pairwise rounds, ``--max-streams``), topo_sparse's reduction against the
+    best other sparse one and against the best dense."""
     head = " | ".join(f"{n} ms (model/sim)" for n in SPARSE)
     lines = [
         f"| ranks | density | {head} | topo_sparse vs best other sparse | best dense ms "
@@ -155,9 +156,12 @@ def sparse_table(results: list[Result]) -> str:
         here = [r for r in results if r.ranks == ranks]
         dense = min((r for r in here if r.density is None), key=lambda r: r.simulated_s)
         for density in sorted({r.density for r in here if r.density is not None}):
-            by = {r.algorithm: r for r in here if r.density == density}
+            # every stream posted at once where that was simulated, else the pairwise rounds
+            ordered = sorted((r for r in here if r.density == density), key=lambda r: -r.pairwise)
+            by = {r.algorithm: r for r in ordered}
             cells = [
-                f"{by[n].simulated_s * 1e3:,.3f} ({(by[n].model_s or 0) / by[n].simulated_s:.2f})"
+                f"{by[n].simulated_s * 1e3:,.3f}{' p' if by[n].pairwise else ''} "
+                f"({(by[n].model_s or 0) / by[n].simulated_s:.2f})"
                 if n in by
                 else "-"
                 for n in SPARSE
