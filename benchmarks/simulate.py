@@ -160,6 +160,13 @@ DENSE_COLOURS = {"hierarchical": "C5", "rabenseifner": "C6", "shd": "C7"}  # sam
 SPARSE = ("topo_sparse", "dsar", "ssar_split_allgather", "allgather")
 
 
+def _as_posted_first(results: list[Result]) -> list[Result]:
+    """Each sparse run once: every stream posted at once where that was simulated, else its
+    pairwise rounds (``--max-streams``)."""
+    posted = {(r.algorithm, r.ranks, r.density) for r in results if not r.pairwise}
+    return [r for r in results if not r.pairwise or (r.algorithm, r.ranks, r.density) not in posted]
+
+
 def sparse_table(results: list[Result]) -> str:
     """Per (ranks, density): each sparse algorithm's simulated time (model/sim beside it;
     ``p``: replayed in pairwise rounds, ``--max-streams``), topo_sparse's reduction against the
@@ -174,9 +181,7 @@ def sparse_table(results: list[Result]) -> str:
         here = [r for r in results if r.ranks == ranks]
         dense = min((r for r in here if r.density is None), key=lambda r: r.simulated_s)
         for density in sorted({r.density for r in here if r.density is not None}):
-            # every stream posted at once where that was simulated, else the pairwise rounds
-            ordered = sorted((r for r in here if r.density == density), key=lambda r: -r.pairwise)
-            by = {r.algorithm: r for r in ordered}
+            by = {r.algorithm: r for r in _as_posted_first(here) if r.density == density}
             cells = [
                 f"{by[n].simulated_s * 1e3:,.3f}{' p' if by[n].pairwise else ''} "
                 f"({(by[n].model_s or 0) / by[n].simulated_s:.2f})"
@@ -205,14 +210,15 @@ def sparse_plot(results: list[Result], path: Path) -> None:
     counts = sorted({r.ranks for r in results})
     fig, axes = plt.subplots(1, len(counts), figsize=(4.6 * len(counts), 4.4), squeeze=False)
     for ax, ranks in zip(axes[0], counts):
-        here = [r for r in results if r.ranks == ranks]
+        here = _as_posted_first([r for r in results if r.ranks == ranks])
         for i, name in enumerate(SPARSE):
             rows = sorted(
                 (r for r in here if r.algorithm == name and r.density), key=lambda r: r.density or 0
             )
             if rows:
+                label = name + (" (pairwise rounds)" if any(r.pairwise for r in rows) else "")
                 ax.plot([100 * (r.density or 0) for r in rows], [r.simulated_s * 1e3 for r in rows],
-                        marker="o", color=f"C{i}", label=name)  # fmt: skip
+                        marker="o", color=f"C{i}", label=label)  # fmt: skip
         for r in sorted((r for r in here if r.density is None), key=lambda r: r.algorithm):
             colour = DENSE_COLOURS.get(r.algorithm, "k")
             ax.axhline(
