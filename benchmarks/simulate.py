@@ -22,6 +22,7 @@ and hierarchical on fat-tree, torus and dragonfly (issue 22).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -67,12 +68,29 @@ def runs(ranks: int, ring_max: int) -> list[tuple[str, str]]:
 def load(path: Path) -> list[Result]:
     if not path.exists():
         return []
+    fields = {f.name for f in dataclasses.fields(Result)}
     rows = []
     for line in path.read_text().splitlines():
-        raw = json.loads(line)
-        raw.pop("busbw_Bps", None)
-        rows.append(Result(**raw))
+        raw = json.loads(line)  # derived and annotation keys (busbw_Bps, model_s_before) dropped
+        rows.append(Result(**{k: v for k, v in raw.items() if k in fields}))
     return rows
+
+
+def merged(paths: list[Path]) -> list[Result]:
+    """The runs of JSON-lines ``paths``; a line of a later file about the same run (algorithm,
+    platform, ranks, density, replay; and size where it gives one) updates that run's fields:
+    simulate_sparse_nodelink.jsonl's lines carry the newer model's ``model_s`` alone."""
+    fields = {f.name for f in dataclasses.fields(Result)}
+    runs: dict[tuple[object, ...], dict[str, object]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            raw = {k: v for k, v in json.loads(line).items() if k in fields}
+            key = tuple(raw.get(k) for k in ("algorithm", "platform", "ranks", "density"))
+            key += (raw.get("pairwise", False),)
+            same = [k for k, run in runs.items() if k == key + (run["size_bytes"],)]
+            at = same[0] if "size_bytes" not in raw and same else key + (raw.get("size_bytes"),)
+            runs[at] = {**runs.get(at, {}), **raw}
+    return [Result(**raw) for raw in runs.values()]  # type: ignore[arg-type]
 
 
 def kind(r: Result) -> str:
@@ -142,9 +160,17 @@ DENSE_COLOURS = {"hierarchical": "C5", "rabenseifner": "C6", "shd": "C7"}  # sam
 SPARSE = ("topo_sparse", "dsar", "ssar_split_allgather", "allgather")
 
 
+def _as_posted_first(results: list[Result]) -> list[Result]:
+    """Each sparse run once: every stream posted at once where that was simulated, else its
+    pairwise rounds (``--max-streams``)."""
+    posted = {(r.algorithm, r.ranks, r.density) for r in results if not r.pairwise}
+    return [r for r in results if not r.pairwise or (r.algorithm, r.ranks, r.density) not in posted]
+
+
 def sparse_table(results: list[Result]) -> str:
-    """Per (ranks, density): each sparse algorithm's simulated time (model/sim beside it),
-    topo_sparse's reduction against the best other sparse one and against the best dense."""
+    """Per (ranks, density): each sparse algorithm's simulated time (model/sim beside it;
+    ``p``: replayed in pairwise rounds, ``--max-streams``), topo_sparse's reduction against the
+    best other sparse one and against the best dense."""
     head = " | ".join(f"{n} ms (model/sim)" for n in SPARSE)
     lines = [
         f"| ranks | density | {head} | topo_sparse vs best other sparse | best dense ms "
@@ -155,9 +181,10 @@ def sparse_table(results: list[Result]) -> str:
         here = [r for r in results if r.ranks == ranks]
         dense = min((r for r in here if r.density is None), key=lambda r: r.simulated_s)
         for density in sorted({r.density for r in here if r.density is not None}):
-            by = {r.algorithm: r for r in here if r.density == density}
+            by = {r.algorithm: r for r in _as_posted_first(here) if r.density == density}
             cells = [
-                f"{by[n].simulated_s * 1e3:,.3f} ({(by[n].model_s or 0) / by[n].simulated_s:.2f})"
+                f"{by[n].simulated_s * 1e3:,.3f}{' p' if by[n].pairwise else ''} "
+                f"({(by[n].model_s or 0) / by[n].simulated_s:.2f})"
                 if n in by
                 else "-"
                 for n in SPARSE
@@ -183,14 +210,15 @@ def sparse_plot(results: list[Result], path: Path) -> None:
     counts = sorted({r.ranks for r in results})
     fig, axes = plt.subplots(1, len(counts), figsize=(4.6 * len(counts), 4.4), squeeze=False)
     for ax, ranks in zip(axes[0], counts):
-        here = [r for r in results if r.ranks == ranks]
+        here = _as_posted_first([r for r in results if r.ranks == ranks])
         for i, name in enumerate(SPARSE):
             rows = sorted(
                 (r for r in here if r.algorithm == name and r.density), key=lambda r: r.density or 0
             )
             if rows:
+                label = name + (" (pairwise rounds)" if any(r.pairwise for r in rows) else "")
                 ax.plot([100 * (r.density or 0) for r in rows], [r.simulated_s * 1e3 for r in rows],
-                        marker="o", color=f"C{i}", label=name)  # fmt: skip
+                        marker="o", color=f"C{i}", label=label)  # fmt: skip
         for r in sorted((r for r in here if r.density is None), key=lambda r: r.algorithm):
             colour = DENSE_COLOURS.get(r.algorithm, "k")
             ax.axhline(
@@ -219,20 +247,27 @@ def main() -> int:
     parser.add_argument(
         "--sparse-report",
         type=Path,
-        help="write the sparse table (.md) and plot (.png) of this JSON-lines file and stop",
+        nargs="+",
+        help="write the sparse table (.md) and plot (.png) of these JSON-lines files (beside "
+        "the first) and stop; a run in a later file replaces the same run in an earlier one "
+        "(the same simulation costed by a newer model)",
     )
     args = parser.parse_args()
     if args.sparse_report:
-        rows = load(args.sparse_report)
-        made = f"`python benchmarks/simulate.py --sparse-report {args.sparse_report}`"
-        args.sparse_report.with_suffix(".md").write_text(
-            f"Rendered by {made} from every run in `{args.sparse_report.name}` "
-            "(the commands: simulate.md, 7)\n\n"
+        runs = merged(args.sparse_report)
+        rows = [r for r in runs if any(o.ranks == r.ranks and o.density is None for o in runs)]
+        first = args.sparse_report[0]
+        names = " ".join(str(path) for path in args.sparse_report)
+        made = f"`python benchmarks/simulate.py --sparse-report {names}`"
+        first.with_suffix(".md").write_text(
+            f"Rendered by {made} from every run in "
+            + ", ".join(f"`{path.name}`" for path in args.sparse_report)
+            + " (the commands: simulate.md, 7)\n\n"
             + sparse_table(rows)
             + "\n## Every run\n\n"
             + report.markdown(rows)
         )
-        sparse_plot(rows, args.sparse_report.with_suffix(".png"))
+        sparse_plot(rows, first.with_suffix(".png"))
         return 0
     units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
     sizes = [int(s[:-3]) * units[s[-3:]] for s in args.size.split(",")]

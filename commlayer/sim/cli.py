@@ -31,6 +31,7 @@ DESCRIPTION = (
     + (platforms.__doc__ or "").split("\n\n", 1)[1]
 )
 DENSE = ["ring", "rabenseifner", "shd", "hierarchical", "auto"]
+MAX_STREAMS = 256  # transfers a step: 64- and 128-rank splits replay as posted, 256 ranks not
 
 
 def _list(cast: Callable[[str], object], what: str) -> Callable[[str], list[object]]:
@@ -72,6 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser, size: Callable[[str], int]) -
         type=_list(_density, "density"),
         default=[0.01],
         help="with --sparse: comma list of nnz/numel per rank, 0.01 or 1%% (default 0.01)",
+    )
+    parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=MAX_STREAMS,
+        help="with --sparse: a step posting more transfers than this (DSAR's and SSAR's split: "
+        "2 (p - 1) a rank) is replayed in pairwise-exchange rounds (to r + d, from r - d), "
+        "marked 'pairwise' in the output; SimGrid takes hours on p (p - 1) concurrent flows "
+        f"from 256 ranks. 0: every step as posted (default {MAX_STREAMS})",
     )
     parser.add_argument(
         "--platform",
@@ -127,6 +137,8 @@ def _checked(args: argparse.Namespace) -> list[Platform]:
             check_sparse(name, density)
     if not args.algorithm and not args.sparse:
         raise ValueError("nothing to simulate: give --algorithm or --sparse")
+    if args.max_streams < 0:
+        raise ValueError(f"--max-streams {args.max_streams}: must be 0 (never cut) or more")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node {args.gpus_per_node}: must be at least 1")
     for nbytes in args.size:
@@ -146,8 +158,9 @@ def _results(args: argparse.Namespace, machines: list[Platform]) -> Iterator[Res
             for density in args.density if args.sparse else []:
                 for name in args.sparse:
                     yield simulate_sparse(
-                        name, platform, nbytes, density, args.factors, args.timeout_s
-                    )
+                        name, platform, nbytes, density, args.factors, args.timeout_s,
+                        args.max_streams or None,
+                    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

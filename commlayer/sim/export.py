@@ -22,6 +22,15 @@ A sparse schedule (``write_sparse``) is written in the same format from the stre
 cost model expects (``algorithms/sparse/cost.py`` ``streams``: each rank holding nnz random
 indices, ranges filling in as they merge, a stream turning dense where its policy says): the
 peers and order are the schedule's, the bytes the expected (index, value) pairs.
+
+A step that posts a stream to nearly every rank at once (DSAR's and SSAR's split, p - 1
+streams per rank: 65,280 concurrent flows at 256 ranks, on which SimGrid's bandwidth-sharing
+solver takes hours) can be replayed in pairwise-exchange rounds (``pairwise``): round d of a
+step sends to rank r + d and receives from r - d (mod p), MPI libraries' order for a large
+alltoall; p concurrent flows a round instead of p (p - 1), each pair's messages in the same
+order, so the traces still match. That is an approximation of posting every stream at once
+(what the executor does), with up to p - 2 more latencies a step; simulate.md gives both forms
+where both run.
 """
 
 from __future__ import annotations
@@ -106,6 +115,36 @@ def write(
         ),
         directory,
     )
+
+
+Streams = list[list[tuple[list[tuple[int, float]], list[tuple[int, float]]]]]
+
+
+def pairwise(streams: Streams, max_streams: int) -> tuple[Streams, bool]:
+    """``streams`` with every step posting more than ``max_streams`` transfers (sends and
+    receives of one rank) cut into pairwise-exchange rounds: round d holds the sends to
+    r + d and the receives from r - d (mod p), in their order, d = 1 .. p - 1, empty rounds
+    dropped. A step's rounds are cut alike at every rank (by the same offset), so the k-th
+    message of a to b is still the k-th receive of b from a, and a rank at round d only waits
+    for ranks at round d. Whether any step was cut comes back beside the streams."""
+    size = len(streams)
+    out: Streams = []
+    cut = False
+    for rank, steps in enumerate(streams):
+        mine: list[tuple[list[tuple[int, float]], list[tuple[int, float]]]] = []
+        for sends, recvs in steps:
+            if len(sends) + len(recvs) <= max_streams:
+                mine.append((sends, recvs))
+                continue
+            cut = True
+            rounds: dict[int, tuple[list[tuple[int, float]], list[tuple[int, float]]]] = {}
+            for peer, nbytes in sends:
+                rounds.setdefault((peer - rank) % size, ([], []))[0].append((peer, nbytes))
+            for peer, nbytes in recvs:
+                rounds.setdefault((rank - peer) % size, ([], []))[1].append((peer, nbytes))
+            mine.extend(rounds[d] for d in sorted(rounds))
+        out.append(mine)
+    return out, cut
 
 
 def write_sparse(

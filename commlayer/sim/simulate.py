@@ -59,6 +59,7 @@ class Result:
     # ranks per node (the platform's topology; 0 when its nodes hold different numbers):
     # what a table read back (sim/learn.py) needs beside a spec that leaves it to the option
     gpus_per_node: int = 0
+    pairwise: bool = False  # a sparse step's streams replayed in rounds (export.pairwise)
 
     @property
     def label(self) -> str:
@@ -253,11 +254,14 @@ def simulate_sparse(
     density: float,
     factors: bool = False,
     timeout_s: float | None = None,
+    max_streams: int | None = None,
 ) -> Result:
     """Replay sparse allreduce ``algorithm`` of a ``size_bytes`` gradient of which every rank
     holds ``density`` (nnz = density x elements, random indices): a schedule's streams with the
     bytes the sparse cost model expects of them (export.write_sparse), or for ``allgather``
-    every rank's (index, value) pairs to all (``allgather_streams``). Merging costs nothing."""
+    every rank's (index, value) pairs to all (``allgather_streams``). Merging costs nothing.
+    ``max_streams``: a step posting more transfers than that is replayed in pairwise rounds
+    (export.pairwise; the Result says so); None: every step as posted."""
     check_sparse(algorithm, density)
     start = time.monotonic()
     numel = max(size_bytes // ELEMENT_SIZE, 1)
@@ -266,6 +270,9 @@ def simulate_sparse(
         streams = allgather_streams(platform.ranks, nnz * (ELEMENT_SIZE + INDEX_SIZE))
     else:
         streams = sparse_cost.streams(algorithm, platform.ranks, numel, nnz, platform.topology())
+    cut = False
+    if max_streams is not None:
+        streams, cut = export.pairwise(streams, max_streams)
     largest = max(b for rank in streams for step in rank for _, b in (*step[0], *step[1]))
     with tempfile.TemporaryDirectory(prefix="commlayer-traces-") as tmp:
         messages = export.write_sparse(streams, Path(tmp))
@@ -274,7 +281,7 @@ def simulate_sparse(
     wall = time.monotonic() - start
     return Result(
         algorithm, platform.name, platform.ranks, numel * ELEMENT_SIZE, simulated, model,
-        messages, wall, density, gpus_per_node(platform),
+        messages, wall, density, gpus_per_node(platform), cut,
     )  # fmt: skip
 
 

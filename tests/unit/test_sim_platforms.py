@@ -215,12 +215,8 @@ def test_hierarchical_with_another_inter_is_registered_only_while_simulated() ->
         simulate.resolve("hierarchical:nope", p, 1 << 20)
 
 
-@pytest.mark.parametrize("name", ["topo_sparse", "dsar", "ssar_split_allgather", "gtopk"])
-def test_sparse_streams_match_and_are_what_the_model_costs(name: str, tmp_path: Path) -> None:
-    topology = Topology(tuple(r // 4 for r in range(16)))
-    numel, nnz = 1 << 18, (1 << 18) // 100
-    streams = sparse_cost.streams(name, 16, numel, nnz, topology)
-    # the k-th message from a to b carries the bytes of b's k-th receive from a
+def _pairs(streams: export.Streams) -> tuple[dict, dict]:
+    """(sender, receiver) -> bytes of each message in order, as sent and as received."""
     sent: dict[tuple[int, int], list[float]] = {}
     received: dict[tuple[int, int], list[float]] = {}
     for rank, steps in enumerate(streams):
@@ -229,6 +225,16 @@ def test_sparse_streams_match_and_are_what_the_model_costs(name: str, tmp_path: 
                 sent.setdefault((rank, peer), []).append(nbytes)
             for peer, nbytes in recvs:
                 received.setdefault((peer, rank), []).append(nbytes)
+    return sent, received
+
+
+@pytest.mark.parametrize("name", ["topo_sparse", "dsar", "ssar_split_allgather", "gtopk"])
+def test_sparse_streams_match_and_are_what_the_model_costs(name: str, tmp_path: Path) -> None:
+    topology = Topology(tuple(r // 4 for r in range(16)))
+    numel, nnz = 1 << 18, (1 << 18) // 100
+    streams = sparse_cost.streams(name, 16, numel, nnz, topology)
+    # the k-th message from a to b carries the bytes of b's k-th receive from a
+    sent, received = _pairs(streams)
     assert sent == received
     most = max(sum(b for sends, _ in steps for _, b in sends) for steps in streams)
     assert most == pytest.approx(sparse_cost.predict(name, 16, numel, nnz, topology).bytes_sent)
@@ -260,3 +266,38 @@ def test_simulate_refuses_bad_input_before_simulating(
     monkeypatch.setattr(smpi, "run", lambda *a, **k: pytest.fail("simulated bad input"))
     assert cli.main(["simulate", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+# export.pairwise: a sparse step's many streams replayed in pairwise-exchange rounds
+@pytest.mark.parametrize("ranks", [5, 16])  # not a power of two too
+@pytest.mark.parametrize("name", ["dsar", "ssar_split_allgather"])
+def test_rounds_keep_every_message_in_order(name: str, ranks: int) -> None:
+    topology = Topology(tuple(r // 4 for r in range(ranks)))
+    streams = sparse_cost.streams(name, ranks, 1 << 16, 1 << 10, topology)
+    cut, was_cut = export.pairwise(streams, 4)
+    assert was_cut
+    # the same messages between the same pairs, in the same order, at both ends
+    assert _pairs(cut) == _pairs(streams)
+    assert _pairs(cut)[0] == _pairs(cut)[1]
+    for rank, steps in enumerate(cut):
+        for sends, recvs in steps:
+            # a round talks to one offset: sends to r + d, receives from r - d
+            offsets = {(p - rank) % ranks for p, _ in sends} | {(rank - p) % ranks for p, _ in recvs}
+            if len(sends) + len(recvs) > 4:  # a cut step's rounds
+                assert len(offsets) == 1
+    # a step to and from every other rank became p - 1 rounds, the others stayed
+    full = sum(1 for s, r in streams[0] if len(s) + len(r) == 2 * (ranks - 1))
+    assert full >= 1
+    assert len(cut[0]) == len(streams[0]) + full * (ranks - 2)
+
+
+def test_small_steps_are_left_as_posted() -> None:
+    streams = sparse_cost.streams("topo_sparse", 8, 1 << 16, 1 << 10, Topology((0,) * 4 + (1,) * 4))
+    cut, was_cut = export.pairwise(streams, 1000)
+    assert not was_cut and cut == streams
+
+
+def test_negative_max_streams_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--sparse", "dsar", "--platform", "flat:ranks=4", "--max-streams", "-1"]
+    assert cli.main(argv) == 2
+    assert "--max-streams -1" in capsys.readouterr().err
