@@ -127,8 +127,11 @@ def exposed_gradient_s(
     overlap: bool,
 ) -> tuple[float, float]:
     """(all gradient communication, the part hidden behind backward): buckets of up to
-    ``fusion_bytes`` filled last layer first, each sent when full (the rest at the end),
-    one at a time; without ``overlap`` nothing hides."""
+    ``fusion_bytes`` filled last layer first, each submitted when full (the rest at the end),
+    one collective at a time as commlayer's engine runs them: the buckets submitted while one
+    is in flight go out together in the next, as one fused collective (the engine fuses what
+    is queued at a cycle), so a per-call cost (``op_latency``) is paid once for them; without
+    ``overlap`` nothing hides."""
     sends: list[tuple[float, int]] = []
     filled = 0
     for ready_s, nbytes in layers:
@@ -139,12 +142,18 @@ def exposed_gradient_s(
     backward_s = layers[-1][0] if layers else 0.0
     if filled:
         sends.append((backward_s, filled))
-    total = sum(cost(n) for _, n in sends)
+    total, end, i = 0.0, 0.0, 0
+    while i < len(sends):
+        start = max(end, sends[i][0])
+        fused = 0
+        while i < len(sends) and sends[i][0] <= start:
+            fused += sends[i][1]
+            i += 1
+        seconds = cost(fused)
+        total += seconds
+        end = start + seconds
     if not overlap:
         return total, 0.0
-    end = 0.0
-    for ready_s, nbytes in sends:
-        end = max(end, ready_s) + cost(nbytes)
     return total, total - max(0.0, end - backward_s)
 
 

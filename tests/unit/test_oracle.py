@@ -373,6 +373,19 @@ def test_overlap_buckets() -> None:
     assert model.exposed_gradient_s(layers, cost, 1 << 20, overlap=True) == (3.0, 0.0)
 
 
+def test_buckets_queued_behind_one_in_flight_go_out_fused() -> None:
+    def cost(n: int) -> float:  # a per-call cost and a rate
+        return 0.5 + n * 1e-4
+
+    # four 1000 B buckets ready at 0, 0.1, 0.2, 0.3 s: the first alone (0-0.6 s), the three
+    # queued behind it as one collective (0.6-1.4 s): 0.5 s of per-call cost paid twice, not 4x
+    layers = [(0.0, 1000), (0.1, 1000), (0.2, 1000), (0.3, 1000)]
+    total, hidden = model.exposed_gradient_s(layers, cost, 1000, overlap=True)
+    assert total == pytest.approx(0.6 + 0.8) and hidden == pytest.approx(0.3)
+    assert model.exposed_gradient_s(layers, cost, 1000, overlap=False) == (
+        pytest.approx(1.4), 0.0)  # fmt: skip
+
+
 def test_model_data_and_memory_limit(net: oracle.Net, plat: oracle.Platform) -> None:
     s = _setup(net, plat)
     r = model.row(s, "data", 2)
