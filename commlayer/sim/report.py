@@ -29,7 +29,8 @@ HEADER = (
 def markdown_row(r: Result) -> str:
     ratio = "-" if r.model_s is None else f"{r.model_s / r.simulated_s:.3f}"
     return (
-        f"| {r.label}{' (pairwise)' if r.pairwise else ''} | {r.platform} | {r.ranks} | {_size(r.size_bytes)} | "
+        f"| {r.label}{' (pairwise)' if r.pairwise else ''} | {r.platform} | {r.ranks} | "
+        f"{_size(r.size_bytes)} | "
         f"{_ms(r.simulated_s)} | {r.busbw_Bps / 1e9:.2f} | {_ms(r.model_s)} | {ratio} | "
         f"{r.messages} | {r.wall_s:.1f} |"
     )

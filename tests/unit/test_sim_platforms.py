@@ -282,7 +282,8 @@ def test_rounds_keep_every_message_in_order(name: str, ranks: int) -> None:
     for rank, steps in enumerate(cut):
         for sends, recvs in steps:
             # a round talks to one offset: sends to r + d, receives from r - d
-            offsets = {(p - rank) % ranks for p, _ in sends} | {(rank - p) % ranks for p, _ in recvs}
+            offsets = {(p - rank) % ranks for p, _ in sends}
+            offsets |= {(rank - p) % ranks for p, _ in recvs}
             if len(sends) + len(recvs) > 4:  # a cut step's rounds
                 assert len(offsets) == 1
     # a step to and from every other rank became p - 1 rounds, the others stayed
