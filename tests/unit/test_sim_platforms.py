@@ -13,6 +13,8 @@ from commlayer.algorithms.sparse import cost as sparse_cost
 from commlayer.algorithms.topology import Topology
 from commlayer.sim import export, platforms, simulate, smpi
 
+MiB = 1 << 20
+
 
 def _parse(xml: str) -> ET.Element:
     return ET.fromstring(xml.split("\n", 2)[2])  # past the declaration and DOCTYPE
@@ -325,3 +327,39 @@ def test_simulate_refuses_bad_input_before_simulating(
     monkeypatch.setattr(smpi, "run", lambda *a, **k: pytest.fail("simulated bad input"))
     assert cli.main(["simulate", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_claim_benchmark_tells_oversubscribed_fat_trees_and_2d_dlns_apart() -> None:
+    """benchmarks/simulate.py: an oversubscribed fat tree is its own network in the tables (not
+    the full fat tree's column), every spec it builds is valid, and the second summary gives
+    SHD on DLN's and on 2D DLN's reductions over each baseline on the 2:1 tree."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "simulate.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_simulate", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    specs = bench.specs(1024)
+    assert specs["dln2d"] == "dln2d:16x16,gpus-per-node=4"
+    for name in ("fat-tree-os2", "fat-tree-os4", "dln2d"):
+        p = platforms.generate(specs[name])
+        assert p.ranks == 1024 and p.topology().nodes == 256
+    assert 'topo_parameters="2;16,16;1,8;1,1"' in platforms.generate(specs["fat-tree-os2"]).xml
+
+    def result(algorithm: str, name: str, ms: float) -> simulate.Result:
+        return simulate.Result(algorithm, specs[name], 1024, MiB, ms / 1e3, None, 1, 0.0)
+
+    rows = [
+        result("shd", "dln", 1.0),
+        result("shd", "dln2d", 2.0),
+        result("ring", "fat-tree", 3.0),
+        result("ring", "fat-tree-os2", 4.0),
+    ]
+    assert [bench.kind(r) for r in rows] == ["dln", "dln2d", "fat-tree", "fat-tree-os2"]
+    summary = bench.summary_table(rows).splitlines()[-1]
+    assert "| 3.000 (+67%) |" in summary  # the full tree's ring only
+    oversub = bench.oversub_table(rows).splitlines()[-1]
+    assert oversub.startswith("| 1024 | 1 MiB | 1.000 | 2.000 | 4.000 (+75% / +50%) | - |")
+    assert ("rabenseifner", "fat-tree-os2") in bench.runs(1024, 256, ("fat-tree-os2", "dln2d"))
+    assert ("ring", "dln2d") not in bench.runs(64, 256, ("fat-tree-os2", "dln2d"))
