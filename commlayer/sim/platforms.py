@@ -21,6 +21,7 @@ network link (``bw``, ``lat``), which the node's ranks share, and cross the netw
   bw/lat for every level); SimGrid needs R >= G - 1.
 - ``dln:S`` (``dln:switches=S``): Distributed Loop Network, below. Per level: ``node-bw``/
   ``node-lat`` (node to its switch), ``switch-bw``/``switch-lat`` (switch to switch).
+- ``dln2d:XxY,nodes-per-switch=Z``: the 2D DLN, below (the same per-level fields).
 
 DLN. The research (Nguyen & Wahib, CCGrid 2021) co-designs SHD with a "distributed loop
 network" whose fixed path lengths suit halving-doubling; its paper is not available to us, so
