@@ -85,7 +85,8 @@ def plot(
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks")
-        ax.set_ylabel("simulated allreduce time (ms)")
+        if ax is axes[0][0]:  # one label: the panels' own would overlap their neighbours
+            ax.set_ylabel("simulated allreduce time (ms)")
         ax.set_title(f"{_size(size)}")
         ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
