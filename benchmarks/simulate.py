@@ -17,6 +17,12 @@ and hierarchical on fat-tree, torus and dragonfly (issue 22).
 3. Ring and hierarchical build O(p^2) schedule steps in Python (2 (p - 1) steps per rank):
    they run up to ``--ring-max-ranks`` (default 256); above it those rows are left out, and
    the table says so.
+4. ``--platforms`` picks the networks (default the four above): ``fat-tree-os2`` and
+   ``fat-tree-os4`` are the fat tree with its leaves' uplinks oversubscribed 2:1 and 4:1
+   (``oversub=``; at 64 ranks the 16 nodes hang off one leaf and there is no uplink), ``dln2d``
+   the 2D DLN (one node per switch on an X x Y grid, X = 2^floor(log2(nodes)/2)). The
+   baselines run on every network but the DLNs, SHD on all. Their table and plot:
+   ``OUT.md``'s second summary and ``OUT_oversub.png``.
 """
 
 from __future__ import annotations
@@ -44,24 +50,32 @@ DRAGONFLY = {  # nodes -> groups, chassis, routers, nodes per router (SimGrid: r
 }
 BASELINES = ("ring", "rabenseifner", "hierarchical")
 O_N2 = ("ring", "hierarchical")  # schedules of O(p^2) steps in all
+KINDS = ("fat-tree", "torus", "dragonfly", "dln", "fat-tree-os2", "fat-tree-os4", "dln2d")
+DEFAULT_KINDS = "fat-tree,torus,dragonfly,dln"
+DLNS = ("dln", "dln2d")  # SHD's networks: no baselines run there
 
 
 def specs(ranks: int) -> dict[str, str]:
     nodes = ranks // GPUS
     g, c, r, n = DRAGONFLY[nodes]
+    x = 1 << (nodes.bit_length() - 1) // 2  # the 2D DLN's grid: x by nodes / x switches
     return {
         "fat-tree": f"fat-tree:nodes={nodes},gpus-per-node={GPUS}",
         "torus": f"torus:{TORUS[nodes]},gpus-per-node={GPUS}",
         "dragonfly": f"dragonfly:groups={g},chassis={c},routers={r},nodes={n},gpus-per-node={GPUS}",
         "dln": f"dln:{nodes},gpus-per-node={GPUS}",
+        "fat-tree-os2": f"fat-tree:nodes={nodes},gpus-per-node={GPUS},oversub=2",
+        "fat-tree-os4": f"fat-tree:nodes={nodes},gpus-per-node={GPUS},oversub=4",
+        "dln2d": f"dln2d:{x}x{nodes // x},gpus-per-node={GPUS}",
     }
 
 
-def runs(ranks: int, ring_max: int) -> list[tuple[str, str]]:
-    """(algorithm, platform kind) pairs at ``ranks``: every baseline on the three reference
-    networks, SHD on all four."""
-    pairs = [(a, k) for k in ("fat-tree", "torus", "dragonfly") for a in BASELINES]
-    pairs += [("shd", k) for k in ("fat-tree", "torus", "dragonfly", "dln")]
+def runs(ranks: int, ring_max: int, kinds: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(algorithm, platform kind) pairs at ``ranks``: every baseline on each network of
+    ``kinds`` (default: fat tree, torus, dragonfly, DLN) but the DLNs, SHD on all."""
+    kinds = kinds or tuple(DEFAULT_KINDS.split(","))
+    pairs = [(a, k) for k in kinds if k not in DLNS for a in BASELINES]
+    pairs += [("shd", k) for k in kinds]
     return [(a, k) for a, k in pairs if a not in O_N2 or ranks <= ring_max]
 
 
@@ -94,7 +108,10 @@ def merged(paths: list[Path]) -> list[Result]:
 
 
 def kind(r: Result) -> str:
-    return r.platform.split(":")[0]
+    """The network of a result as ``specs`` names it (``fat-tree-os2``: oversub=2)."""
+    name, _, fields = r.platform.partition(":")
+    oversub = dict(f.partition("=")[::2] for f in fields.split(",")).get("oversub", "1")
+    return f"{name}-os{oversub}" if name == "fat-tree" and oversub != "1" else name
 
 
 def claim_table(results: list[Result]) -> str:
@@ -153,6 +170,40 @@ def summary_table(results: list[Result]) -> str:
         cells += [_cell([r for r in here if kind(r) == k], t, True) for k in ("torus", "dragonfly")]
         row = f"| {ranks} | {report._size(size)} | {t * 1e3:,.3f} | " + " | ".join(cells)
         lines.append(row + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cells(times: list[float | None], rows: list[Result], named: bool = False) -> str:
+    """The fastest of ``rows``: its time and the reduction ``1 - t / time`` each of ``times``
+    gives over it."""
+    if not rows:
+        return "-"
+    r = min(rows, key=lambda r: r.simulated_s)
+    ours = " / ".join("-" if t is None else f"{100 * (1 - t / r.simulated_s):+.0f}%" for t in times)
+    name = f"{r.algorithm} " if named else ""
+    return f"{name}{r.simulated_s * 1e3:,.3f} ({ours})"
+
+
+def oversub_table(results: list[Result]) -> str:
+    """Per (ranks, size) with a 2D DLN or oversubscribed fat tree run: SHD on the DLN and on the
+    2D DLN, each baseline on the 2:1 fat tree, the best on the 4:1 one; in each cell the
+    reductions SHD on DLN / SHD on 2D DLN give over it."""
+    lines = [
+        "| ranks | size | SHD on DLN ms | SHD on 2D DLN ms | ring FT 2:1 | HD FT 2:1 "
+        "| hier. FT 2:1 | SHD FT 2:1 | best on FT 4:1 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    extra = ("dln2d", "fat-tree-os2", "fat-tree-os4")
+    for ranks, size in sorted({(r.ranks, r.size_bytes) for r in results if kind(r) in extra}):
+        here = [r for r in results if (r.ranks, r.size_bytes) == (ranks, size)]
+        dln = {k: [r for r in here if r.algorithm == "shd" and kind(r) == k] for k in DLNS}
+        times = [d[0].simulated_s if d else None for d in dln.values()]
+
+        os2 = [r for r in here if kind(r) == "fat-tree-os2"]
+        cells = ["-" if t is None else f"{t * 1e3:,.3f}" for t in times]
+        cells += [_cells(times, [r for r in os2 if r.algorithm == a]) for a in (*BASELINES, "shd")]
+        cells.append(_cells(times, [r for r in here if kind(r) == "fat-tree-os4"], True))
+        lines.append(f"| {ranks} | {report._size(size)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -245,6 +296,11 @@ def main() -> int:
     parser.add_argument("--replot", action="store_true", help="only redraw from OUT.jsonl")
     parser.add_argument("--only", help="comma list of ALGORITHM@KIND to run (e.g. ring@fat-tree)")
     parser.add_argument(
+        "--platforms",
+        default=DEFAULT_KINDS,
+        help=f"comma list of networks to run, of {', '.join(KINDS)} (default {DEFAULT_KINDS})",
+    )
+    parser.add_argument(
         "--sparse-report",
         type=Path,
         nargs="+",
@@ -271,13 +327,17 @@ def main() -> int:
         return 0
     units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
     sizes = [int(s[:-3]) * units[s[-3:]] for s in args.size.split(",")]
+    kinds = tuple(k for k in args.platforms.split(",") if k)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        parser.error(f"--platforms: unknown {', '.join(unknown)}; networks: {', '.join(KINDS)}")
     jsonl = args.out.with_suffix(".jsonl")
     results = load(jsonl)
     done = {(r.algorithm, r.platform, r.ranks, r.size_bytes) for r in results}
     if not args.replot:
         for ranks in [int(r) for r in args.ranks.split(",")]:
             for size in sizes:
-                for algorithm, k in runs(ranks, args.ring_max_ranks):
+                for algorithm, k in runs(ranks, args.ring_max_ranks, kinds):
                     spec = specs(ranks)[k]
                     if (algorithm, spec, ranks, size) in done or (
                         args.only and f"{algorithm}@{k}" not in args.only.split(",")
@@ -296,12 +356,30 @@ def main() -> int:
         f"{made}: `{command}`; every run: `{jsonl.name}` (the commands: simulate.md, 4)\n\n"
         "## Summary: SHD on DLN and the reduction it gives over each (negative: slower)\n\n"
         + summary_table(results)
+        + "\n## Oversubscribed fat tree and 2D DLN (reductions: SHD on DLN / SHD on 2D DLN)\n\n"
+        + oversub_table(results)
         + "\n## SHD on DLN against each baseline\n\n"
         + claim_table(results)
         + "\n## Every run\n\n"
         + body
     )
-    report.plot(results, args.out.with_suffix(".png"), "SHD on DLN vs baselines (4 GPUs/node)")
+    first = [r for r in results if kind(r) in DEFAULT_KINDS.split(",")]
+    report.plot(first, args.out.with_suffix(".png"), "SHD on DLN vs baselines (4 GPUs/node)", kind)
+    # ring and hierarchical on the oversubscribed trees lie on their full-tree lines (within
+    # 0.3%): drawn on the full tree only, so that the lines that differ can be told apart
+    second = [
+        r
+        for r in results
+        if kind(r) == "fat-tree"
+        or (kind(r) in ("fat-tree-os2", "fat-tree-os4", *DLNS) and r.algorithm not in O_N2)
+    ]
+    if any(kind(r) not in DEFAULT_KINDS.split(",") for r in second):
+        report.plot(
+            second,
+            args.out.with_name(args.out.name + "_oversub.png"),
+            "SHD on DLN / 2D DLN vs full and oversubscribed fat trees (4 GPUs/node)",
+            kind,
+        )
     return 0
 
 

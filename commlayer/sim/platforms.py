@@ -21,6 +21,7 @@ network link (``bw``, ``lat``), which the node's ranks share, and cross the netw
   bw/lat for every level); SimGrid needs R >= G - 1.
 - ``dln:S`` (``dln:switches=S``): Distributed Loop Network, below. Per level: ``node-bw``/
   ``node-lat`` (node to its switch), ``switch-bw``/``switch-lat`` (switch to switch).
+- ``dln2d:XxY,nodes-per-switch=Z``: the 2D DLN, below (the same per-level fields).
 
 DLN. The research (Nguyen & Wahib, CCGrid 2021) co-designs SHD with a "distributed loop
 network" whose fixed path lengths suit halving-doubling; its paper is not available to us, so
@@ -31,7 +32,25 @@ then one switch hop apart at every step, whatever k: the fixed, short path the r
 for. Switch degree 2 log2(S) - 1 (2 log2 S chords, S/2 counted once), diameter
 ceil(log2(S) / 2) (any distance is a sum of at most that many signed powers of two);
 S = 256: degree 15, diameter 4; S = 1024: degree 19, diameter 5. Shortest-path routing
-(SimGrid Dijkstra). Its "2D DLN(x,y,z)" buildable form is not modelled.
+(SimGrid Dijkstra).
+
+2D DLN. ``dln2d:XxY`` (or ``dln2d:nodes=N``), ``nodes-per-switch=Z`` (default 1): the
+research's "2D DLN(x,y,z)", its buildable two-dimensional form, which the research names but
+does not define in what is available to us (its public simulation repository holds no DLN
+platform), so defined here: X x Y switches on a grid (X, Y powers of two >= 2), each row a 1D
+DLN of Y switches and each column a 1D DLN of X switches (switch (r, c) linked to (r, c +- 2^k
+mod Y) for 2^k < Y and to (r +- 2^k mod X, c) for 2^k < X: the Cartesian product of the two
+loops), Z nodes on every switch. Nodes are numbered switch by switch, switches row by row
+(node n on switch n // Z = r Y + c), so a halving-doubling partner n XOR 2^k is on the same
+switch (2^k < Z) or on a switch one chord away in the row (Z <= 2^k < Z Y) or in the column:
+one switch hop at every step, as in the 1D DLN, with Z a power of two. Switch degree
+(2 log2 X - 1) + (2 log2 Y - 1) network ports plus Z node ports; diameter ceil(log2(X) / 2) +
+ceil(log2(Y) / 2) switch hops. 16x16 (256 switches): 14 + Z ports, diameter 4 (the 1D DLN of
+256 switches: 15, 4); 32x32: 18 + Z, 6 (1D, 1024: 19, 5). Each chord is as long as a row or a
+column at most, not half the machine, and with Z > 1 nodes per switch there are Z times fewer
+switches, whose chords the Z nodes share (Z:1, like an oversubscribed leaf). ``dln2d:nodes=N``
+picks X = 2^floor(log2(N/Z)/2), Y = N/(Z X). Per level as for ``dln``: ``node-bw``/
+``node-lat``, ``switch-bw``/``switch-lat``; shortest-path routing.
 
 Every generated kind has ``bw`` 12.5 GBps and ``lat`` 0.5 us per link (100 Gb/s, the order of
 one switch hop; the default of every per-level field), ``intra-bw`` 50 GBps and ``intra-lat``
@@ -60,7 +79,7 @@ _BANDWIDTH = {"bps": 1 / 8, "Bps": 1.0}
 _PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 DEFAULTS = {"bw": "12.5GBps", "lat": "0.5us", "intra-bw": "50GBps", "intra-lat": "0.1us"}
-KINDS = ("flat", "fat-tree", "torus", "dragonfly", "dln")
+KINDS = ("flat", "fat-tree", "torus", "dragonfly", "dln", "dln2d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +230,7 @@ LEVELS: dict[str, tuple[str, ...]] = {
     "torus": (),
     "dragonfly": (),
     "dln": ("node", "switch"),
+    "dln2d": ("node", "switch"),
 }
 _ALL_LEVELS = {level for levels in LEVELS.values() for level in levels}
 
@@ -395,12 +415,25 @@ def _dln(fields: dict[str, str], net: Link, levels: dict[str, Link]) -> tuple[st
     if switches < 2 or switches & (switches - 1):
         raise ValueError(f"dln: switches={switches} must be a power of two >= 2")
     node, switch = levels["node"], levels["switch"]
+    body = _switched_network("dln", switches, 1, dln_chords(switches), node, switch)
+    route = [node, *[switch] * dln_diameter(switches), node]
+    return body, switches, route
+
+
+def _switched_network(
+    name: str, switches: int, per_switch: int, chords: list[tuple[int, int]], node: Link,
+    switch: Link,
+) -> str:  # fmt: skip
+    """A zone of routers ``sw-i`` linked by ``chords``, ``per_switch`` hosts ``node-n`` on
+    switch n // per_switch, one link per direction on every edge, shortest-path routing."""
     # SimGrid's DTD: hosts, routers and links first, then the routes (the graph's edges)
     nodes, links, routes = [], [], []
-    edges = [(f"node-{i}", f"sw-{i}", node) for i in range(switches)]
-    edges += [(f"sw-{i}", f"sw-{j}", switch) for i, j in dln_chords(switches)]
-    for i in range(switches):
-        nodes.append(f'<host id="node-{i}" speed="1Gf"/><router id="sw-{i}"/>\n')
+    edges = [(f"node-{n}", f"sw-{n // per_switch}", node) for n in range(switches * per_switch)]
+    edges += [(f"sw-{i}", f"sw-{j}", switch) for i, j in chords]
+    for i in range(switches):  # one line per switch: its hosts, then the switch
+        hosts = range(i * per_switch, (i + 1) * per_switch)
+        nodes.append("".join(f'<host id="node-{n}" speed="1Gf"/>' for n in hosts))
+        nodes.append(f'<router id="sw-{i}"/>\n')
     for a, b, link in edges:
         for src, dst in ((a, b), (b, a)):  # one link per direction: full duplex
             links.append(
@@ -410,9 +443,8 @@ def _dln(fields: dict[str, str], net: Link, levels: dict[str, Link]) -> tuple[st
                 f'<route src="{src}" dst="{dst}" symmetrical="NO">'
                 f'<link_ctn id="{src}_{dst}"/></route>\n'
             )
-    body = "".join(['<zone id="dln" routing="DijkstraCache">\n', *nodes, *links, *routes])
-    route = [node, *[switch] * dln_diameter(switches), node]
-    return body + "</zone>\n", switches, route
+    zone = f'<zone id="{name}" routing="DijkstraCache">\n'
+    return "".join([zone, *nodes, *links, *routes, "</zone>\n"])
 
 
 def dln_chords(switches: int) -> list[tuple[int, int]]:
@@ -430,20 +462,78 @@ def dln_chords(switches: int) -> list[tuple[int, int]]:
 def dln_diameter(switches: int) -> int:
     """Largest switch-hop distance of the DLN (breadth-first from switch 0: it is vertex-
     transitive)."""
+    return _eccentricity(switches, dln_chords(switches))
+
+
+def _eccentricity(switches: int, chords: list[tuple[int, int]]) -> int:
+    """Hops from switch 0 to the farthest switch (the diameter of a vertex-transitive graph)."""
     neighbours: dict[int, set[int]] = {i: set() for i in range(switches)}
-    for i, j in dln_chords(switches):
+    for i, j in chords:
         neighbours[i].add(j)
         neighbours[j].add(i)
     depth, frontier, seen = 0, {0}, {0}
     while len(seen) < switches:
         frontier = {n for f in frontier for n in neighbours[f]} - seen
+        if not frontier:
+            raise ValueError(f"{switches} switches: the chords do not connect them")
         seen |= frontier
         depth += 1
     return depth
 
 
+def dln2d_chords(x: int, y: int) -> list[tuple[int, int]]:
+    """The 2D DLN's switch-to-switch links (i < j), switch (r, c) numbered r y + c: a 1D DLN
+    along every row (c +- 2^k mod y) and along every column (r +- 2^k mod x)."""
+    row, column = dln_chords(y) if y > 1 else [], dln_chords(x) if x > 1 else []
+    found = {(r * y + a, r * y + b) for r in range(x) for a, b in row}
+    found |= {(a * y + c, b * y + c) for c in range(y) for a, b in column}
+    return sorted(found)
+
+
+def dln2d_diameter(x: int, y: int) -> int:
+    """Largest switch-hop distance of the x-by-y 2D DLN (breadth-first from switch 0)."""
+    return _eccentricity(x * y, dln2d_chords(x, y))
+
+
+def _dln2d(
+    fields: dict[str, str], net: Link, levels: dict[str, Link]
+) -> tuple[str, int, list[Link]]:
+    per_switch = _take(fields, "nodes-per-switch", 1)
+    shape, count = fields.pop("shape", None), fields.pop("nodes", None)
+    if shape is not None:
+        dims = shape.split("x")
+        if len(dims) != 2 or not all(d.isdigit() for d in dims):
+            raise ValueError(f"dln2d: shape {shape!r} must be XxY (two powers of two), e.g. 8x8")
+        x, y = int(dims[0]), int(dims[1])
+    elif count is not None:
+        nodes = int(count)
+        if nodes < 1 or nodes % per_switch:
+            raise ValueError(
+                f"dln2d: nodes={nodes} is not a multiple of nodes-per-switch={per_switch}"
+            )
+        switches = nodes // per_switch
+        x = 1 << max(switches.bit_length() - 1, 0) // 2
+        y = switches // x
+    else:
+        raise ValueError("dln2d: give the shape (dln2d:8x8) or nodes=N")
+    for name, d in (("X", x), ("Y", y)):
+        if d < 2 or d & (d - 1):
+            raise ValueError(
+                f"dln2d: {name}={d} switches must be a power of two >= 2 (grid {x}x{y}"
+                f"{f', from nodes={count} / nodes-per-switch={per_switch}' if count else ''})"
+            )
+    if shape is not None and count is not None and int(count) != x * y * per_switch:
+        raise ValueError(
+            f"dln2d: nodes={count} but {x}x{y} switches x {per_switch} = {x * y * per_switch}"
+        )
+    node, switch = levels["node"], levels["switch"]
+    body = _switched_network("dln2d", x * y, per_switch, dln2d_chords(x, y), node, switch)
+    route = [node, *[switch] * dln2d_diameter(x, y), node]
+    return body, x * y * per_switch, route
+
+
 # the field that sizes a kind, filled from --ranks when the spec leaves it out
-_SIZE_FIELD = {"flat": "nodes", "fat-tree": "nodes", "dln": "switches"}
+_SIZE_FIELD = {"flat": "nodes", "fat-tree": "nodes", "dln": "switches", "dln2d": "nodes"}
 
 _BUILDERS = {
     "flat": _flat,
@@ -451,4 +541,5 @@ _BUILDERS = {
     "torus": _torus,
     "dragonfly": _dragonfly,
     "dln": _dln,
+    "dln2d": _dln2d,
 }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from commlayer.sim.simulate import Result
@@ -44,9 +44,15 @@ def json_line(r: Result) -> str:
     return json.dumps(r.as_dict(), sort_keys=True)
 
 
-def plot(results: Sequence[Result], path: Path, title: str = "") -> None:
+def plot(
+    results: Sequence[Result],
+    path: Path,
+    title: str = "",
+    kind: Callable[[Result], str] = lambda r: r.platform.split(":")[0],
+) -> None:
     """Simulated time against ranks (log-log), one panel per size, one line per algorithm
-    and platform. Needs matplotlib (pip install '.[bench]')."""
+    and platform (``kind``: a result's platform name in the legend, by default the spec's
+    kind). Needs matplotlib (pip install '.[bench]')."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,15 +62,16 @@ def plot(results: Sequence[Result], path: Path, title: str = "") -> None:
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4.8), squeeze=False)
     # colour by algorithm, line style by platform: a dozen lines stay readable
     names = sorted({r.label.split("=")[0] for r in results})
-    kinds = sorted({r.platform.split(":")[0] for r in results})
+    kinds = sorted({kind(r) for r in results})
     colours = {n: f"C{i % 10}" for i, n in enumerate(names)}
-    styles = {k: ("-", "--", ":", "-.")[i % 4] for i, k in enumerate(kinds)}
+    dashes = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 4)))
+    styles = {k: dashes[i % len(dashes)] for i, k in enumerate(kinds)}
     for ax, size in zip(axes[0], sizes):
         lines: dict[tuple[str, str], list[Result]] = {}
         for r in results:
             if r.size_bytes == size:
                 # "auto=shd" and "auto=ring" are one line: auto's picks across ranks
-                key = (r.label.split("=")[0], r.platform.split(":")[0])
+                key = (r.label.split("=")[0], kind(r))
                 lines.setdefault(key, []).append(r)
         for (algorithm, platform), rows in sorted(lines.items()):
             rows.sort(key=lambda r: r.ranks)
@@ -79,7 +86,8 @@ def plot(results: Sequence[Result], path: Path, title: str = "") -> None:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks")
-        ax.set_ylabel("simulated allreduce time (ms)")
+        if ax is axes[0][0]:  # one label: the panels' own would overlap their neighbours
+            ax.set_ylabel("simulated allreduce time (ms)")
         ax.set_title(f"{_size(size)}")
         ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()

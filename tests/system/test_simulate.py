@@ -54,6 +54,7 @@ def test_our_schedules_match_smpi_builtin(ours: str, theirs: str) -> None:
         "torus:2x4x2",
         "dragonfly:groups=2,chassis=2,routers=2,nodes=2",
         "dln:8,gpus-per-node=4",
+        "dln2d:2x2,nodes-per-switch=2,gpus-per-node=4",
     ],
 )
 def test_every_platform_kind_runs(spec: str) -> None:

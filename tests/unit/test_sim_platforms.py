@@ -13,6 +13,8 @@ from commlayer.algorithms.sparse import cost as sparse_cost
 from commlayer.algorithms.topology import Topology
 from commlayer.sim import export, platforms, simulate, smpi
 
+MiB = 1 << 20
+
 
 def _parse(xml: str) -> ET.Element:
     return ET.fromstring(xml.split("\n", 2)[2])  # past the declaration and DOCTYPE
@@ -27,6 +29,8 @@ def _parse(xml: str) -> ET.Element:
         ("dragonfly:groups=2,chassis=2,routers=2,nodes=2", 16, 16),
         ("dragonfly:groups=4,routers=4,gpus-per-node=4", 64, 16),
         ("dln:8,gpus-per-node=2", 16, 8),
+        ("dln2d:2x4,gpus-per-node=2", 16, 8),
+        ("dln2d:2x2,nodes-per-switch=2,gpus-per-node=2", 16, 8),
     ],
 )
 def test_generated_platforms_hold_their_ranks(spec: str, ranks: int, nodes: int) -> None:
@@ -58,6 +62,16 @@ def test_clusters_route_a_node_to_itself_over_the_intra_node_link() -> None:
         ("mesh:4", "unknown kind"),
         ("flat:ranks=4,color=red", "unknown field"),
         ("dln:6", "power of two"),
+        ("dln2d:3x4", r"X=3 switches must be a power of two"),
+        ("dln2d:4x1", r"Y=1 switches must be a power of two >= 2"),
+        ("dln2d:16", r"shape '16' must be XxY"),
+        ("dln2d:4x4x4", r"must be XxY"),
+        ("dln2d:nodes=24", r"Y=6 .*from nodes=24"),
+        ("dln2d:nodes=6,nodes-per-switch=4", r"nodes=6 is not a multiple of nodes-per-switch=4"),
+        ("dln2d:4x4,nodes=8", r"nodes=8 but 4x4 switches x 1 = 16"),
+        ("dln2d:2x2,nodes-per-switch=0", r"nodes-per-switch=0: must be at least 1"),
+        ("dln2d:2x2,spine-bw=1GBps", r"dln2d: no per-level field spine-bw"),
+        ("dln2d", r"give its size \(dln2d:nodes=N\)"),
         ("torus", "shape"),
         ("flat:ranks=4,bw=fast", "bandwidth"),
         ("dragonfly:groups=4,routers=2", "groups - 1"),
@@ -153,6 +167,59 @@ def test_dln_degree_and_diameter(switches: int, degree: int, diameter: int) -> N
         for k in range(switches.bit_length() - 1):
             u = v ^ (1 << k)
             assert (min(u, v), max(u, v)) in pairs
+
+
+@pytest.mark.parametrize(
+    "x, y, degree, diameter",
+    [(2, 2, 2, 2), (2, 4, 4, 2), (4, 4, 6, 2), (8, 8, 10, 4), (8, 16, 12, 4), (16, 16, 14, 4)],
+)
+def test_dln2d_degree_and_diameter(x: int, y: int, degree: int, diameter: int) -> None:
+    """Each row and each column a 1D DLN: (2 log2 x - 1) + (2 log2 y - 1) chords per switch,
+    diameter ceil(log2 x / 2) + ceil(log2 y / 2), the numbers platforms.py's docstring gives."""
+    chords = platforms.dln2d_chords(x, y)
+    ports = [0] * (x * y)
+    for i, j in chords:
+        ports[i] += 1
+        ports[j] += 1
+        (ri, ci), (rj, cj) = divmod(i, y), divmod(j, y)
+        assert ri == rj or ci == cj  # a chord stays in its row or its column
+    assert set(ports) == {degree}
+    assert platforms.dln2d_diameter(x, y) == diameter
+    bits = lambda d: d.bit_length() - 1  # noqa: E731
+    assert degree == (2 * bits(x) - 1) + (2 * bits(y) - 1)
+    assert diameter == -(-bits(x) // 2) + -(-bits(y) // 2)
+
+
+@pytest.mark.parametrize("per_switch", [1, 2, 4])
+def test_dln2d_halving_doubling_partners_are_one_switch_hop_apart(per_switch: int) -> None:
+    x, y = 4, 8
+    pairs = set(platforms.dln2d_chords(x, y))
+    nodes = x * y * per_switch
+    for v in range(nodes):
+        for k in range(nodes.bit_length() - 1):
+            a, b = sorted((v // per_switch, (v ^ (1 << k)) // per_switch))
+            assert a == b if (1 << k) < per_switch else (a, b) in pairs
+
+
+def test_dln2d_xml_links_every_node_to_its_switch_and_switches_by_chords() -> None:
+    p = platforms.generate(
+        "dln2d:2x4,nodes-per-switch=2,gpus-per-node=4,switch-bw=50GBps,switch-lat=1us"
+    )
+    assert (p.ranks, p.topology().nodes) == (64, 16)
+    bandwidths = _link_bandwidths(p.xml)
+    up = {k for k in bandwidths if k.startswith("node-")}
+    assert up == {f"node-{n}_sw-{n // 2}" for n in range(16)}
+    assert {bandwidths[k] for k in up} == {12.5e9}
+    chords = {tuple(int(s) for s in k.replace("sw-", "").split("_")) for k in bandwidths
+              if k.startswith("sw-") and "node" not in k}  # fmt: skip
+    expected = set(platforms.dln2d_chords(2, 4))
+    assert chords == expected | {(j, i) for i, j in expected}  # one link each way
+    assert {v for k, v in bandwidths.items() if k.startswith("sw-") and "node" not in k} == {50e9}
+    assert p.links is not None  # node link in and out, diameter 2 switch hops of 1 us
+    assert p.links.inter_alpha_s == pytest.approx(2 * 0.5e-6 + 2 * 1e-6)
+    # sized by the ranks: 1024 ranks of 4 GPUs, one node per switch: a 16x16 grid
+    sized = platforms.generate("dln2d", ranks=1024, gpus_per_node=4)
+    assert sized.topology().nodes == 256 and "sw-255" in sized.xml and "sw-256" not in sized.xml
 
 
 def test_file_platform_with_hostfile(tmp_path: Path) -> None:
@@ -302,3 +369,39 @@ def test_negative_max_streams_is_refused(capsys: pytest.CaptureFixture[str]) -> 
     argv = ["simulate", "--sparse", "dsar", "--platform", "flat:ranks=4", "--max-streams", "-1"]
     assert cli.main(argv) == 2
     assert "--max-streams -1" in capsys.readouterr().err
+
+
+def test_claim_benchmark_tells_oversubscribed_fat_trees_and_2d_dlns_apart() -> None:
+    """benchmarks/simulate.py: an oversubscribed fat tree is its own network in the tables (not
+    the full fat tree's column), every spec it builds is valid, and the second summary gives
+    SHD on DLN's and on 2D DLN's reductions over each baseline on the 2:1 tree."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "simulate.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_simulate", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    specs = bench.specs(1024)
+    assert specs["dln2d"] == "dln2d:16x16,gpus-per-node=4"
+    for name in ("fat-tree-os2", "fat-tree-os4", "dln2d"):
+        p = platforms.generate(specs[name])
+        assert p.ranks == 1024 and p.topology().nodes == 256
+    assert 'topo_parameters="2;16,16;1,8;1,1"' in platforms.generate(specs["fat-tree-os2"]).xml
+
+    def result(algorithm: str, name: str, ms: float) -> simulate.Result:
+        return simulate.Result(algorithm, specs[name], 1024, MiB, ms / 1e3, None, 1, 0.0)
+
+    rows = [
+        result("shd", "dln", 1.0),
+        result("shd", "dln2d", 2.0),
+        result("ring", "fat-tree", 3.0),
+        result("ring", "fat-tree-os2", 4.0),
+    ]
+    assert [bench.kind(r) for r in rows] == ["dln", "dln2d", "fat-tree", "fat-tree-os2"]
+    summary = bench.summary_table(rows).splitlines()[-1]
+    assert "| 3.000 (+67%) |" in summary  # the full tree's ring only
+    oversub = bench.oversub_table(rows).splitlines()[-1]
+    assert oversub.startswith("| 1024 | 1 MiB | 1.000 | 2.000 | 4.000 (+75% / +50%) | - |")
+    assert ("rabenseifner", "fat-tree-os2") in bench.runs(1024, 256, ("fat-tree-os2", "dln2d"))
+    assert ("ring", "dln2d") not in bench.runs(64, 256, ("fat-tree-os2", "dln2d"))
