@@ -72,18 +72,16 @@ def main(paths: list[str]) -> int:
             ranks[r.family].append(r.ranks)
     for counts in ranks.values():
         counts.sort()
-    print("### Largest rank count of each family, learned from the smaller ones\n")
-    print(header)
-    for fam, counts in ranks.items():
-        if len(counts) > 2:
-            top = [r for r in table.rows if r.family == fam and r.ranks == counts[-1]]
-            print("\n".join(held_out(table, hold, top, {counts[-1]})))
-    print("\n### A middle rank count, learned from the ones around it\n")
-    print(header)
-    for fam, counts in ranks.items():
-        if len(counts) > 2:
-            middle = [r for r in table.rows if r.family == fam and r.ranks == counts[-2]]
-            print("\n".join(held_out(table, hold, middle, {counts[-2]})))
+    for title, which in (
+        ("### Largest rank count of each family, learned from the smaller ones\n", -1),
+        ("\n### A middle rank count, learned from the ones around it\n", -2),
+    ):
+        print(title)
+        print(header)
+        for fam, counts in ranks.items():
+            if len(counts) > 2:
+                out = [r for r in table.rows if r.family == fam and r.ranks == counts[which]]
+                print("\n".join(held_out(table, hold, out, {counts[which]})))
     print("\n### Each row left out alone: |prediction / simulated - 1|, median and largest\n")
     print("A size *inside* is between two sizes still simulated at its rank count (interpolated);")
     print("*end*: the smallest or largest there (held, or only other rank counts have it).\n")

@@ -139,24 +139,31 @@ def test_optimizer_step_matches_cpu(dev: str) -> None:
     after two steps equal the same job's CPU model (same inputs, same start)."""
     results = {}
     for where in ("cpu", dev):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
-        ).to(where)
-        opt = cl.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1),
-            named_parameters=[(f"{where}.{n}", p) for n, p in model.named_parameters()],
-        )
-        g = torch.Generator().manual_seed(100 + cl.rank())
-        for _ in range(2):
-            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x.to(where)), y.to(where)).backward()
-            opt.step()
+        model = _train_two_steps(where, where, 100)
         results[where] = [p.detach().cpu() for p in model.parameters()]
         assert all(p.device.type == where for p in model.parameters())
     for a, b in zip(results["cpu"], results[dev]):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _train_two_steps(where: str, prefix: str, seed: int) -> torch.nn.Module:
+    """A small model on ``where`` after two DistributedOptimizer steps on inputs of this
+    rank's seed (``seed`` + rank), its parameters named with ``prefix``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    ).to(where)
+    opt = cl.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=[(f"{prefix}.{n}", p) for n, p in model.named_parameters()],
+    )
+    g = torch.Generator().manual_seed(seed + cl.rank())
+    for _ in range(2):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x.to(where)), y.to(where)).backward()
+        opt.step()
+    return model
 
 
 def test_other_devices_refused() -> None:
@@ -308,19 +315,7 @@ def test_direct_optimizer_step_matches_plain(direct: tuple[str, list, list]) -> 
         if not forced:
             device.DIRECT_CPU = None
         try:
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                                        torch.nn.Linear(16, 3))  # fmt: skip
-            opt = cl.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1),
-                named_parameters=[(f"direct{forced}.{n}", p) for n, p in model.named_parameters()],
-            )
-            g = torch.Generator().manual_seed(200 + cl.rank())
-            for _ in range(2):
-                x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
+            model = _train_two_steps("cpu", f"direct{forced}", 200)
         finally:
             device.DIRECT_CPU = route
         results.append([p.detach().clone() for p in model.parameters()])
