@@ -407,6 +407,18 @@ def glibc_malloc_variables(environ: Mapping[str, str] | None = None) -> list[str
     return found
 
 
+# MPICH's switch for its GPU support: off, it reads every buffer as host memory whatever its
+# queries say (backends/cuda_aware.py ``decide``).
+_MPI_GPU_VARIABLES = ("MPIR_CVAR_ENABLE_GPU",)
+
+
+def mpi_gpu_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The MPI library's own GPU settings present in the environment (system variables, read
+    here with the others), by name."""
+    env = os.environ if environ is None else environ
+    return {name: env[name] for name in _MPI_GPU_VARIABLES if name in env}
+
+
 def variables() -> list[tuple[str, str]]:
     """(name, help) of every environment variable commlayer reads, for docs and --help."""
     return [(name, help_text) for name, _, _, help_text in _VARIABLES]

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from commlayer import device  # noqa: E402
+from commlayer import config, device  # noqa: E402
 from commlayer.algorithms.topology import Topology  # noqa: E402
 from commlayer.backends import cuda_aware  # noqa: E402
 from commlayer.backends.base import COMPLETED, Request  # noqa: E402
@@ -103,7 +103,7 @@ _STAGED_DTYPES = (torch.float16, torch.bfloat16)  # reduced by user ops on host 
 
 def detect_cuda_aware(setting: str) -> tuple[bool, str]:
     """(CUDA-aware, why) for ``COMMLAYER_CUDA_AWARE_MPI``'s value (MPI initialized)."""
-    return cuda_aware.decide(setting, os.environ, cuda_aware.library_queries(MPI))
+    return cuda_aware.decide(setting, config.mpi_gpu_variables(), cuda_aware.library_queries(MPI))
 
 
 def _spec(tensor: torch.Tensor, count: int | None = None) -> list[Any]:

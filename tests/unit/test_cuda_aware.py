@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from commlayer import device
+from commlayer import config, device
 from commlayer.backends import cuda_aware
 from commlayer.backends.torch_distributed import nccl_wanted
 from commlayer.errors import CommlayerError
@@ -58,6 +58,14 @@ def test_decide_names_what_decided() -> None:
         "MPIR_CVAR_ENABLE_GPU" in cuda_aware.decide("auto", {"MPIR_CVAR_ENABLE_GPU": "off"}, [])[1]
     )
     assert "COMMLAYER_CUDA_AWARE_MPI=1" in cuda_aware.decide("auto", {}, [])[1]  # how to force
+
+
+def test_mpich_gpu_switch_is_read_by_config() -> None:
+    # config.py reads the environment (the MPI backend passes decide what it found)
+    found = config.mpi_gpu_variables({"MPIR_CVAR_ENABLE_GPU": "0", "PATH": "/bin"})
+    assert found == {"MPIR_CVAR_ENABLE_GPU": "0"}
+    assert config.mpi_gpu_variables({}) == {}
+    assert cuda_aware.decide("auto", found, [_says(True)])[0] is False
 
 
 def test_a_failing_query_cannot_tell() -> None:
