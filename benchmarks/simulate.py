@@ -79,26 +79,27 @@ def runs(ranks: int, ring_max: int, kinds: tuple[str, ...] = ()) -> list[tuple[s
     return [(a, k) for a, k in pairs if a not in O_N2 or ranks <= ring_max]
 
 
-def load(path: Path) -> list[Result]:
-    if not path.exists():
-        return []
+def _lines(path: Path) -> list[dict[str, object]]:
+    """The Result fields of each JSON line of ``path`` (derived and annotation keys such as
+    busbw_Bps and model_s_before dropped)."""
     fields = {f.name for f in dataclasses.fields(Result)}
-    rows = []
-    for line in path.read_text().splitlines():
-        raw = json.loads(line)  # derived and annotation keys (busbw_Bps, model_s_before) dropped
-        rows.append(Result(**{k: v for k, v in raw.items() if k in fields}))
-    return rows
+    return [
+        {k: v for k, v in json.loads(line).items() if k in fields}
+        for line in path.read_text().splitlines()
+    ]
+
+
+def load(path: Path) -> list[Result]:
+    return [Result(**raw) for raw in _lines(path)] if path.exists() else []  # type: ignore[arg-type]
 
 
 def merged(paths: list[Path]) -> list[Result]:
     """The runs of JSON-lines ``paths``; a line of a later file about the same run (algorithm,
     platform, ranks, density, replay; and size where it gives one) updates that run's fields:
     simulate_sparse_nodelink.jsonl's lines carry the newer model's ``model_s`` alone."""
-    fields = {f.name for f in dataclasses.fields(Result)}
     runs: dict[tuple[object, ...], dict[str, object]] = {}
     for path in paths:
-        for line in path.read_text().splitlines():
-            raw = {k: v for k, v in json.loads(line).items() if k in fields}
+        for raw in _lines(path):
             key = tuple(raw.get(k) for k in ("algorithm", "platform", "ranks", "density"))
             key += (raw.get("pairwise", False),)
             same = [k for k, run in runs.items() if k == key + (run["size_bytes"],)]
