@@ -667,18 +667,13 @@ def agreed_calibrations(
     which can differ (calibrated apart, or missing on some): a difference is logged by rank 0."""
     if backend.size == 1:
         return calibrations
-    request, payloads = backend.iallgather_bytes(costmodel.to_bytes(calibrations))
-    while not request.test():
-        time.sleep(_MIN_BACKOFF_S)
-    differ = [r for r, payload in enumerate(payloads) if payload != payloads[0]]
-    if differ and backend.rank == 0:
-        log.warning(
-            "commlayer: rank(s) %s read calibrations that differ from rank 0's (run `commlayer "
-            "calibrate` once for the job, or copy its file to every node); every rank uses "
-            "rank 0's",
-            differ,
-        )
-    return costmodel.from_bytes(payloads[0])
+    payload = _rank0s(
+        backend,
+        costmodel.to_bytes(calibrations),
+        "commlayer: rank(s) %s read calibrations that differ from rank 0's (run `commlayer "
+        "calibrate` once for the job, or copy its file to every node); every rank uses rank 0's",
+    )
+    return costmodel.from_bytes(payload)
 
 
 def agreed_sim_table(backend: Backend, text: str) -> costmodel.Simulated | None:
@@ -694,25 +689,32 @@ def agreed_sim_table(backend: Backend, text: str) -> costmodel.Simulated | None:
         mine = learn.to_bytes(learn.load(text))
     except ValueError:
         mine = b""  # rank 0's decides, below; no rank leaves the collective early
-    if backend.size == 1:
-        payloads = [mine]
-    else:
-        request, payloads = backend.iallgather_bytes(mine)
-        while not request.test():
-            time.sleep(_MIN_BACKOFF_S)
-    if not payloads[0]:
+    payload = _rank0s(
+        backend,
+        mine,
+        "commlayer: rank(s) %s read a COMMLAYER_SIM_TABLE that differs from rank 0's; every "
+        "rank uses rank 0's",
+    )
+    if not payload:
         raise ConfigError(
             f"rank {backend.rank}: COMMLAYER_SIM_TABLE={text!r}: rank 0 could not read it "
             "(changed since init() checked it?)"
         )
-    differ = [r for r, payload in enumerate(payloads) if payload != payloads[0]]
-    if differ and backend.rank == 0:
-        log.warning(
-            "commlayer: rank(s) %s read a COMMLAYER_SIM_TABLE that differs from rank 0's; every "
-            "rank uses rank 0's",
-            differ,
-        )
-    return learn.from_bytes(payloads[0])
+    return learn.from_bytes(payload)
+
+
+def _rank0s(backend: Backend, mine: bytes, differ: str) -> bytes:
+    """Rank 0's ``mine`` on every rank (collective: an allgather, waited on with backoff).
+    Rank 0 logs ``differ`` with the ranks whose bytes are not its own, when it has any."""
+    if backend.size == 1:
+        return mine
+    request, payloads = backend.iallgather_bytes(mine)
+    while not request.test():
+        time.sleep(_MIN_BACKOFF_S)
+    others = [r for r, payload in enumerate(payloads) if payload != payloads[0]]
+    if others and backend.rank == 0 and payloads[0]:
+        log.warning(differ, others)
+    return payloads[0]
 
 
 def _describe(waiting_on: list[fusion.Entry] | Response | None) -> str:
