@@ -554,6 +554,9 @@ def nccl_wanted(setting: str, cuda: bool, nccl: bool, crowded: list[str]) -> boo
     return not missing and not crowded
 
 
+_starts = 0  # torch.distributed started by init() in this process (every rank counts the same)
+
+
 def start(
     comm: Any, timeout_s: float, launch: Any, nccl: str = "auto"
 ) -> tuple[TorchBackend, bool]:
@@ -564,11 +567,26 @@ def start(
     one-rank job (an in-memory store). An already initialized torch.distributed is used as it
     is. The engine runs on a gloo group of its own over the same ranks (``comm``: None), over
     the ranks of a list of global ranks, or over a process group passed in."""
+    global _starts
     owns = False
     if not dist.is_initialized():
         if launch.launcher == "torchrun":
+            _starts += 1
             try:
-                dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+                store, rank, world = next(
+                    dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s))
+                )
+                # Every init() a namespace of its own in torchrun's store: the keys of the last
+                # one (each rank's gloo address) are still there, and a rank that read one of
+                # them connected to a port closed at shutdown() ("Connection refused", across
+                # hosts on the second init() of a process).
+                dist.init_process_group(
+                    "gloo",
+                    store=dist.PrefixStore(f"commlayer/{_starts}/", store),
+                    rank=rank,
+                    world_size=world,
+                    timeout=timedelta(seconds=timeout_s),
+                )
             except Exception as error:  # torch's own types vary (DistStoreError, RuntimeError)
                 raise CommlayerError(
                     f"init(): torch.distributed could not start (torchrun, WORLD_SIZE="

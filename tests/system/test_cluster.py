@@ -45,6 +45,7 @@ RATE = "1gbit"
 # Measured: 25 s on the 2-core machine while other jobs loaded it (load average 4.5); 11
 # init()/shutdown() rounds, one per algorithm, with a 16 MiB allreduce each.
 JOB_TIMEOUT_S = 100.0
+TORCHRUN_JOB_TIMEOUT_S = 100.0
 BIG_BYTES = 16 << 20  # cluster_worker.BIG_NUMEL float32
 NOISE_BYTES = 64 << 10  # negotiation and hydra's own messages during a measured allreduce
 
@@ -238,6 +239,13 @@ def _commlayerrun() -> str:
     return str(path)
 
 
+@pytest.fixture(params=["commlayerrun", "torchrun"])
+def launched(request: pytest.FixtureRequest) -> Job:
+    """The worker's job as each launcher started it: commlayerrun (MPI), and torchrun, one
+    agent per host (torch.distributed's gloo; below)."""
+    return request.getfixturevalue("job" if request.param == "commlayerrun" else "torchrun_job")
+
+
 def test_job_completes(job: Job) -> None:
     assert job.returncode == 0, job.output
     assert len(job.each_rank("done")) == HOSTS * PER_HOST
@@ -259,8 +267,8 @@ def test_topology_is_detected_not_configured(job: Job) -> None:
         assert record["ucx_tls"] == "tcp,self", record  # set by commlayerrun from mpi.env
 
 
-def test_collectives_exact_across_hosts(job: Job) -> None:
-    for record in job.each_rank("collectives"):
+def test_collectives_exact_across_hosts(launched: Job) -> None:
+    for record in launched.each_rank("collectives"):
         wrong = [name for name, ok in record["results"].items() if not ok]
         assert not wrong, f"rank {record['rank']}: {wrong} differ from the reference"
         assert len(record["results"]) == 13, record
@@ -277,8 +285,8 @@ def _algorithms(job: Job) -> dict[str, list[dict[str, Any]]]:
     return found
 
 
-def test_every_allreduce_algorithm_exact_across_hosts(job: Job) -> None:
-    for name, ranks in _algorithms(job).items():
+def test_every_allreduce_algorithm_exact_across_hosts(launched: Job) -> None:
+    for name, ranks in _algorithms(launched).items():
         assert all(r["exact"] for r in ranks), f"{name}: inexact on some rank: {ranks}"
         expected = "mpi" if name in ("auto", "shm") else name  # auto: whatever it picked
         ran = {r["ran"] for r in ranks}
@@ -328,8 +336,8 @@ def test_ranks_of_a_host_talk_through_shared_memory(job: Job) -> None:
         assert max(moved.values()) < NOISE_BYTES, record
 
 
-def test_distributed_optimizer_matches_one_process(job: Job) -> None:
-    for record in job.each_rank("optimizer"):
+def test_distributed_optimizer_matches_one_process(launched: Job) -> None:
+    for record in launched.each_rank("optimizer"):
         assert record["close"] and record["same_on_all_ranks"], record
         assert record["moved"] > 1e-3, record  # the steps did change the parameters
 
@@ -422,29 +430,40 @@ def _baseline_records(output: str) -> list[dict[str, Any]]:
 TORCHRUN_TIMEOUT_S = 90.0
 
 
-def test_torchrun_multinode_on_the_cluster(job: Job, tmp_path: Path) -> None:
-    """DDP's launcher as on real machines: one torchrun agent per host, c10d rendezvous on
-    node1; gloo's 4 MiB allreduce is exact and crosses the link."""
-    script = tmp_path / "baseline.py"
-    script.write_text(_BASELINE_WORKER)
+def torchrun_agents(
+    script: Path, args: list[str], env: dict[str, str], rendezvous: str = "static"
+) -> list[subprocess.Popen[str]]:
+    """``script`` under torchrun as on real machines: one agent per host of the cluster that is
+    up, ``PER_HOST`` workers each, started now (stdout and stderr together, piped).
+    ``rendezvous``: "static" (``--node-rank``: node1's ranks first, the master on node1) or
+    "c10d" (ranks in the order the agents join, the store on node1)."""
     torchrun = str(Path(sysconfig.get_path("scripts")) / "torchrun")
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
-    agent = [
-        torchrun, "--nnodes", str(HOSTS), "--nproc-per-node", str(PER_HOST),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:29400",
-        "--rdzv-id", f"test{os.getpid()}", str(script), "torchrun",
-    ]  # fmt: skip
-    agents = [
+    common = [torchrun, "--nnodes", str(HOSTS), "--nproc-per-node", str(PER_HOST)]
+
+    def meet(k: int) -> list[str]:
+        if rendezvous == "static":
+            return ["--node-rank", str(k - 1), "--master-addr", "node1", "--master-port", "29400"]
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:29400",
+                "--rdzv-id", f"test{os.getpid()}"]  # fmt: skip
+
+    return [
         subprocess.Popen(
-            ["bash", str(CLUSTER_SH), "exec", f"node{k}", *agent],
+            ["bash", str(CLUSTER_SH), "exec", f"node{k}", *common, *meet(k), str(script), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             text=True,
-            env=env,
+            env=dict(env, GLOO_SOCKET_IFNAME="eth0"),
+            cwd=REPO,
         )
         for k in range(1, HOSTS + 1)
     ]
-    deadline = time.monotonic() + TORCHRUN_TIMEOUT_S
+
+
+def agents_output(agents: list[subprocess.Popen[str]], timeout_s: float) -> str:
+    """Every agent's output once all have ended; past ``timeout_s`` (together) each is killed,
+    its output marked so."""
+    deadline = time.monotonic() + timeout_s
     outputs = []
     for k, agent in enumerate(agents, start=1):
         try:
@@ -452,10 +471,21 @@ def test_torchrun_multinode_on_the_cluster(job: Job, tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             agent.kill()  # its workers run in the host's namespace: cluster.sh down ends them
             outputs.append(
-                f"--- node{k}'s agent, killed after {TORCHRUN_TIMEOUT_S:.0f} s ---\n"
+                f"--- node{k}'s agent, killed after {timeout_s:.0f} s ---\n"
                 + agent.communicate()[0]
             )
-    output = "\n".join(outputs)
+    codes = ", ".join(f"node{k} {a.returncode}" for k, a in enumerate(agents, start=1))
+    return f"agents' exit codes: {codes}\n" + "\n".join(outputs)
+
+
+def test_torchrun_multinode_on_the_cluster(job: Job, tmp_path: Path) -> None:
+    """DDP's launcher as on real machines: one torchrun agent per host, c10d rendezvous on
+    node1; gloo's 4 MiB allreduce is exact and crosses the link."""
+    script = tmp_path / "baseline.py"
+    script.write_text(_BASELINE_WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    agents = torchrun_agents(script, ["torchrun"], env, rendezvous="c10d")
+    output = agents_output(agents, TORCHRUN_TIMEOUT_S)
     assert [a.returncode for a in agents] == [0] * HOSTS, output
     records = _baseline_records(output)
     assert [r["rank"] for r in records] == list(range(HOSTS * PER_HOST)), output
@@ -464,6 +494,53 @@ def test_torchrun_multinode_on_the_cluster(job: Job, tmp_path: Path) -> None:
         assert r["link_bytes"] > 4 << 20, r  # the 4 MiB sum needs the other host's part
     hosts = sorted(r["host"] for r in records)
     assert hosts == sorted(f"node{k}" for k in range(1, HOSTS + 1) for _ in range(PER_HOST))
+
+
+# -- commlayer under multi-node torchrun: the same worker, one agent per host, over gloo ----------
+
+
+@pytest.fixture(scope="module")
+def torchrun_job(job: Job, harness: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The worker of ``job`` under torchrun as a DDP user starts it on two machines (static
+    rendezvous, node1's ranks first): commlayer.init() forms one job of 4 ranks over gloo."""
+    out_dir = tmp_path_factory.mktemp("torchrun")
+    env = harness.worker_env(out_dir, TORCHRUN_JOB_TIMEOUT_S + 10, {})
+    agents = torchrun_agents(WORKER, [], env)
+    output = agents_output(agents, TORCHRUN_JOB_TIMEOUT_S)
+    records = [
+        json.loads(line)
+        for path in sorted(out_dir.glob("rank*.jsonl"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
+    return Job(max(abs(a.returncode) for a in agents), output, records)
+
+
+def test_torchrun_job_is_one_job_over_gloo(torchrun_job: Job) -> None:
+    assert torchrun_job.returncode == 0, torchrun_job.output
+    assert len(torchrun_job.each_rank("done")) == HOSTS * PER_HOST
+    for r, record in enumerate(torchrun_job.each_rank("topology")):
+        host, local = divmod(r, PER_HOST)
+        assert record["backend"] == "TorchBackend", record
+        assert record["hostname"] == f"node{host + 1}", record
+        assert record["size"] == HOSTS * PER_HOST
+        assert (record["local_rank"], record["local_size"]) == (local, PER_HOST), record
+        assert (record["cross_rank"], record["cross_size"]) == (host, HOSTS), record
+        assert record["nodes"] == [q // PER_HOST for q in range(HOSTS * PER_HOST)], record
+        assert record["machines"] == [0] * (HOSTS * PER_HOST), record
+
+
+def test_torchrun_job_bytes_cross_the_link_only_between_hosts(torchrun_job: Job) -> None:
+    """As over MPI: a 16 MiB allreduce over all ranks moves at least the buffer each way over
+    each host's cable, whatever the algorithm; one inside a host (a process set) moves
+    nothing over it (gloo between two ranks of a host goes through lo)."""
+    for name, ranks in _algorithms(torchrun_job).items():
+        for record in ranks[::PER_HOST]:
+            moved = record["bytes"]
+            assert moved["eth0_tx"] >= BIG_BYTES and moved["eth0_rx"] >= BIG_BYTES, (name, moved)
+    for record in torchrun_job.each_rank("intra_host"):
+        assert record["exact"], record
+        assert record["bytes"]["eth0_tx"] < NOISE_BYTES, record
 
 
 def test_horovod_through_the_same_mpiexec(job: Job, tmp_path: Path, harness: ModuleType) -> None:

@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from test_cluster import REPO, _commlayerrun, cluster, harness, permitted
+from test_cluster import REPO, _commlayerrun, cluster, harness, permitted, torchrun_agents
 
 __all__ = ["harness", "permitted"]  # fixtures of test_cluster.py, used here
 
@@ -44,26 +44,39 @@ STARTUP_S = 60.0  # torch and MPI_Init of 4 ranks on the loaded 2-core machine: 
 
 
 class Job:
-    """A worker job running in the background on the cluster."""
+    """A worker job running in the background on the cluster, started by ``launcher``:
+    commlayerrun (one mpiexec), or torchrun (an agent on each host, commlayer over gloo)."""
 
-    def __init__(self, harness: ModuleType, out_dir: Path, mode: str, env: dict[str, str]):
-        self.harness, self.out_dir = harness, out_dir
+    def __init__(
+        self, harness: ModuleType, out_dir: Path, mode: str, env: dict[str, str], launcher: str
+    ):
+        self.harness, self.out_dir, self.launcher = harness, out_dir, launcher
         job_env = harness.worker_env(out_dir, 120.0, env)
-        self.command = [
-            _commlayerrun(), "-np", "4", "-H", HOSTS, sys.executable, str(WORKER), mode,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            self.command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=job_env,
-            cwd=REPO,
-            text=True,
-            start_new_session=True,
-        )
+        if launcher == "torchrun":
+            self.command = ["torchrun on node1 and node2:", str(WORKER), mode]
+            self.procs = torchrun_agents(WORKER, [mode], job_env)
+        else:
+            self.command = [
+                _commlayerrun(), "-np", "4", "-H", HOSTS, sys.executable, str(WORKER), mode,
+            ]  # fmt: skip
+            self.procs = [
+                subprocess.Popen(
+                    self.command,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=job_env,
+                    cwd=REPO,
+                    text=True,
+                    start_new_session=True,
+                )
+            ]
         self.output = ""
         self.ended_at = 0.0
+        self.codes: list[int] = []
+
+    def running(self) -> bool:
+        return all(proc.poll() is None for proc in self.procs)
 
     def records(self, event: str | None = None) -> list[dict[str, Any]]:
         found = []
@@ -76,27 +89,37 @@ class Job:
     def wait_for(self, ready: Callable[[], bool], limit_s: float, what: str) -> None:
         deadline = time.monotonic() + limit_s
         while not ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            if not self.running() or time.monotonic() > deadline:
                 self.end(0.1)
                 pytest.fail(f"never saw {what}\n{self.explain()}", pytrace=False)
             time.sleep(0.05)
 
     def end(self, limit_s: float) -> int:
-        """The job's exit code, waiting at most ``limit_s``; past it the whole tree is killed
-        and the test fails (a hang)."""
+        """The job's exit code (torchrun: the first agent's that is not 0), waiting at most
+        ``limit_s`` for every process; past it everything is killed and the test fails (a
+        hang)."""
+        deadline = time.monotonic() + limit_s
+        outputs = []
         try:
-            self.output, _ = self.proc.communicate(timeout=limit_s)
-            self.ended_at = time.time()
-            return self.proc.returncode
+            for proc in self.procs:
+                outputs.append(proc.communicate(timeout=max(0.0, deadline - time.monotonic()))[0])
         except subprocess.TimeoutExpired:
-            tree = [self.proc.pid, *self.harness._descendants(self.proc.pid)]
-            self.harness._signal_all(tree, signal.SIGKILL)
-            self.output, _ = self.proc.communicate()
-            self.harness._wait_gone(tree)
+            self.kill()
+            self.output = "\n".join(proc.communicate()[0] for proc in self.procs)
             pytest.fail(f"HANG: job killed after {limit_s:g} s\n{self.explain()}", pytrace=False)
+        self.ended_at = time.time()
+        self.output = "\n".join(outputs)
+        self.codes = [proc.returncode for proc in self.procs]
+        return next((code for code in self.codes if code != 0), 0)
+
+    def kill(self) -> None:
+        tree = [p for proc in self.procs for p in (proc.pid, *self.harness._descendants(proc.pid))]
+        self.harness._signal_all(tree, signal.SIGKILL)
+        self.harness._wait_gone(tree)
 
     def explain(self) -> str:
-        return f"$ {' '.join(self.command)}\nexit code {self.proc.returncode}\n{self.output}"
+        codes = [proc.returncode for proc in self.procs]
+        return f"$ {' '.join(self.command)}\nexit codes {codes}\n{self.output}"
 
 
 @pytest.fixture(scope="module")
@@ -115,18 +138,18 @@ def start(up: None, harness: ModuleType, tmp_path: Path) -> Iterator[Callable[..
     nothing of the job is left running."""
     jobs: list[Job] = []
 
-    def run(mode: str, **env: str) -> Job:
-        jobs.append(Job(harness, tmp_path, mode, env))
+    def run(mode: str, launcher: str = "commlayerrun", **env: str) -> Job:
+        jobs.append(Job(harness, tmp_path, mode, env, launcher))
         return jobs[-1]
 
     try:
         yield run
     finally:
         for job in jobs:
-            if job.proc.poll() is None:
-                tree = [job.proc.pid, *harness._descendants(job.proc.pid)]
-                harness._signal_all(tree, signal.SIGKILL)
-                job.proc.communicate()
+            if any(proc.poll() is None for proc in job.procs):
+                job.kill()
+                for proc in job.procs:
+                    proc.communicate()
         cluster("link", "node2", "up")
         cluster("set", "node2", "--loss", "0%")
 

@@ -34,6 +34,7 @@ def test_torchrun_job_is_one_job_and_trains_in_step(run_mpi: RunMPI, n: int) -> 
         assert train["root"] == [float(n - 1)] * 4, train
         assert train["params_equal"], train
         assert train["losses"][-1] < train["losses"][0], train
+        assert job.one("restarted", rank)["sums"] == [n * (n + 1) / 2] * 2, job.output()
         assert job.find("done", rank), job.output()
 
 

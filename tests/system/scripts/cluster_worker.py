@@ -1,5 +1,6 @@
 """One job on the namespace cluster (scripts/cluster.sh, 2 hosts x 2 ranks), started by
-tests/system/test_cluster.py through ``commlayerrun -H node1:2,node2:2``. It reports:
+tests/system/test_cluster.py through ``commlayerrun -H node1:2,node2:2``, and again through
+one ``torchrun`` agent per host (node1's ranks first; commlayer over gloo). It reports:
 
 1. ``topology``: rank, sizes, hostname and the nodes commlayer detected (no override set).
 2. ``collectives``: allreduce, grouped allreduce, allgather, broadcast, alltoall, reducescatter
@@ -116,8 +117,11 @@ def check_alltoall(r: int, n: int) -> bool:
 
 def windows() -> dict[str, object]:
     """Where the global set's backend made shared-memory windows: over all ranks (``shm``), or
-    per level of the two-level hierarchical (``nodes``: the hosts of each level's ranks)."""
+    per level of the two-level hierarchical (``nodes``: the hosts of each level's ranks).
+    None over torch.distributed (no windows there)."""
     backend = runtime.engine()._global.backend
+    if not hasattr(backend, "_levels"):
+        return {"global_window": None, "levels": None}
     levels = [
         {
             "node_hosts": sorted({host for host, _ in node._peers}),
@@ -217,6 +221,7 @@ def main() -> None:
     _worker.report(
         "topology",
         hostname=socket.gethostname(),
+        backend=type(backend).__name__,
         size=cl.size(),
         local_rank=cl.local_rank(),
         local_size=cl.local_size(),

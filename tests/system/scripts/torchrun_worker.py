@@ -2,7 +2,8 @@
 ``DistributedOptimizer`` step. Reports what the test checks.
 
 ``train``: size and ranks as torchrun gave them, exact allreduce/allgather/broadcast, a few
-optimizer steps (parameters must end bitwise equal on every rank); ``init``: only init(),
+optimizer steps (parameters must end bitwise equal on every rank), then shutdown() and init()
+twice more, an allreduce each time (``restarted``); ``init``: only init(),
 reporting its error (a bad backend choice must fail clearly); ``mismatch``: rank 1 allreduces
 another shape under the same name (every rank must get the error naming it).
 """
@@ -63,4 +64,12 @@ elif mode == "mismatch":
     shape = (3,) if rank == 1 else (2,)
     _worker.attempt("mismatch", lambda: hvd.allreduce(torch.ones(shape), name="mismatched"))
 hvd.shutdown()
+if mode == "train":  # init() again, twice: torch.distributed restarted by commlayer each time
+    sums = []
+    for _ in range(2):
+        hvd.init()
+        total = hvd.allreduce(torch.full((1000,), float(rank + 1)), op=hvd.Sum, name="again")
+        sums.append(float(total[0]) if bool((total == total[0]).all()) else None)
+        hvd.shutdown()
+    _worker.report("restarted", sums=sums)
 _worker.report("done")
