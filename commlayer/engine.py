@@ -459,15 +459,26 @@ class Engine:
     def _test(self, request: Request) -> bool:
         """``request.test()``; a transport error raised while a peer on this host has died is
         that death (RankDiedError naming the rank): gloo reports a killed peer as "Connection
-        closed by peer" as soon as its socket closes, often before the next pid check."""
+        closed by peer" as soon as its socket closes, often before the next pid check. One that
+        names a peer's address elsewhere (``lost_peers``, the torch backend's) names its host
+        and ranks: their pids cannot be checked from here."""
         try:
             return request.test()
         except CommlayerError:
             raise
         except Exception as exc:
-            dead = self._global.backend.dead_peers()
+            backend = self._global.backend
+            dead = backend.dead_peers()
             if dead:
                 raise self._died(dead) from exc
+            lost = getattr(backend, "lost_peers", None)
+            found = lost(exc) if lost is not None else None
+            if found is not None:
+                host, ranks = found
+                raise RankDiedError(
+                    f"rank {self.rank}: the connection to rank(s) {ranks} on {host} closed while "
+                    f"this rank waited on them: a process there exited, or its host did ({exc})"
+                ) from exc
             raise
 
     def _died(self, dead: list[int]) -> RankDiedError:

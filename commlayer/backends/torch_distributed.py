@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -56,7 +57,7 @@ import torch.distributed as dist
 
 from commlayer import device
 from commlayer.backends.base import COMPLETED, Request
-from commlayer.backends.peers import indices, machine_id, process_alive
+from commlayer.backends.peers import addresses, indices, machine_id, process_alive
 from commlayer.errors import CommlayerError
 from commlayer.reduce_ops import ReduceOp
 
@@ -259,11 +260,12 @@ class TorchBackend:
         self._size = dist.get_world_size(self._group)
         peers: list[Any] = [None] * self._size
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        me = (socket.gethostname(), os.getpid(), machine_id(), gpus)
+        me = (socket.gethostname(), os.getpid(), machine_id(), gpus, addresses())
         dist.all_gather_object(peers, me, group=self._group)
-        self._peers: list[tuple[str, int]] = [(host, pid) for host, pid, _, _ in peers]
-        self._machines = indices([machine for _, _, machine, _ in peers])
-        self._gpus = {host: count for host, _, _, count in peers}
+        self._peers: list[tuple[str, int]] = [(host, pid) for host, pid, *_ in peers]
+        self._machines = indices([machine for _, _, machine, *_ in peers])
+        self._gpus = {host: count for host, _, _, count, _ in peers}
+        self._addresses = [set(found) for *_, found in peers]
         self._nodes = indices(host for host, _ in self._peers)
         # one waiter per lane (module docstring, 2.): a send waits for its receiver to post,
         # and a receive that completes lets the engine post the next (a sized message's body):
@@ -502,6 +504,18 @@ class TorchBackend:
             for rank, (peer_host, pid) in enumerate(self._peers)
             if rank != self._rank and peer_host == host and not process_alive(pid)
         ]
+
+    def lost_peers(self, error: BaseException) -> tuple[str, list[int]] | None:
+        """(host, its ranks) when ``error`` is a transport error naming a peer's address (gloo:
+        "Connection closed by peer [10.213.0.2]:59012", as soon as a process there exits, on
+        whatever host); None when it names none. The engine's error then says who."""
+        for address in re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", str(error)):
+            ranks = [
+                r for r, found in enumerate(self._addresses) if address in found and r != self._rank
+            ]
+            if ranks:
+                return self._peers[ranks[0]][0], ranks
+        return None
 
     def abort(self, reason: str) -> None:
         sys.stderr.write(f"commlayer: aborting the job (rank {self._rank}): {reason}\n")

@@ -245,9 +245,7 @@ class Table:
         # this rank count, and those simulated around this size: a count simulated only at
         # other sizes says little here (a 4096-rank DLN point at 1 MiB pulled 1024 x 32 MiB
         # off by 8%)
-        covering = [
-            p for p in levels if p == ranks or min(levels[p])[0] <= x <= max(levels[p])[0]
-        ]
+        covering = [p for p in levels if p == ranks or min(levels[p])[0] <= x <= max(levels[p])[0]]
         by_ranks = [
             (math.log2(p), _interpolate(sorted(levels[p]), x, False))
             for p in sorted(covering or levels)

@@ -11,6 +11,10 @@ failed process, within 10 s of the fault, never a hang.
    sides of the cut, with CollectiveTimeoutError naming it and the hosts it waits on, and the
    job aborts (MPI_Abort): commlayerrun exits non-zero.
 3. 5% packet loss on node2's link: 16 MiB allreduces stay exact, and get slower.
+4. 1 and 2 again under multi-node torchrun (one agent per host, commlayer over gloo): node2's
+   agent stops its other rank and exits non-zero; node1's ranks get RankDiedError naming node2
+   and its ranks (gloo's "Connection closed by peer" names the address); the cut cable ends in
+   the same watchdog error, each rank exiting with the abort's code 70 that its agent reports.
 
 Each test measures the time from the fault (the wall clock, one clock for every host) to the
 error and to the job's exit, prints it, and asserts the 10 s bound. Skipped like
@@ -176,8 +180,11 @@ def test_rank_sigkilled_on_another_host_ends_the_job(start: Callable[..., Job]) 
         assert record["error"] in ("RankDiedError", "ShutdownError"), record
 
 
-def test_link_down_mid_allreduce_fails_every_rank_and_aborts(start: Callable[..., Job]) -> None:
-    job = start("loop", COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS=str(WATCHDOG_S))
+@pytest.mark.parametrize("launcher", ["commlayerrun", "torchrun"])
+def test_link_down_mid_allreduce_fails_every_rank_and_aborts(
+    start: Callable[..., Job], launcher: str
+) -> None:
+    job = start("loop", launcher, COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS=str(WATCHDOG_S))
     job.wait_for(lambda: _steps(job, 3) >= 3, STARTUP_S, "the allreduce loop running")
     fault = time.time()
     cluster("link", "node2", "down")
@@ -185,14 +192,18 @@ def test_link_down_mid_allreduce_fails_every_rank_and_aborts(start: Callable[...
     took = job.ended_at - fault
     errors = {r["rank"]: r for r in job.records("error")}
     print(
-        f"node2's link down: job exited {code} after {took:.2f} s; errors after "
+        f"{launcher}, node2's link down: job exited {job.codes} after {took:.2f} s; errors after "
         + ", ".join(f"rank {r} {errors[r]['time'] - fault:.2f} s" for r in sorted(errors))
     )
     assert code != 0, job.explain()
     assert took < WITHIN_S, f"the job took {took:.1f} s to end\n{job.explain()}"
-    # The abort's exit code, or hydra's line about it: which one survives depends on how fast
-    # the abort kills the proxies that forward the ranks' output (both lines were lost once).
-    assert code == 70 or "MPI_Abort(MPI_COMM_WORLD, 70)" in job.output, job.explain()
+    if launcher == "torchrun":  # each agent names its ranks' exit code: the abort's
+        assert job.output.count("exitcode  : 70") >= 2, job.explain()
+    else:
+        # The abort's exit code, or hydra's line about it: which one survives depends on how
+        # fast the abort kills the proxies that forward the ranks' output (both lines were lost
+        # once).
+        assert code == 70 or "MPI_Abort(MPI_COMM_WORLD, 70)" in job.output, job.explain()
     assert errors, f"no rank reported the error\n{job.explain()}"
     for rank, record in errors.items():
         assert record["error"] == "CollectiveTimeoutError", record
@@ -226,3 +237,28 @@ def test_packet_loss_is_exact_and_slower(start: Callable[..., Job]) -> None:
         f"loss, {median['5%']:.3f} s at 5% loss ({median['5%'] / median['0%']:.1f}x)"
     )
     assert median["5%"] > median["0%"], median
+
+
+# -- a rank SIGKILLed under multi-node torchrun (the cut cable: parametrized above) -------------
+
+
+def test_rank_sigkilled_on_another_host_ends_the_torchrun_job(start: Callable[..., Job]) -> None:
+    job = start("sigkill", launcher="torchrun")
+    code = job.end(STARTUP_S + WITHIN_S)
+    [failing] = job.records("failing")
+    took = job.ended_at - failing["time"]
+    errors = {r["rank"]: r for r in job.records("error")}
+    print(
+        f"torchrun, SIGKILL of rank 3 on node2: agents exited {job.codes} after {took:.2f} s; "
+        + "; ".join(f"rank {r}: {e['error']}: {e['message'][:160]}" for r, e in errors.items())
+    )
+    assert failing["rank"] == 3, job.explain()
+    assert code != 0, job.explain()
+    assert took < WITHIN_S, f"the job took {took:.1f} s to end\n{job.explain()}"
+    assert "Signal 9 (SIGKILL) received by PID" in job.output, job.explain()  # node2's agent
+    # a survivor that reported before its agent stopped it names rank 3: by its pid on node2,
+    # by the address its closed connection came from on node1
+    for rank, record in errors.items():
+        assert record["error"] == "RankDiedError", record
+        where = "rank(s) [3] exited" if rank == 2 else "rank(s) [2, 3] on node2 closed"
+        assert where in record["message"], record

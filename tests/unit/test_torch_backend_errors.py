@@ -1,0 +1,34 @@
+"""The torch backend naming the peers behind a transport error (``TorchBackend.lost_peers``):
+gloo reports a peer's death on another host only as a closed connection from its address."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from commlayer.backends.torch_distributed import TorchBackend
+
+# 2 hosts x 2 ranks, as the namespace cluster's: node2's ranks resolve to 10.213.0.2
+_JOB = SimpleNamespace(
+    _rank=0,
+    _peers=[("node1", 11), ("node1", 12), ("node2", 21), ("node2", 22)],
+    _addresses=[{"10.213.0.1"}, {"10.213.0.1"}, {"10.213.0.2"}, {"10.213.0.2"}],
+)
+_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+    "by peer [{}]:59012. This is typically caused by a remote worker crashing."
+)
+
+
+def test_a_closed_connection_names_the_host_and_ranks_of_its_address() -> None:
+    error = RuntimeError(_CLOSED.format("10.213.0.2"))
+    assert TorchBackend.lost_peers(_JOB, error) == ("node2", [2, 3])  # type: ignore[arg-type]
+
+
+def test_this_hosts_address_names_the_other_local_ranks_only() -> None:
+    error = RuntimeError(_CLOSED.format("10.213.0.1"))
+    assert TorchBackend.lost_peers(_JOB, error) == ("node1", [1])  # type: ignore[arg-type]
+
+
+def test_an_error_naming_no_peer_address_names_nobody() -> None:
+    for text in ("Connection reset", _CLOSED.format("192.168.7.7"), _CLOSED.format("::1")):
+        assert TorchBackend.lost_peers(_JOB, RuntimeError(text)) is None  # type: ignore[arg-type]
