@@ -364,10 +364,13 @@ _MPI_VARIABLES = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How this process was started: ``launcher`` is "torchrun", "mpi" or "" (a plain
-    process); ``world_size`` is what torchrun says the job's size is (0 when not torchrun)."""
+    process); ``world_size`` is what torchrun says the job's size is (0 when not torchrun);
+    ``attempt``: torchrun's count of restarts of the job's workers (TORCHELASTIC_RESTART_COUNT,
+    ``--max-restarts``), "" when not torchrun."""
 
     launcher: str
     world_size: int = 0
+    attempt: str = ""
 
 
 def launch(environ: Mapping[str, str] | None = None) -> Launch:
@@ -381,7 +384,7 @@ def launch(environ: Mapping[str, str] | None = None) -> Launch:
             raise ConfigError(
                 f"WORLD_SIZE={env['WORLD_SIZE']!r} (set by torchrun) is not an integer"
             ) from None
-        return Launch("torchrun", size)
+        return Launch("torchrun", size, env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if any(name in env for name in _MPI_VARIABLES):
         return Launch("mpi")
     return Launch("")

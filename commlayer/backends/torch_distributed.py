@@ -590,13 +590,14 @@ def start(
                 store, rank, world = next(
                     dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s))
                 )
-                # Every init() a namespace of its own in torchrun's store: the keys of the last
-                # one (each rank's gloo address) are still there, and a rank that read one of
-                # them connected to a port closed at shutdown() ("Connection refused", across
-                # hosts on the second init() of a process).
+                # Every init() a namespace of its own in torchrun's store, which outlives it and
+                # the workers (restarted by --max-restarts, they find the same store): the keys
+                # of the last one (each rank's gloo address) are still there, and a rank that
+                # read one connected to a port closed since ("Connection refused", or a hang;
+                # plain init_process_group fails so on torchrun's restarts too).
                 dist.init_process_group(
                     "gloo",
-                    store=dist.PrefixStore(f"commlayer/{_starts}/", store),
+                    store=dist.PrefixStore(f"commlayer/{launch.attempt}/{_starts}/", store),
                     rank=rank,
                     world_size=world,
                     timeout=timedelta(seconds=timeout_s),

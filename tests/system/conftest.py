@@ -208,7 +208,7 @@ RunMPI = Callable[..., Job]
 def run_mpi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunMPI]:
     """``run_mpi(script, n, *args, env={}, timeout_s=45, mpiexec_args=(), torchrun=False)``
     -> Job. ``torchrun``: started by ``torchrun --standalone --nproc_per_node n`` instead of
-    mpiexec (commlayer then runs over torch.distributed).
+    mpiexec (commlayer then runs over torch.distributed; ``mpiexec_args`` are torchrun's).
 
     Session-scoped so that a module-scoped fixture can run one job for several tests.
     """
@@ -226,7 +226,9 @@ def run_mpi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunMPI]:
         job_env = worker_env(out_dir, timeout_s + 10.0, env or {})
         if torchrun:  # torchrun runs the script under its own python
             launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-            command = [*launcher, "--nproc_per_node", str(n), str(SCRIPTS / script), *args]
+            command = [
+                *launcher, *mpiexec_args, "--nproc_per_node", str(n), str(SCRIPTS / script), *args,
+            ]  # fmt: skip
         else:
             launcher = [_mpiexec(), *mpiexec_args, "-n", str(n), sys.executable]
             command = [*launcher, str(SCRIPTS / script), *args]

@@ -1,7 +1,8 @@
 """commlayer under torchrun (issue 25): one job over torch.distributed, never N jobs of one.
 
 ``torchrun --standalone --nproc_per_node N script.py`` with ``commlayer.init()`` forms one
-job of N ranks over gloo (COMMLAYER_BACKEND=auto); the MPI backend asked for under torchrun,
+job of N ranks over gloo (COMMLAYER_BACKEND=auto), also again after a restart
+(``--max-restarts``); the MPI backend asked for under torchrun,
 or the torch backend under mpiexec, fails at init() naming why; a rank that raises, dies or
 submits a mismatched tensor gives the others an error within seconds, as under mpiexec.
 """
@@ -35,6 +36,20 @@ def test_torchrun_job_is_one_job_and_trains_in_step(run_mpi: RunMPI, n: int) -> 
         assert train["params_equal"], train
         assert train["losses"][-1] < train["losses"][0], train
         assert job.one("restarted", rank)["sums"] == [n * (n + 1) / 2] * 2, job.output()
+        assert job.find("done", rank), job.output()
+
+
+def test_torchrun_restarts_the_job_after_a_rank_exits(run_mpi: RunMPI) -> None:
+    """torchrun --max-restarts: the agent starts every rank again once one exits, in the same
+    rendezvous store; init() must not meet the first attempt's gloo addresses there."""
+    job = run_mpi(
+        "torchrun_worker.py", 3, "restart", torchrun=True, timeout_s=TIMEOUT_S,
+        mpiexec_args=("--max-restarts", "1"),
+    )  # fmt: skip
+    assert job.returncode == 0, job.output()
+    for rank in range(3):
+        attempts = [(r["attempt"], r["sum"]) for r in job.find("attempt", rank)]
+        assert attempts[-1] == (1, 6.0), job.output()
         assert job.find("done", rank), job.output()
 
 

@@ -21,8 +21,10 @@ TORCHRUN = {
 }
 
 
-def test_torchrun_is_recognised_with_its_world_size() -> None:
-    assert config.launch(TORCHRUN) == config.Launch("torchrun", 4)
+def test_torchrun_is_recognised_with_its_world_size_and_attempt() -> None:
+    assert config.launch(TORCHRUN) == config.Launch("torchrun", 4, "0")
+    restarted = {**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"}  # --max-restarts, third try
+    assert config.launch(restarted) == config.Launch("torchrun", 4, "2")
 
 
 @pytest.mark.parametrize("name", ["PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE"])

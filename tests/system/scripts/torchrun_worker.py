@@ -5,7 +5,8 @@
 optimizer steps (parameters must end bitwise equal on every rank), then shutdown() and init()
 twice more, an allreduce each time (``restarted``); ``init``: only init(),
 reporting its error (a bad backend choice must fail clearly); ``mismatch``: rank 1 allreduces
-another shape under the same name (every rank must get the error naming it).
+another shape under the same name (every rank must get the error naming it); ``restart``:
+rank 1 exits in torchrun's first attempt, the job (``--max-restarts 1``) must then run again.
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ if mode == "train":
 elif mode == "mismatch":
     shape = (3,) if rank == 1 else (2,)
     _worker.attempt("mismatch", lambda: hvd.allreduce(torch.ones(shape), name="mismatched"))
+elif mode == "restart":  # under torchrun --max-restarts 1: rank 1 dies in the first attempt
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    total = hvd.allreduce(torch.full((4,), float(rank + 1)), op=hvd.Sum, name="before")
+    _worker.report("attempt", attempt=attempt, sum=float(total[0]))
+    if attempt == 0:
+        if rank == 1:
+            os._exit(3)
+        _worker.attempt("lost", lambda: hvd.allreduce(torch.ones(4), name="lost"))
+        sys.exit(1)
 hvd.shutdown()
 if mode == "train":  # init() again, twice: torch.distributed restarted by commlayer each time
     sums = []
