@@ -9,7 +9,9 @@ multi-node), Horovod and commlayer with every compressor, on rate-limited links 
    ``torchrun`` agent per host (``cluster.sh exec nodeK torchrun --nnodes H --rdzv-backend c10d
    --rdzv-endpoint node1:29400``), Horovod and commlayer with ``commlayerrun -H node1:R,...``
    (MPICH's hydra through the cluster's launcher); commlayer's compressor and sparse algorithm
-   come from ``COMMLAYER_COMPRESSION`` / ``COMMLAYER_SPARSE_ALGORITHM``.
+   come from ``COMMLAYER_COMPRESSION`` / ``COMMLAYER_SPARSE_ALGORITHM``. The ``torchrun ...``
+   systems are commlayer started as DDP is (one torchrun agent per host), its engine over gloo
+   (issue 25).
 2. Task ``throughput``: benchmarks/train.py's ``mlp`` (6.69 M parameters, 26.8 MB of float32
    gradients) on random inputs, ``--batch`` samples per rank, SGD momentum 0.9: median step
    time over ``--steps`` after ``--warmup``, samples/s, and the bytes host 1's link carried per
@@ -56,6 +58,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
 
 from network import CLUSTER, layout, rate_bits, require_no_cluster  # noqa: E402
 
+TORCHRUN = "commlayer-torchrun"  # commlayer's worker under torchrun (its engine over gloo)
 # (label, system, COMMLAYER_COMPRESSION, COMMLAYER_SPARSE_ALGORITHM)
 SYSTEMS: list[tuple[str, str, str, str]] = [
     ("ddp", "ddp", "", ""),
@@ -80,6 +83,11 @@ SYSTEMS: list[tuple[str, str, str, str]] = [
     ("powersgd r2", "commlayer", "powersgd:rank=2", ""),
     ("powersgd r4", "commlayer", "powersgd:rank=4", ""),
     ("efsignsgd", "commlayer", "efsignsgd", ""),
+    # commlayer launched as DDP is (torchrun, one agent per host), its engine over gloo
+    ("torchrun none", TORCHRUN, "none", ""),
+    ("torchrun fp16", TORCHRUN, "fp16", ""),
+    ("torchrun powersgd r2", TORCHRUN, "powersgd:rank=2", ""),
+    ("torchrun topk 1% allgather", TORCHRUN, "topk:ratio=0.01", "allgather"),
 ]
 TASKS = ("throughput", "accuracy")
 
@@ -127,7 +135,7 @@ class System:
 
     def stats(self) -> dict[str, float]:
         """commlayer's engine counters (communication_stats); nothing for DDP and Horovod."""
-        if self.name != "commlayer":
+        if not self.name.startswith("commlayer"):
             return {}
         return dict(self.hvd.communication_stats())
 
@@ -258,7 +266,7 @@ def launch(args: argparse.Namespace, system: str, task: str, env: dict[str, str]
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
         "--epochs", str(args.epochs), "--target", str(args.target), "--lr", str(args.lr),
     ]  # fmt: skip
-    if system != "ddp":
+    if system not in ("ddp", TORCHRUN):
         command = [
             _script("commlayerrun"), "-np", str(hosts * per_host),
             "-H", ",".join(f"node{k}:{per_host}" for k in range(1, hosts + 1)),
@@ -268,7 +276,8 @@ def launch(args: argparse.Namespace, system: str, task: str, env: dict[str, str]
             command, capture_output=True, text=True, env=env, timeout=args.timeout_s
         )
         return done.stdout + done.stderr
-    # DDP as torchrun runs it on real machines: one agent per host, rendezvous on node1
+    # DDP (and commlayer-torchrun) as torchrun runs it on real machines: one agent per host,
+    # rendezvous on node1
     rdzv_id = f"nt{time.monotonic_ns()}"
     agents = [
         subprocess.Popen(
@@ -310,7 +319,7 @@ def launch(args: argparse.Namespace, system: str, task: str, env: dict[str, str]
 def run_one(args: argparse.Namespace, entry: tuple[str, str, str, str], task: str) -> dict:
     label, system, spec, sparse = entry
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
-    if system == "commlayer":
+    if system.startswith("commlayer"):
         env["COMMLAYER_COMPRESSION"] = spec
         if sparse:
             env["COMMLAYER_SPARSE_ALGORITHM"] = sparse
