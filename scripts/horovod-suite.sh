@@ -3,7 +3,7 @@
 # against commlayer: `import horovod.torch as hvd` is pointed at `commlayer` by a shim written to a
 # temporary directory (nothing of Horovod is copied into this repository).
 #
-#   bash scripts/horovod-suite.sh PATH_TO_HOROVOD_CHECKOUT [NP] [--one-job] [-k EXPR] [--out DIR]
+#   bash scripts/horovod-suite.sh PATH_TO_HOROVOD_CHECKOUT [NP] [--one-job] [--torchrun] [-k EXPR] [--out DIR]
 #
 # Default: every test in its own `mpiexec -n NP` job with a timeout (a hang or a crash costs one
 # test). --one-job: the whole file in one job, as Horovod's CI runs it (a test that leaves the

@@ -2,7 +2,8 @@
 
 ``import horovod.torch as hvd`` is pointed at ``commlayer`` by a shim written to a temporary
 directory: nothing of Horovod is copied into this repository. The file is the checkout's
-test/parallel/test_torch.py, run under ``mpiexec -n NP python -m pytest``:
+test/parallel/test_torch.py, run under ``mpiexec -n NP python -m pytest`` (``--torchrun``:
+``torchrun --standalone --nproc_per_node NP -m pytest``, commlayer over torch.distributed's gloo):
 
 - default: every test in its own job with a timeout (a hang or a crash costs one test);
 - ``--one-job``: the whole file in one job, as Horovod's CI runs it. After each test the ranks
@@ -81,8 +82,13 @@ def _collect(args: argparse.Namespace, env: dict[str, str], file: Path) -> list[
 
 def _job(args: argparse.Namespace, env: dict[str, str], file: Path, tests: list[str],
          log: Path, timeout_s: float) -> int:  # fmt: skip
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+        if args.torchrun
+        else ["mpiexec", "-n"]
+    )
     command = [
-        "mpiexec", "-n", str(args.np), sys.executable, "-m", "pytest", "-q",
+        *launcher, str(args.np), *([] if args.torchrun else [sys.executable]), "-m", "pytest", "-q",
         "-p", "no:cacheprovider", "-p", "hvdsuite_report", "--rootdir", str(file.parent),
         *(f"{file}::TorchTests::{t}" for t in tests),
     ]  # fmt: skip
@@ -158,11 +164,16 @@ def main() -> int:
     parser.add_argument("np", type=int, nargs="?", default=2, help="ranks (default 2)")
     parser.add_argument("--one-job", action="store_true", help="the whole file in one job")
     parser.add_argument("--horovod", action="store_true", help="the installed Horovod, no shim")
+    parser.add_argument(
+        "--torchrun", action="store_true", help="torchrun instead of mpiexec (commlayer on gloo)"
+    )
     parser.add_argument("-k", help="pytest -k expression selecting tests")
     parser.add_argument("--timeout", type=float, default=180.0,
                         help="seconds a test may take (default 180)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="keep the per-rank reports and logs here")
     args = parser.parse_args()
+    if args.torchrun and args.horovod:
+        parser.error("--torchrun runs commlayer (Horovod's own needs horovodrun or mpiexec)")
     file = args.checkout.resolve() / "test" / "parallel" / "test_torch.py"
     if not file.is_file():
         parser.error(f"no {file} (is {args.checkout} a horovod/horovod checkout?)")
@@ -204,7 +215,7 @@ def main() -> int:
             verdict, detail = _verdict(per.get(t, {}), args.np)
             counts[verdict] += 1
             print(f"{verdict:8} {t} {detail}".rstrip())
-        target = "Horovod" if args.horovod else "commlayer"
+        target = "Horovod" if args.horovod else "commlayer" + (" under torchrun" * args.torchrun)
         mode = (
             f"one job, restarted after {restarts or 'no test'}" if args.one_job else "a job a test"
         )

@@ -1,10 +1,13 @@
-"""pytest plugin of scripts/horovod_suite.py, loaded on every rank of the mpiexec job.
+"""pytest plugin of scripts/horovod_suite.py, loaded on every rank of the mpiexec (or torchrun)
+job.
 
 1. Each rank appends its outcome of each test to HVD_SUITE_REPORTS/rank<r>.jsonl as it happens
    (one JSON line: test, outcome, and for a failure the phase and the error's first line), so a
    rank that hangs or dies mid-file still leaves what it finished.
 2. With HVD_SUITE_SYNC_S set (the whole file in one job): after each test the ranks meet in a
-   barrier on MPI_COMM_WORLD (non-blocking, polled with a sleep). A rank that left a test while
+   barrier on MPI_COMM_WORLD (non-blocking, polled with a sleep; under torchrun a counter in
+   torchrun's store, polled the same way: commlayer runs over torch.distributed there, and the
+   tests' own process groups come and go). A rank that left a test while
    another is still inside it (stuck in a collective the first never reached) waits at most
    HVD_SUITE_SYNC_S, reports the test as "desync" and ends the job; a test that runs longer than
    HVD_SUITE_TEST_TIMEOUT_S is reported "hung" and ends the job. The driver then starts a fresh
@@ -18,7 +21,16 @@ import os
 import threading
 import time
 
-_rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+_rank = os.environ.get(
+    "RANK" if _torchrun else "PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+)
+if _torchrun:
+    # What `horovodrun --gloo` gives each rank of a job over Horovod's gloo controller: the
+    # tests read them to know their rank and size without MPI (and run the re-init tests, which
+    # they skip under MPI).
+    os.environ.setdefault("HOROVOD_RANK", _rank)
+    os.environ.setdefault("HOROVOD_SIZE", os.environ["WORLD_SIZE"])
 _out = open(  # noqa: SIM115 - one file for the whole session
     os.path.join(os.environ["HVD_SUITE_REPORTS"], f"rank{_rank}.jsonl"), "a"
 )
@@ -75,12 +87,41 @@ def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
         return
     if _watchdog is not None:
         _watchdog.cancel()
+    deadline = time.monotonic() + _sync_s
+    if _torchrun:
+        store, size = _store(), int(os.environ["WORLD_SIZE"])
+        key = f"hvdsuite/{nodeid}"
+        store.add(key, 1)
+        while store.add(key, 0) < size:
+            if time.monotonic() > deadline:
+                _end_job(_name(nodeid), "desync", 3)
+            time.sleep(0.005)
+        return
     # The MPI that commlayer started (importing its backend sets mpi4py.rc first).
     from commlayer.backends import mpi as mpi_backend
 
     request = mpi_backend.MPI.COMM_WORLD.Ibarrier()
-    deadline = time.monotonic() + _sync_s
     while not request.Test():
         if time.monotonic() > deadline:
             _end_job(_name(nodeid), "desync", 3)
         time.sleep(0.005)
+
+
+_client = None
+
+
+def _store():  # noqa: ANN202 - torch.distributed.TCPStore, imported late
+    """A client of torchrun's store (its agent serves it at MASTER_ADDR:MASTER_PORT)."""
+    global _client
+    if _client is None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        _client = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=_sync_s),
+        )
+    return _client
