@@ -1,7 +1,8 @@
 """scripts/horovod-suite.sh, the harness that runs Horovod's own test_torch.py against commlayer
 (issue 20), on a stand-in checkout: a test_torch.py of our own with Horovod's layout. In one job
 a test that fails on one rank before a collective leaves the other rank stuck in it; the job
-must end and go on at the next test instead of hanging or failing every test after it."""
+must end and go on at the next test instead of hanging or failing every test after it; under
+mpiexec and under torchrun (commlayer over gloo)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "horovod-suite.sh"
 
@@ -40,12 +43,15 @@ class TorchTests(unittest.TestCase):
 """
 
 
-def test_one_job_goes_on_after_a_test_that_leaves_the_ranks_out_of_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", [[], ["--torchrun"]], ids=["mpiexec", "torchrun"])
+def test_one_job_goes_on_after_a_test_that_leaves_the_ranks_out_of_step(
+    tmp_path: Path, launcher: list[str]
+) -> None:
     checkout = tmp_path / "horovod"
     (checkout / "test" / "parallel").mkdir(parents=True)
     (checkout / "test" / "parallel" / "test_torch.py").write_text(STAND_IN)
     run = subprocess.run(
-        ["bash", str(SCRIPT), str(checkout), "2", "--one-job", "--timeout", "15"],
+        ["bash", str(SCRIPT), str(checkout), "2", "--one-job", "--timeout", "15", *launcher],
         capture_output=True, text=True, timeout=240, check=False,
         env={k: v for k, v in os.environ.items() if not k.startswith(("COMMLAYER_", "HVD_"))}
         | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
