@@ -218,13 +218,13 @@ def direct(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list, list]]:
         data = dist.new_group(backend="gloo")  # every rank, in the same order
         monkeypatch.setattr(backend, "_data", {})
         backend.add_data_group("cpu", data)
-        real = dist.all_reduce
+        real = type(backend)._all_reduce  # every allreduce the backend posts, on any group
 
-        def all_reduce(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
-            groups.append(kwargs.get("group"))
-            return real(tensor, *args, **kwargs)
+        def all_reduce(self: object, tensor: torch.Tensor, op: object, group: object) -> object:
+            groups.append(group)
+            return real(self, tensor, op, group)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        monkeypatch.setattr(type(backend), "_all_reduce", all_reduce)
         route = device.Path("stream", "test-data-group")
         groups.append(data)  # groups[0]: the data group
     else:
