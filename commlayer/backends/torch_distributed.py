@@ -8,6 +8,7 @@ The engine, its negotiation and every schedule run unchanged over this backend; 
    takes equal sizes only, so ``iallgatherv`` pads every rank's part to the largest and copies
    the parts out once it completes. The negotiation's bit vector is an int64 view of the uint64
    words reduced with ``BAND``; int16 (which gloo cannot reduce) travels widened to int32.
+   gloo's allreduces are posted through the group's own ``allreduce`` (``_all_reduce``).
 2. gloo's point-to-point and reduce-scatter ``Work`` never report completion to
    ``is_completed()`` (only ``wait()`` finishes them), so each backend keeps waiter threads
    that call ``wait()`` on them in the order they were posted (``wait`` releases the GIL) and
@@ -33,9 +34,13 @@ The engine, its negotiation and every schedule run unchanged over this backend; 
    waiter thread. bool and int16 CUDA tensors stay staged (no NCCL reduction for them).
 5. Ranks are this group's ranks; torch.distributed calls take the group rank through
    ``group_src``/``group_dst``. ``nodes()`` groups ranks by host name; ``dead_peers()`` checks
-   the pids of peers on this host, as the MPI backend does. ``abort()`` ends this process with
+   the pids of peers on this host, as the MPI backend does, and ``lost_peers(error)`` names the
+   host and ranks whose address a transport error gives (gloo's "Connection closed by peer
+   [addr]:port", the only word of a death on another host). ``abort()`` ends this process with
    exit code 70 (the MPI backend's MPI_Abort code): torchrun's agent then stops every other
    rank and reports the failure.
+6. Under torchrun, init() starts torch.distributed in a namespace of torchrun's store of its
+   own (``start``): the store outlives shutdown() and the workers torchrun restarts.
 """
 
 from __future__ import annotations
