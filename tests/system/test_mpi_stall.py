@@ -1,6 +1,7 @@
 """Stalls: a tensor one rank submits and another never does is named in a warning after
 COMMLAYER_STALL_CHECK_TIME_SECONDS, fails with StallError after
-COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS on the ranks holding it, and the job goes on."""
+COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS on the ranks holding it, and the job goes on. Under
+mpiexec, and once under torchrun (the engine over gloo)."""
 
 from __future__ import annotations
 
@@ -32,24 +33,27 @@ def _stalled_ops(size: int, mode: str) -> dict[int, tuple[str, str, list[int], l
     return ops
 
 
-MODES = [(2, "lonely"), (3, "barrier")]
+MODES = [(2, "lonely", False), (3, "barrier", False), (3, "barrier", True)]
 
 
 @pytest.fixture(scope="module")
-def jobs(run_mpi: RunMPI) -> Callable[[int, str], Job]:
-    """One job per (size, mode), run on first use and shared by the tests that need it."""
-    done: dict[tuple[int, str], Job] = {}
+def jobs(run_mpi: RunMPI) -> Callable[..., Job]:
+    """One job per (size, mode, under torchrun), run on first use and shared by the tests that
+    need it."""
+    done: dict[tuple[int, str, bool], Job] = {}
 
-    def get(size: int, mode: str) -> Job:
-        if (size, mode) not in done:
-            done[size, mode] = run_mpi("stall.py", size, mode, env=STALL_ENV)
-        return done[size, mode]
+    def get(size: int, mode: str, torchrun: bool = False) -> Job:
+        if (size, mode, torchrun) not in done:
+            done[size, mode, torchrun] = run_mpi(
+                "stall.py", size, mode, env=STALL_ENV, torchrun=torchrun, timeout_s=90.0
+            )
+        return done[size, mode, torchrun]
 
     return get
 
 
-@pytest.fixture(params=MODES, ids=lambda p: f"np{p[0]}-{p[1]}")
-def job(request: pytest.FixtureRequest, jobs: Callable[[int, str], Job]) -> Job:
+@pytest.fixture(params=MODES, ids=lambda p: f"np{p[0]}-{p[1]}" + "-torchrun" * p[2])
+def job(request: pytest.FixtureRequest, jobs: Callable[..., Job]) -> Job:
     return jobs(*request.param)
 
 
@@ -96,13 +100,13 @@ def test_job_exits_cleanly(job: Job) -> None:
     assert len(job.find("done")) == job.size, job.output()
 
 
-def test_barrier_works_after_a_lonely_stall(jobs: Callable[[int, str], Job]) -> None:
+def test_barrier_works_after_a_lonely_stall(jobs: Callable[..., Job]) -> None:
     job = jobs(2, "lonely")
     for rank in range(job.size):
         assert job.one("barrier_after", rank)["error"] is None, job.output()
 
 
-def test_barrier_works_after_a_stalled_barrier(jobs: Callable[[int, str], Job]) -> None:
+def test_barrier_works_after_a_stalled_barrier(jobs: Callable[..., Job]) -> None:
     job = jobs(3, "barrier")
     for rank in range(job.size):
         assert job.one("barrier_after", rank)["error"] is None, job.output()
