@@ -600,6 +600,7 @@ def start(
     if not dist.is_initialized():
         if launch.launcher == "torchrun":
             _starts += 1
+            rank = -1
             try:
                 store, rank, world = next(
                     dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s))
@@ -617,6 +618,15 @@ def start(
                     timeout=timedelta(seconds=timeout_s),
                 )
             except Exception as error:  # torch's own types vary (DistStoreError, RuntimeError)
+                if isinstance(error, dist.DistStoreError) and rank >= 0:
+                    # in torchrun's store, waiting for the others' keys: they never came
+                    raise CommlayerError(
+                        f"rank {rank}: init() waited {timeout_s:g} s for the other "
+                        f"{launch.world_size - 1} rank(s) to call init() too; init() is "
+                        "collective: every rank calls it, also after shutdown() "
+                        f"(COMMLAYER_INIT_TIMEOUT_SECONDS sets the wait; torch.distributed: "
+                        f"{error})"
+                    ) from error
                 raise CommlayerError(
                     f"init(): torch.distributed could not start (torchrun, WORLD_SIZE="
                     f"{launch.world_size}, waited up to {timeout_s:g} s: "

@@ -1,7 +1,8 @@
 """Clean shutdown: every rank exits 0; collectives after shutdown() fail with a clear error;
 init() after shutdown() starts commlayer again (Horovod allows it with Gloo); a rank that calls
 init() again alone gets an error naming it after COMMLAYER_INIT_TIMEOUT_SECONDS, not a hang; a
-rank that shuts down early makes the others' later collectives fail instead of hang."""
+rank that shuts down early makes the others' later collectives fail instead of hang. Each under
+mpiexec and under torchrun (the engine over gloo)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ if TYPE_CHECKING:
     from conftest import Job, RunMPI
 
 
-@pytest.fixture(scope="module")
-def all_job(run_mpi: RunMPI) -> Job:
-    return run_mpi("shutdown.py", 2, "all")
+LAUNCHERS = pytest.mark.parametrize("torchrun", [False, True], ids=["mpiexec", "torchrun"])
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["mpiexec", "torchrun"])
+def all_job(run_mpi: RunMPI, request: pytest.FixtureRequest) -> Job:
+    return run_mpi("shutdown.py", 2, "all", torchrun=request.param, timeout_s=90.0)
 
 
 def test_every_rank_exits_0(all_job: Job) -> None:
@@ -55,8 +59,9 @@ def test_init_after_shutdown_works_again(all_job: Job) -> None:
             assert record["result"] == result, (event, record)
 
 
-def test_peers_of_a_rank_that_shut_down_get_shutdown_error(run_mpi: RunMPI) -> None:
-    job = run_mpi("shutdown.py", 3, "one")
+@LAUNCHERS
+def test_peers_of_a_rank_that_shut_down_get_shutdown_error(run_mpi: RunMPI, torchrun: bool) -> None:
+    job = run_mpi("shutdown.py", 3, "one", torchrun=torchrun, timeout_s=90.0)
     assert job.returncode == 0, job.output()
     assert job.find("left", 0), job.output()
     for rank in (1, 2):
@@ -67,8 +72,14 @@ def test_peers_of_a_rank_that_shut_down_get_shutdown_error(run_mpi: RunMPI) -> N
         assert job.find("done", rank), job.output()
 
 
-def test_init_again_on_one_rank_alone_fails_within_its_timeout(run_mpi: RunMPI) -> None:
-    job = run_mpi("shutdown.py", 2, "reinit_alone", env={"COMMLAYER_INIT_TIMEOUT_SECONDS": "2"})
+@LAUNCHERS
+def test_init_again_on_one_rank_alone_fails_within_its_timeout(
+    run_mpi: RunMPI, torchrun: bool
+) -> None:
+    job = run_mpi(
+        "shutdown.py", 2, "reinit_alone", env={"COMMLAYER_INIT_TIMEOUT_SECONDS": "2"},
+        torchrun=torchrun, timeout_s=90.0,
+    )  # fmt: skip
     record = job.one("init_alone", 0)
     assert record["error"] == "CommlayerError", job.output()
     assert record["message"].startswith("rank 0: init() waited 2 s"), record["message"]
