@@ -1,5 +1,6 @@
 """Mismatched shape, dtype, op, root or kind across ranks: an error on every rank naming the
-tensor and each rank's value, never a hang; the job keeps working afterwards and exits 0."""
+tensor and each rank's value, never a hang; the job keeps working afterwards and exits 0. Under
+mpiexec at 2 and 3 ranks, and under torchrun (the engine over gloo) at 3."""
 
 from __future__ import annotations
 
@@ -29,9 +30,14 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"np{n}")
+@pytest.fixture(
+    scope="module",
+    params=[(2, False), (3, False), (3, True)],
+    ids=lambda p: f"np{p[0]}" + "-torchrun" * p[1],
+)
 def job(request: pytest.FixtureRequest, run_mpi: RunMPI) -> Job:
-    return run_mpi("mismatch.py", request.param)
+    n, torchrun = request.param
+    return run_mpi("mismatch.py", n, torchrun=torchrun, timeout_s=90.0)
 
 
 def _case(job: Job, event: str, case: str, rank: int) -> dict[str, Any]:
