@@ -1,5 +1,6 @@
 """COMMLAYER_TIMELINE: a run of named collectives writes a valid Chrome trace (JSON array) with
-QUEUED, NEGOTIATING and COLLECTIVE spans for each named tensor, in that order."""
+QUEUED, NEGOTIATING and COLLECTIVE spans for each named tensor, in that order; under mpiexec,
+and per rank under torchrun (the engine over gloo)."""
 
 from __future__ import annotations
 
@@ -47,15 +48,22 @@ def _check_trace(path: Path, rank: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("size", "template", "closing"),
-    [(2, "trace.json", "explicit"), (3, "trace.{rank}.json", "atexit")],
-    ids=["np2-rank0-shutdown", "np3-per-rank-atexit"],
+    ("size", "template", "closing", "torchrun"),
+    [
+        (2, "trace.json", "explicit", False),
+        (3, "trace.{rank}.json", "atexit", False),
+        (3, "trace.{rank}.json", "atexit", True),
+    ],
+    ids=["np2-rank0-shutdown", "np3-per-rank-atexit", "np3-per-rank-atexit-torchrun"],
 )
 def test_timeline_is_a_valid_trace_of_the_named_tensors(
-    run_mpi: RunMPI, tmp_path: Path, size: int, template: str, closing: str
+    run_mpi: RunMPI, tmp_path: Path, size: int, template: str, closing: str, torchrun: bool
 ) -> None:
     path = tmp_path / template
-    job = run_mpi("timeline.py", size, closing, env={"COMMLAYER_TIMELINE": str(path)})
+    job = run_mpi(
+        "timeline.py", size, closing, env={"COMMLAYER_TIMELINE": str(path)}, torchrun=torchrun,
+        timeout_s=90.0,
+    )  # fmt: skip
     assert job.returncode == 0, job.output()
     assert len(job.find("done")) == size, job.output()
     if "{rank}" in template:
