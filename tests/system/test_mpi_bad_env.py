@@ -1,5 +1,6 @@
 """Bad COMMLAYER_* environment variables: ConfigError (a ValueError) naming the variable, the
-value and what is allowed, from config.load() and from commlayer.init() on every rank."""
+value and what is allowed, from config.load() and from commlayer.init() on every rank (under
+mpiexec and under torchrun)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ def test_config_load_rejects_unknown_variable() -> None:
         assert known in message, message
 
 
-def test_init_raises_config_error_on_every_rank(run_mpi: RunMPI) -> None:
+@pytest.mark.parametrize("torchrun", [False, True], ids=["mpiexec", "torchrun"])
+def test_init_raises_config_error_on_every_rank(run_mpi: RunMPI, torchrun: bool) -> None:
     env = {variable: value for variable, (value, _) in BAD.items()}
     env[UNKNOWN[0]] = UNKNOWN[1]
-    job = run_mpi("bad_env.py", 2, json.dumps(env))
+    job = run_mpi("bad_env.py", 2, json.dumps(env), torchrun=torchrun, timeout_s=90.0)
     assert job.returncode == 0, job.output()
     for rank in range(2):
         records = job.find("init", rank)
