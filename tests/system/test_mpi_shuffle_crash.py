@@ -1,7 +1,7 @@
 """Partial-local shuffling survives a rank dying mid-exchange (issue 24): the exchange is two-
 phase, so a new job opening the same stores finds every sample exactly once, rolled back when
 the dying rank had not committed (the stores as at the start of the epoch) or forward when it
-had, and runs an epoch visiting every sample once."""
+had, and runs an epoch visiting every sample once; under mpiexec, and (mid) under torchrun."""
 
 from __future__ import annotations
 
@@ -16,14 +16,22 @@ if TYPE_CHECKING:
 N = 41  # scripts/shuffle_crash.py
 
 
-@pytest.mark.parametrize("when", ["mid", "committing"])
+@pytest.mark.parametrize(
+    ("when", "torchrun"),
+    [("mid", False), ("committing", False), ("mid", True)],
+    ids=["mid", "committing", "mid-torchrun"],
+)
 def test_a_rank_dying_mid_exchange_loses_no_sample(
-    run_mpi: RunMPI, tmp_path: Path, when: str
+    run_mpi: RunMPI, tmp_path: Path, when: str, torchrun: bool
 ) -> None:
-    crashed = run_mpi("shuffle_crash.py", 2, "crash", str(tmp_path), when)
+    crashed = run_mpi(
+        "shuffle_crash.py", 2, "crash", str(tmp_path), when, torchrun=torchrun, timeout_s=90.0
+    )
     assert crashed.returncode != 0 and crashed.find("dying", 1), crashed.output()
     assert not crashed.find("not killed", 1), crashed.output()  # rank 0 may finish committing
-    resumed = run_mpi("shuffle_crash.py", 2, "resume", str(tmp_path))
+    resumed = run_mpi(
+        "shuffle_crash.py", 2, "resume", str(tmp_path), torchrun=torchrun, timeout_s=90.0
+    )
     assert resumed.returncode == 0, resumed.output()
     stores = [resumed.one("stores", r) for r in range(2)]
     assert sorted(i for s in stores for i in s["ids"]) == list(range(N)), resumed.output()
