@@ -34,6 +34,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 # Startup of one rank (import torch, MPI_Init) takes 2-4 s on the 2-core CI machine, 3 ranks
 # longer; 45 s leaves room for a loaded machine while a hang still fails within a minute.
 DEFAULT_TIMEOUT_S = 45.0
+TORCHRUN_TIMEOUT_S = 90.0  # torchrun's agent and N ranks importing torch on a loaded 2-core machine
 _STACK_DUMP_GRACE_S = 1.0
 
 
@@ -206,9 +207,10 @@ RunMPI = Callable[..., Job]
 
 @pytest.fixture(scope="session")
 def run_mpi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunMPI]:
-    """``run_mpi(script, n, *args, env={}, timeout_s=45, mpiexec_args=(), torchrun=False)``
+    """``run_mpi(script, n, *args, env={}, timeout_s=None, mpiexec_args=(), torchrun=False)``
     -> Job. ``torchrun``: started by ``torchrun --standalone --nproc_per_node n`` instead of
     mpiexec (commlayer then runs over torch.distributed; ``mpiexec_args`` are torchrun's).
+    ``timeout_s`` defaults to DEFAULT_TIMEOUT_S, TORCHRUN_TIMEOUT_S under torchrun.
 
     Session-scoped so that a module-scoped fixture can run one job for several tests.
     """
@@ -218,10 +220,12 @@ def run_mpi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunMPI]:
         n: int,
         *args: str,
         env: dict[str, str] | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
         mpiexec_args: Sequence[str] = (),
         torchrun: bool = False,
     ) -> Job:
+        if timeout_s is None:
+            timeout_s = TORCHRUN_TIMEOUT_S if torchrun else DEFAULT_TIMEOUT_S
         out_dir = tmp_path_factory.mktemp(Path(script).stem)
         job_env = worker_env(out_dir, timeout_s + 10.0, env or {})
         if torchrun:  # torchrun runs the script under its own python

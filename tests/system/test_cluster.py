@@ -223,12 +223,7 @@ def run_worker(
         command, env, timeout_s, cwd=REPO, dump_stacks_of=str(worker)
     )
     output = f"$ {' '.join(command)}\nexit code {code}\n{stdout}\n--- stderr ---\n{stderr}"
-    records = [
-        json.loads(line)
-        for path in sorted(out_dir.glob("rank*.jsonl"))
-        for line in path.read_text().splitlines()
-        if line.strip()
-    ]
+    records = harness._read_records(out_dir)
     return code, output, records
 
 
@@ -507,12 +502,7 @@ def torchrun_job(job: Job, harness: ModuleType, tmp_path_factory: pytest.TempPat
     env = harness.worker_env(out_dir, TORCHRUN_JOB_TIMEOUT_S + 10, {})
     agents = torchrun_agents(WORKER, [], env)
     output = agents_output(agents, TORCHRUN_JOB_TIMEOUT_S)
-    records = [
-        json.loads(line)
-        for path in sorted(out_dir.glob("rank*.jsonl"))
-        for line in path.read_text().splitlines()
-        if line.strip()
-    ]
+    records = harness._read_records(out_dir)
     return Job(max(abs(a.returncode) for a in agents), output, records)
 
 

@@ -51,7 +51,7 @@ def test_config_load_rejects_unknown_variable() -> None:
 def test_init_raises_config_error_on_every_rank(run_mpi: RunMPI, torchrun: bool) -> None:
     env = {variable: value for variable, (value, _) in BAD.items()}
     env[UNKNOWN[0]] = UNKNOWN[1]
-    job = run_mpi("bad_env.py", 2, json.dumps(env), torchrun=torchrun, timeout_s=90.0)
+    job = run_mpi("bad_env.py", 2, json.dumps(env), torchrun=torchrun)
     assert job.returncode == 0, job.output()
     for rank in range(2):
         records = job.find("init", rank)

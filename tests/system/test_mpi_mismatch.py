@@ -37,7 +37,7 @@ CASES = {
 )
 def job(request: pytest.FixtureRequest, run_mpi: RunMPI) -> Job:
     n, torchrun = request.param
-    return run_mpi("mismatch.py", n, torchrun=torchrun, timeout_s=90.0)
+    return run_mpi("mismatch.py", n, torchrun=torchrun)
 
 
 def _case(job: Job, event: str, case: str, rank: int) -> dict[str, Any]:

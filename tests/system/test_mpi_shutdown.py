@@ -19,7 +19,7 @@ LAUNCHERS = pytest.mark.parametrize("torchrun", [False, True], ids=["mpiexec", "
 
 @pytest.fixture(scope="module", params=[False, True], ids=["mpiexec", "torchrun"])
 def all_job(run_mpi: RunMPI, request: pytest.FixtureRequest) -> Job:
-    return run_mpi("shutdown.py", 2, "all", torchrun=request.param, timeout_s=90.0)
+    return run_mpi("shutdown.py", 2, "all", torchrun=request.param)
 
 
 def test_every_rank_exits_0(all_job: Job) -> None:
@@ -61,7 +61,7 @@ def test_init_after_shutdown_works_again(all_job: Job) -> None:
 
 @LAUNCHERS
 def test_peers_of_a_rank_that_shut_down_get_shutdown_error(run_mpi: RunMPI, torchrun: bool) -> None:
-    job = run_mpi("shutdown.py", 3, "one", torchrun=torchrun, timeout_s=90.0)
+    job = run_mpi("shutdown.py", 3, "one", torchrun=torchrun)
     assert job.returncode == 0, job.output()
     assert job.find("left", 0), job.output()
     for rank in (1, 2):
@@ -78,7 +78,7 @@ def test_init_again_on_one_rank_alone_fails_within_its_timeout(
 ) -> None:
     job = run_mpi(
         "shutdown.py", 2, "reinit_alone", env={"COMMLAYER_INIT_TIMEOUT_SECONDS": "2"},
-        torchrun=torchrun, timeout_s=90.0,
+        torchrun=torchrun,
     )  # fmt: skip
     record = job.one("init_alone", 0)
     assert record["error"] == "CommlayerError", job.output()

@@ -45,7 +45,7 @@ def jobs(run_mpi: RunMPI) -> Callable[..., Job]:
     def get(size: int, mode: str, torchrun: bool = False) -> Job:
         if (size, mode, torchrun) not in done:
             done[size, mode, torchrun] = run_mpi(
-                "stall.py", size, mode, env=STALL_ENV, torchrun=torchrun, timeout_s=90.0
+                "stall.py", size, mode, env=STALL_ENV, torchrun=torchrun
             )
         return done[size, mode, torchrun]
 

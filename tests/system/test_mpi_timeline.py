@@ -62,7 +62,6 @@ def test_timeline_is_a_valid_trace_of_the_named_tensors(
     path = tmp_path / template
     job = run_mpi(
         "timeline.py", size, closing, env={"COMMLAYER_TIMELINE": str(path)}, torchrun=torchrun,
-        timeout_s=90.0,
     )  # fmt: skip
     assert job.returncode == 0, job.output()
     assert len(job.find("done")) == size, job.output()

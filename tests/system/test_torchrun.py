@@ -17,12 +17,11 @@ if TYPE_CHECKING:
     from conftest import RunMPI
 
 ENDS_WITHIN_S = 15.0  # from rank 1's failure to torchrun's exit (its agent stops the others)
-TIMEOUT_S = 90.0  # torchrun's agent and N ranks importing torch on a loaded 2-core machine
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_torchrun_job_is_one_job_and_trains_in_step(run_mpi: RunMPI, n: int) -> None:
-    job = run_mpi("torchrun_worker.py", n, "train", torchrun=True, timeout_s=TIMEOUT_S)
+    job = run_mpi("torchrun_worker.py", n, "train", torchrun=True)
     assert job.returncode == 0, job.output()
     for rank in range(n):
         ready = job.one("ready", rank)
@@ -43,7 +42,7 @@ def test_torchrun_restarts_the_job_after_a_rank_exits(run_mpi: RunMPI) -> None:
     """torchrun --max-restarts: the agent starts every rank again once one exits, in the same
     rendezvous store; init() must not meet the first attempt's gloo addresses there."""
     job = run_mpi(
-        "torchrun_worker.py", 3, "restart", torchrun=True, timeout_s=TIMEOUT_S,
+        "torchrun_worker.py", 3, "restart", torchrun=True,
         mpiexec_args=("--max-restarts", "1"),
     )  # fmt: skip
     assert job.returncode == 0, job.output()
@@ -55,7 +54,7 @@ def test_torchrun_restarts_the_job_after_a_rank_exits(run_mpi: RunMPI) -> None:
 
 def test_mpi_backend_under_torchrun_is_refused_by_name(run_mpi: RunMPI) -> None:
     job = run_mpi(
-        "torchrun_worker.py", 2, "init", torchrun=True, timeout_s=TIMEOUT_S,
+        "torchrun_worker.py", 2, "init", torchrun=True,
         env={"COMMLAYER_BACKEND": "mpi"},
     )  # fmt: skip
     for rank in range(2):
@@ -75,7 +74,7 @@ def test_torch_backend_under_mpiexec_is_refused_by_name(run_mpi: RunMPI) -> None
 
 
 def test_mismatched_shapes_fail_on_every_rank(run_mpi: RunMPI) -> None:
-    job = run_mpi("torchrun_worker.py", 3, "mismatch", torchrun=True, timeout_s=TIMEOUT_S)
+    job = run_mpi("torchrun_worker.py", 3, "mismatch", torchrun=True)
     assert job.returncode == 0, job.output()
     for rank in range(3):
         record = job.one("mismatch", rank)
@@ -86,7 +85,7 @@ def test_mismatched_shapes_fail_on_every_rank(run_mpi: RunMPI) -> None:
 
 @pytest.mark.parametrize("how", ["raise", "sigkill"])
 def test_a_failing_rank_fails_the_others_and_ends_the_job(run_mpi: RunMPI, how: str) -> None:
-    job = run_mpi("rank_failure.py", 3, how, "blocked", torchrun=True, timeout_s=TIMEOUT_S)
+    job = run_mpi("rank_failure.py", 3, how, "blocked", torchrun=True)
     assert job.returncode != 0, job.output()
     failing = job.one("failing", 1)["time"]
     took = job.ended_at - failing
