@@ -55,7 +55,7 @@ class Job:
     def __init__(
         self, harness: ModuleType, out_dir: Path, mode: str, env: dict[str, str], launcher: str
     ):
-        self.harness, self.out_dir, self.launcher = harness, out_dir, launcher
+        self.harness, self.out_dir = harness, out_dir
         job_env = harness.worker_env(out_dir, 120.0, env)
         if launcher == "torchrun":
             self.command = ["torchrun on node1 and node2:", str(WORKER), mode]
