@@ -13,9 +13,13 @@ copy bandwidth); which one ``COMMLAYER_KERNELS=auto`` should run.
    generator, then moved to ``--device`` (the same numbers on both).
 2. Warm-up calls first (numba compiles, or loads its cache; CuPy compiles with NVRTC): one on
    the CPU, ``CUDA_WARMUP`` on CUDA; then the median of ``--reps`` calls, the implementations
-   interleaved so drifts hit all alike. On CUDA each call starts on an idle device and is timed
-   by CUDA events recorded before and after it: launch and Python overhead count, as do the
-   host synchronisations a kernel makes (counted per call with torch's sync debug mode).
+   interleaved so drifts hit all alike. On CUDA two ways, each timed by CUDA events: *queued*,
+   ``QUEUE`` calls issued back to back between two events (per call: the span over QUEUE), the
+   device kept busy as in a training step, so the time is the kernel's own wherever the host
+   issues calls faster than the device runs them (the bandwidth columns and the target use
+   it); and *from idle*, one call on an idle device, launch and Python overhead included (the
+   latency a lone call sees). Host synchronisations a kernel makes count in both (counted per
+   call with torch's sync debug mode).
 3. GB/s: the bytes a kernel must read and write (inputs + outputs) over its time. On CUDA the
    baseline and physical limit is a device-to-device ``dst.copy_(src)`` of half those bytes
    (so it reads and writes as many), measured in the same run, interleaved with the kernels;
@@ -45,6 +49,8 @@ import torch
 from commlayer import kernels
 
 CUDA_WARMUP = 3  # calls: the first compiles; the next two let clocks and caches settle
+QUEUE = 10  # calls issued back to back per queued sample
+QUEUED_REPS = 9  # queued samples (of QUEUE calls each) per kernel; their median is reported
 MEMORY_BOUND = ("scatter_add_", "threshold_select", "pack_signs", "decode_signs", "qsgd_")
 TARGET_OF_COPY = 0.70  # issue 25: memory-bound kernels at >= 70% of the copy bandwidth
 LABELS = {"cpu": {"numba": "numba"}, "cuda": {"numba": "numba-cuda", "cupy": "cupy"}}
@@ -114,8 +120,11 @@ def cases(n: int, device: torch.device, choices: list[str]) -> dict[str, Case]:
     return out
 
 
-def timed_call(call: Callable[[], object], device: torch.device) -> tuple[float, object]:
-    """Seconds one call takes and its result; on CUDA between events, from an idle device."""
+def timed_call(
+    call: Callable[[], object], device: torch.device, queue: int = 1
+) -> tuple[float, object]:
+    """Seconds per call and the first call's result; on CUDA between events, from an idle
+    device, ``queue`` calls issued back to back (the span over ``queue``)."""
     if device.type != "cuda":
         start = time.perf_counter()
         result = call()
@@ -124,9 +133,11 @@ def timed_call(call: Callable[[], object], device: torch.device) -> tuple[float,
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     result = call()
+    for _ in range(queue - 1):
+        call()
     end.record()
     end.synchronize()
-    return begin.elapsed_time(end) / 1e3, result
+    return begin.elapsed_time(end) / 1e3 / queue, result
 
 
 def first_line(error: BaseException) -> str:
@@ -135,7 +146,11 @@ def first_line(error: BaseException) -> str:
 
 
 def measure(
-    calls: dict[str, Callable[[], object]], reps: int, warmup: int, device: torch.device
+    calls: dict[str, Callable[[], object]],
+    reps: int,
+    warmup: int,
+    device: torch.device,
+    queue: int = 1,
 ) -> tuple[dict[str, float | str], dict[str, object]]:
     """Median seconds per call of each (or its error's first line), and each first result.
     The calls are interleaved; one that raises is dropped from the later rounds."""
@@ -147,7 +162,7 @@ def measure(
             if name in errors:
                 continue
             try:
-                seconds, result = timed_call(call, device)
+                seconds, result = timed_call(call, device, queue)
             except Exception as error:  # reported in the table: one kernel must not end the run
                 errors[name] = first_line(error)
                 continue
@@ -216,26 +231,32 @@ def cuda_row(name: str, case: Case, choices: list[str], reps: int) -> str:
     dst = torch.empty_like(src)
     calls: dict[str, Callable[[], object]] = {"copy": lambda: dst.copy_(src)}
     calls.update({c: lambda c=c: case.call(c) for c in choices if not fallback(case, c)})
-    seconds, first = measure(calls, reps, CUDA_WARMUP, device)
-    # compared before host_syncs calls again (scatter_add_ accumulates into its output)
+    idle, first = measure(calls, reps, CUDA_WARMUP, device)
+    # compared before the queued rounds and host_syncs call again (scatter_add_ accumulates
+    # into its output)
     differs = {c: c != "torch" and "torch" in first and not same(first[c], first["torch"])
                for c in first}  # fmt: skip
-    copy = seconds["copy"]
+    queued, _ = measure({c: call for c, call in calls.items() if isinstance(idle[c], float)},
+                        QUEUED_REPS, 1, device, QUEUE)  # fmt: skip
+    copy = queued.get("copy", idle["copy"])
     copy_gbs = 2 * half / copy / 1e9 if isinstance(copy, float) else 0.0
     cells = [f"{case.moved_bytes / 1e6:,.1f}"]
-    cells.append(f"{copy * 1e3:,.3f} | {copy_gbs:,.0f}" if copy_gbs else f"{copy} | ")
+    if copy_gbs:
+        cells.append(f"{copy * 1e3:,.3f} | {copy_gbs:,.0f} | {idle['copy'] * 1e3:,.3f}")
+    else:
+        cells.append(f"{copy} | | ")
     syncs, met = [], []
     for c in choices:
-        s = seconds.get(c)
+        s = queued.get(c, idle.get(c))
         if not isinstance(s, float):
             missing = f"no {LABELS['cuda'][c]} kernel (torch runs)" if s is None else s
-            cells.append(f"{missing} | | ")
+            cells.append(f"{missing} | | | ")
             syncs.append("-")
             continue
         gbs = case.moved_bytes / s / 1e9
         note = " (differs from torch)" if differs[c] else ""
         share = f"{gbs / copy_gbs:.0%}" if copy_gbs else ""
-        cells.append(f"{s * 1e3:,.3f}{note} | {gbs:,.0f} | {share}")
+        cells.append(f"{s * 1e3:,.3f}{note} | {gbs:,.0f} | {share} | {idle[c] * 1e3:,.3f}")
         syncs.append(str(host_syncs(lambda c=c: case.call(c))))
         if copy_gbs and gbs >= TARGET_OF_COPY * copy_gbs and not differs[c]:
             met.append(LABELS["cuda"].get(c, c))
@@ -265,18 +286,22 @@ def header(device: torch.device, choices: list[str], args: argparse.Namespace) -
         "",
         f"{datetime.date.today()}, {platform.node()}, {torch.cuda.get_device_name(device)}, "
         f"torch {torch.__version__} (CUDA {torch.version.cuda}), {versions()}; "
-        f"n = {sizes} float32; median of {args.reps} calls after {CUDA_WARMUP} warm-up, each "
-        "timed by CUDA events from an idle device (launch and Python overhead included)",
+        f"n = {sizes} float32; timed by CUDA events: *queued* (ms, GB/s, % copy) is the median "
+        f"of {QUEUED_REPS} spans of {QUEUE} calls issued back to back, per call (the device kept "
+        "busy: the kernel's own time where the host issues faster than the device runs); *idle "
+        f"ms* is the median of {args.reps} lone calls after {CUDA_WARMUP} warm-up, each from an "
+        "idle device (launch and Python overhead included)",
         "",
         "Baseline and physical limit: `dst.copy_(src)` device to device of half the kernel's "
-        "bytes (reads and writes as many as the kernel must), timed the same way and "
-        "interleaved; GB/s counts bytes read + written. % copy = kernel GB/s / copy GB/s. Last "
-        f"column: implementations at >= {TARGET_OF_COPY:.0%} of the copy for the memory-bound "
-        "kernels (issue 25's target). Host syncs: synchronising operations torch saw in one call "
-        "(`torch.cuda.set_sync_debug_mode`; any inside CuPy or numba is not seen); they are part "
-        "of the kernel's cost: threshold_select and merge_sum read their output's size, "
-        "qsgd_dequantize returns the largest level as a Python int, and numba-cuda/CuPy's "
-        "decode_signs read `positive`/`negative` with `.item()`.",
+        "bytes (reads and writes as many as the kernel must), timed the same ways and "
+        "interleaved; GB/s counts bytes read + written. % copy = kernel GB/s / copy GB/s, both "
+        f"queued. Last column: implementations at >= {TARGET_OF_COPY:.0%} of the copy for the "
+        "memory-bound kernels (issue 25's target). Host syncs: synchronising operations torch saw "
+        "in one call (`torch.cuda.set_sync_debug_mode`; any inside CuPy or numba is not seen); "
+        "they are part of the kernel's cost (a queue drains at each): threshold_select and "
+        "merge_sum read their output's size, qsgd_dequantize returns the largest level as a "
+        "Python int, and numba-cuda's decode_signs reads `positive`/`negative` with `.item()` "
+        "(CuPy's reads them on the device).",
     ]
 
 
@@ -299,11 +324,11 @@ def table_head(device: torch.device, choices: list[str]) -> list[str]:
         ]
     labels = [LABELS["cuda"].get(c, c) for c in choices]
     return [
-        "| kernel | MB moved | copy ms | copy GB/s | "
-        + " | ".join(f"{c} ms | {c} GB/s | {c} % copy" for c in labels)
+        "| kernel | MB moved | copy ms | copy GB/s | copy idle ms | "
+        + " | ".join(f"{c} ms | {c} GB/s | {c} % copy | {c} idle ms" for c in labels)
         + f" | host syncs ({' / '.join(labels)}) | >= {TARGET_OF_COPY:.0%} copy |",
-        "| --- | ---: | ---: | ---: | " + " | ".join("---: | ---: | ---:" for _ in labels)
-        + " | ---: | --- |",
+        "| --- | ---: | ---: | ---: | ---: | "
+        + " | ".join("---: | ---: | ---: | ---:" for _ in labels) + " | ---: | --- |",
     ]  # fmt: skip
 
 

@@ -190,8 +190,10 @@ def check_build() -> str:
     try:
         from mpi4py import MPI
 
+        from commlayer.backends.mpi import library_version
+
         mpi4py = importlib.import_module("mpi4py")
-        library = " ".join(MPI.Get_library_version().splitlines()[0].split())  # MPICH pads it
+        library = library_version()
         standard = ".".join(map(str, MPI.Get_version()))  # (4, 0) -> 4.0
         lines.append(f"MPI: {library} (mpi4py {mpi4py.__version__}, MPI {standard})")
     except ImportError as exc:

@@ -5,7 +5,13 @@
 # share the GPU), and the GPU benchmarks. CI has no GPU and never runs this; run it whenever one
 # is lent, and commit what it wrote.
 #
-# Usage: bash scripts/gpu-checks.sh OUT_DIR [WHEEL_DIR]
+# Steps run in order of what is least verified on a GPU first (the direct NCCL/CUDA-aware paths,
+# the kernels), then what earlier GPU sessions measured (staged paths, training step); with
+# GPU_CHECKS_BUDGET_S set, each step gets at most what is left of that many seconds and the
+# steps past it are skipped (listed as such), so a lease's one call returns a complete log;
+# GPU_CHECKS_STEPS="name ..." runs only the steps named (env always runs), for a second call.
+#
+# Usage: [GPU_CHECKS_BUDGET_S=S] [GPU_CHECKS_STEPS="..."] bash scripts/gpu-checks.sh OUT_DIR [WHEEL_DIR]
 #   OUT_DIR    gets gpu_checks.log (every step's output) and the benchmark tables (*.md)
 #   WHEEL_DIR  optional: wheels to install first with --no-deps (mpi4py and mpich where the
 #              machine's Python has no MPI library); installed under /tmp/commlayer-site. On the
@@ -37,10 +43,26 @@ if [[ -n "$WHEELS" ]]; then
     fi
 fi
 
-# step NAME LIMIT_S COMMAND...: run with a time limit, output appended to the log
+BUDGET="${GPU_CHECKS_BUDGET_S:-0}"
+ONLY="${GPU_CHECKS_STEPS:-}"
+SKIPPED=()
+# step NAME LIMIT_S COMMAND...: run with a time limit (and within the budget), output appended
+# to the log
 step() {
     local name="$1" limit="$2" start=$SECONDS rc=0
     shift 2
+    if [[ -n "$ONLY" && "$name" != env && " $ONLY " != *" $name "* ]]; then
+        return
+    fi
+    if [[ "$BUDGET" -gt 0 ]]; then
+        local left=$((BUDGET - SECONDS))
+        if [[ $left -lt 20 ]]; then
+            SKIPPED+=("$name")
+            printf -- '---- %s: skipped (budget of %d s spent)\n' "$name" "$BUDGET" | tee -a "$LOG"
+            return
+        fi
+        [[ $left -lt $limit ]] && limit=$left
+    fi
     printf '\n==================== %s ====================\n' "$name" >>"$LOG"
     timeout -k 5 "$limit" "$@" >>"$LOG" 2>&1 || rc=$?
     printf -- '---- %s: exit %d after %d s\n' "$name" "$rc" "$((SECONDS - start))" | tee -a "$LOG"
@@ -56,36 +78,37 @@ step env 60 bash -c '
     python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
     command -v mpiexec
     python3 -c "import commlayer.kernels as k; print(\"commlayer kernels available:\", k.available())"'
-# mpiexec -n 2 must make one job of 2 ranks (not two singletons)
-step mpi-size 60 mpiexec -n 2 "$PY" -c 'from mpi4py import MPI; size = MPI.COMM_WORLD.Get_size(); print("rank", MPI.COMM_WORLD.Get_rank(), "of", size, MPI.Get_library_version().splitlines()[0]); assert size == 2, "mpiexec -n 2 gave singletons"'
 step nvcc-build 120 bash -c 'cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null && cmake --build build && ls build/ext/cuda'
 step tests-gpu 300 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
+# 1 rank per GPU: the torch backend takes CUDA tensors over NCCL directly (device.py's direct
+# path; 2 ranks on one GPU are staged over gloo below); tests/gpu/test_direct_cuda.py (in
+# tests-gpu) runs the direct worker at 1 and, with 2 GPUs, 2 ranks
+step device-torchrun-1-nccl 120 env COMMLAYER_NCCL=1 "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node 1 -m pytest tests/parallel/test_device.py -q -p no:cacheprovider -x
+step detect-cuda-aware-mpi 60 "$PY" -c 'from commlayer.backends import mpi; print("CUDA-aware MPI:", mpi.detect_cuda_aware("auto"))'
+# Benchmarks (tables into OUT_DIR; commit them under benchmarks/results/). commlayer over NCCL
+# vs torch.distributed.all_reduce alone, one rank per GPU (issue target:
+# busbw >= 0.95 from 1 MiB; one GPU gives latency only)
+GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)"
+step bench-nccl-allreduce 150 "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node "${GPUS:-1}" benchmarks/gpu_nccl_allreduce.py --max-size 256MiB --reps 3 \
+    --out "$OUT/gpu_nccl_allreduce_np${GPUS:-1}.md"
+step bench-kernels 120 "$PY" benchmarks/kernels.py --device cuda --out "$OUT/kernels_cuda.md"
+# What earlier GPU sessions measured: the staged paths (ranks sharing the GPU), the training step
+# mpiexec -n 2 must make one job of 2 ranks (not two singletons)
+step mpi-size 60 mpiexec -n 2 "$PY" -c 'from mpi4py import MPI; size = MPI.COMM_WORLD.Get_size(); print("rank", MPI.COMM_WORLD.Get_rank(), "of", size, MPI.Get_library_version().splitlines()[0]); assert size == 2, "mpiexec -n 2 gave singletons"'
 for n in 1 2; do
     step "device-mpiexec-$n" 120 mpiexec -n "$n" "$PY" -m pytest tests/parallel/test_device.py \
         -q -p no:cacheprovider -x
 done
 step device-torchrun-2 120 "$PY" -m torch.distributed.run --standalone --nproc_per_node 2 \
     -m pytest tests/parallel/test_device.py -q -p no:cacheprovider -x
-# 1 rank per GPU: the torch backend takes CUDA tensors over NCCL directly (device.py's direct
-# path; 2 ranks on one GPU are staged over gloo above); tests/gpu/test_direct_cuda.py (in
-# tests-gpu) runs the direct worker at 1 and, with 2 GPUs, 2 ranks
-step device-torchrun-1-nccl 120 env COMMLAYER_NCCL=1 "$PY" -m torch.distributed.run --standalone \
-    --nproc_per_node 1 -m pytest tests/parallel/test_device.py -q -p no:cacheprovider -x
-step detect-cuda-aware-mpi 60 "$PY" -c 'from commlayer.backends import mpi; print("CUDA-aware MPI:", mpi.detect_cuda_aware("auto"))'
-# Benchmarks (tables into OUT_DIR; commit them under benchmarks/results/)
-step bench-kernels 120 "$PY" benchmarks/kernels.py --device cuda --out "$OUT/kernels_cuda.md"
 step bench-allreduce-np1 90 "$PY" benchmarks/gpu_allreduce.py --max-size 64MiB --reps 3 \
     --out "$OUT/gpu_allreduce_np1.md"
 step bench-allreduce-np2 120 mpiexec -n 2 "$PY" benchmarks/gpu_allreduce.py --max-size 64MiB \
     --reps 3 --out "$OUT/gpu_allreduce_np2.md"
-# commlayer over NCCL vs torch.distributed.all_reduce alone, one rank per GPU (issue target:
-# busbw >= 0.95 from 1 MiB; one GPU gives latency only)
-GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)"
-step bench-nccl-allreduce 150 "$PY" -m torch.distributed.run --standalone \
-    --nproc_per_node "${GPUS:-1}" benchmarks/gpu_nccl_allreduce.py --max-size 256MiB --reps 3 \
-    --out "$OUT/gpu_nccl_allreduce_np${GPUS:-1}.md"
 step bench-train 200 "$PY" benchmarks/gpu_train.py --steps 30 --warmup 20 --budget-s 150 \
     --out "$OUT/gpu_train.md"
 
-echo "failed steps: ${FAILED[*]:-none}" | tee -a "$LOG"
+echo "failed steps: ${FAILED[*]:-none}; skipped: ${SKIPPED[*]:-none}" | tee -a "$LOG"
 [[ ${#FAILED[@]} -eq 0 ]]

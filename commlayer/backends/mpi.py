@@ -442,7 +442,8 @@ def finalize() -> None:
 
 def library_version() -> str:
     """First line of the MPI library's version string (e.g. 'MPICH Version: 5.0.2')."""
-    return MPI.Get_library_version().splitlines()[0].strip()
+    # Open MPI ends the string with a NUL, MPICH pads it with spaces
+    return " ".join(MPI.Get_library_version().replace("\x00", " ").splitlines()[0].split())
 
 
 _finalize_skipped = False

@@ -3,12 +3,16 @@
 sparse_kernels.cu (scatter-add, threshold, merge) and quantize_kernels.cu (QSGD, sign
 packing). Each module is the PTX that CMakeLists.txt builds with nvcc (looked for in
 ``$COMMLAYER_CUDA_PTX_DIR`` and ``build/ext/cuda`` of the source tree), else the .cu source
-compiled at run time by NVRTC. Tensors cross to CuPy without a copy (DLPack). Every kernel runs
-on the tensor's GPU and on torch's current stream there (``_on``), not on CuPy's own current
-stream: a caller working on a non-default torch stream (created non-blocking, so it does not wait
-for the legacy default stream CuPy would use) gets the kernel ordered after its earlier work and
-before its later work, with no synchronization. Imported only when CuPy is present; used only for
-CUDA tensors.
+compiled at run time by NVRTC. Tensors reach a kernel as their device addresses (``_ptr``: no
+CuPy array is made; DLPack's export and CuPy's stream contexts cost more than a 64 M-element
+kernel's worth of time per call, benchmarks/results/kernels_cuda.md). Every kernel runs on the
+tensor's GPU and on torch's current stream there (``_on`` gives it to the launch), not on CuPy's
+own current stream: a caller working on a non-default torch stream (created non-blocking, so it
+does not wait for the legacy default stream CuPy would use) gets the kernel ordered after its
+earlier work and before its later work, with no synchronization. A temporary made for a launch
+(a contiguous copy, a dtype conversion) is allocated on that same stream, so torch's caching
+allocator reuses its memory only for work ordered after the kernel. Imported only when CuPy is
+present; used only for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -57,20 +61,32 @@ def _scalar(value: float, dtype: torch.dtype) -> Any:
     return cupy.dtype(str(dtype).removeprefix("torch.")).type(value)
 
 
-def _cp(t: torch.Tensor) -> Any:
-    # detach: DLPack refuses a tensor that requires grad; the kernels never need its graph
-    return cupy.from_dlpack(t.detach().contiguous())
+def _ptr(t: torch.Tensor) -> Any:
+    """t's device address as a kernel argument (a 64-bit scalar, which the kernel reads as its
+    pointer parameter); t must be contiguous."""
+    return cupy.uint64(t.data_ptr())
+
+
+class _Stream:
+    """What CuPy's launch reads of a stream: its handle, ``ptr`` (torch's stream here)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
 
 
 @contextlib.contextmanager
-def _on(t: torch.Tensor) -> Iterator[None]:
-    """CuPy work inside runs on t's GPU (modules load, kernels launch there) and on torch's
-    current stream of that GPU (module docstring). DLPack exports inside then see a consumer
-    stream equal to torch's current one, so they add no event wait either."""
+def _on(t: torch.Tensor) -> Iterator[_Stream]:
+    """CuPy work inside runs on t's GPU (modules load there, kernels launch there); the stream
+    it gives is torch's current stream of that GPU, for every launch inside (module
+    docstring). The device is switched only when it is not the current one already."""
+    stream = _Stream(torch.cuda.current_stream(t.device).cuda_stream)  # 0: torch's default
+    if cupy.cuda.runtime.getDevice() == t.device.index:
+        yield stream
+        return
     with cupy.cuda.Device(t.device.index):
-        stream = torch.cuda.current_stream(t.device).cuda_stream  # 0: torch's default stream
-        with cupy.cuda.ExternalStream(stream, t.device.index):
-            yield
+        yield stream
 
 
 def _grid(n: int) -> tuple[int]:
@@ -79,10 +95,14 @@ def _grid(n: int) -> tuple[int]:
 
 def scatter_add_(dense: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
     if idx.numel():
-        with _on(dense):
+        target = dense if dense.is_contiguous() else dense.contiguous()
+        idx, val = idx.contiguous(), val.to(dense.dtype).contiguous()
+        with _on(dense) as stream:
             kernel = _kernel("scatter_add", dense.dtype, idx.dtype)
-            args = (_cp(dense), _cp(idx), _cp(val.to(dense.dtype)), cupy.int64(idx.numel()))
-            kernel(_grid(idx.numel()), (_THREADS,), args)
+            args = (_ptr(target), _ptr(idx), _ptr(val), cupy.int64(idx.numel()))
+            kernel(_grid(idx.numel()), (_THREADS,), args, stream=stream)
+        if target is not dense:
+            dense.copy_(target)
     return dense
 
 
@@ -91,11 +111,12 @@ def threshold_select(x: torch.Tensor, threshold: float) -> torch.Tensor:
     out = torch.empty(x.numel(), dtype=dtype, device=x.device)
     count = torch.zeros(1, dtype=torch.int64, device=x.device)
     if x.numel():
-        limit = cupy.dtype(str(x.dtype).removeprefix("torch.")).type(threshold)
-        with _on(x):
+        x = x.contiguous()
+        limit = _scalar(threshold, x.dtype)
+        with _on(x) as stream:
             kernel = _kernel("threshold", x.dtype, dtype)
-            kernel(_grid(x.numel()), (_THREADS,), (_cp(x), limit, _cp(out), _cp(count),
-                                                   cupy.int64(x.numel())))  # fmt: skip
+            args = (_ptr(x), limit, _ptr(out), _ptr(count), cupy.int64(x.numel()))
+            kernel(_grid(x.numel()), (_THREADS,), args, stream=stream)
     return out[: int(count.item())].sort().values
 
 
@@ -103,32 +124,35 @@ def merge_sum(
     idx_a: torch.Tensor, val_a: torch.Tensor, idx_b: torch.Tensor, val_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     na, nb = idx_a.numel(), idx_b.numel()
-    idx_b, val_b = idx_b.to(idx_a.dtype), val_b.to(val_a.dtype)
+    idx_a, val_a = idx_a.contiguous(), val_a.contiguous()
+    idx_b, val_b = idx_b.to(idx_a.dtype).contiguous(), val_b.to(val_a.dtype).contiguous()
     match = torch.zeros(na + 1, dtype=torch.int64, device=idx_a.device)
     if na:
-        with _on(idx_a):
+        with _on(idx_a) as stream:
             _kernel("match", val_a.dtype, idx_a.dtype)(
-                _grid(na),
-                (_THREADS,),
-                (_cp(idx_a), cupy.int64(na), _cp(idx_b), cupy.int64(nb), _cp(match)),
-            )
+                _grid(na), (_THREADS,),
+                (_ptr(idx_a), cupy.int64(na), _ptr(idx_b), cupy.int64(nb), _ptr(match)),
+                stream=stream,
+            )  # fmt: skip
     before = torch.zeros_like(match)
     before[1:] = torch.cumsum(match[:-1], 0)  # exclusive prefix; before[na] = matches in all
     total = na + nb - int(before[na].item())
     out_i = torch.empty(total, dtype=idx_a.dtype, device=idx_a.device)
     out_v = torch.empty(total, dtype=val_a.dtype, device=val_a.device)
-    with _on(idx_a):
-        common = (_cp(before), _cp(out_i), _cp(out_v))
+    with _on(idx_a) as stream:
+        common = (_ptr(before), _ptr(out_i), _ptr(out_v))
         if na:
             _kernel("merge_a", val_a.dtype, idx_a.dtype)(
                 _grid(na), (_THREADS,),
-                (_cp(idx_a), _cp(val_a), cupy.int64(na), _cp(idx_b), _cp(val_b), cupy.int64(nb),
-                 *common),
+                (_ptr(idx_a), _ptr(val_a), cupy.int64(na), _ptr(idx_b), _ptr(val_b),
+                 cupy.int64(nb), *common),
+                stream=stream,
             )  # fmt: skip
         if nb:
             _kernel("merge_b", val_a.dtype, idx_a.dtype)(
                 _grid(nb), (_THREADS,),
-                (_cp(idx_a), cupy.int64(na), _cp(idx_b), _cp(val_b), cupy.int64(nb), *common),
+                (_ptr(idx_a), cupy.int64(na), _ptr(idx_b), _ptr(val_b), cupy.int64(nb), *common),
+                stream=stream,
             )  # fmt: skip
     return out_i, out_v
 
@@ -143,16 +167,20 @@ def qsgd_quantize(
         out = torch.empty(-(-n * bits // 8), dtype=torch.uint8, device=x.device)
     if not n:
         return out
-    with _on(x):
-        args = (_cp(x), _cp(scale), _cp(rand), cupy.int64(n), cupy.int64(bucket),
+    x, scale, rand = x.contiguous(), scale.contiguous(), rand.contiguous()
+    with _on(x) as stream:
+        args = (_ptr(x), _ptr(scale), _ptr(rand), cupy.int64(n), cupy.int64(bucket),
                 cupy.int64(levels))  # fmt: skip
         if bits == 16:
-            _quantize_kernel("qsgd_levels16", x.dtype)(_grid(n), (_THREADS,), (*args, _cp(out)))
+            _quantize_kernel("qsgd_levels16", x.dtype)(
+                _grid(n), (_THREADS,), (*args, _ptr(out)), stream=stream
+            )
         else:
             # one thread per element (the lanes of a byte combine by warp shuffles)
             _quantize_kernel("qsgd_pack", x.dtype)(
                 _grid(n), (_THREADS,),
-                (*args, cupy.int32(bits), _cp(out), cupy.int64(out.numel())),
+                (*args, cupy.int32(bits), _ptr(out), cupy.int64(out.numel())),
+                stream=stream,
             )  # fmt: skip
     return out
 
@@ -164,15 +192,16 @@ def qsgd_dequantize(
     out = torch.empty(n, dtype=step.dtype, device=step.device)
     top = torch.zeros(1, dtype=torch.int64, device=step.device)
     if n:
-        with _on(step):
-            head = (_cp(packed), _cp(step), cupy.int64(n), cupy.int64(bucket))
+        packed, step = packed.contiguous(), step.contiguous()
+        with _on(step) as stream:
+            head = (_ptr(packed), _ptr(step), cupy.int64(n), cupy.int64(bucket))
             args: tuple[Any, ...]
             if bits == 16:
-                kind, args = "qsgd_unpack16", (*head, _cp(out), _cp(top))
+                kind, args = "qsgd_unpack16", (*head, _ptr(out), _ptr(top))
             else:
                 kind, args = "qsgd_unpack", (*head, cupy.int64(levels), cupy.int32(bits),
-                                             _cp(out), _cp(top))  # fmt: skip
-            _quantize_kernel(kind, step.dtype)(_grid(n), (_THREADS,), args)
+                                             _ptr(out), _ptr(top))  # fmt: skip
+            _quantize_kernel(kind, step.dtype)(_grid(n), (_THREADS,), args, stream=stream)
     return out, int(top.item())
 
 
@@ -180,10 +209,11 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     words = torch.empty(-(-n // 32), dtype=torch.int32, device=x.device)
     if n:
-        with _on(x):
-            args = (_cp(x.reshape(-1)), cupy.int64(n), _cp(words), cupy.int64(words.numel()))
+        x = x.contiguous()
+        with _on(x) as stream:
+            args = (_ptr(x), cupy.int64(n), _ptr(words), cupy.int64(words.numel()))
             # one thread per element (each warp's 32 signs by __ballot_sync), not per word
-            _quantize_kernel("sign_pack", x.dtype)(_grid(n), (_THREADS,), args)
+            _quantize_kernel("sign_pack", x.dtype)(_grid(n), (_THREADS,), args, stream=stream)
     return words
 
 
@@ -193,8 +223,11 @@ def decode_signs(
     dtype = positive.dtype
     out = torch.empty(count, dtype=dtype, device=words.device)
     if count:
-        values = _scalar(positive.item(), dtype), _scalar(negative.item(), dtype)
-        with _on(words):
-            args = (_cp(words), cupy.int64(count), *values, _cp(out))
-            _quantize_kernel("sign_decode", dtype)(_grid(count), (_THREADS,), args)
+        # the two values stay on the device (the kernel reads them): no host synchronization
+        words = words.contiguous()
+        positive = positive.to(words.device).contiguous()
+        negative = negative.to(device=words.device, dtype=dtype).contiguous()
+        with _on(words) as stream:
+            args = (_ptr(words), cupy.int64(count), _ptr(positive), _ptr(negative), _ptr(out))
+            _quantize_kernel("sign_decode", dtype)(_grid(count), (_THREADS,), args, stream=stream)
     return out

@@ -21,7 +21,8 @@
 //    on the single address serialised the whole kernel (49.5 ms for 64 M floats on an H200).
 // 3. sign_pack: one thread per ELEMENT (x read coalesced): the warp's 32 predicates x >= 0 by
 //    __ballot_sync (lane t -> bit t), lane 0 stores word e / 32; lanes past n vote 0, as the
-//    reference pads with zero bits. sign_decode: one thread per element.
+//    reference pads with zero bits. sign_decode: one thread per element; the two values are
+//    read from device memory (0-dim tensors), so the caller never waits for them on the host.
 //
 // Launch: blockDim.x must be a multiple of 32 (at most 1024; the loader uses 256) and no
 // thread of these kernels returns early, because the warp-wide primitives (__ballot_sync,
@@ -127,10 +128,10 @@ extern "C" __global__ void sign_pack_##VN(const V* x, int64_t n, int32_t* words,
     unsigned acc = __ballot_sync(0xffffffffu, e < n && x[e] >= 0);                              \
     if ((threadIdx.x & 31) == 0 && (e >> 5) < nwords) words[e >> 5] = (int32_t)acc;             \
 }                                                                                               \
-extern "C" __global__ void sign_decode_##VN(const int32_t* words, int64_t n, V positive,       \
-                                            V negative, V* out) {                               \
+extern "C" __global__ void sign_decode_##VN(const int32_t* words, int64_t n, const V* positive, \
+                                            const V* negative, V* out) {                        \
     int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;                                 \
-    if (e < n) out[e] = ((unsigned)words[e >> 5] >> (e & 31)) & 1u ? positive : negative;       \
+    if (e < n) out[e] = ((unsigned)words[e >> 5] >> (e & 31)) & 1u ? *positive : *negative;     \
 }
 
 COMMLAYER_QUANTIZE(float, f32)
