@@ -93,6 +93,17 @@ def _grid(n: int) -> tuple[int]:
     return (max(1, (n + _THREADS - 1) // _THREADS),)
 
 
+def _grid4(n: int) -> tuple[int]:
+    """Blocks for quantize_kernels.cu, whose threads take four elements each."""
+    return _grid(-(-n // 4))
+
+
+def _aligned(*tensors: torch.Tensor) -> Any:
+    """1 where every tensor's data starts on a 16-byte boundary (quantize_kernels.cu then moves
+    its values as vectors; a view at an odd offset does not), else 0."""
+    return cupy.int32(all(t.data_ptr() % 16 == 0 for t in tensors))
+
+
 def scatter_add_(dense: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
     if idx.numel():
         target = dense if dense.is_contiguous() else dense.contiguous()
@@ -171,15 +182,16 @@ def qsgd_quantize(
     with _on(x) as stream:
         args = (_ptr(x), _ptr(scale), _ptr(rand), cupy.int64(n), cupy.int64(bucket),
                 cupy.int64(levels))  # fmt: skip
+        aligned = _aligned(x, rand)
         if bits == 16:
             _quantize_kernel("qsgd_levels16", x.dtype)(
-                _grid(n), (_THREADS,), (*args, _ptr(out)), stream=stream
+                _grid4(n), (_THREADS,), (*args, _ptr(out), aligned), stream=stream
             )
         else:
-            # one thread per element (the lanes of a byte combine by warp shuffles)
+            # four elements per thread (at 1 bit two lanes make a byte by a warp shuffle)
             _quantize_kernel("qsgd_pack", x.dtype)(
-                _grid(n), (_THREADS,),
-                (*args, cupy.int32(bits), _ptr(out), cupy.int64(out.numel())),
+                _grid4(n), (_THREADS,),
+                (*args, cupy.int32(bits), _ptr(out), cupy.int64(out.numel()), aligned),
                 stream=stream,
             )  # fmt: skip
     return out
@@ -197,11 +209,11 @@ def qsgd_dequantize(
             head = (_ptr(packed), _ptr(step), cupy.int64(n), cupy.int64(bucket))
             args: tuple[Any, ...]
             if bits == 16:
-                kind, args = "qsgd_unpack16", (*head, _ptr(out), _ptr(top))
+                kind, args = "qsgd_unpack16", (*head, _ptr(out), _ptr(top), _aligned(packed))
             else:
                 kind, args = "qsgd_unpack", (*head, cupy.int64(levels), cupy.int32(bits),
-                                             _ptr(out), _ptr(top))  # fmt: skip
-            _quantize_kernel(kind, step.dtype)(_grid(n), (_THREADS,), args, stream=stream)
+                                             _ptr(out), _ptr(top), _aligned(packed))  # fmt: skip
+            _quantize_kernel(kind, step.dtype)(_grid4(n), (_THREADS,), args, stream=stream)
     return out, int(top.item())
 
 
@@ -211,9 +223,9 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     if n:
         x = x.contiguous()
         with _on(x) as stream:
-            args = (_ptr(x), cupy.int64(n), _ptr(words), cupy.int64(words.numel()))
-            # one thread per element (each warp's 32 signs by __ballot_sync), not per word
-            _quantize_kernel("sign_pack", x.dtype)(_grid(n), (_THREADS,), args, stream=stream)
+            args = (_ptr(x), cupy.int64(n), _ptr(words), cupy.int64(words.numel()), _aligned(x))
+            # four elements per thread, the 8 lanes of a word combined by warp shuffles
+            _quantize_kernel("sign_pack", x.dtype)(_grid4(n), (_THREADS,), args, stream=stream)
     return words
 
 
@@ -229,5 +241,5 @@ def decode_signs(
         negative = negative.to(device=words.device, dtype=dtype).contiguous()
         with _on(words) as stream:
             args = (_ptr(words), cupy.int64(count), _ptr(positive), _ptr(negative), _ptr(out))
-            _quantize_kernel("sign_decode", dtype)(_grid(count), (_THREADS,), args, stream=stream)
+            _quantize_kernel("sign_decode", dtype)(_grid4(count), (_THREADS,), args, stream=stream)
     return out

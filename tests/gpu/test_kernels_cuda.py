@@ -158,6 +158,47 @@ def test_qsgd_quantize_and_dequantize(
     assert top == ref_top
 
 
+def _at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of ``t`` on the device whose data starts ``offset`` elements into a buffer (not
+    on a 16-byte boundary for an odd offset: the kernels then read element by element)."""
+    flat = t.reshape(-1)
+    buffer = torch.empty(flat.numel() + offset, dtype=t.dtype, device=CUDA)
+    return buffer[offset:].copy_(flat).view(t.shape)
+
+
+@pytest.mark.skipif(not CUDA_CHOICES, reason="neither CuPy nor numba-cuda is importable here")
+@pytest.mark.parametrize("choice", CUDA_CHOICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("levels", "bits"), QSGD, ids=[f"{b}bits" for _, b in QSGD])
+@pytest.mark.parametrize(("buckets", "bucket"), [(7, 3), (5, 5), (4099, 3), (1025, 6)])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
+def test_qsgd_kernels_on_odd_buckets_and_offsets(
+    choice: str, dtype: torch.dtype, levels: int, bits: int, buckets: int, bucket: int,
+    offset: int,
+) -> None:  # fmt: skip
+    """The CUDA kernels take four elements a thread and move them as vectors where aligned:
+    element counts that are not a multiple of 4, buckets shorter than 4 (a thread's elements
+    in two or more buckets), and inputs (x, rand, the received payload) at an odd offset."""
+    g = torch.Generator().manual_seed(buckets * bucket + bits)
+    x = torch.randn(buckets, bucket, generator=g, dtype=dtype)
+    x.view(-1)[::5] = 0.0
+    norms = torch.linalg.vector_norm(x, dim=1)
+    scale = torch.where(norms > 0, levels / norms, torch.zeros_like(norms))
+    rand = torch.rand(x.shape, generator=g, dtype=dtype)
+    packed = kernels.qsgd_quantize(
+        _at_offset(x, offset), scale.to(CUDA), _at_offset(rand, offset), levels, bits,
+        choice=choice,
+    )  # fmt: skip
+    expect = reference.qsgd_quantize(x.clone(), scale, rand, levels, bits)
+    assert torch.equal(packed.cpu(), expect)
+    step = norms / levels
+    values, top = kernels.qsgd_dequantize(
+        _at_offset(expect, offset), step.to(CUDA), levels, bits, bucket, choice=choice
+    )
+    ref_values, ref_top = reference.qsgd_dequantize(expect, step, levels, bits, bucket)
+    assert torch.equal(values.cpu(), ref_values) and top == ref_top
+
+
 def _signed_inputs(n: int, dtype: torch.dtype) -> torch.Tensor:
     x = torch.randn(n, generator=torch.Generator().manual_seed(n + 5), dtype=dtype)
     specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf")], dtype=dtype)
@@ -193,6 +234,24 @@ def test_topk(dtype: torch.dtype, n: int) -> None:
         _assert_on_cuda(idx, val)
         ref_idx, ref_val = reference.topk(x, k)
         assert torch.equal(idx.cpu(), ref_idx) and torch.equal(val.cpu(), ref_val), k
+
+
+@pytest.mark.skipif(not CUDA_CHOICES, reason="neither CuPy nor numba-cuda is importable here")
+@pytest.mark.parametrize("choice", CUDA_CHOICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [3, 37, 1001, (1 << 16) + 5])
+def test_signs_at_an_offset(choice: str, dtype: torch.dtype, n: int) -> None:
+    """pack_signs of a view that does not start on a 16-byte boundary, decode of its words
+    at an offset too (the kernels read element by element there)."""
+    x = _signed_inputs(n, dtype)
+    words = kernels.pack_signs(_at_offset(x, 1), choice=choice)
+    expect = reference.pack_signs(x)
+    assert torch.equal(words.cpu(), expect)
+    positive, negative = torch.tensor(1.5, dtype=dtype), torch.tensor(-0.5, dtype=dtype)
+    decoded = kernels.decode_signs(
+        _at_offset(expect, 1), n, *_cuda((positive, negative)), choice=choice
+    )
+    assert torch.equal(decoded.cpu(), reference.decode_signs(expect, n, positive, negative))
 
 
 # -- the launch stream ---------------------------------------------------------------------------
