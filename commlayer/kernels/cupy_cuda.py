@@ -53,6 +53,11 @@ def _kernel(kind: str, values: torch.dtype, indices: torch.dtype) -> Any:
     return module().get_function(f"{kind}_{_NAMES[values]}_{_NAMES[indices]}")
 
 
+def _threshold_kernel(kind: str, dtype: torch.dtype) -> Any:
+    """threshold_mask_<values> or threshold_scatter_<indices> (sparse_kernels.cu)."""
+    return module().get_function(f"{kind}_{_NAMES[dtype]}")
+
+
 def _quantize_kernel(kind: str, values: torch.dtype) -> Any:
     return module("quantize_kernels").get_function(f"{kind}_{_NAMES[values]}")
 
@@ -119,16 +124,34 @@ def scatter_add_(dense: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> t
 
 def threshold_select(x: torch.Tensor, threshold: float) -> torch.Tensor:
     dtype = index_dtype(x.numel())
-    out = torch.empty(x.numel(), dtype=dtype, device=x.device)
-    count = torch.zeros(1, dtype=torch.int64, device=x.device)
-    if x.numel():
-        x = x.contiguous()
-        limit = _scalar(threshold, x.dtype)
+    n = x.numel()
+    if not n:
+        return torch.empty(0, dtype=dtype, device=x.device)
+    x = x.contiguous()
+    blocks = _grid4(n)
+    words = torch.empty(-(-n // 32), dtype=torch.int32, device=x.device)
+    counts = torch.empty(blocks[0], dtype=torch.int64, device=x.device)
+    with _on(x) as stream:
+        # pass 1: the bit |x| >= threshold per element, and each block's count of them
+        _threshold_kernel("threshold_mask", x.dtype)(
+            blocks, (_THREADS,),
+            (_ptr(x), _scalar(threshold, x.dtype), cupy.int64(n), _ptr(words),
+             cupy.int64(words.numel()), _ptr(counts), _aligned(x)),
+            stream=stream,
+        )  # fmt: skip
+    offsets = torch.cumsum(counts, 0)
+    out = torch.empty(int(offsets[-1].item()), dtype=dtype, device=x.device)
+    offsets -= counts  # exclusive: where each block's indices start
+    if out.numel():
         with _on(x) as stream:
-            kernel = _kernel("threshold", x.dtype, dtype)
-            args = (_ptr(x), limit, _ptr(out), _ptr(count), cupy.int64(x.numel()))
-            kernel(_grid(x.numel()), (_THREADS,), args, stream=stream)
-    return out[: int(count.item())].sort().values
+            # pass 2, the same grid: each thread writes its indices at its place, ascending
+            _threshold_kernel("threshold_scatter", dtype)(
+                blocks,
+                (_THREADS,),
+                (_ptr(words), cupy.int64(n), _ptr(offsets), _ptr(out)),
+                stream=stream,
+            )
+    return out
 
 
 def merge_sum(

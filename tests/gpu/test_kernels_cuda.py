@@ -254,6 +254,19 @@ def test_signs_at_an_offset(choice: str, dtype: torch.dtype, n: int) -> None:
     assert torch.equal(decoded.cpu(), reference.decode_signs(expect, n, positive, negative))
 
 
+@pytest.mark.skipif(not CUDA_CHOICES, reason="neither CuPy nor numba-cuda is importable here")
+@pytest.mark.parametrize("choice", CUDA_CHOICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [5, 1001, (1 << 18) + 7])
+def test_threshold_select_at_an_offset_with_nan(choice: str, dtype: torch.dtype, n: int) -> None:
+    """An input that does not start on a 16-byte boundary (read element by element), NaN and
+    infinities among the values (NaN is never selected, as |NaN| >= t is false in torch)."""
+    x = _signed_inputs(n, dtype)
+    for threshold in (0.0, 1.0, 3.0):
+        got = kernels.threshold_select(_at_offset(x, 1), threshold, choice=choice)
+        assert torch.equal(got.cpu(), reference.threshold_select(x, threshold)), threshold
+
+
 # -- the launch stream ---------------------------------------------------------------------------
 Case = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]  # (input on the host, run)
 

@@ -21,10 +21,12 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, /usr
 KERNELS = {
     "sparse_kernels": [
         f"{kind}_{v}_{i}"
-        for kind in ("scatter_add", "threshold", "match", "merge_a", "merge_b")
+        for kind in ("scatter_add", "match", "merge_a", "merge_b")
         for v in ("f32", "f64")
         for i in ("i32", "i64")
-    ],
+    ]
+    + [f"threshold_mask_{v}" for v in ("f32", "f64")]
+    + [f"threshold_scatter_{i}" for i in ("i32", "i64")],
     "quantize_kernels": [
         f"{kind}_{v}"
         for kind in ("qsgd_pack", "qsgd_levels16", "qsgd_unpack", "qsgd_unpack16")
