@@ -54,7 +54,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -238,6 +238,16 @@ class _GatherBytesRequest:
         return True
 
 
+class _Peer(NamedTuple):
+    """What every rank tells the others at start (gathered as a plain tuple)."""
+
+    host: str
+    pid: int
+    machine: str
+    gpus: int
+    addresses: Sequence[str]
+
+
 class TorchBackend:
     """Backend over one torch.distributed process group (gloo)."""
 
@@ -263,14 +273,15 @@ class TorchBackend:
             )
         self._rank = dist.get_rank(self._group)
         self._size = dist.get_world_size(self._group)
-        peers: list[Any] = [None] * self._size
+        gathered: list[Any] = [None] * self._size
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        me = (socket.gethostname(), os.getpid(), machine_id(), gpus, addresses())
-        dist.all_gather_object(peers, me, group=self._group)
-        self._peers: list[tuple[str, int]] = [(host, pid) for host, pid, *_ in peers]
-        self._machines = indices([machine for _, _, machine, *_ in peers])
-        self._gpus = {host: count for host, _, _, count, _ in peers}
-        self._addresses = [set(found) for *_, found in peers]
+        me = _Peer(socket.gethostname(), os.getpid(), machine_id(), gpus, addresses())
+        dist.all_gather_object(gathered, tuple(me), group=self._group)
+        peers = [_Peer(*fields) for fields in gathered]
+        self._peers: list[tuple[str, int]] = [(peer.host, peer.pid) for peer in peers]
+        self._machines = indices([peer.machine for peer in peers])
+        self._gpus = {peer.host: peer.gpus for peer in peers}
+        self._addresses = [set(peer.addresses) for peer in peers]
         self._nodes = indices(host for host, _ in self._peers)
         # one waiter per lane (module docstring, 2.): a send waits for its receiver to post,
         # and a receive that completes lets the engine post the next (a sized message's body):

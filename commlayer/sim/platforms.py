@@ -484,7 +484,7 @@ def _eccentricity(switches: int, chords: list[tuple[int, int]]) -> int:
 def dln2d_chords(x: int, y: int) -> list[tuple[int, int]]:
     """The 2D DLN's switch-to-switch links (i < j), switch (r, c) numbered r y + c: a 1D DLN
     along every row (c +- 2^k mod y) and along every column (r +- 2^k mod x)."""
-    row, column = dln_chords(y) if y > 1 else [], dln_chords(x) if x > 1 else []
+    row, column = dln_chords(y), dln_chords(x)  # dln_chords(1) is empty: a 1-wide grid
     found = {(r * y + a, r * y + b) for r in range(x) for a, b in row}
     found |= {(a * y + c, b * y + c) for c in range(y) for a, b in column}
     return sorted(found)
