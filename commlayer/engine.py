@@ -460,8 +460,8 @@ class Engine:
         """``request.test()``; a transport error raised while a peer on this host has died is
         that death (RankDiedError naming the rank): gloo reports a killed peer as "Connection
         closed by peer" as soon as its socket closes, often before the next pid check. One that
-        names a peer's address elsewhere (``lost_peers``, the torch backend's) names its host
-        and ranks: their pids cannot be checked from here."""
+        names a peer's address elsewhere (``lost_peers``: the torch backend's gloo errors) names
+        its host and ranks: their pids cannot be checked from here."""
         try:
             return request.test()
         except CommlayerError:
@@ -471,8 +471,7 @@ class Engine:
             dead = backend.dead_peers()
             if dead:
                 raise self._died(dead) from exc
-            lost = getattr(backend, "lost_peers", None)
-            found = lost(exc) if lost is not None else None
+            found = backend.lost_peers(exc)
             if found is not None:
                 host, ranks = found
                 raise RankDiedError(

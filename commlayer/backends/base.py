@@ -138,6 +138,12 @@ class Backend(Protocol):
         """Ranks of this group known to have exited (empty when none or when unknown)."""
         ...
 
+    def lost_peers(self, error: BaseException) -> tuple[str, list[int]] | None:
+        """(host, its ranks) when ``error``, raised by a request, is this transport saying the
+        connection to ranks elsewhere closed (their pids cannot be checked from here); None
+        when it does not say so, or the transport never does."""
+        ...
+
     def abort(self, reason: str) -> None:
         """End the whole job now, every rank of every group (MPI_Abort on COMM_WORLD): the way
         out when a request can neither complete nor be cancelled. ``reason`` is logged first."""

@@ -533,6 +533,9 @@ class LoopbackBackend:
         with world.cond:
             return [r for r, m in enumerate(self._group.members) if m in world.dead]
 
+    def lost_peers(self, error: BaseException) -> tuple[str, list[int]] | None:
+        return None  # one process: dead_peers knows every death
+
     def close(self) -> None:
         self._closed = True
 

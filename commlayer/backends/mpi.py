@@ -415,6 +415,9 @@ class MPIBackend:
             if rank != self._rank and peer_host == host and not process_alive(pid)
         ]
 
+    def lost_peers(self, error: BaseException) -> tuple[str, list[int]] | None:
+        return None  # MPI errors name no peer: a death elsewhere ends the job through mpiexec
+
     def abort(self, reason: str) -> None:
         # MPI_Abort prints which process aborted; the reason goes first, on this rank's stderr.
         # Hydra then kills every rank it can reach; a rank on a host cut off from mpiexec
