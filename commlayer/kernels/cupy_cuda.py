@@ -231,11 +231,11 @@ def qsgd_dequantize(
         with _on(step) as stream:
             head = (_ptr(packed), _ptr(step), cupy.int64(n), cupy.int64(bucket))
             args: tuple[Any, ...]
+            tail = (_ptr(out), _ptr(top), _aligned(packed))
             if bits == 16:
-                kind, args = "qsgd_unpack16", (*head, _ptr(out), _ptr(top), _aligned(packed))
+                kind, args = "qsgd_unpack16", (*head, *tail)
             else:
-                kind, args = "qsgd_unpack", (*head, cupy.int64(levels), cupy.int32(bits),
-                                             _ptr(out), _ptr(top), _aligned(packed))  # fmt: skip
+                kind, args = "qsgd_unpack", (*head, cupy.int64(levels), cupy.int32(bits), *tail)
             _quantize_kernel(kind, step.dtype)(_grid4(n), (_THREADS,), args, stream=stream)
     return out, int(top.item())
 
