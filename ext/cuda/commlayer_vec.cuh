@@ -6,6 +6,8 @@
 
 #include "commlayer_types.cuh"
 
+#define COMMLAYER_FULL_MASK 0xffffffffu  // every lane of a warp (__shfl_*_sync)
+
 // Elements 4g .. 4g+3 of p: one vector load when `whole` (all four exist, p 16-byte aligned),
 // else one by one, `fill` for those at or past n.
 template <typename V>

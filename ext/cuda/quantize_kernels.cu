@@ -42,8 +42,6 @@
 #include "commlayer_types.cuh"
 #include "commlayer_vec.cuh"
 
-#define COMMLAYER_FULL_MASK 0xffffffffu
-
 // a / b for 0 <= a, 0 < b: one 32-bit unsigned division when both fit (every buffer below
 // 2^32 elements), the exact same quotient as the 64-bit one, which is a long emulated routine.
 __device__ __forceinline__ int64_t index_div(int64_t a, int64_t b) {

@@ -32,8 +32,6 @@
 #include "commlayer_types.cuh"
 #include "commlayer_vec.cuh"
 
-#define COMMLAYER_FULL_MASK 0xffffffffu
-
 template <typename I>
 __device__ int64_t lower_bound(const I* keys, int64_t n, I key) {
     int64_t lo = 0, hi = n;
