@@ -20,6 +20,7 @@ after the store saved the layout's new state (``_end_exchange``), so a redo stil
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -95,6 +96,17 @@ def image_loader(path: str) -> torch.Tensor:
 
 class LayoutError(Exception):
     """What is wrong with a store's files; ShardStore names the rank and re-raises."""
+
+
+def default_image_loader() -> Callable[[str], torch.Tensor]:
+    """``image_loader``, once Pillow is known to be importable: a store opened without it
+    fails at once, naming the extra, not at the first sample an exchange or a reader decodes."""
+    if importlib.util.find_spec("PIL") is None:
+        raise LayoutError(
+            "an ImageFolder-like store decodes its images with Pillow, which is not installed: "
+            "pip install 'commlayer[images]' (or pass loader= to read the files yourself)"
+        )
+    return image_loader
 
 
 class _Staging:
@@ -238,7 +250,7 @@ class ImageFolder(_Staging):
         leaving: Collection[int] = (),
     ) -> None:
         """``leaving``: samples a commit in progress sends away (their files may be gone)."""
-        self.folder, self.loader = folder, loader or image_loader
+        self.folder, self.loader = folder, loader or default_image_loader()
         self.incoming = folder / ".commlayer-incoming"
         self.meta_file = folder / ".commlayer-store.json"
         self.classes: list[str] = []

@@ -165,8 +165,8 @@ def _results(args: argparse.Namespace, machines: list[Platform]) -> Iterator[Res
 
 def run(args: argparse.Namespace) -> int:
     try:
+        machines = _checked(args)  # a bad argument is named whether or not SimGrid is here
         smpi.tools()
-        machines = _checked(args)
     except (smpi.SimGridMissing, ValueError, OSError) as exc:
         print(f"commlayer simulate: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -363,6 +364,26 @@ def test_opening_a_folder_without_a_store_names_it(tmp_path: Path) -> None:
     ):
         ShardStore(tmp_path / "nothing{rank}")
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_an_image_folder_without_pillow_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pillow is an extra ('commlayer[images]'): without it, opening an ImageFolder-like store
+    # with the default loader fails at once on every rank, naming the rank and what to install;
+    # a loader of the user's own needs no Pillow.
+    folder = tmp_path / f"img{cl.rank()}" / "c0"
+    folder.mkdir(parents=True)
+    (folder / "s0.png").write_bytes(b"not decoded")
+    monkeypatch.setitem(sys.modules, "PIL", None)  # import PIL fails; find_spec gives None
+    with pytest.raises(
+        ShardStoreError,
+        match=rf"rank {cl.rank()}: shard store: .*Pillow, which is not installed: "
+        r"pip install 'commlayer\[images\]'",
+    ):
+        ShardStore(tmp_path / "img{rank}")
+    store = ShardStore(tmp_path / "img{rank}", loader=lambda path: Path(path).read_bytes())
+    assert [store.load(i)[0] for i in store.ids()] == [b"not decoded"]
 
 
 def _check_moved(
