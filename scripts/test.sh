@@ -1,13 +1,38 @@
 #!/usr/bin/env bash
-# Set up and run every test: lint, types, unit and system tests, and the parallel suite under
-# mpiexec at 1, 2, 3 and 4 ranks, then under torchrun (commlayer over torch.distributed's gloo)
-# at 1, 2, 3 and 4 processes. This is THE test command (README, and CI via .ci/run).
-# Usage: bash scripts/test.sh   (from anywhere; needs python3 >= 3.10 and pip)
+# Set up and run the tests. This is THE test command (README; CI runs it through .ci/run).
+#
+#   bash scripts/test.sh           every test: lint, types, unit and system tests, the parallel
+#                                  suite under mpiexec at 1, 2, 3 and 4 ranks, then under
+#                                  torchrun (commlayer over gloo) at 1, 2, 3 and 4 processes
+#   bash scripts/test.sh --quick   the fast tier: lint, types, unit tests and the parallel suite
+#                                  at 2 ranks under mpiexec and under torchrun, without the tests
+#                                  marked slow (a few minutes)
+#
+# Every full run installs into a virtual environment made anew (no system site packages, only
+# what pyproject.toml declares), so a dependency nothing installs fails here as on a fresh
+# machine. --quick reuses that environment while pyproject.toml, the torch pin and the Python
+# are those it was made for, and makes it anew otherwise.
+# COMMLAYER_TEST_VENV: where the environment lives (default: .venv-test in the checkout).
+# TORCH_INDEX_URL: where torch's CPU build comes from (scripts/install-torch.sh).
+# Needs python3 >= 3.10 with venv and pip; runs from anywhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Pinned: 2.13.0 is a local CPU wheel on our machines; an unpinned torch pulls GBs of CUDA.
-TORCH_VERSION="2.13.0"
+QUICK=0
+case "${1:-}" in
+"") ;;
+--quick) QUICK=1 ;;
+-h | --help)
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    exit 0
+    ;;
+*)
+    echo "scripts/test.sh: unknown argument '$1' (none for every test, or --quick)" >&2
+    exit 2
+    ;;
+esac
+
+VENV="${COMMLAYER_TEST_VENV:-$PWD/.venv-test}"
 # Per mpiexec run; the 4-rank suite takes a fraction of this on 2 cores, a hang does not.
 PARALLEL_TIMEOUT_S=600
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
@@ -71,19 +96,39 @@ run_pytest() {
     return "$rc"
 }
 
+# What the environment was made from: made anew when any of it changes.
+fingerprint() {
+    cat pyproject.toml scripts/install-torch.sh
+    python3 -c 'import sys; print(sys.version)'
+}
+
 stage "install"
-python3 -m pip install -q "torch==${TORCH_VERSION}"
-python3 -m pip install -q -e ".[test,mpich,demo]"  # demo: the demo system test
-PY="$(python3 -c 'import sys; print(sys.executable)')"
-# mpiexec (from the mpich wheel) lives next to this python; put it first so that neither a
-# system MPI's mpiexec nor a stale pyenv shim is picked up.
-PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+want="$(fingerprint | sha256sum | cut -d' ' -f1)"
+if [[ $QUICK -eq 1 && -f "$VENV/.commlayer-fingerprint" && "$(cat "$VENV/.commlayer-fingerprint")" == "$want" ]]; then
+    echo "reusing $VENV (made for this pyproject.toml; a full run makes it anew)"
+else
+    rm -f "$VENV/.commlayer-fingerprint"
+    python3 -m venv --clear "$VENV"
+    PY="$VENV/bin/python"
+    bash scripts/install-torch.sh "$PY"
+    # test: pytest, ruff, mypy, numba, pillow...; mpich: mpi4py and an MPI with mpiexec;
+    # demo: the demo system test
+    "$PY" -m pip install -q -e ".[test,mpich,demo]"
+    echo "$want" >"$VENV/.commlayer-fingerprint"
+fi
+PY="$VENV/bin/python"
+# mpiexec (from the mpich wheel) and torchrun live next to this python; put them first so that
+# neither a system MPI's mpiexec nor a stale shim is picked up.
+PATH="$VENV/bin:$PATH"
 export PATH
+unset PYTHONPATH
 echo "python: $PY ($("$PY" -c 'import torch, mpi4py; print("torch", torch.__version__, "mpi4py", mpi4py.__version__)'))"
 echo "mpiexec: $(command -v mpiexec)"
-# SimGrid's smpicc/smpirun for `commlayer simulate` (tests/system/test_simulate.py); where it
-# cannot be installed the script says why and those tests skip with that reason.
-bash scripts/install-simgrid.sh
+if [[ $QUICK -eq 0 ]]; then
+    # SimGrid's smpicc/smpirun for `commlayer simulate` (tests/system/test_simulate.py); where
+    # it cannot be installed the script says why and those tests skip with that reason.
+    bash scripts/install-simgrid.sh
+fi
 stage_done "ok"
 
 stage "ruff"
@@ -98,34 +143,33 @@ stage "mypy"
 "$PY" -m mypy
 stage_done "ok"
 
-stage "pytest unit + system"
-test_dirs=()
-for dir in tests/unit tests/system; do
-    [[ -d "$dir" ]] && test_dirs+=("$dir")
-done
-run_pytest "${test_dirs[*]}" "$PY" -m pytest "${test_dirs[@]}" -q -rs  # -rs: print why a test skipped
+if [[ $QUICK -eq 1 ]]; then
+    unit_dirs=(tests/unit)
+    ranks=(2)
+    select=(-m "not slow")
+else
+    unit_dirs=(tests/unit tests/system)
+    ranks=(1 2 3 4)
+    select=()
+fi
+
+stage "pytest ${unit_dirs[*]}"
+run_pytest "${unit_dirs[*]}" "$PY" -m pytest "${unit_dirs[@]}" -q -rs "${select[@]+"${select[@]}"}"  # -rs: why a test skipped
 stage_done "ok"
 
-for n in 1 2 3 4; do
+for n in "${ranks[@]}"; do
     stage "pytest parallel, mpiexec -n $n"
-    if [[ $(count_test_files tests/parallel) -eq 0 ]]; then
-        stage_done "skipped (no test files in tests/parallel)"
-        continue
-    fi
     run_pytest tests/parallel timeout -k 30 "$PARALLEL_TIMEOUT_S" \
-        mpiexec -n "$n" "$PY" -m pytest tests/parallel -q -p no:cacheprovider -x </dev/null
+        mpiexec -n "$n" "$PY" -m pytest tests/parallel -q -p no:cacheprovider -x \
+        "${select[@]+"${select[@]}"}" </dev/null
     stage_done "ok"
 done
 
-for n in 1 2 3 4; do
+for n in "${ranks[@]}"; do
     stage "pytest parallel, torchrun --nproc_per_node $n"
-    if [[ $(count_test_files tests/parallel) -eq 0 ]]; then
-        stage_done "skipped (no test files in tests/parallel)"
-        continue
-    fi
     # --standalone: a rendezvous on a free local port (two runs never share one)
     run_pytest tests/parallel timeout -k 30 "$PARALLEL_TIMEOUT_S" \
         "$PY" -m torch.distributed.run --standalone --nproc_per_node "$n" \
-        -m pytest tests/parallel -q -p no:cacheprovider -x </dev/null
+        -m pytest tests/parallel -q -p no:cacheprovider -x "${select[@]+"${select[@]}"}" </dev/null
     stage_done "ok"
 done

@@ -24,6 +24,9 @@ import torch.nn.functional as F  # noqa: N812
 
 import commlayer as cl
 
+# trains the digits CNN once per compressor in a module fixture: ~40 s at 2 ranks on 2 cores
+pytestmark = pytest.mark.slow
+
 EPOCHS = 10
 SEEDS = (0, 1, 2)
 BATCH = 32  # per rank
