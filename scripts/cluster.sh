@@ -368,6 +368,11 @@ counters() {
 
 main() {
     [[ $# -ge 1 ]] || usage
+    # not root: run again through sudo (scripts/as-root.sh), so that one command line serves a
+    # root user and a sudo user
+    if [[ $EUID -ne 0 && $1 != -h && $1 != --help && $1 != help ]] && command -v sudo >/dev/null; then
+        exec bash "$(dirname "$0")/as-root.sh" bash "$0" "$@"
+    fi
     local command=$1
     shift
     case $command in
