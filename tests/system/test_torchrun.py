@@ -9,6 +9,7 @@ submits a mismatched tensor gives the others an error within seconds, as under m
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import pytest
@@ -92,4 +93,8 @@ def test_a_failing_rank_fails_the_others_and_ends_the_job(run_mpi: RunMPI, how: 
     assert took < ENDS_WITHIN_S, f"the job took {took:.1f} s to end\n{job.output()}"
     for record in job.find("blocked", 0):  # if rank 0 reported before the agent stopped it
         assert record["error"] in ("ShutdownError", "RankDiedError"), job.output()
-        assert "rank(s) [1]" in record["message"], record["message"]
+        # rank 1 is named; rank 2 too when the agent had already stopped it (its connection
+        # closed as well by then: on a loaded machine rank 0 can notice both at once)
+        named = re.search(r"rank\(s\) \[([0-9, ]+)\]", record["message"])
+        assert named is not None, record["message"]
+        assert named.group(1) in ("1", "1, 2"), record["message"]
