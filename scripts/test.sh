@@ -154,7 +154,9 @@ else
 fi
 
 stage "pytest ${unit_dirs[*]}"
-run_pytest "${unit_dirs[*]}" "$PY" -m pytest "${unit_dirs[@]}" -q -rs "${select[@]+"${select[@]}"}"  # -rs: why a test skipped
+# -rs: why a test skipped; --durations: where the time goes, for keeping the suite short
+run_pytest "${unit_dirs[*]}" "$PY" -m pytest "${unit_dirs[@]}" -q -rs --durations=25 \
+    "${select[@]+"${select[@]}"}"
 stage_done "ok"
 
 for n in "${ranks[@]}"; do
