@@ -23,7 +23,10 @@ The GradBucket contract (torch ``ddp_comm_hooks``): the hook gets a bucket whose
    parameter's view of the buffer (it needs the matrix shapes), all views' payloads in one
    collective per round.
 4. Return the communicator's future chained to the buffer: no thread, no wait for the last
-   round.
+   round. On a GPU it is a torch Future that declares the device, completed with events
+   recorded after the work queued for the buffer (commlayer/device.py, **Order**: the cast
+   back and the copy into it, on whichever stream the collective's callback ran), so DDP's
+   stream waits for them before it reads the buffer.
 
 ``algorithm="auto"`` runs every collective over ``torch.distributed`` (gloo on CPU, NCCL on GPU),
 so the hook needs no ``commlayer.init()``. A named algorithm (``"ring"``, ``"rabenseifner"``, any
@@ -56,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 import commlayer
-from commlayer import algorithms
+from commlayer import algorithms, device
 from commlayer.compression import Compressed, Compressor, create
 from commlayer.compression.communicator import Communicator, EngineTransport
 from commlayer.compression.none import NoneCompressor
@@ -213,6 +216,8 @@ def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torc
     """Average ``bucket`` over ``state.process_group`` with ``state.compressor`` (module doc)."""
     communicator = Communicator(_transport(state), ReduceOp.Sum, what="bucket")
     buffer = bucket.buffer()
+    if buffer.is_cuda:  # its futures order DDP's stream after the work queued for them
+        device.mark_futures_on(buffer.device)
     buffer.div_(communicator.transport.size)
     dense = state.iteration < state.dense_iters
     if bucket.is_last():
