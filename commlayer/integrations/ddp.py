@@ -11,6 +11,12 @@ The GradBucket contract (torch ``ddp_comm_hooks``): the hook gets a bucket whose
 ``torch.futures.Future`` whose value is a tensor shaped like ``buffer()``, holding the average.
 ``hook`` does:
 
+0. Over a process group of one rank the average is the bucket itself: the hook returns it at
+   once, in a completed future, with nothing compressed or sent (as DistributedOptimizer does
+   there, and Horovod), unless ``COMMLAYER_FORCE_FULL_PATH=1`` (read when the CommState is
+   made) asks for the whole path, for benchmarks and tests. ``compress_wrapper`` around it
+   casts nothing then either.
+
 1. Divide the buffer by the process group's size (before compressing: the payload then sums to
    the mean, and a cast to fp16 cannot overflow on the sum).
 2. For the first ``dense_iters`` iterations, allreduce the buffer as is: DDP rebuilds its buckets
@@ -59,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 import commlayer
-from commlayer import algorithms, device
+from commlayer import algorithms, config, device, runtime
 from commlayer.compression import Compressed, Compressor, create
 from commlayer.compression.communicator import Communicator, EngineTransport
 from commlayer.compression.none import NoneCompressor
@@ -83,7 +89,9 @@ class CommState:
     every rank (their commlayer operation names are numbered).
     """
 
-    __slots__ = ("process_group", "compressor", "algorithm", "dense_iters", "iteration", "_id")
+    __slots__ = (
+        "process_group", "compressor", "algorithm", "dense_iters", "iteration", "full_path", "_id",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -101,6 +109,10 @@ class CommState:
         self.algorithm = algorithm
         self.dense_iters = dense_iters
         self.iteration = 0
+        # Reduce over one rank too (module docstring, 0.): the setting init() resolved, or the
+        # environment's where commlayer is not initialised (algorithm "auto" needs no init()).
+        settings = runtime.config() if runtime.is_initialized() else config.load()
+        self.full_path = settings.force_full_path == "1"
         self._id = next(_state_ids)
 
     def __repr__(self) -> str:
@@ -212,8 +224,26 @@ def _transport(state: CommState) -> _TorchTransport | EngineTransport:
     return EngineTransport(prefix=f"ddp{state._id}.")
 
 
+def _alone(state: Any) -> bool:
+    """Whether ``state``'s hook reduces over one rank and takes no full path (module doc, 0.)."""
+    if not isinstance(state, CommState) or state.full_path:
+        return False
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    return dist.get_world_size(group) == 1
+
+
+def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
 def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` over ``state.process_group`` with ``state.compressor`` (module doc)."""
+    if _alone(state):
+        if bucket.is_last():
+            state.iteration += 1
+        return _completed(bucket.buffer())
     communicator = Communicator(_transport(state), ReduceOp.Sum, what="bucket")
     buffer = bucket.buffer()
     if buffer.is_cuda:  # its futures order DDP's stream after the work queued for them
@@ -263,6 +293,8 @@ def compress_wrapper(inner: Hook, compression: str | Compressor) -> Hook:
         )
 
     def wrapped(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if _alone(state):  # over one rank the inner hook (ours) returns the bucket as it is
+            return inner(state, bucket)
         buffer = bucket.buffer()
         compressed = compressor.compress(buffer, f"bucket{bucket.index()}")
         bucket.set_buffer(compressed.payload[0])

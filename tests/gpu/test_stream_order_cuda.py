@@ -66,6 +66,7 @@ def _run(launch: list[str], env: dict[str, str]) -> None:
     environ = {
         **os.environ,
         "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+        "COMMLAYER_FORCE_FULL_PATH": "1",  # one rank: the whole path all the same
         **env,
     }
     done = subprocess.run([*launch, str(WORKER)], env=environ, capture_output=True, text=True,
