@@ -104,7 +104,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
-        if op == ReduceOp.Adasum:
+        # Over one rank the wrapper is the identity (module docstring, 6.), whatever the op
+        # (Horovod's too: at size 1 it wraps even op=Adasum in its plain optimizer).
+        alone = process_set.size() == 1 and runtime.config().force_full_path != "1"
+        if op == ReduceOp.Adasum and not alone:
             raise ValueError(
                 f"rank {runtime.rank()}: DistributedOptimizer(op=Adasum) is not supported: "
                 "Horovod applies Adasum to each "
@@ -149,9 +152,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Whether this rank reduces at all (module docstring, 6.): as in Horovod, ranks outside
         # the optimizer's process set do not (their gradients stay local), nor does a set of one
         # rank, unless COMMLAYER_FORCE_FULL_PATH says to; synchronize() then returns at once.
-        self._cl_reduces = process_set.included() and (
-            process_set.size() > 1 or runtime.config().force_full_path == "1"
-        )
+        self._cl_reduces = process_set.included() and not alone
         # Seconds step()/synchronize() spent blocked on reductions: the collective time that
         # passed meanwhile (communication_stats()["collective_now_s"] before and after: what
         # backward did not hide) plus the wait outside collectives (negotiation, queueing).

@@ -2,10 +2,11 @@
 DistributedOptimizer registers no hooks when size() is 1 and whose step is then the wrapped
 optimizer's: over a process set of one rank (the global one at size 1, else a set of this rank
 alone, so every case runs at any size) no hook is registered and nothing is compressed, sent or
-waited for, so training is plain PyTorch's, bit for bit, whatever the options; synchronize() and
-skip_synchronize() behave as Horovod's there. ``COMMLAYER_FORCE_FULL_PATH=1`` (which the rest of
-this suite sets, conftest.py 5.) takes the whole path again. Collectives called directly still
-run through the engine. The DDP hook's identity is in test_ddp_hook.py.
+waited for, so training is plain PyTorch's, bit for bit, whatever the options (op=Adasum too, as
+Horovod takes it at size 1); synchronize() and skip_synchronize() behave as Horovod's there.
+``COMMLAYER_FORCE_FULL_PATH=1`` (which the rest of this suite sets, conftest.py 5.) takes the
+whole path again. Collectives called directly still run through the engine. The DDP hook's
+identity is in test_ddp_hook.py.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 OPTIONS: dict[str, dict[str, Any]] = {
     "average": {},
     "op_sum": {"op": cl.Sum},
+    "op_adasum": {"op": cl.Adasum},  # refused over more ranks; Horovod's is plain at size 1
     "gradient_predivide_factor_4": {"gradient_predivide_factor": 4.0},
     "fp16": {"compression": "fp16"},
     "topk": {"compression": "topk:ratio=0.1"},
