@@ -17,6 +17,12 @@
    inputs; a step is zero_grad, forward, backward, step. Median over ``--steps`` steps after
    ``--warmup``. For commlayer the worker also reports the overlap achieved: the fraction of
    the engine's time in collectives that passed outside step() (hidden behind backward).
+4. ``--one-rank`` (issue 35, item 1): one process, three copies of the model trained in turn,
+   one step of each (the order rotates): the plain optimizer, commlayer's DistributedOptimizer
+   as a user gets it at one rank (the identity, as Horovod's at size 1) and the same with
+   ``COMMLAYER_FORCE_FULL_PATH=1`` (hooks, buckets, the engine). Median step and its spread
+   (quartiles, min-max), and the median over steps of each one's ratio to the plain step next
+   to it.
 Horovod is measured when ``horovod.torch`` is importable (``scripts/install-horovod.sh`` builds
 it), in separate runs only: its background thread negotiates every cycle (1 ms) even when idle,
 so in a paired job it would slow the others' steps (tried: DDP's MLP step at 4 ranks went from
@@ -241,9 +247,101 @@ def paired_worker(args: argparse.Namespace) -> None:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
+ONE_RANK = ("plain", "identity", "full path")  # --one-rank's systems (module docstring, 4.)
+
+
+def one_rank_worker(args: argparse.Namespace) -> None:
+    """The three of ``ONE_RANK`` in one process, a step of each in turn (module docstring, 4.):
+    the engine runs for all three (its idle heartbeat is charged to every one's steps)."""
+    import commlayer as cl
+    from commlayer import config
+
+    cl.init()
+    build, input_shape, classes = MODELS[args.model]
+    models, optimizers = [], []
+    for name in ONE_RANK:
+        torch.manual_seed(0)
+        model = build()
+        opt: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if name != "plain":
+            with config.override(force_full_path=int(name == "full path")):  # read here, once
+                opt = cl.DistributedOptimizer(
+                    opt, named_parameters=[(f"{name}.{n}", p) for n, p in model.named_parameters()]
+                )
+        models.append(model)
+        optimizers.append(opt)
+    torch.manual_seed(1)
+    inputs = torch.randn(args.batch, *input_shape)
+    targets = torch.randint(0, classes, (args.batch,))
+    times: list[list[float]] = [[] for _ in ONE_RANK]
+    for step in range(args.warmup + args.steps):
+        for k in range(len(ONE_RANK)):
+            i = (step + k) % len(ONE_RANK)
+            times[i].append(_timed_step(models[i], optimizers[i], inputs, targets))
+    result: dict[str, Any] = {"system": "one-rank", "model": args.model, "ranks": cl.size()}
+    plain = times[0][args.warmup :]
+    for name, series in zip(ONE_RANK, times, strict=True):
+        kept = sorted(series[args.warmup :])
+        quartiles = statistics.quantiles(kept, n=4)
+        result[name] = {
+            "median_ms": statistics.median(kept) * 1e3,
+            "q1_ms": quartiles[0] * 1e3,
+            "q3_ms": quartiles[2] * 1e3,
+            "min_ms": kept[0] * 1e3,
+            "max_ms": kept[-1] * 1e3,
+            # throughput relative to the plain step taken next to it
+            "vs_plain": statistics.median(
+                p / t for p, t in zip(plain, series[args.warmup :], strict=True)
+            ),
+        }
+    cl.shutdown()
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def one_rank_table(results: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        "| model | system | median step ms | quartiles ms | min-max ms | samples/s vs plain |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        for name in ONE_RANK:
+            t = r[name]
+            rows.append(
+                f"| {r['model']} | {name} | {t['median_ms']:.1f} | {t['q1_ms']:.1f}-"
+                f"{t['q3_ms']:.1f} | {t['min_ms']:.1f}-{t['max_ms']:.1f} | {t['vs_plain']:.2f} |"
+            )
+    return rows
+
+
+def one_rank_driver(args: argparse.Namespace) -> None:
+    """``--one-rank``: one job per model (module docstring, 4.)."""
+    header = [
+        f"# one rank: no wrapping vs DistributedOptimizer (identity) vs its full path, median "
+        f"of {args.steps} steps of each after {args.warmup} warm-up, batch {args.batch}",
+        "",
+        f"{datetime.date.today()}, {platform.node()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, OMP_NUM_THREADS=1, `python {' '.join(sys.argv)}`",
+        "",
+        "One process (`mpiexec -n 1`), the three models trained in turn, one step each (the order",
+        "rotates); `full path`: COMMLAYER_FORCE_FULL_PATH=1. Last column: median over steps of",
+        "the plain step's time over this one's, taken next to each other.",
+        "",
+    ]
+    print("\n".join(header), flush=True)
+    results = [run_one(args, "one-rank", model, 1) for model in args.models]
+    lines = [*header, *one_rank_table(results), ""]
+    print("\n".join(one_rank_table(results)))
+    if args.out:
+        with open(args.out, "w") as out:
+            out.write("\n".join(lines))
+
+
 def worker(args: argparse.Namespace) -> None:
     if args.worker == "paired":
         paired_worker(args)
+        return
+    if args.worker == "one-rank":
+        one_rank_worker(args)
         return
     torch.manual_seed(0)
     build, input_shape, classes = MODELS[args.model]
@@ -467,8 +565,16 @@ def main() -> int:
         action="store_true",
         help="only the paired DDP/commlayer jobs (a before/after check of a change)",
     )
+    parser.add_argument(
+        "--one-rank",
+        action="store_true",
+        help="only one process: no wrapping vs DistributedOptimizer (the identity there) vs "
+        "its full path (COMMLAYER_FORCE_FULL_PATH=1), in turn",
+    )
     parser.add_argument("--out", help="also write the table here")
-    parser.add_argument("--worker", choices=("single", "paired", *SYSTEMS), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=("single", "paired", "one-rank", *SYSTEMS), help=argparse.SUPPRESS
+    )
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument(
         "--systems",
@@ -478,6 +584,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         worker(args)
+    elif args.one_rank:
+        one_rank_driver(args)
     else:
         driver(args)
     return 0

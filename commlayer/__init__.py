@@ -3,6 +3,10 @@
 ``import commlayer as hvd`` works for horovod.torch users: same names, arguments and semantics.
 """
 
+from importlib.util import find_spec as _find_spec
+
+import torch as _torch
+
 from commlayer import compression, config, elastic
 from commlayer import runtime as _runtime
 from commlayer.compression import Compression
@@ -86,12 +90,13 @@ __version__ = "0.1.0"
 
 
 def mpi_built() -> bool:
-    """commlayer runs over MPI (mpi4py) or torch.distributed (COMMLAYER_BACKEND)."""
-    return True
+    """Whether the MPI backend can run here: mpi4py imports (commlayer runs over MPI, or over
+    torch.distributed under torchrun: COMMLAYER_BACKEND)."""
+    return _find_spec("mpi4py") is not None
 
 
 def mpi_enabled() -> bool:
-    """Whether the running engine's messages travel over MPI."""
+    """Whether the running engine's messages travel over MPI (False before init())."""
     return _runtime.backend_name() == "mpi"
 
 
@@ -108,30 +113,52 @@ def gloo_built() -> bool:
 
 
 def gloo_enabled() -> bool:
-    """Whether the running engine's messages travel over torch.distributed (gloo)."""
+    """Whether the running engine's messages travel over torch.distributed (gloo; False before
+    init())."""
     return _runtime.backend_name() == "torch"
 
 
-def nccl_built() -> bool:
-    """Collectives take CPU tensors only (a GPU tensor is refused with a ValueError)."""
-    return False
+def nccl_built() -> int:
+    """NCCL's version code as Horovod returns it (NCCL_VERSION_CODE: 22703 for 2.27.3), or 0.
+
+    Non-zero when torch.distributed has NCCL and a GPU is here (``cuda_built()`` or
+    ``rocm_built()``, whose NCCL is RCCL): the torch backend then moves CUDA tensors over NCCL
+    directly (under torchrun; COMMLAYER_NCCL), and DDP's hook runs over it. Scripts written for
+    Horovod test it as a bool."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_nccl_available() and (cuda_built() or rocm_built())):
+        return 0
+    major, minor, patch = _torch.cuda.nccl.version()[:3]
+    if (major, minor) <= (2, 8):  # NCCL's own NCCL_VERSION(X, Y, Z) macro
+        return int(major * 1000 + minor * 100 + patch)
+    return int(major * 10000 + minor * 100 + patch)
 
 
 def ddl_built() -> bool:
+    """IBM DDL: commlayer has no DDL path."""
     return False
 
 
 def ccl_built() -> bool:
+    """Intel oneCCL: commlayer has no oneCCL path."""
     return False
 
 
 def cuda_built() -> bool:
-    """Collectives take CPU tensors only; the CUDA compression kernels need no CUDA build."""
-    return False
+    """Whether collectives, DistributedOptimizer and DDP's hook take CUDA tensors here: torch was
+    built with CUDA and sees a GPU. Such tensors are staged through pinned host memory, or taken
+    by the backend directly where it can (NCCL under torchrun, a CUDA-aware MPI: commlayer/
+    device.py). (Horovod: compiled with CUDA. The CUDA compression kernels need no CUDA build of
+    commlayer.)"""
+    return _torch.version.cuda is not None and _torch.cuda.is_available()
 
 
 def rocm_built() -> bool:
-    return False
+    """As ``cuda_built()`` for a torch built for ROCm (HIP) that sees a GPU: torch presents its
+    devices as ``cuda`` ones, and the collectives take them the same way (not tested on ROCm
+    here)."""
+    return _torch.version.hip is not None and _torch.cuda.is_available()
 
 
 def allreduce_algorithm() -> str:

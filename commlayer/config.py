@@ -30,6 +30,7 @@ JOIN_MODES = ("horovod", "active")
 ON_OFF = ("on", "off")
 BACKENDS = ("auto", "mpi", "torch")
 AUTO_OFF_ON = ("auto", "0", "1")
+OFF_ON = ("0", "1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Config:
     cuda_aware_mpi: str = "auto"
     nccl: str = "auto"
     sim_table: str = ""
+    force_full_path: str = "0"
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -155,6 +157,7 @@ _JOIN_MODE = _fixed(one_of(lambda: JOIN_MODES), f"one of {', '.join(JOIN_MODES)}
 _ON_OFF = _fixed(one_of(lambda: ON_OFF), f"one of {', '.join(ON_OFF)}")
 _BACKEND = _fixed(one_of(lambda: BACKENDS), f"one of {', '.join(BACKENDS)}")
 _AUTO_OFF_ON = _fixed(one_of(lambda: AUTO_OFF_ON), f"one of {', '.join(AUTO_OFF_ON)}")
+_OFF_ON = _fixed(one_of(lambda: OFF_ON), f"one of {', '.join(OFF_ON)}")
 _PATH = _fixed(str, "a path")
 # In _VARIABLES: a setting whose allowed values are names other modules own (algorithms,
 # compressors, ...); config imports none of them, their Validators are passed in.
@@ -330,6 +333,16 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "whether the torch backend moves CUDA tensors over NCCL directly: auto (default) and 1 "
         "when torch has CUDA and NCCL and every rank a GPU of its own (1: an error otherwise), "
         "0: stage them through pinned host buffers over gloo",
+    ),
+    (
+        "COMMLAYER_FORCE_FULL_PATH",
+        "force_full_path",
+        _OFF_ON,
+        "0 (default): over one rank (a process set or DDP group of size 1) DistributedOptimizer "
+        "and the DDP hook leave gradients as backward made them, as Horovod does at size 1 (no "
+        "hooks, nothing sent, no compression); 1: they take the whole path there too (hooks, "
+        "buckets, compression, the engine), for benchmarks and tests. Collectives called "
+        "directly run through the engine at any size",
     ),
     (
         "COMMLAYER_SIM_TABLE",

@@ -20,10 +20,11 @@ waits on that event the way the backend needs (``Path.wait``):
   (``sync_before_host_call``), so the engine's own packs and reductions are done too.
 
 Once the collective and the unpack are done, ``Direct.done`` records an event on the work
-stream after them and waits for it (engine thread), so the future's value is usable on any
-stream. A ``Path.channel`` that is not empty must be the same on every rank of an operation
-(NCCL on one rank and gloo on another would never meet): it is negotiated with the operation
-(``Announce.channel``), and a joined rank makes its buffers on that channel's device.
+stream after them and waits for it (engine thread); what is queued after that is ordered by the
+future's marks (**Order** below). A ``Path.channel`` that is not empty must be the same on every
+rank of an operation (NCCL on one rank and gloo on another would never meet): it is negotiated
+with the operation (``Announce.channel``), and a joined rank makes its buffers on that channel's
+device.
 
 **Staged** (``Staged``), for every other CUDA tensor (the backends move host memory: MPI without
 CUDA support, gloo):
@@ -42,11 +43,24 @@ CUDA support, gloo):
    reducescatter); alltoall's received splits stay on the CPU, as Horovod's do. The future
    completes once those copies are done, so its value is usable on any stream.
 
+**Order** (``marks``, ``follow``): device work is still queued for an operation after the
+engine's own is done: its ``finish`` (an in-place form's copy back, Adasum's combine) and the
+callbacks its future runs (a compressor's decompress, the copy into the gradient, a next
+round), all on the completing thread's current stream (the engine's work stream, or a stream
+torch's future callbacks run on). So a future completed in a process that uses a device carries
+``marks``: an event recorded on the completing thread's current stream of each such device
+after that work; whoever waits on the future, or runs a callback on it, ``follow``s them: its
+current streams wait on the events (no host wait), as torch's CUDA futures do. A future chained
+from it (``then``, a communicator round) records its own after its callback's work, so the
+stream of whoever waits last (``step()``'s, DDP's) is ordered after all of it.
+
 The device-dependent steps are the functions ``_copy_stream``, ``_work_stream``,
-``_host_buffer`` and ``_event``; everything else runs unchanged on CPU tensors when a test sets
-``STAGE_CPU`` (staging) or ``DIRECT_CPU`` (the direct path, with a CPU data group on the torch
-backend) (tests/parallel/test_device.py), which is how CI, without a GPU, checks the seam's
-logic. tests/gpu/ runs it on CUDA tensors.
+``_current_stream``, ``_set_stream``, ``_on``, ``_keep``, ``_host_buffer`` and ``_event``;
+everything else runs unchanged on CPU tensors when a test sets ``STAGE_CPU`` (staging) or
+``DIRECT_CPU`` (the direct path, with a CPU data group on the torch backend)
+(tests/parallel/test_device.py), which is how CI, without a GPU, checks the seam's logic; a test
+that also replaces those functions with fake streams and events checks the order
+(tests/parallel/test_stream_order.py). tests/gpu/ runs it on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -111,11 +125,31 @@ def _copy_stream(device: torch.device) -> Any:
 
 @contextlib.contextmanager
 def _on(stream: Any) -> Iterator[None]:
+    """``stream`` current for the block (its device's), the previous one after it."""
     if stream is None:
         yield
     else:
         with torch.cuda.stream(stream):
             yield
+
+
+def _current_stream(device: torch.device) -> Any:
+    """The calling thread's current stream of ``device`` (None for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    return None
+
+
+def _set_stream(device: torch.device, stream: Any) -> None:
+    """Make ``stream`` the calling thread's current stream (and ``device`` its device)."""
+    if torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)  # (a thread's device starts at 0)
+    torch.cuda.set_stream(stream)
+
+
+def _keep(tensor: torch.Tensor, stream: Any) -> None:
+    """``tensor``'s memory is not reused by its own stream while ``stream`` works on it."""
+    tensor.record_stream(stream)
 
 
 def _host_buffer(like: torch.Tensor) -> torch.Tensor:
@@ -131,6 +165,50 @@ def _event(stream: Any) -> Any:
     event = torch.cuda.Event()
     event.record(stream)
     return event
+
+
+# -- order: whoever waits on a future after the device work queued for it (module docstring) --
+Marks = tuple[tuple[torch.device, Any, Any], ...]  # (device, stream, event recorded on it)
+_marked: tuple[torch.device, ...] = ()  # the devices futures carry marks for
+
+
+def mark_futures_on(device: torch.device) -> None:
+    """From now on, futures completed in this process carry marks for ``device`` (``prepare``
+    and ``stage`` call it for the devices the engine works on, the DDP hook for its buckets')."""
+    global _marked
+    if device not in _marked:
+        _marked = (*_marked, device)
+
+
+def marks() -> Marks | None:
+    """An event recorded now on the calling thread's current stream of each marked device, after
+    the work it queued there; None when no device is marked (a CPU job's futures carry none)."""
+    if not _marked:
+        return None
+    found = []
+    for device in _marked:
+        stream = _current_stream(device)
+        if stream is not None:
+            found.append((device, stream, _event(stream)))
+    return tuple(found) or None
+
+
+def follow(marks: Marks) -> None:
+    """Make the calling thread's current streams wait on ``marks`` (no host wait); a stream that
+    recorded one is already ordered after it."""
+    for device, stream, event in marks:
+        current = _current_stream(device)
+        if current is not None and current != stream:
+            current.wait_event(event)
+
+
+def future_devices() -> list[torch.device]:
+    """The devices a torch Future standing for a commlayer one declares (``Future.to_torch``):
+    every CUDA device once one is marked, so that torch's Future records events for its value
+    and its waiters and callbacks wait on them; none otherwise."""
+    if not any(device.type == "cuda" for device in _marked):
+        return []
+    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
 
 
 class Staged:
@@ -230,9 +308,7 @@ class _Produced:
     def test(self) -> bool:
         stream = _work_stream(self.device)
         if stream is not None:  # the engine thread's device work goes on its own stream
-            if torch.cuda.current_device() != self.device.index:
-                torch.cuda.set_device(self.device)  # (a thread's device starts at 0)
-            torch.cuda.set_stream(stream)
+            _set_stream(self.device, stream)
         if self.event is None:
             return True
         if self.wait == "host":  # MPI: the producer's work must be done before MPI reads
@@ -315,9 +391,10 @@ def prepare(
     produced = None
     stream = _work_stream(device)
     if stream is not None:
-        produced = _event(torch.cuda.current_stream(device))
+        produced = _event(_current_stream(device))
         for tensor in every:  # not reused by the caller's stream while the engine works on it
-            tensor.record_stream(stream)
+            _keep(tensor, stream)
+        mark_futures_on(device)
     elif DIRECT_CPU is not None:
         produced = _event(None)
     return list(inputs), list(outputs), Direct(device, route, produced), route.channel
@@ -336,7 +413,8 @@ def stage(
         device = _device_of(inputs, outputs)
     stream = _copy_stream(device)
     if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(device))
+        stream.wait_stream(_current_stream(device))
+        mark_futures_on(device)
     host: dict[int, torch.Tensor] = {}  # id(device tensor) -> its host stand-in
     with _on(stream):
         for tensor in inputs:
@@ -344,7 +422,7 @@ def stage(
                 buffer = host[id(tensor)] = _host_buffer(tensor)
                 buffer.copy_(tensor, non_blocking=True)
                 if stream is not None:
-                    tensor.record_stream(stream)  # not reused by the caller's stream meanwhile
+                    _keep(tensor, stream)  # not reused by the caller's stream meanwhile
         ready = _event(stream)
     back: dict[int, torch.Tensor] = {}
     for tensor in outputs:

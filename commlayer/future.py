@@ -11,6 +11,16 @@ Every ``*_async`` call returns one. It answers ``wait()``, ``value()``, ``done()
 2. Creation is cheap (a held lock is the latch: 0.1 us, against ~2 us for a torch Future),
    which counts at 100s of operations per step.
 
+Device order, as torch's CUDA futures: in a process that queues device work for its operations
+(commlayer/device.py, **Order**), a future is completed with ``marks``, events recorded on the
+completing thread's current streams after the work queued for its value (the engine's finish,
+the callbacks that completed it: a compressor's decompress, the copy into a gradient). ``wait()``
+and ``value()`` make the caller's current streams wait on them (no host wait), and so does
+every callback before it runs; a future made by a callback (``then``, ``combined``, a
+communicator's rounds) is completed with marks of its own, after the callback's work. So the
+stream that consumes a value (``step()``'s, DDP's) is ordered after all of that work, on
+whatever stream and thread it was queued. A CPU job's futures carry none (one check).
+
 Callbacks run on the thread that completes the future: the engine's thread for an operation
 (or the caller's, if it was already done). They must be short and must not wait on another
 commlayer operation: the engine would be waiting on itself. Such a wait raises at once instead
@@ -27,6 +37,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from commlayer import device
 
 log = logging.getLogger("commlayer")
 
@@ -51,7 +63,7 @@ def mark_engine_thread(ident: int | None, running: bool) -> None:
 class Future:
     """Result of an asynchronous operation (module docstring)."""
 
-    __slots__ = ("name", "_latch", "_done", "_result", "_error", "_callbacks")
+    __slots__ = ("name", "_latch", "_done", "_result", "_error", "_callbacks", "_marks")
 
     def __init__(self, name: str = "") -> None:
         self.name = name
@@ -61,6 +73,7 @@ class Future:
         self._result: Any = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Future], None]] | None = None
+        self._marks: device.Marks | None = None  # (module docstring, device order)
 
     # -- torch.futures.Future's interface ----------------------------------------------------
     def done(self) -> bool:
@@ -68,7 +81,8 @@ class Future:
         return self._done
 
     def wait(self, timeout_s: float | None = None) -> Any:
-        """Block until done; return the result or raise the operation's error."""
+        """Block until done; return the result or raise the operation's error. The caller's
+        current streams wait for the device work queued for the result (module docstring)."""
         if not self._done:
             if _thread.get_ident() in _engine_threads:
                 raise RuntimeError(
@@ -80,6 +94,8 @@ class Future:
             self._latch.release()  # let other waiters through
         if self._error is not None:
             raise self._error
+        if self._marks is not None:
+            device.follow(self._marks)
         return self._result
 
     def __call__(self) -> Any:
@@ -128,10 +144,11 @@ class Future:
 
     # -- completion ------------------------------------------------------------------------------
     def _set(self, result: Any = None, error: BaseException | None = None) -> None:
+        marks = device.marks() if error is None else None  # after the work queued for result
         with _callbacks_lock:
             if self._done:
                 raise RuntimeError(f"operation {self.name!r} was completed twice")
-            self._result, self._error = result, error
+            self._result, self._error, self._marks = result, error, marks
             self._done = True
             callbacks, self._callbacks = self._callbacks, None
         self._latch.release()
@@ -139,8 +156,11 @@ class Future:
             _run(callback, self)
 
     def to_torch(self) -> torch.futures.Future[Any]:
-        """A ``torch.futures.Future`` completed with this one's result or error."""
-        out: torch.futures.Future[Any] = torch.futures.Future()
+        """A ``torch.futures.Future`` completed with this one's result or error; where devices
+        are in use it declares them, so it records events after the work queued for the result
+        and its waiters (DDP's reducer) and callbacks wait on them."""
+        devices: list[Any] = device.future_devices()  # (torch.device, int or str)
+        out: torch.futures.Future[Any] = torch.futures.Future(devices=devices or None)
 
         def forward(done: Future) -> None:
             if done._error is not None:
@@ -189,7 +209,10 @@ def combined(name: str, parts: Sequence[Any], combine: Callable[[list[Any]], Any
 
 
 def _run(callback: Callable[[Future], None], future: Future) -> None:
+    """``callback(future)``, its work queued after the future's (module docstring)."""
     try:
+        if future._marks is not None:
+            device.follow(future._marks)
         callback(future)
     except Exception:  # noqa: BLE001 - a user's callback must not stop the engine
         log.exception("commlayer: a callback on %r raised", future)

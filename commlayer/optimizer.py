@@ -32,6 +32,14 @@
    object's state, so ``isinstance``, ``param_groups``, ``state_dict``, ``add_param_group``, LR
    schedulers, step hooks and custom subclasses keep working; LBFGS is refused (its closure
    re-evaluates gradients many times per step).
+6. Over one rank (a process set of size 1: ``size()`` is 1, or a set of this rank alone) the
+   average is the gradient itself, and, as Horovod, which registers no hooks at size 1, the
+   wrapper is the identity: no hook, no bucket, no compression, nothing submitted or waited
+   for; ``step()`` is the wrapped optimizer's, gradients accumulate over backward passes as
+   they would unwrapped, and ``synchronize()`` only marks the step as synchronized (so
+   ``step()`` after it warns, as Horovod's does). ``COMMLAYER_FORCE_FULL_PATH=1`` takes the
+   whole path there too, for benchmarks and tests. Ranks outside the process set are identity
+   wrappers too (Horovod: their gradients stay local).
 """
 
 from __future__ import annotations
@@ -96,7 +104,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
-        if op == ReduceOp.Adasum:
+        # Over one rank the wrapper is the identity (module docstring, 6.), whatever the op
+        # (Horovod's too: at size 1 it wraps even op=Adasum in its plain optimizer).
+        alone = process_set.size() == 1 and runtime.config().force_full_path != "1"
+        if op == ReduceOp.Adasum and not alone:
             raise ValueError(
                 f"rank {runtime.rank()}: DistributedOptimizer(op=Adasum) is not supported: "
                 "Horovod applies Adasum to each "
@@ -138,9 +149,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Gradients that were sparse and were reduced dense (sparse_as_dense, or dense in the
         # step that planned the buckets): given back sparse, as backward made them.
         self._cl_resparsify: set[torch.nn.Parameter] = set()
-        # As in Horovod, ranks outside the optimizer's process set do not reduce: their
-        # gradients stay local and synchronize() returns at once.
-        self._cl_included = process_set.included()
+        # Whether this rank reduces at all (module docstring, 6.): as in Horovod, ranks outside
+        # the optimizer's process set do not (their gradients stay local), nor does a set of one
+        # rank, unless COMMLAYER_FORCE_FULL_PATH says to; synchronize() then returns at once.
+        self._cl_reduces = process_set.included() and not alone
         # Seconds step()/synchronize() spent blocked on reductions: the collective time that
         # passed meanwhile (communication_stats()["collective_now_s"] before and after: what
         # backward did not hide) plus the wait outside collectives (negotiation, queueing).
@@ -156,7 +168,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _cl_hook(self, params: list[torch.nn.Parameter]) -> None:
         """Submit each parameter's gradient as soon as backward has accumulated it."""
-        if not self._cl_included:
+        if not self._cl_reduces:
             return
         self._cl_hooks += [
             p.register_post_accumulate_grad_hook(self._cl_on_grad_ready)
@@ -270,7 +282,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._cl_user_synchronized = True
 
     def _cl_synchronize(self) -> None:
-        if not self._cl_included:
+        if not self._cl_reduces:
             self._cl_synchronized = True
             return
         self._cl_send_unsent()

@@ -11,6 +11,12 @@ The GradBucket contract (torch ``ddp_comm_hooks``): the hook gets a bucket whose
 ``torch.futures.Future`` whose value is a tensor shaped like ``buffer()``, holding the average.
 ``hook`` does:
 
+0. Over a process group of one rank the average is the bucket itself: the hook returns it at
+   once, in a completed future, with nothing compressed or sent (as DistributedOptimizer does
+   there, and Horovod), unless ``COMMLAYER_FORCE_FULL_PATH=1`` (read when the CommState is
+   made) asks for the whole path, for benchmarks and tests. ``compress_wrapper`` around it
+   casts nothing then either.
+
 1. Divide the buffer by the process group's size (before compressing: the payload then sums to
    the mean, and a cast to fp16 cannot overflow on the sum).
 2. For the first ``dense_iters`` iterations, allreduce the buffer as is: DDP rebuilds its buckets
@@ -23,7 +29,10 @@ The GradBucket contract (torch ``ddp_comm_hooks``): the hook gets a bucket whose
    parameter's view of the buffer (it needs the matrix shapes), all views' payloads in one
    collective per round.
 4. Return the communicator's future chained to the buffer: no thread, no wait for the last
-   round.
+   round. On a GPU it is a torch Future that declares the device, completed with events
+   recorded after the work queued for the buffer (commlayer/device.py, **Order**: the cast
+   back and the copy into it, on whichever stream the collective's callback ran), so DDP's
+   stream waits for them before it reads the buffer.
 
 ``algorithm="auto"`` runs every collective over ``torch.distributed`` (gloo on CPU, NCCL on GPU),
 so the hook needs no ``commlayer.init()``. A named algorithm (``"ring"``, ``"rabenseifner"``, any
@@ -56,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 import commlayer
-from commlayer import algorithms
+from commlayer import algorithms, config, device, runtime
 from commlayer.compression import Compressed, Compressor, create
 from commlayer.compression.communicator import Communicator, EngineTransport
 from commlayer.compression.none import NoneCompressor
@@ -80,7 +89,9 @@ class CommState:
     every rank (their commlayer operation names are numbered).
     """
 
-    __slots__ = ("process_group", "compressor", "algorithm", "dense_iters", "iteration", "_id")
+    __slots__ = (
+        "process_group", "compressor", "algorithm", "dense_iters", "iteration", "full_path", "_id",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -98,6 +109,10 @@ class CommState:
         self.algorithm = algorithm
         self.dense_iters = dense_iters
         self.iteration = 0
+        # Reduce over one rank too (module docstring, 0.): the setting init() resolved, or the
+        # environment's where commlayer is not initialised (algorithm "auto" needs no init()).
+        settings = runtime.config() if runtime.is_initialized() else config.load()
+        self.full_path = settings.force_full_path == "1"
         self._id = next(_state_ids)
 
     def __repr__(self) -> str:
@@ -209,10 +224,30 @@ def _transport(state: CommState) -> _TorchTransport | EngineTransport:
     return EngineTransport(prefix=f"ddp{state._id}.")
 
 
+def _alone(state: Any) -> bool:
+    """Whether ``state``'s hook reduces over one rank and takes no full path (module doc, 0.)."""
+    if not isinstance(state, CommState) or state.full_path:
+        return False
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    return dist.get_world_size(group) == 1
+
+
+def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
 def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket`` over ``state.process_group`` with ``state.compressor`` (module doc)."""
+    if _alone(state):
+        if bucket.is_last():
+            state.iteration += 1
+        return _completed(bucket.buffer())
     communicator = Communicator(_transport(state), ReduceOp.Sum, what="bucket")
     buffer = bucket.buffer()
+    if buffer.is_cuda:  # its futures order DDP's stream after the work queued for them
+        device.mark_futures_on(buffer.device)
     buffer.div_(communicator.transport.size)
     dense = state.iteration < state.dense_iters
     if bucket.is_last():
@@ -258,6 +293,8 @@ def compress_wrapper(inner: Hook, compression: str | Compressor) -> Hook:
         )
 
     def wrapped(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if _alone(state):  # over one rank the inner hook (ours) returns the bucket as it is
+            return inner(state, bucket)
         buffer = bucket.buffer()
         compressed = compressor.compress(buffer, f"bucket{bucket.index()}")
         bucket.set_buffer(compressed.payload[0])

@@ -5,14 +5,21 @@ GPU, collects them and reports them skipped instead of failing or hiding them.
 The hook below marks every item collected under this folder. It cannot help a module that
 fails to import without CUDA, so modules that need CUDA at import time also skip themselves
 first, with the same reason (``pytest.skip(NO_CUDA, allow_module_level=True)``).
+
+These tests run one process on one GPU: DistributedOptimizer and the DDP hook take their whole
+path there all the same (``COMMLAYER_FORCE_FULL_PATH``: else they are the identity over one
+rank), in this process and in the jobs the tests start.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from commlayer import config
 
 NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"
 _HERE = Path(__file__).resolve().parent
@@ -27,3 +34,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _HERE in Path(item.path).resolve().parents:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _full_path() -> Iterator[None]:
+    with config.override(force_full_path=1):
+        yield

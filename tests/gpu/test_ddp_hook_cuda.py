@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: torch.cuda.is_available() is False", allow_module_level=True)
 
 import torch.distributed as dist  # noqa: E402
+from slow_cast import SlowZeroingFP16, fp16_exact  # noqa: E402
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
@@ -103,3 +104,20 @@ def _leaves(value: Any) -> Iterator[Any]:
             yield from _leaves(v)
     else:
         yield value
+
+
+def test_compressed_bucket_is_written_before_ddp_reads_it(nccl: None) -> None:
+    """Issue 35, item 6, through DDP: the cast back and the copy into the bucket run in the NCCL
+    future's callback, on a stream of torch's pool; DDP reads the bucket on its own stream after
+    waiting on the hook's future, which must order it after that copy. Here the copy comes
+    ~0.1 s late and the bucket holds zeros until then (slow_cast.py): a read not ordered after
+    it leaves the weight where it was."""
+    grad = fp16_exact(4096)
+    layer = torch.nn.Linear(4096, 1, bias=False).cuda()
+    torch.nn.init.zeros_(layer.weight)
+    model = DDP(layer, device_ids=[torch.cuda.current_device()])
+    model.register_comm_hook(ddp.CommState(compression=SlowZeroingFP16(), dense_iters=0), ddp.hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(grad.cuda().view(1, -1)).sum().backward()  # the weight's gradient: grad
+    opt.step()
+    assert torch.equal(layer.weight.detach().cpu().view(-1), -grad)

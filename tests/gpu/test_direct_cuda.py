@@ -25,7 +25,8 @@ GPUS = torch.cuda.device_count()
 
 
 def _run(launch: list[str], env: dict[str, str], ranks: int) -> None:
-    environ = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", **env}
+    environ = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+               "COMMLAYER_FORCE_FULL_PATH": "1", **env}  # fmt: skip
     done = subprocess.run([*launch, sys.executable, str(WORKER)] if launch[0] == "mpiexec"
                           else [*launch, str(WORKER)], env=environ, capture_output=True,
                           text=True, timeout=240)  # fmt: skip

@@ -12,6 +12,10 @@
    with pytest-timeout's "thread" method: a rank stuck in a collective dumps every thread's
    stack and exits, which ends the mpiexec job instead of hanging CI. On ranks != 0, whose
    terminal is silenced, the same is done by a timer that writes to stderr.
+5. DistributedOptimizer and the DDP hook take their whole path over one rank too
+   (``COMMLAYER_FORCE_FULL_PATH``; else they are the identity there, as Horovod): these tests
+   check that path at every size, a 1-rank run included. test_one_rank.py checks the identity,
+   with the switch off.
 
 Run it as ``pytest tests/parallel`` (so this conftest is loaded before pytest configures).
 """
@@ -165,6 +169,7 @@ def _commlayer_session() -> Iterator[None]:
     if not hasattr(commlayer, "init"):
         yield
         return
-    commlayer.init()
-    yield
-    commlayer.shutdown()
+    with commlayer.config.override(force_full_path=1):  # 5. in the module docstring
+        commlayer.init()
+        yield
+        commlayer.shutdown()

@@ -248,3 +248,65 @@ def test_residuals_survive_checkpoint_restore() -> None:
     assert all(torch.equal(a, b) for a, b in zip(restored, optimizer_free))
     # Without the residuals the run differs: the test above would notice a lost state.
     assert not all(torch.equal(a, b) for a, b in zip(forgotten, optimizer_free))
+
+
+# -- over one rank: the identity (issue 35, item 1) -----------------------------------------------
+class _Bucket:
+    """What the hook reads of a GradBucket."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._buffer]
+
+
+def test_over_one_rank_the_hook_returns_the_bucket_at_once() -> None:
+    """A process group of this rank alone (each rank its own; made on every rank in the same
+    order): the hook, and compress_wrapper around it, return the very bucket, undivided and not
+    cast, in a completed future; COMMLAYER_FORCE_FULL_PATH=1 (read when the state is made) takes
+    the whole path: an fp16 round trip. DDP over such a group trains as plain PyTorch."""
+    groups = [dist.new_group([r], backend="gloo") for r in range(cl.size())]
+    group = groups[cl.rank()]
+    values = torch.full((5,), 1 / 3)  # not a float16 value
+    with cl.config.override(force_full_path=0):
+        state = ddp.CommState(group, compression="fp16", dense_iters=0)
+        plain = ddp.CommState(group, dense_iters=0)
+    with cl.config.override(force_full_path=1):
+        full = ddp.CommState(group, compression="fp16", dense_iters=0)
+    returned, buffers = {}, {}
+    for name, hook, hook_state in (
+        ("hook", ddp.hook, state),
+        ("wrapped", ddp.compress_wrapper(ddp.hook, "fp16"), plain),
+        ("full", ddp.hook, full),
+    ):
+        buffers[name] = values.clone()
+        future = hook(hook_state, _Bucket(buffers[name]))  # type: ignore[arg-type]
+        returned[name] = (future.done(), future.wait() is buffers[name])
+    batches = _batches(3, F64)
+    models = []
+    for hooked in (True, False):
+        model = _mlp(0, F64)
+        if hooked:
+            model = DDP(model, process_group=group, bucket_cap_mb=TINY_BUCKET_MB)
+            model.register_comm_hook(plain, ddp.hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for x, y in batches:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        models.append(_params(model))
+    assert returned["hook"] == returned["wrapped"] == (True, True)
+    assert torch.equal(buffers["hook"], values) and torch.equal(buffers["wrapped"], values)
+    assert state.iteration == 1
+    assert torch.equal(buffers["full"], values.half().float()), "not the whole path"
+    assert all(torch.equal(a, b) for a, b in zip(*models))

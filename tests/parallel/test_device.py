@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from collective_reference import seed_of, small_ints
+from direct_cpu import force_direct
 
 import commlayer as cl
 from commlayer import device
@@ -150,9 +151,9 @@ def _train_two_steps(where: str, prefix: str, seed: int) -> torch.nn.Module:
     """A small model on ``where`` after two DistributedOptimizer steps on inputs of this
     rank's seed (``seed`` + rank), its parameters named with ``prefix``."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
-    ).to(where)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).to(
+        where
+    )
     opt = cl.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1),
         named_parameters=[(f"{prefix}.{n}", p) for n, p in model.named_parameters()],
@@ -206,30 +207,9 @@ class _FakeEvent:
 def direct(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list, list]]:
     """(the wait the route asks for, the event log, the data calls' groups under torch):
     "stream" under the torch backend (as NCCL), "host" under MPI (as a CUDA-aware MPI)."""
-    from commlayer import runtime
-
     log: list[tuple[str, int]] = []
     monkeypatch.setattr(device, "_event", lambda stream: _FakeEvent(log))
-    groups: list[object] = []
-    if runtime.backend_name() == "torch":
-        import torch.distributed as dist
-
-        backend = runtime.engine()._global.backend
-        data = dist.new_group(backend="gloo")  # every rank, in the same order
-        monkeypatch.setattr(backend, "_data", {})
-        backend.add_data_group("cpu", data)
-        real = type(backend)._all_reduce  # every allreduce the backend posts, on any group
-
-        def all_reduce(self: object, tensor: torch.Tensor, op: object, group: object) -> object:
-            groups.append(group)
-            return real(self, tensor, op, group)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(type(backend), "_all_reduce", all_reduce)
-        route = device.Path("stream", "test-data-group")
-        groups.append(data)  # groups[0]: the data group
-    else:
-        route = device.Path("host", "test-direct")
-    monkeypatch.setattr(device, "DIRECT_CPU", route)
+    route, groups = force_direct(monkeypatch)
     made = _counted(monkeypatch)
     yield route.wait, log, groups
     assert not made, f"the direct path made host stand-ins: {made}"

@@ -40,6 +40,7 @@ DEFAULTS = {
     "cuda_aware_mpi": "auto",
     "nccl": "auto",
     "sim_table": "",
+    "force_full_path": "0",
 }
 
 # (variable, text, Config field, parsed value)
@@ -108,6 +109,8 @@ GOOD = [
     ("COMMLAYER_CUDA_AWARE_MPI", " 1", "cuda_aware_mpi", "1"),
     ("COMMLAYER_CUDA_AWARE_MPI", "AUTO", "cuda_aware_mpi", "auto"),
     ("COMMLAYER_NCCL", "0", "nccl", "0"),
+    ("COMMLAYER_FORCE_FULL_PATH", "1", "force_full_path", "1"),
+    ("COMMLAYER_FORCE_FULL_PATH", " 0 ", "force_full_path", "0"),
     ("COMMLAYER_SIM_TABLE", str(SIM_TABLE), "sim_table", str(SIM_TABLE)),
 ]
 
@@ -179,6 +182,8 @@ BAD = [
     ("COMMLAYER_CUDA_AWARE_MPI", "yes", "one of auto, 0, 1"),
     ("COMMLAYER_CUDA_AWARE_MPI", "2", "one of auto, 0, 1"),
     ("COMMLAYER_NCCL", "on", "one of auto, 0, 1"),
+    ("COMMLAYER_FORCE_FULL_PATH", "yes", "one of 0, 1"),
+    ("COMMLAYER_FORCE_FULL_PATH", "auto", "one of 0, 1"),
     ("COMMLAYER_SIM_TABLE", "/no/such/table.jsonl", "/no/such/table.jsonl: cannot read"),
 ]
 
