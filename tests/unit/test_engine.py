@@ -17,6 +17,7 @@ from engine_harness import (
     run_engines,
     wait,
 )
+from waiting import wait_until
 
 from commlayer import engine as engine_module
 from commlayer.backends.loopback import LoopbackBackend, LoopbackWorld
@@ -357,10 +358,12 @@ def test_operations_submitted_together_are_negotiated_and_fused_together() -> No
     def fn(engine: Engine) -> tuple[int, list[torch.Tensor]]:
         ops = [allreduce(f"g{i}", torch.full((10,), float(engine.rank + 1))) for i in range(4)]
         engine.submit_all(ops)
-        deadline = time.perf_counter() + WAIT_S
-        while not all(op.handle._done for op in ops):  # no wait() and no poll: _done, raw
-            assert time.perf_counter() < deadline, "submitted operations never ran"
-            time.sleep(0.001)
+        wait_until(  # no wait() and no poll: _done, raw
+            lambda: all(op.handle._done for op in ops),
+            WAIT_S,
+            "submitted operations never ran",
+            poll_s=0.001,
+        )
         return engine.stats.operations, [wait(op.handle) for op in ops]
 
     for ran, results in run_engines(2, fn):
