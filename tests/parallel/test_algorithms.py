@@ -8,7 +8,6 @@ asserts last (see test_allreduce.py).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -24,6 +23,7 @@ from collective_reference import (
     seed_of,
 )
 from launch import own_backend
+from waiting import wait_until
 
 import commlayer as cl
 from commlayer import algorithms, runtime
@@ -53,11 +53,8 @@ def run_with(
 ) -> torch.Tensor:
     buf = tensor.clone().reshape(-1)
     request = allreducer(backend, None, buf, op)
-    deadline = time.monotonic() + 60.0
-    while not request.test():
-        name = allreducer.algorithm
-        assert time.monotonic() < deadline, f"rank {cl.rank()}: {name} did not complete"
-        time.sleep(0)
+    what = f"rank {cl.rank()}: {allreducer.algorithm} did not complete"
+    wait_until(request.test, 60.0, what)
     return buf.reshape(tensor.shape)
 
 
@@ -114,10 +111,7 @@ def test_topology_aware_algorithms_on_pretend_nodes(backend: Backend, name: str)
             inputs = every_rank_small_ints(seed_of(f"{name}.{t}.{numel}"), (numel,), torch.int64)
             buf = inputs[cl.rank()].clone()
             request = allreducer(backend, None, buf, cl.Sum)
-            deadline = time.monotonic() + 60.0
-            while not request.test():
-                assert time.monotonic() < deadline, f"rank {cl.rank()}: {name} did not complete"
-                time.sleep(0)
+            wait_until(request.test, 60.0, f"rank {cl.rank()}: {name} did not complete")
             runs.append((buf, inputs))
     for result, inputs in runs:
         assert_reduced(result, inputs, cl.Sum)

@@ -10,7 +10,6 @@ rank skips the same tests. Collectives first, asserts last (see test_allreduce.p
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ from collective_reference import (
 )
 from launch import mpi_only
 from restart import reinit
+from waiting import wait_until
 
 import commlayer as cl
 from commlayer import runtime
@@ -81,10 +81,7 @@ def run(
 ) -> torch.Tensor:
     buf = tensor.clone().reshape(-1)
     request = Allreducer("hierarchical", topology=Topology(node_of))(backend, None, buf, op)
-    deadline = time.monotonic() + 60.0
-    while not request.test():
-        assert time.monotonic() < deadline, f"rank {cl.rank()}: {node_of} did not complete"
-        time.sleep(0)
+    wait_until(request.test, 60.0, f"rank {cl.rank()}: {node_of} did not complete")
     return buf.reshape(tensor.shape)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import time
 import warnings
 from pathlib import Path
 
@@ -175,17 +174,24 @@ def test_horovod_allreduce_type_error_is_runtime_error() -> None:
 def test_horovod_allreduce_duplicate_name_error_is_value_error() -> None:
     # An operation is in flight until every rank submitted it: a rank that submits late holds
     # it open while the others submit the same name again (with one rank nothing holds it open,
-    # so, as in Horovod's own test, the test does not apply there).
+    # so, as in Horovod's own test, the test does not apply there). The late rank submits only
+    # after an allreduce the others join once their second submission has been answered.
     tensor = _tensor(torch.float32, 1)
+    answers: list[BaseException | None] = []
     for late, name in ((0, "dropin.duplicate.a"), (1, "dropin.duplicate.b")):
         if hvd.rank() == late:
-            time.sleep(0.3)
+            hvd.allreduce(tensor, name=f"{name}.answered")
             handle = hvd.allreduce_async(tensor, name=name)
         else:
             handle = hvd.allreduce_async(tensor, name=name)
-            with pytest.raises(ValueError):
+            try:
                 hvd.allreduce_async(tensor, name=name)
+                answers.append(None)
+            except Exception as exc:  # checked below, once the late rank is released
+                answers.append(exc)
+            hvd.allreduce(tensor, name=f"{name}.answered")
         hvd.synchronize(handle)
+    assert all(isinstance(a, ValueError) for a in answers), answers
 
 
 def test_horovod_compression_argument_of_the_blocking_collectives() -> None:

@@ -11,7 +11,6 @@ test_allreduce.py).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ from collective_reference import (
 )
 from launch import mpi_only
 from restart import reinit
+from waiting import wait_until
 
 import commlayer as cl
 from commlayer import fusion, ops
@@ -66,10 +66,7 @@ def run(
 ) -> list[torch.Tensor]:
     outputs = sources if in_place else [torch.full_like(s, -7) for s in sources]
     request = backend.shm_iallreduce_pieces(sources, outputs, list(scales), op)
-    deadline = time.monotonic() + 60.0
-    while not request.test():
-        assert time.monotonic() < deadline, f"rank {cl.rank()}: the window did not complete"
-        time.sleep(0)
+    wait_until(request.test, 60.0, f"rank {cl.rank()}: the window did not complete")
     return outputs
 
 

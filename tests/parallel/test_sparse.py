@@ -7,13 +7,13 @@ every rank's input from a shared seed, so the reference is computed locally."""
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from launch import own_backend
+from waiting import wait_until
 
 import commlayer as cl
 from commlayer.algorithms import sparse
@@ -66,10 +66,7 @@ def run(
     size = backend.size
     topology = Topology(tuple(r // 2 for r in range(size))) if size == 4 else None
     req = sparse_allreduce(backend, *data[backend.rank], N, name, k=k, topology=topology)
-    deadline = time.monotonic() + 60.0
-    while not req.test():
-        assert time.monotonic() < deadline, f"rank {backend.rank}: {name} did not complete"
-        time.sleep(0)
+    wait_until(req.test, 60.0, f"rank {backend.rank}: {name} did not complete")
     assert req.result is not None
     return req.result, req.dropped
 
@@ -125,10 +122,9 @@ def test_irecv_any_sizes_each_message(backend: Backend) -> None:
         backend.isend_any(torch.full((n + rank,), float(rank)), right) for n in (0, 3, 1 << 16)
     ]
     recvs = [backend.irecv_any(torch.float32, left) for _ in range(3)]
-    deadline = time.monotonic() + 30.0
-    while not all([r.test() for r in [*sends, *recvs]]):  # a list: test every one, each time
-        assert time.monotonic() < deadline
-        time.sleep(0)
+    requests = [*sends, *recvs]
+    what = f"rank {rank}: the sends and receives did not complete"
+    wait_until(lambda: all([r.test() for r in requests]), 30.0, what)  # a list: test each one
     for n, recv in zip((0, 3, 1 << 16), recvs):
         assert recv.tensor is not None
         assert torch.equal(recv.tensor, torch.full((n + left,), float(left)))

@@ -10,7 +10,8 @@
    forwarding a rank's output once another rank was killed by a signal, a file does not.
 3. The job's environment is this one without any ``COMMLAYER_*`` variable (a developer's
    ``COMMLAYER_TIMELINE`` must not leak in), with ``OMP_NUM_THREADS=1`` (3 ranks on 2 cores
-   must not each start a thread per core) plus what the test passes.
+   must not each start a thread per core) and tests/ on PYTHONPATH (the workers wait with
+   tests/waiting.py, as the tests do) plus what the test passes.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import poll
 
 SCRIPTS = Path(__file__).parent / "scripts"
+TESTS = Path(__file__).resolve().parent.parent
 # Startup of one rank (import torch, MPI_Init) takes 2-4 s on the 2-core CI machine, 3 ranks
 # longer; 45 s leaves room for a loaded machine while a hang still fails within a minute.
 DEFAULT_TIMEOUT_S = 45.0
@@ -100,19 +103,19 @@ def _alive(pid: int) -> bool:
 def _wait_gone(pids: Sequence[int], limit_s: float = 5.0) -> None:
     """SIGKILL is delivered asynchronously: a rank reparented away from the killed proxy can
     outlive mpiexec by some milliseconds. Wait for every process to have ended."""
-    deadline = time.monotonic() + limit_s
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    poll(lambda: not any(map(_alive, pids)), limit_s, poll_s=0.01)
 
 
 def worker_env(out_dir: Path, watchdog_s: float, extra: dict[str, str]) -> dict[str, str]:
     """A worker job's environment (module docstring, item 3): this one without COMMLAYER_*,
     one OpenMP thread, reports to ``out_dir``, and a backstop should the harness itself be
-    killed: ranks end themselves after ``watchdog_s``; then ``extra``."""
+    killed: ranks end themselves after ``watchdog_s``; tests/ on PYTHONPATH; then
+    ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
     env.update(
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
         SYSTEST_OUT_DIR=str(out_dir),
         SYSTEST_WATCHDOG_S=str(watchdog_s),
     )

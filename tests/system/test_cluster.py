@@ -26,13 +26,13 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from waiting import Deadline, wait_until
 
 from commlayer import algorithms, launcher
 
@@ -98,6 +98,19 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
 
 
+def _runs_inside(namespace: str, argv: list[str]) -> bool:
+    """Whether a process of network namespace ``namespace`` runs exactly ``argv``."""
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    for pid in listed.stdout.split():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if cmdline.read().split(b"\0")[:-1] == [a.encode() for a in argv]:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def _root_links() -> set[str]:
     listed = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
     return {line.split(":")[1].strip() for line in listed.stdout.splitlines()}
@@ -139,7 +152,14 @@ def test_cluster_lifecycle_leaves_nothing_behind(permitted: None) -> None:
         filters = cluster("exec", "node2", "tc", "filter", "show", "dev", "eth0", "egress").stdout
         assert "bpf" not in filters, filters
         cluster("link", "node3", "down")
-        assert "node3:eth0 -> switch: DOWN" in cluster("status").stdout
+        # status prints the kernel's operstate, which linkwatch updates after 'ip link set'
+        # has returned (a work item): wait for it rather than expect it at once
+        wait_until(
+            lambda: "node3:eth0 -> switch: DOWN" in cluster("status").stdout,
+            10.0,
+            "cluster.sh status never showed node3's eth0 DOWN",
+            poll_s=0.05,
+        )
         cluster("link", "node3", "up")
         status = cluster("status").stdout
         assert "node3  10.213.0.3  hostname node3  link 100mbit" in status, status
@@ -150,8 +170,14 @@ def test_cluster_lifecycle_leaves_nothing_behind(permitted: None) -> None:
         sleeper = subprocess.Popen(
             ["bash", str(CLUSTER_SH), "exec", "node1", "sleep", "600"], start_new_session=True
         )
-        time.sleep(0.5)
-        assert sleeper.poll() is None
+        # inside node1 before 'down' (which must end it) runs, not merely started
+        wait_until(
+            lambda: _runs_inside("node1", ["sleep", "600"]) or sleeper.poll() is not None,
+            20.0,
+            "'cluster.sh exec node1 sleep 600' never ran inside node1",
+            poll_s=0.05,
+        )
+        assert sleeper.poll() is None, f"'cluster.sh exec' exited {sleeper.returncode}"
     finally:
         down = cluster("down", check=False)
         if sleeper is not None:
@@ -458,11 +484,11 @@ def torchrun_agents(
 def agents_output(agents: list[subprocess.Popen[str]], timeout_s: float) -> str:
     """Every agent's output once all have ended; past ``timeout_s`` (together) each is killed,
     its output marked so."""
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline(timeout_s)
     outputs = []
     for k, agent in enumerate(agents, start=1):
         try:
-            outputs.append(agent.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            outputs.append(agent.communicate(timeout=max(1.0, deadline.left_s()))[0])
         except subprocess.TimeoutExpired:
             agent.kill()  # its workers run in the host's namespace: cluster.sh down ends them
             outputs.append(

@@ -38,6 +38,7 @@ from typing import Any
 
 import pytest
 from test_cluster import REPO, _commlayerrun, cluster, harness, permitted, torchrun_agents
+from waiting import Deadline, poll
 
 __all__ = ["harness", "permitted"]  # fixtures of test_cluster.py, used here
 
@@ -92,22 +93,20 @@ class Job:
         return [r for r in found if event is None or r["event"] == event]
 
     def wait_for(self, ready: Callable[[], bool], limit_s: float, what: str) -> None:
-        deadline = time.monotonic() + limit_s
-        while not ready():
-            if not self.running() or time.monotonic() > deadline:
-                self.end(0.1)
-                pytest.fail(f"never saw {what}\n{self.explain()}", pytrace=False)
-            time.sleep(0.05)
+        # stop early if the job ended: what it did not do by then it never will
+        if not poll(lambda: ready() or not self.running(), limit_s, poll_s=0.05) or not ready():
+            self.end(0.1)
+            pytest.fail(f"never saw {what}\n{self.explain()}", pytrace=False)
 
     def end(self, limit_s: float) -> int:
         """The job's exit code (torchrun: the first agent's that is not 0), waiting at most
         ``limit_s`` for every process; past it everything is killed and the test fails (a
         hang)."""
-        deadline = time.monotonic() + limit_s
+        deadline = Deadline(limit_s)
         outputs = []
         try:
             for proc in self.procs:
-                outputs.append(proc.communicate(timeout=max(0.0, deadline - time.monotonic()))[0])
+                outputs.append(proc.communicate(timeout=deadline.left_s())[0])
         except subprocess.TimeoutExpired:
             self.kill()
             self.output = "\n".join(proc.communicate()[0] for proc in self.procs)

@@ -25,6 +25,7 @@ def all_job(run_mpi: RunMPI, request: pytest.FixtureRequest) -> Job:
 def test_every_rank_exits_0(all_job: Job) -> None:
     assert all_job.returncode == 0, all_job.output()
     assert len(all_job.find("done")) == 2, all_job.output()
+    assert all_job.find("uncaught") == [], all_job.output()  # the ranks' own excepthooks
     assert "Traceback" not in all_job.stderr, all_job.output()
 
 
@@ -68,7 +69,9 @@ def test_peers_of_a_rank_that_shut_down_get_shutdown_error(run_mpi: RunMPI, torc
         record = job.one("allreduce", rank)
         assert record["error"] == "ShutdownError", job.output()
         assert "rank(s) [0] shut down" in record["message"], record["message"]
-        assert record["elapsed_s"] < 0.5, "must fail at once, not wait for rank 0"
+        # must fail at once, not wait for rank 0: in its submission, as the engine had stopped
+        # (the worker submits only then); a 'submitted' record means it was queued and waited
+        assert job.find("submitted", rank) == [], f"rank {rank} waited\n{job.output()}"
         assert job.find("done", rank), job.output()
 
 
@@ -84,7 +87,9 @@ def test_init_again_on_one_rank_alone_fails_within_its_timeout(
     assert record["error"] == "CommlayerError", job.output()
     assert record["message"].startswith("rank 0: init() waited 2 s"), record["message"]
     assert "every rank calls it, also after shutdown()" in record["message"]
-    assert 2.0 <= record["elapsed_s"] < 10.0, record
+    # Not before its 2 s; the upper bound only tells the 2 s setting from the 60 s default, so
+    # it is generous for a loaded machine (measured 2.00-2.03 s in 4 runs at load average 8)
+    assert 2.0 <= record["elapsed_s"] < 20.0, record
     assert job.one("initialized", 0)["value"] is False
     assert job.returncode == 0, job.output()
     assert len(job.find("done")) == 2, job.output()

@@ -17,9 +17,16 @@ STALL_ENV = {
     "COMMLAYER_STALL_CHECK_TIME_SECONDS": "1",
     "COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS": "2",
 }
-# Timing bounds, generous for a loaded 2-core machine: a check every second is not precise.
-WARN_WITHIN_S = (0.9, 4.0)
-FAIL_WITHIN_S = (1.9, 6.0)
+# Lower bounds: not before the settings' 1 s and 2 s (less a clock tick). The upper bound only
+# tells the setting from the default (a StallError never: the harness kills the job at 45 s),
+# so it is generous: measured 1.00-1.04 s to the warning and 2.00-2.03 s to the StallError in
+# 4 runs at load average 8, but a loaded 2-core machine may stall the ranks for seconds. The
+# warning has no upper bound of its own: it must come before the StallError, an order, exact.
+WARN_AFTER_S = 0.9
+FAIL_WITHIN_S = (1.9, 15.0)
+# An allreduce once every rank has submitted it: a leftover of the stall (its operation still
+# pending, a rank backed off) would hold it for another stall period; it took at most 21 ms.
+AFTER_WITHIN_S = 2.0
 
 
 def _stalled_ops(size: int, mode: str) -> dict[int, tuple[str, str, list[int], list[int]]]:
@@ -70,7 +77,9 @@ def test_stall_warning_names_tensor_and_missing_ranks(job: Job) -> None:
         warned = [w for w in job.find("warning", rank) if "stall" in w["message"]]
         assert warned, job.output()
         first_s = min(w["time"] for w in warned) - _t0(job, rank)
-        assert WARN_WITHIN_S[0] <= first_s <= WARN_WITHIN_S[1], f"warned after {first_s:.1f} s"
+        assert first_s >= WARN_AFTER_S, f"warned after {first_s:.1f} s"
+        stalled = job.one("stalled", rank)["time"]
+        assert min(w["time"] for w in warned) < stalled, "the warning must come first"
 
 
 def test_stalled_operation_fails_with_stall_error(job: Job) -> None:
@@ -88,11 +97,15 @@ def test_stalled_operation_fails_with_stall_error(job: Job) -> None:
 
 
 def test_allreduce_works_after_the_stall(job: Job) -> None:
-    for rank in range(job.size):
-        record = job.one("after", rank)
+    afters = [job.one("after", rank) for rank in range(job.size)]
+    # it can complete only once the last rank submitted it: time it from there, so that a rank
+    # woken late from its StallError does not count against the others
+    last_submitted = max(r["time"] - r["elapsed_s"] for r in afters)
+    for rank, record in enumerate(afters):
         assert record["error"] is None, job.output()
         assert record["result"] == [float(job.size)] * 2
-        assert record["elapsed_s"] < 2.0, f"rank {rank}: allreduce after the stall was slow"
+        took = record["time"] - last_submitted
+        assert took < AFTER_WITHIN_S, f"rank {rank}: allreduce after the stall took {took:.1f} s"
 
 
 def test_job_exits_cleanly(job: Job) -> None:

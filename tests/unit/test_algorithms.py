@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from engine_harness import allreduce, run_engines, wait
+from waiting import Deadline, wait_until
 
 from commlayer import algorithms, config
 from commlayer.algorithms import topology as topology_module
@@ -338,14 +339,20 @@ def test_executor_reduces_the_first_piece_before_the_others_arrive(small_chunks:
         gate = [backend.rank != 0]
         held = _HoldingBackend(backend, gate)
         request = ScheduleRequest(held, schedule, buf, ReduceOp.Sum, Scratch())  # type: ignore[arg-type]
-        deadline = time.monotonic() + 10.0
+        start, stop = schedule[0].recvs[0].start, schedule[0].recvs[0].stop
+        # past 5 s the gate opens anyway: a first piece never seen fails the check, not a hang
+        give_up = Deadline(5.0)
         first_piece = False
-        while not request.test():
-            start, stop = schedule[0].recvs[0].start, schedule[0].recvs[0].stop
+
+        def done() -> bool:
+            nonlocal first_piece
+            if request.test():
+                return True
             first_piece = first_piece or bool((buf[start:stop] == 3.0).all())
-            gate[0] = gate[0] or first_piece or time.monotonic() > deadline - 5
-            assert time.monotonic() < deadline
-            time.sleep(1e-4)
+            gate[0] = gate[0] or first_piece or give_up.passed()
+            return False
+
+        wait_until(done, 10.0, f"rank {backend.rank}: the ring did not complete", poll_s=1e-4)
         return backend.rank != 0 or first_piece, True, buf
 
     for ok, _, buf in run_ranks(2, main):
@@ -370,10 +377,8 @@ def test_executor_waits_for_the_sends_of_a_step_that_overlap_its_receives() -> N
                 assert torch.equal(buf, torch.full((8,), 1.0)), "applied under a pending send"
             time.sleep(1e-3)
         gate[0] = True
-        deadline = time.monotonic() + 10.0
-        while not request.test():
-            assert time.monotonic() < deadline
-            time.sleep(1e-4)
+        what = f"rank {backend.rank}: recursive doubling did not complete"
+        wait_until(request.test, 10.0, what, poll_s=1e-4)
         return buf
 
     for buf in run_ranks(2, main):
@@ -409,10 +414,8 @@ def test_simulate_names_a_deadlock_and_an_unreceived_message() -> None:
 # -- executor over the loopback backend ------------------------------------------------------------
 def _run_request(backend: LoopbackBackend, allreducer: Allreducer, buf: torch.Tensor) -> None:
     request = allreducer(backend, None, buf, ReduceOp.Sum)
-    deadline = time.monotonic() + 10.0
-    while not request.test():
-        assert time.monotonic() < deadline, f"rank {backend.rank}: allreduce did not complete"
-        time.sleep(1e-4)
+    what = f"rank {backend.rank}: allreduce did not complete"
+    wait_until(request.test, 10.0, what, poll_s=1e-4)
 
 
 @pytest.mark.parametrize("name", SCHEDULES + ["mpi"])

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from waiting import wait_until
 
 from commlayer.algorithms import autotune
 from commlayer.algorithms.autotune import SAMPLES, Tuner
@@ -158,10 +159,7 @@ class _Delayed(Allreducer):
 
 def _drive(backend: Backend, allreducer: Allreducer, buf: torch.Tensor) -> None:
     request = allreducer(backend, None, buf, ReduceOp.Sum)
-    deadline = time.monotonic() + 10.0
-    while not request.test():
-        assert time.monotonic() < deadline, "allreduce did not complete"
-        time.sleep(1e-4)
+    wait_until(request.test, 10.0, f"rank {backend.rank}: allreduce did not complete", poll_s=1e-4)
 
 
 class _Others:

@@ -7,7 +7,6 @@ import logging
 import random
 import re
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ from engine_harness import (
     run_engines,
     wait,
 )
+from waiting import wait_until
 
 from commlayer.backends.loopback import LoopbackBackend
 from commlayer.engine import Engine, Operation
@@ -368,10 +368,10 @@ def test_stall_warning_names_op_and_missing_ranks_then_completes(
             assert warned.wait(WAIT_S), "no stall warning"
         handle = engine.submit(allreduce("late", torch.ones(2)))
         if engine.rank == 0:
-            deadline = time.monotonic() + WAIT_S
-            while not seen() and time.monotonic() < deadline:
-                time.sleep(0.005)
-            warned.set()
+            try:
+                wait_until(seen, WAIT_S, f"no stall warning {expected!r}", poll_s=0.005)
+            finally:
+                warned.set()  # rank 1 goes on either way: no second wait for the same failure
         return wait(handle)
 
     results = run_engines(3, fn, stall_check_time_s=0.05)

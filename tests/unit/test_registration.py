@@ -3,11 +3,11 @@ candidate of ``auto`` with no table edited; the registries remove it again (``re
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from waiting import wait_until
 
 from commlayer import algorithms, costmodel
 from commlayer.algorithms import sparse
@@ -74,8 +74,7 @@ def test_auto_runs_the_registered_algorithm_when_it_is_predicted_fastest() -> No
         allreducer = Allreducer(algorithms.AUTO, [LATENCY_BOUND])
         buf = torch.full((1000,), float(backend.rank + 1))
         request = allreducer(backend, None, buf, ReduceOp.Sum)
-        while not request.test():
-            time.sleep(0)
+        wait_until(request.test, 10.0, f"rank {backend.rank}: {TOY} did not complete")
         return allreducer.choose(backend, buf.numel(), 4), buf
 
     for name, buf in run_ranks(4, main):
@@ -131,8 +130,7 @@ def test_sparse_auto_runs_the_registered_algorithm(monkeypatch: pytest.MonkeyPat
 
     def rank(backend: LoopbackBackend) -> tuple[str, torch.Tensor]:
         request = sparse_allreduce(backend, *inputs[backend.rank], n, sparse.AUTO)
-        while not request.test():
-            time.sleep(0)
+        wait_until(request.test, 10.0, f"rank {backend.rank}: {SPARSE_TOY} did not complete")
         assert request.result is not None
         return getattr(request, "algorithm", ""), request.result.dense()
 

@@ -5,12 +5,12 @@ auto, the cost model, input checks; and the backend's irecv_any."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from waiting import wait_until
 
 from commlayer.algorithms import sparse
 from commlayer.algorithms.sparse import cost
@@ -62,10 +62,7 @@ def run(
 ) -> list[tuple[SparseResult, SparseResult | None, str]]:
     def rank(b: LoopbackBackend) -> tuple[SparseResult, SparseResult | None, str]:
         req = sparse_allreduce(b, *inputs[b.rank], n, name, k=k, **kwargs)  # type: ignore[arg-type]
-        deadline = time.monotonic() + 20.0
-        while not req.test():
-            assert time.monotonic() < deadline, f"{name} did not complete"
-            time.sleep(0)
+        wait_until(req.test, 20.0, f"rank {b.rank}: {name} did not complete")
         assert req.result is not None
         return req.result, req.dropped, getattr(req, "algorithm", name)
 
@@ -129,8 +126,7 @@ def test_dense_switch_at_fill_in() -> None:
     def bytes_of(name: str) -> int:
         def rank(b: LoopbackBackend) -> int:
             req = sparse_allreduce(b, *inputs[b.rank], N, name)
-            while not req.test():
-                time.sleep(0)
+            wait_until(req.test, 20.0, f"rank {b.rank}: {name} did not complete")
             return req.bytes_sent
 
         return max(run_ranks(4, rank))
@@ -366,10 +362,7 @@ def test_topo_sparse_defaults_to_the_backends_nodes(monkeypatch: pytest.MonkeyPa
 
     def rank(b: LoopbackBackend) -> SparseResult:
         req = sparse_allreduce(b, *inputs[b.rank], n, "topo_sparse")
-        deadline = time.monotonic() + 20.0
-        while not req.test():
-            assert time.monotonic() < deadline, "topo_sparse did not complete"
-            time.sleep(0)
+        wait_until(req.test, 20.0, f"rank {b.rank}: topo_sparse did not complete")
         assert req.result is not None
         return req.result
 

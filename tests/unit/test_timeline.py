@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from waiting import wait_until
 
 from commlayer import timeline as timeline_module
 from commlayer.timeline import NullTimeline, Timeline, open_timeline
@@ -141,16 +142,18 @@ def test_close_from_another_thread_while_writing(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     tl = Timeline(str(path), rank=0)
     stop = threading.Event()
+    written = [0]
 
     def engine() -> None:
-        i = 0
         while not stop.is_set():
+            i = written[0]
             tl.span(f"t{i % 50}", "COLLECTIVE", time.perf_counter(), time.perf_counter())
-            i += 1
+            written[0] = i + 1
 
     thread = threading.Thread(target=engine)
     thread.start()
-    time.sleep(0.05)
+    # close once the writer is well under way (it goes on writing): not after a guessed time
+    wait_until(lambda: written[0] >= 100, 10.0, "the writer thread did not write 100 spans")
     tl.close()
     stop.set()
     thread.join()

@@ -24,6 +24,7 @@ from pathlib import Path
 import _worker
 import torch
 from torch import nn
+from waiting import wait_until
 
 import commlayer as cl
 
@@ -74,8 +75,7 @@ def exact() -> None:
     for phase in ("before", "after"):
         if phase == "after":
             go = Path(os.environ["SYSTEST_OUT_DIR"]) / "go"
-            while not go.exists():
-                time.sleep(0.05)
+            wait_until(go.exists, _worker.WAIT_S, f"rank {rank}: the test never wrote {go}", 0.05)
             cl.barrier()
         times, same = [], True
         for i in range(5):

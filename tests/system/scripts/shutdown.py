@@ -1,13 +1,13 @@
 """Shutdown: ``all`` ranks shut down together, collectives fail clearly afterwards, init() starts
 again (as in Horovod) and shuts down again; ``one`` rank (0) shuts down and exits while the
-others go on: their next collective fails with ShutdownError naming rank 0; ``reinit_alone``: every
+others go on: once their engine has stopped (it noticed rank 0's goodbye) their next
+collective fails with ShutdownError naming rank 0, in its submission; ``reinit_alone``: every
 rank shuts down, rank 0 alone calls init() again (COMMLAYER_INIT_TIMEOUT_SECONDS short) and must
 get an error naming it, not hang."""
 
 from __future__ import annotations
 
 import sys
-import time
 
 import _worker
 import torch
@@ -45,7 +45,8 @@ elif rank == 0:
     _worker.report("left")
     sys.exit(0)
 else:
-    time.sleep(1.0)  # rank 0 is gone by now
-    _worker.attempt("allreduce", lambda: hvd.allreduce(torch.ones(2), name="t2"))
+    # Rank 0's goodbye stops this rank's engine; a collective after that must fail at once.
+    _worker.engine_stopped("rank 0's shutdown")
+    _worker.attempt("allreduce", lambda: _worker.allreduce_reporting("t2"))
     hvd.shutdown()
 _worker.report("done")
