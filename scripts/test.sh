@@ -104,19 +104,18 @@ fingerprint() {
 
 stage "install"
 want="$(fingerprint | sha256sum | cut -d' ' -f1)"
+PY="$VENV/bin/python"
 if [[ $QUICK -eq 1 && -f "$VENV/.commlayer-fingerprint" && "$(cat "$VENV/.commlayer-fingerprint")" == "$want" ]]; then
     echo "reusing $VENV (made for this pyproject.toml; a full run makes it anew)"
 else
     rm -f "$VENV/.commlayer-fingerprint"
     python3 -m venv --clear "$VENV"
-    PY="$VENV/bin/python"
     bash scripts/install-torch.sh "$PY"
     # test: pytest, ruff, mypy, numba, pillow...; mpich: mpi4py and an MPI with mpiexec;
     # demo: the demo system test
     "$PY" -m pip install -q -e ".[test,mpich,demo]"
     echo "$want" >"$VENV/.commlayer-fingerprint"
 fi
-PY="$VENV/bin/python"
 # mpiexec (from the mpich wheel) and torchrun live next to this python; put them first so that
 # neither a system MPI's mpiexec nor a stale shim is picked up.
 PATH="$VENV/bin:$PATH"
