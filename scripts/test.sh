@@ -12,7 +12,8 @@
 # what pyproject.toml declares), so a dependency nothing installs fails here as on a fresh
 # machine. --quick reuses that environment while pyproject.toml, the torch pin and the Python
 # are those it was made for, and makes it anew otherwise.
-# COMMLAYER_TEST_VENV: where the environment lives (default: .venv-test in the checkout).
+# TEST_VENV: where the environment lives (default: .venv-test in the checkout; not a COMMLAYER_*
+# name, since commlayer refuses COMMLAYER_* variables it does not know).
 # TORCH_INDEX_URL: where torch's CPU build comes from (scripts/install-torch.sh).
 # Needs python3 >= 3.10 with venv and pip; runs from anywhere.
 set -euo pipefail
@@ -32,7 +33,7 @@ case "${1:-}" in
     ;;
 esac
 
-VENV="${COMMLAYER_TEST_VENV:-$PWD/.venv-test}"
+VENV="${TEST_VENV:-$PWD/.venv-test}"
 # Per mpiexec run; the 4-rank suite takes a fraction of this on 2 cores, a hang does not.
 PARALLEL_TIMEOUT_S=600
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
