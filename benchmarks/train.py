@@ -53,6 +53,9 @@ from commlayer import malloc
 SYSTEMS = ("commlayer", "ddp", "horovod")
 # commlayer launched by torchrun (its engine over torch.distributed's gloo) instead of mpiexec
 TORCHRUN = "commlayer-torchrun"
+# the paired job (DDP and commlayer in one job, in turn) launched by torchrun: commlayer's engine
+# over gloo, DDP on torch.distributed's default group
+PAIRED_TORCHRUN = "paired-torchrun"
 RESULT_PREFIX = "RESULT "
 
 
@@ -199,11 +202,22 @@ def paired_worker(args: argparse.Namespace) -> None:
     leaves the other idle: gloo's threads block on sockets, commlayer's engine sleeps between
     heartbeats (its idle cost is charged to DDP's steps here, against commlayer)."""
     build, input_shape, classes = MODELS[args.model]
-    torch.manual_seed(0)
-    ddp_model, ddp_opt, ctx = _setup("ddp", build())
-    torch.manual_seed(0)
-    with _HookTimer() as hooks:
-        cl_model, cl_opt, _ = _setup("commlayer", build())
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if under_torchrun:
+        # commlayer's init() starts torch.distributed from torchrun's variables; its engine
+        # runs on a gloo group of its own, DDP on the default group (both gloo)
+        torch.manual_seed(0)
+        with _HookTimer() as hooks:
+            cl_model, cl_opt, ctx = _setup("commlayer", build())
+        torch.manual_seed(0)
+        ddp_model: Any = nn.parallel.DistributedDataParallel(build())
+        ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
+    else:
+        torch.manual_seed(0)
+        ddp_model, ddp_opt, ctx = _setup("ddp", build())
+        torch.manual_seed(0)
+        with _HookTimer() as hooks:
+            cl_model, cl_opt, _ = _setup("commlayer", build())
     torch.manual_seed(1)
     inputs = torch.randn(args.batch, *input_shape)
     targets = torch.randint(0, classes, (args.batch,))
@@ -226,6 +240,7 @@ def paired_worker(args: argparse.Namespace) -> None:
     ddp_t, cl_t = ddp_t[args.warmup :], cl_t[args.warmup :]
     result = {
         "system": "paired",
+        "launch": "torchrun" if under_torchrun else "mpiexec",
         "model": args.model,
         "ranks": ctx["size"],
         "ddp_step_ms": statistics.median(ddp_t) * 1e3,
@@ -419,10 +434,10 @@ def run_one(
         sys.executable, __file__, "--worker", worker, "--model", model,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
     ]  # fmt: skip
-    if system == TORCHRUN:
+    if system in (TORCHRUN, PAIRED_TORCHRUN):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", str(ranks), *command[1:]]  # fmt: skip
-        command[command.index("--worker") + 1] = "commlayer"
+        command[command.index("--worker") + 1] = "commlayer" if system == TORCHRUN else "paired"
     elif hosts is not None:
         launcher = os.path.join(sysconfig.get_path("scripts"), "commlayerrun")
         command = [launcher, "-np", str(ranks), "-H", hosts, *command]
@@ -435,7 +450,7 @@ def run_one(
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             result = dict(json.loads(line.removeprefix(RESULT_PREFIX)))
-            if system != worker or system == TORCHRUN:
+            if system != worker or system in (TORCHRUN, PAIRED_TORCHRUN):
                 result["system"] = system
             return result
     raise RuntimeError(
@@ -466,13 +481,14 @@ def table(results: list[dict[str, Any]]) -> list[str]:
 
 def paired_table(results: list[dict[str, Any]]) -> list[str]:
     rows = [
-        "| model | ranks | DDP step ms | commlayer step ms | commlayer / DDP samples/s "
+        "| model | ranks | launch | DDP step ms | commlayer step ms | commlayer / DDP samples/s "
         "| commlayer wait | hooks ms/step (us/call) | engine CPU ms/step |",
-        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for r in results:
         rows.append(
-            f"| {r['model']} | {r['ranks']} | {r['ddp_step_ms']:.1f} "
+            f"| {r['model']} | {r['ranks']} | {r.get('launch', 'mpiexec')} "
+            f"| {r['ddp_step_ms']:.1f} "
             f"| {r['commlayer_step_ms']:.1f} | {r['ratio']:.2f} | {r['wait']} "
             f"| {r['hook_ms_per_step']:.2f} ({r['hook_us_per_call']:.0f}) "
             f"| {r['engine_cpu_ms_per_step']:.1f} |"
@@ -488,6 +504,11 @@ def driver(args: argparse.Namespace) -> None:
     ]
     wanted = args.systems or [*systems, "horovod"]
     systems = [s for s in systems if s in wanted]
+    # paired jobs: under mpiexec when commlayer is wanted, under torchrun when its launch is
+    paired_jobs = [
+        job for job, system in (("paired", "commlayer"), (PAIRED_TORCHRUN, TORCHRUN))
+        if system in wanted
+    ] or ["paired"]  # fmt: skip
     if "horovod" not in wanted:
         pass  # not asked for
     elif _horovod_importable():
@@ -516,8 +537,9 @@ def driver(args: argparse.Namespace) -> None:
     for model in args.models:
         if args.paired_only:
             for ranks in args.np:
-                paired.append(run_one(args, "paired", model, ranks))
-                print(paired_table(paired)[-1], flush=True)
+                for job in paired_jobs:
+                    paired.append(run_one(args, job, model, ranks))
+                    print(paired_table(paired)[-1], flush=True)
             continue
         results.append(run_one(args, "single", model, 1))
         print(table(results)[-1], flush=True)
@@ -525,8 +547,9 @@ def driver(args: argparse.Namespace) -> None:
             for system in systems:
                 results.append(run_one(args, system, model, ranks))
                 print(table(results)[-1], flush=True)
-            paired.append(run_one(args, "paired", model, ranks))
-            print(paired_table(paired)[-1], flush=True)
+            for job in paired_jobs:
+                paired.append(run_one(args, job, model, ranks))
+                print(paired_table(paired)[-1], flush=True)
     shapes = {r["model"]: (r["parameters"], r["tensors"]) for r in results}
     models = [f"{m}: {p / 1e6:.2f} M parameters in {t} tensors" for m, (p, t) in shapes.items()]
     pairs = [

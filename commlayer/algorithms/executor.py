@@ -128,6 +128,21 @@ class Allreducer:
         when the backend can and the nodes allow it (``_backend_facts``); else its schedule.
         ``packed_s``: what packing ``buf`` took, counted twice (pack and the unpack that
         mirrors it) when online tuning measures this call."""
+        return self.start(backend, send, buf, op, packed_s)[0]
+
+    def start(
+        self,
+        backend: Backend,
+        send: torch.Tensor | None,
+        buf: torch.Tensor,
+        op: ReduceOp,
+        packed_s: float = 0.0,
+    ) -> tuple[Request, bool]:
+        """``__call__``, and whether the request may stay in flight beside others: the
+        backend's own allreduce (``mpi``: gloo or MPI match collectives by the order they are
+        posted, which is the same on every rank), not timed by online tuning (a measurement
+        waits alone). A schedule's point-to-point steps, the shared-memory window (one buffer)
+        and a measured call are waited for alone."""
         if buf.device.type != "cpu":
             # A device buffer (a direct CUDA operation, device.py): the backend's own allreduce
             # (NCCL's, a CUDA-aware MPI's) unless a schedule was asked for by name; the cost
@@ -135,7 +150,8 @@ class Allreducer:
             name = self.algorithm
             if name in (algorithms.AUTO, "shm", "hierarchical"):
                 name = "mpi"
-            return self._run(name, backend, send, buf, op, self._backend_facts(backend)[0])
+            topology = self._backend_facts(backend)[0]
+            return self._run(name, backend, send, buf, op, topology), name == "mpi"
         name, key = self._next(backend, buf.numel(), buf.element_size())
         topology, _, two_level = self._backend_facts(backend)
         if name == "hierarchical" and two_level:
@@ -144,9 +160,10 @@ class Allreducer:
             )
         else:
             request = self._run(name, backend, send, buf, op, topology)
-        if key is None:
-            return request
-        return self._tuner.start(key, name, backend, request, 2 * packed_s)
+        if key is not None:
+            timed = self._tuner.start(key, name, backend, request, 2 * packed_s)
+            return timed, name == "mpi" and timed is request
+        return request, name == "mpi"
 
     def pieces(
         self,

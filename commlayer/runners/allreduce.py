@@ -8,6 +8,17 @@
    where the tensors lie (fusion.pieces), in place for a lone tensor, else packed into a pooled
    buffer. The engine (``Host``) waits on the requests, counts and traces, and completes the
    operations whose last entry is done.
+3. Over gloo (a backend with ``progress_threads``: its transfers run on threads of their own,
+   torchrun's case) packing costs more than it saves: a copy in and a copy out of every byte
+   (26.8 MB of the MLP gradients: ~7 ms each way on the 2-core VM), on the cores the ranks
+   compute with, while gloo runs several allreduces at once (11 in flight took what one of
+   their total size took: benchmarks/README.md). So there a bucket's large entries
+   (``fusion.ONE_PASS_NUMEL`` elements or more) are reduced where they lie, the small ones
+   between them packed together, and the backend's own allreduces stay in flight together:
+   posted in the agreed order (gloo matches a group's collectives by that order), waited for
+   in it, each finished as it ends while the later ones run. Schedules (point-to-point steps),
+   the window and calls the online tuner times are waited for alone. Over MPI (progress only
+   while tested, and the window on one node) buckets are packed and waited for one by one.
 """
 
 from __future__ import annotations
@@ -82,6 +93,25 @@ def entries(
 _CPU = torch.device("cpu")
 
 
+class _Part:
+    """A part of a bucket in flight: its entries, the buffer the collective reduces (a pooled
+    one it was packed into, or the lone entry's output), and its start times."""
+
+    __slots__ = ("entries", "buf", "packed", "request", "t0", "t1")
+
+    def __init__(
+        self,
+        entries: list[fusion.Entry],
+        buf: torch.Tensor,
+        packed: bool,
+        request: Request,
+        t0: float,
+        t1: float,
+    ) -> None:
+        self.entries, self.buf, self.packed = entries, buf, packed
+        self.request, self.t0, self.t1 = request, t0, t1
+
+
 class FusedAllreduce:
     """Buckets of fused entries reduced with the job's algorithm (module docstring, 2)."""
 
@@ -102,53 +132,127 @@ class FusedAllreduce:
         device: torch.device = _CPU,
     ) -> None:
         """Reduce ``entries`` (one dtype, op and channel) in buckets of at most the fusion
-        threshold; fusion buffers on ``device`` (the channel's: device.channel_device)."""
-        host = self._host
+        threshold; fusion buffers on ``device`` (the channel's: device.channel_device).
+
+        Over a backend whose transfers progress on threads of their own (gloo:
+        ``progress_threads``), host memory is not packed where it need not be (module
+        docstring, 3.): a large entry is reduced where it lies, small ones in between are packed
+        together, and the backend's own allreduces stay in flight together, waited for in the
+        order posted; each is finished (unpacked, scaled, its operation completed) as it ends,
+        while the later ones still run."""
         element = element_size(dtype)
+        split = device.type == "cpu" and getattr(backend, "progress_threads", 0) > 0
+        flight: list[_Part] = []
+        offset = 0  # into the pool buffer: packed parts in flight together need their own slices
         for bucket in fusion.plan_buckets(entries, element, self._threshold_bytes):
-            numel = sum(e.numel for e in bucket)
             t0 = time.perf_counter()
-            direct = len(bucket) == 1 and bucket[0].output is not None
             # the shared-memory window reads host memory only
-            pieces = fusion.pieces(bucket, dtype) if device.type == "cpu" else None
+            pieces = fusion.pieces(bucket, dtype) if device.type == "cpu" and not split else None
             request = None if pieces is None else self._allreduce.pieces(backend, *pieces, op)
             if request is not None:  # the window reads and writes the tensors where they lie
+                self._drain(flight, backend, element)
+                offset = 0
                 t1 = time.perf_counter()
-                host.wait(request)
-                t2 = time.perf_counter()
-            elif direct:
-                entry = bucket[0]
-                assert entry.source is not None and entry.output is not None
-                send: torch.Tensor | None = entry.source
-                if entry.prescale != 1.0 or entry.source is entry.output:
-                    if entry.source is not entry.output:
-                        entry.output.view(-1).copy_(entry.source.reshape(-1))
-                    fusion.scale_(entry.output, entry.prescale)
-                    send = None
-                buf = entry.output.view(-1)
-                t1 = time.perf_counter()
-                host.wait(
-                    self._allreduce(backend, None if send is None else send.reshape(-1), buf, op)
+                self._host.wait(request)
+                self._finish(
+                    _Part(bucket, torch.empty(0), False, request, t0, t1), backend, element
                 )
-                t2 = time.perf_counter()
-                fusion.scale_(entry.output, entry.postscale)
-            else:
-                buf = self._pool.get(dtype, numel, device)
-                fusion.pack(bucket, buf)
+                continue
+            for part in _split(bucket) if split else (bucket,):
+                t0 = time.perf_counter()
+                if len(part) == 1 and part[0].output is not None:
+                    buf, send = _in_place(part[0])
+                    packed, packed_s = False, 0.0
+                else:
+                    numel = sum(e.numel for e in part)
+                    if not flight:
+                        offset = 0
+                    buf = self._pool.get(dtype, offset + numel, device)[offset:]
+                    fusion.pack(part, buf)
+                    send, packed, packed_s = None, True, time.perf_counter() - t0
                 t1 = time.perf_counter()
-                host.wait(self._allreduce(backend, None, buf, op, t1 - t0))
-                t2 = time.perf_counter()
-                fusion.unpack(bucket, buf)
-            t3 = time.perf_counter()
-            host.account(numel * element, backend.size, t2 - t1, 2.0)
-            for entry in bucket:
-                owner = entry.owner
-                if owner is None:
+                request, concurrent = self._allreduce.start(backend, send, buf, op, packed_s)
+                flying = _Part(part, buf, packed, request, t0, t1)
+                if concurrent and split:
+                    flight.append(flying)
+                    if packed:
+                        offset += buf.numel()
                     continue
-                host.spans(owner.name, (t0, t1, t2, t3), bucket=len(bucket), bytes=numel * element)
-                owner.remaining -= 1
-                if owner.remaining == 0:
-                    host.complete(owner, owner.outputs)
+                self._drain(flight, backend, element)
+                offset = 0
+                flight.append(flying)
+                self._drain(flight, backend, element)
+        self._drain(flight, backend, element)
+
+    def _drain(self, flight: list[_Part], backend: Backend, element: int) -> None:
+        """Wait for the parts in flight, in the order posted, finishing each as it ends."""
+        ended = 0.0
+        for part in flight:
+            part.t1 = max(part.t1, ended)  # collective time in flight together counted once
+            self._host.wait(part.request)
+            self._finish(part, backend, element)
+            ended = time.perf_counter()
+        flight.clear()
+
+    def _finish(self, part: _Part, backend: Backend, element: int) -> None:
+        """Unpack (or scale in place), account and trace; complete the operations whose last
+        entry this was."""
+        host = self._host
+        t2 = time.perf_counter()
+        if part.packed:
+            fusion.unpack(part.entries, part.buf)
+        elif part.buf.numel():
+            fusion.scale_(part.entries[0].output, part.entries[0].postscale)  # type: ignore[arg-type]
+        t3 = time.perf_counter()
+        numel = sum(e.numel for e in part.entries)
+        host.account(numel * element, backend.size, t2 - part.t1, 2.0)
+        for entry in part.entries:
+            owner = entry.owner
+            if owner is None:
+                continue
+            host.spans(
+                owner.name,
+                (part.t0, part.t1, t2, t3),
+                bucket=len(part.entries),
+                bytes=numel * element,
+            )
+            owner.remaining -= 1
+            if owner.remaining == 0:
+                host.complete(owner, owner.outputs)
+
+
+def _in_place(entry: fusion.Entry) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the buffer reduced: the entry's output, flat; what is sent from, None for the buffer
+    itself): a lone entry is reduced where its result goes; a prescale, or an input that is its
+    own output, is applied there first."""
+    assert entry.source is not None and entry.output is not None
+    send: torch.Tensor | None = entry.source
+    if entry.prescale != 1.0 or entry.source is entry.output:
+        if entry.source is not entry.output:
+            entry.output.view(-1).copy_(entry.source.reshape(-1))
+        fusion.scale_(entry.output, entry.prescale)
+        send = None
+    return entry.output.view(-1), None if send is None else send.reshape(-1)
+
+
+def _split(bucket: list[fusion.Entry]) -> list[list[fusion.Entry]]:
+    """A bucket as parts to reduce (module docstring, 3.): each large entry alone, where it
+    lies (``fusion.ONE_PASS_NUMEL`` elements or more, a tensor and not a group, not a joined
+    rank's zeros: decided from the sizes alone, so every rank splits alike, a joined one
+    too), the small ones between them packed together."""
+    parts: list[list[fusion.Entry]] = []
+    small: list[fusion.Entry] = []
+    for entry in bucket:
+        if entry.numel >= fusion.ONE_PASS_NUMEL and entry.group is None:
+            if small:
+                parts.append(small)
+                small = []
+            parts.append([entry])
+        else:
+            small.append(entry)
+    if small:
+        parts.append(small)
+    return parts
 
 
 _ELEMENT_SIZES: dict[torch.dtype, int] = {}

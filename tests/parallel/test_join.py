@@ -161,3 +161,27 @@ def test_join_twice_with_every_rank_joining_at_once() -> None:
     gathered = cl.allgather(torch.tensor(lasts).view(1, -1), name="join.again")
     assert all(0 <= last < cl.size() for last in lasts)
     assert torch.equal(gathered, gathered[:1].expand_as(gathered)), gathered.tolist()
+
+
+def test_large_and_small_tensors_while_ranks_have_joined() -> None:
+    # Rank r runs r + 1 steps of a grouped allreduce of large and small tensors (large ones are
+    # reduced where they lie over gloo, several in flight: runners/allreduce.py, 3.); a joined
+    # rank contributes zeros of the same parts.
+    me, n = cl.rank(), cl.size()
+    sizes = (70_000, 5, 300_003, 3, 131_072)
+    results = []
+    for step in range(me + 1):
+        name = f"join.mixed.{step}"
+        mine = [
+            small_ints(seed_of(f"{name}.{i}"), me, (k,), torch.float32) for i, k in enumerate(sizes)
+        ]
+        results.append(cl.grouped_allreduce(mine, op=cl.Average, name=name))
+    cl.join()
+    for step, reduced in enumerate(results):
+        name = f"join.mixed.{step}"
+        for i, (k, result) in enumerate(zip(sizes, reduced)):
+            inputs = [
+                small_ints(seed_of(f"{name}.{i}"), r, (k,), torch.float32) for r in range(step, n)
+            ]
+            zeros = [torch.zeros(k)] * step
+            assert_reduced(result, inputs + zeros, cl.Average)
