@@ -2,7 +2,7 @@
 all the device work queued for it, wherever that work was queued.
 
 The race this guards against: with fp16 compression the engine's future completes once its own
-work is done (``Direct.done`` waits for its work stream), and only then do the future's
+work is done (``Direct.done`` then waited for its work stream), and only then do the future's
 callbacks, on the engine thread, queue the cast back and the copy into the gradient, on the
 engine thread's current stream (the work stream). ``step()`` waited on the host for the chained
 future and queued the optimizer on its own stream, which nothing ordered after that copy: the
