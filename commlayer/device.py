@@ -19,56 +19,74 @@ waits on that event the way the backend needs (``Path.wait``):
   the backend synchronizes the work stream before it hands MPI a device buffer
   (``sync_before_host_call``), so the engine's own packs and reductions are done too.
 
-Once the collective and the unpack are done, ``Direct.done`` records an event on the work
-stream after them and waits for it (engine thread); what is queued after that is ordered by the
-future's marks (**Order** below). A ``Path.channel`` that is not empty must be the same on every
-rank of an operation (NCCL on one rank and gloo on another would never meet): it is negotiated
-with the operation (``Announce.channel``), and a joined rank makes its buffers on that channel's
-device.
+Once the collective and the unpack are queued, ``Direct.done`` hands the result on at once:
+the engine thread does not wait for its device work. That work is queued on the work stream,
+the engine thread's current stream, so the future's marks (**Order** below), recorded there when
+it completes, order whoever reads the result after it, with no host wait. The fusion buffers
+(fusion.BufferPool) are only touched on the work stream (packs, unpacks, and the collective,
+which NCCL orders after it and it after NCCL; MPI after ``sync_before_host_call``), so a buffer
+the next bucket packs into while the previous bucket's unpack is still queued is written after
+that unpack. A tensor the engine makes for a result (allgather's...) is allocated on the work
+stream and read on the caller's: it is kept (``record_stream``) for the caller's stream at
+submit.
+
+A ``Path.channel`` that is not empty must be the same on every rank of an operation (NCCL on
+one rank and gloo on another would never meet): it is negotiated with the operation
+(``Announce.channel``), and a joined rank makes its buffers on that channel's device.
 
 **Staged** (``Staged``), for every other CUDA tensor (the backends move host memory: MPI without
 CUDA support, gloo):
 
-1. **In**: the device's copy stream waits on the caller's current stream (an event: no
+1. **In**: the device's D2H stream waits on the caller's current stream (an event: no
    device-wide synchronisation, nothing the caller queued later is waited for) and copies each
    CUDA input to a pinned host buffer, then records the operation's ``ready`` event. The
    caller's thread never blocks; the copies run while the ranks negotiate and while earlier
-   collectives run.
+   collectives run. The host buffers come from a pool (``_HostPool``, by device, dtype and
+   size) and are reused across steps: one is handed out again only once the event recorded
+   after the last copy that touched it has completed (queried host-side, never waited for).
 2. **Run**: the engine waits on ``ready`` (polled like a collective's request, under the
    watchdog) before the collective reads the host buffers; the collective itself is the CPU
    one, so fusion, algorithms, errors and join are the same code for both devices.
-3. **Out**: ``Staged.unstage`` copies the result back on the copy stream: into the caller's
-   own CUDA outputs (in-place forms, out-of-place outputs), or to new tensors on the device
-   for the results a collective creates (allgather, broadcast, alltoall's rows,
-   reducescatter); alltoall's received splits stay on the CPU, as Horovod's do. The future
-   completes once those copies are done, so its value is usable on any stream.
+3. **Out**: ``Staged.unstage`` copies the result back on the device's H2D stream, a stream of
+   its own, which waits on this operation's ``ready`` (so after its copies in and the caller's
+   stream at submit) but never queues behind a later operation's copies to the host: into the
+   caller's own CUDA outputs (in-place forms, out-of-place outputs), or to new tensors on the
+   device for the results a collective creates (allgather, broadcast, alltoall's rows,
+   reducescatter; kept for the caller's stream); alltoall's received splits stay on the CPU,
+   as Horovod's do. No host wait: the engine's work stream waits on an event after the copies
+   back and the future completes at once, its marks recorded on that stream (**Order**); the
+   host buffers go back to the pool with that event.
 
-**Order** (``marks``, ``follow``): device work is still queued for an operation after the
-engine's own is done: its ``finish`` (an in-place form's copy back, Adasum's combine) and the
-callbacks its future runs (a compressor's decompress, the copy into the gradient, a next
-round), all on the completing thread's current stream (the engine's work stream, or a stream
-torch's future callbacks run on). So a future completed in a process that uses a device carries
-``marks``: an event recorded on the completing thread's current stream of each such device
-after that work; whoever waits on the future, or runs a callback on it, ``follow``s them: its
-current streams wait on the events (no host wait), as torch's CUDA futures do. A future chained
-from it (``then``, a communicator round) records its own after its callback's work, so the
-stream of whoever waits last (``step()``'s, DDP's) is ordered after all of it.
+**Order** (``marks``, ``follow``): no thread waits for an operation's device work, and more of
+it is queued after the engine's own: its ``finish`` (an in-place form's copy back, Adasum's
+combine) and the callbacks its future runs (a compressor's decompress, the copy into the
+gradient, a next round), all on the completing thread's current stream (the engine's work
+stream, or a stream torch's future callbacks run on). So a future completed in a process that
+uses a device carries ``marks``: an event recorded on the completing thread's current stream of
+each such device after that work; whoever waits on the future, or runs a callback on it,
+``follow``s them: its current streams wait on the events (no host wait), as torch's CUDA
+futures do. A future chained from it (``then``, a communicator round) records its own after its
+callback's work, so the stream of whoever waits last (``step()``'s, DDP's) is ordered after
+all of it.
 
-The device-dependent steps are the functions ``_copy_stream``, ``_work_stream``,
-``_current_stream``, ``_set_stream``, ``_on``, ``_keep``, ``_host_buffer`` and ``_event``;
-everything else runs unchanged on CPU tensors when a test sets ``STAGE_CPU`` (staging) or
-``DIRECT_CPU`` (the direct path, with a CPU data group on the torch backend)
-(tests/parallel/test_device.py), which is how CI, without a GPU, checks the seam's logic; a test
-that also replaces those functions with fake streams and events checks the order
+The device-dependent steps are the functions ``_d2h_stream``, ``_h2d_stream``, ``_work_stream``,
+``_current_stream``, ``_set_stream``, ``_on``, ``_keep``, ``_copy``, ``_pinned`` and ``_event``
+(and ``_host_pool``, the pool of host buffers); everything else runs unchanged on CPU tensors
+when a test sets ``STAGE_CPU`` (staging) or ``DIRECT_CPU`` (the direct path, with a CPU data
+group on the torch backend) (tests/parallel/test_device.py), which is how CI, without a GPU,
+checks the seam's logic; a test that also replaces those functions with fake streams and events
+checks the order, the pool's reuse and that no thread waits on the device
 (tests/parallel/test_stream_order.py). tests/gpu/ runs it on CUDA tensors.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -115,12 +133,28 @@ class _EventRequest:
 
 
 @functools.cache
-def _copy_stream(device: torch.device) -> Any:
-    """The stream this process copies between ``device`` and the host on (one per device, so
-    copies of one operation queue behind those of the previous one, never behind compute)."""
+def _d2h_stream(device: torch.device) -> Any:
+    """The stream this process copies ``device``'s tensors to the host on (one per device, so
+    copies queue behind the previous operation's copies in, never behind compute or behind the
+    copies back)."""
     if device.type == "cuda":
         return torch.cuda.Stream(device=device)
     return None
+
+
+@functools.cache
+def _h2d_stream(device: torch.device) -> Any:
+    """The stream this process copies results back to ``device`` on (one per device: an
+    operation's copies back never queue behind a later operation's copies to the host)."""
+    if device.type == "cuda":
+        return torch.cuda.Stream(device=device)
+    return None
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` <- ``src``, queued on the calling thread's current stream (asynchronous between
+    pinned host memory and a device)."""
+    dst.copy_(src, non_blocking=True)
 
 
 @contextlib.contextmanager
@@ -152,10 +186,61 @@ def _keep(tensor: torch.Tensor, stream: Any) -> None:
     tensor.record_stream(stream)
 
 
+def _pinned(like: torch.Tensor, numel: int) -> torch.Tensor:
+    """A new flat host tensor of ``numel`` elements of ``like``'s dtype: pinned for a CUDA
+    tensor (asynchronous copies)."""
+    return torch.empty(numel, dtype=like.dtype, pin_memory=like.is_cuda)
+
+
+HOST_POOL_MAX_BYTES = 1 << 30  # host buffers kept for reuse at most (more are freed)
+
+
+class _HostPool:
+    """Host buffers reused across steps (module docstring, **Staged**), by (device, dtype,
+    number of elements). A buffer comes back with an event recorded after the last copy that
+    touches it (``give``) and is handed out again only once that event has completed, asked
+    host-side without waiting (``take``): never while a copy that reads or writes it is
+    pending. A buffer of a failed operation never comes back (it is freed)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[torch.device, torch.dtype, int], collections.deque[Any]] = {}
+        self._free_bytes = 0
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer shaped like ``like``: the oldest given back whose copies are done,
+        else a new one."""
+        numel = like.numel()
+        key = (like.device, like.dtype, numel)
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                buffer, after = free[0]
+                if after is None or after.query():  # (host-side, no wait)
+                    free.popleft()
+                    self._free_bytes -= buffer.numel() * buffer.element_size()
+                    return buffer.view(like.shape)
+        return _pinned(like, numel).view(like.shape)
+
+    def give(self, device: torch.device, buffers: Iterable[torch.Tensor], after: Any) -> None:
+        """``buffers`` (taken for ``device``'s tensors) free for reuse once ``after`` (an event;
+        None: at once) has completed."""
+        with self._lock:
+            for buffer in buffers:
+                nbytes = buffer.numel() * buffer.element_size()
+                if self._free_bytes + nbytes > HOST_POOL_MAX_BYTES:
+                    continue  # freed (torch's host allocator waits for its copies)
+                key = (device, buffer.dtype, buffer.numel())
+                self._free.setdefault(key, collections.deque()).append((buffer, after))
+                self._free_bytes += nbytes
+
+
+_host_pool = _HostPool()
+
+
 def _host_buffer(like: torch.Tensor) -> torch.Tensor:
-    """A host tensor shaped like ``like``: pinned for a CUDA tensor (asynchronous copies;
-    torch's caching host allocator reuses the blocks, so a step costs no cudaHostAlloc)."""
-    return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+    """A host buffer shaped like ``like`` for one staged tensor, from the pool."""
+    return _host_pool.take(like)
 
 
 def _event(stream: Any) -> Any:
@@ -214,33 +299,56 @@ def future_devices() -> list[torch.device]:
 class Staged:
     """The host side of one operation's staged tensors (module docstring, steps 2 and 3)."""
 
-    __slots__ = ("device", "ready", "_stream", "_outputs")
+    __slots__ = ("device", "ready", "_copied", "_caller", "_outputs", "_buffers")
 
     def __init__(
-        self, device: torch.device, stream: Any, outputs: dict[int, torch.Tensor], ready: Any
+        self,
+        device: torch.device,
+        outputs: dict[int, torch.Tensor],
+        buffers: list[torch.Tensor],
+        copied: Any,
+        caller: Any,
     ) -> None:
         self.device = device
-        self._stream = stream
         self._outputs = outputs  # id(host output) -> the caller's device output
-        self.ready: Request = COMPLETED if ready is None else _EventRequest(ready)
+        self._buffers = buffers  # the host buffers taken from the pool (given back by unstage)
+        self._copied = copied  # event after the copies in (None: nothing to wait for)
+        self._caller = caller  # the caller's stream at submit (None for the CPU)
+        self.ready: Request = COMPLETED if copied is None else _EventRequest(copied)
 
     def unstage(self, raw: Any) -> Any:
-        """``raw`` (the collective's host result) on the device (step 3); blocks until the
-        copies are done (the engine thread calls it; they take no peer)."""
-        with _on(self._stream):
+        """``raw`` (the collective's host result) on the device (step 3): copied back on the
+        device's H2D stream, which waits for this operation's copies in (and so for the caller's
+        stream at submit) but not for later operations' ones; the calling thread's current
+        stream of the device (the engine's work stream) then waits for the copies back, so the
+        future's marks, recorded on it when it completes, order whoever reads the result after
+        them. No host wait. The host buffers go back to the pool, reusable once the copies back
+        are done."""
+        stream = _h2d_stream(self.device)
+        if stream is not None and self._copied is not None:
+            stream.wait_event(self._copied)
+        with _on(stream):
             result = self._map(raw)
-            done = _event(self._stream)
+            done = _event(stream)
         if done is not None:
-            done.synchronize()
+            work = _work_stream(self.device)
+            _set_stream(self.device, work)  # the engine's device work: on its work stream
+            work.wait_event(done)
+        _host_pool.give(self.device, self._buffers, done)
+        self._buffers = []
         return result
 
     def _map(self, raw: Any) -> Any:
         if isinstance(raw, torch.Tensor):
             out = self._outputs.get(id(raw))
-            if out is None:  # a result the collective created
-                return raw.to(self.device, non_blocking=True)
+            if out is None:  # a result the collective created (maybe a pooled buffer's view)
+                out = torch.empty(raw.shape, dtype=raw.dtype, device=self.device)
+                _copy(out, raw)
+                if self._caller is not None:  # made on the H2D stream, read on the caller's
+                    _keep(out, self._caller)
+                return out
             if out is not raw:  # (a CPU output of a group with CUDA members is its own)
-                out.copy_(raw, non_blocking=True)
+                _copy(out, raw)
             return out
         if isinstance(raw, list):
             return [self._map(r) for r in raw]
@@ -323,24 +431,48 @@ class _Produced:
 class Direct:
     """A direct operation's device side (module docstring, **Direct**)."""
 
-    __slots__ = ("device", "route", "ready")
+    __slots__ = ("device", "route", "ready", "_caller", "_outputs")
 
-    def __init__(self, device: torch.device, route: Path, produced: Any) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        route: Path,
+        produced: Any,
+        caller: Any = None,
+        outputs: Sequence[torch.Tensor] = (),
+    ) -> None:
         self.device, self.route = device, route
         self.ready: Request = _Produced(device, route.wait, produced)
+        self._caller = caller  # the caller's stream at submit (None: nothing to keep)
+        self._outputs = outputs
 
     def done(self, raw: Any) -> Any:
-        """``raw`` once the engine's device work on it is done: an event recorded on the work
-        stream after the collective and the unpack, waited for on the engine thread."""
-        finished = _event(_work_stream(self.device))
-        if finished is not None:
-            finished.synchronize()
+        """``raw``, at once: no host wait. The engine's device work on it (the collective, the
+        unpack) is queued on its work stream, the engine thread's current stream, on which the
+        future's marks are recorded when it completes (**Order**). A tensor the engine made
+        (allgather's result...) was allocated on the work stream and is read on the caller's:
+        it is kept from reuse until the caller's stream is done with it."""
+        if self._caller is not None and raw is not self._outputs:
+            mine = {id(t) for t in self._outputs}
+            for tensor in _tensors(raw):
+                if id(tensor) not in mine:
+                    _keep(tensor, self._caller)
         return raw
 
     def wrap(self, finish: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
         if finish is None:
             return self.done
         return lambda raw: finish(self.done(raw))
+
+
+def _tensors(raw: Any) -> Iterator[torch.Tensor]:
+    """The device tensors in a collective's result (a tensor, or lists and tuples of them)."""
+    if isinstance(raw, torch.Tensor):
+        if raw.device.type != "cpu":
+            yield raw
+    elif isinstance(raw, (list, tuple)):
+        for item in raw:
+            yield from _tensors(item)
 
 
 def sync_before_host_call(tensor: torch.Tensor) -> None:
@@ -388,16 +520,18 @@ def prepare(
     if route is None:
         return (*stage(inputs, outputs, device), "")  # type: ignore[return-value]
     _channel_devices[route.channel] = device
-    produced = None
+    produced = caller = None
     stream = _work_stream(device)
+    outputs = list(outputs)
     if stream is not None:
-        produced = _event(_current_stream(device))
+        caller = _current_stream(device)
+        produced = _event(caller)
         for tensor in every:  # not reused by the caller's stream while the engine works on it
             _keep(tensor, stream)
         mark_futures_on(device)
     elif DIRECT_CPU is not None:
         produced = _event(None)
-    return list(inputs), list(outputs), Direct(device, route, produced), route.channel
+    return list(inputs), outputs, Direct(device, route, produced, caller, outputs), route.channel
 
 
 def stage(
@@ -411,19 +545,20 @@ def stage(
         if not (STAGE_CPU or any(t.is_cuda for t in inputs) or any(t.is_cuda for t in outputs)):
             return list(inputs), list(outputs), None
         device = _device_of(inputs, outputs)
-    stream = _copy_stream(device)
+    stream, caller = _d2h_stream(device), _current_stream(device)
     if stream is not None:
-        stream.wait_stream(_current_stream(device))
+        stream.wait_stream(caller)  # an event: not what the caller queues later
         mark_futures_on(device)
     host: dict[int, torch.Tensor] = {}  # id(device tensor) -> its host stand-in
     with _on(stream):
         for tensor in inputs:
             if _staged(tensor) and id(tensor) not in host:
                 buffer = host[id(tensor)] = _host_buffer(tensor)
-                buffer.copy_(tensor, non_blocking=True)
+                _copy(buffer, tensor)
                 if stream is not None:
                     _keep(tensor, stream)  # not reused by the caller's stream meanwhile
-        ready = _event(stream)
+        copied = _event(stream)
+    h2d = None if stream is None else _h2d_stream(device)
     back: dict[int, torch.Tensor] = {}
     for tensor in outputs:
         if not _staged(tensor):
@@ -432,5 +567,7 @@ def stage(
         if id(tensor) not in host:  # an output that is not also an input
             host[id(tensor)] = _host_buffer(tensor)
         back[id(host[id(tensor)])] = tensor
+        if h2d is not None:
+            _keep(tensor, h2d)  # written there: not reused by the caller's stream meanwhile
     swapped = [host.get(id(t), t) for t in inputs], [host.get(id(t), t) for t in outputs]
-    return swapped[0], swapped[1], Staged(device, stream, back, ready)
+    return swapped[0], swapped[1], Staged(device, back, list(host.values()), copied, caller)

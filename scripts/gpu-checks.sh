@@ -5,8 +5,8 @@
 # share the GPU), and the GPU benchmarks. CI has no GPU and never runs this; run it whenever one
 # is lent, and commit what it wrote.
 #
-# Steps run in order of what is least verified on a GPU first (the direct NCCL/CUDA-aware paths,
-# the kernels), then what earlier GPU sessions measured (staged paths, training step); with
+# Steps run in order of what is least verified on a GPU first (issue 35's paths without host
+# waits, the direct NCCL/CUDA-aware paths, the kernels), then what earlier GPU sessions measured (staged paths, training step); with
 # GPU_CHECKS_BUDGET_S set, each step gets at most what is left of that many seconds and the
 # steps past it are skipped (listed as such), so a lease's one call returns a complete log;
 # GPU_CHECKS_STEPS="name ..." runs only the steps named (env always runs), for a second call.
@@ -78,8 +78,14 @@ step env 60 bash -c '
     python3 -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
     command -v mpiexec
     python3 -c "import commlayer.kernels as k; print(\"commlayer kernels available:\", k.available())"'
+# Issue 35's GPU paths first, the least verified: no host wait on the direct path, the staged
+# path's H2D stream and pooled pinned buffers, and the device order of the reduced gradients
+# (the same checks run on the CPU with fake streams: tests/parallel/test_stream_order.py)
+step no-host-wait 180 "$PY" -m pytest tests/gpu/test_no_host_wait_cuda.py \
+    tests/gpu/test_stream_order_cuda.py -q -rs -p no:cacheprovider
 step nvcc-build 120 bash -c 'cmake -S . -B build -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null && cmake --build build && ls build/ext/cuda'
-step tests-gpu 300 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider
+step tests-gpu 300 "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider \
+    --ignore tests/gpu/test_no_host_wait_cuda.py --ignore tests/gpu/test_stream_order_cuda.py
 # 1 rank per GPU: the torch backend takes CUDA tensors over NCCL directly (device.py's direct
 # path; 2 ranks on one GPU are staged over gloo below); tests/gpu/test_direct_cuda.py (in
 # tests-gpu) runs the direct worker at 1 and, with 2 GPUs, 2 ranks

@@ -40,14 +40,16 @@ def _join(into: Clock, other: Clock) -> None:
 class FakeEvent:
     """An event recorded on a fake stream: the stream's clock when it was recorded."""
 
-    def __init__(self, world: FakeDevice, clock: Clock) -> None:
-        self.world, self.clock = world, clock
+    def __init__(self, world: FakeDevice, clock: Clock, stream: str) -> None:
+        self.world, self.clock, self.stream = world, clock, stream
 
     def synchronize(self) -> None:
-        self.world.host_waited(self)
+        self.world.host_waited(self, "synchronize")
 
     def query(self) -> bool:
-        self.world.host_waited(self)
+        if self.world.busy:
+            return False
+        self.world.host_waited(self, "query")
         return True
 
     def wait(self, stream: Any = None) -> None:
@@ -89,16 +91,19 @@ class Work:
 
 class FakeDevice:
     """Streams for one (CPU) device: ``default`` (every thread's current stream at first),
-    the engine's ``work`` and ``copy`` streams, and a ``side`` stream for a caller."""
+    the engine's ``work`` stream, the staged path's ``d2h`` and ``h2d`` streams, and a ``side``
+    stream for a caller."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.default, self.work, self.copy, self.side = (
-            FakeStream(self, name) for name in ("default", "work", "copy", "side")
+        self.default, self.work, self.d2h, self.h2d, self.side = (
+            FakeStream(self, name) for name in ("default", "work", "d2h", "h2d", "side")
         )
         self._done: Clock = {}  # work the host has seen complete
         self._current = threading.local()
         self.log: list[Work] = []
+        self.host_waits: list[tuple[str, str]] = []  # (synchronize or query, the event's stream)
+        self.busy = False  # queries answer "not done" (and the host learns nothing)
 
     # -- the clock model ---------------------------------------------------------------------
     def current(self) -> FakeStream:
@@ -109,11 +114,12 @@ class FakeDevice:
 
     def record(self, stream: FakeStream) -> FakeEvent:
         with self.lock:
-            return FakeEvent(self, dict(stream.clock))
+            return FakeEvent(self, dict(stream.clock), stream.name)
 
-    def host_waited(self, event: FakeEvent) -> None:
+    def host_waited(self, event: FakeEvent, how: str) -> None:
         with self.lock:
             _join(self._done, event.clock)
+            self.host_waits.append((how, event.stream))
 
     def enqueue(self, what: str) -> Work:
         """Device work ``what`` queued now on the calling thread's current stream."""
@@ -150,8 +156,15 @@ class FakeDevice:
             finally:
                 self.set_current(before)
 
+        def copy(dst: Any, src: Any) -> None:
+            self.enqueue("copy")
+            dst.copy_(src)
+
         monkeypatch.setattr(device, "_work_stream", lambda _device: self.work)
-        monkeypatch.setattr(device, "_copy_stream", lambda _device: self.copy)
+        monkeypatch.setattr(device, "_d2h_stream", lambda _device: self.d2h)
+        monkeypatch.setattr(device, "_h2d_stream", lambda _device: self.h2d)
+        monkeypatch.setattr(device, "_copy", copy)
+        monkeypatch.setattr(device, "_host_pool", device._HostPool())  # none from other tests
         monkeypatch.setattr(device, "_current_stream", lambda _device: self.current())
         monkeypatch.setattr(device, "_set_stream", lambda _device, stream: self.set_current(stream))
         monkeypatch.setattr(device, "_on", on)
