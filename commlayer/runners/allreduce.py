@@ -12,9 +12,9 @@
    torchrun's case) packing costs more than it saves: a copy in and a copy out of every byte
    (26.8 MB of the MLP gradients: ~7 ms each way on the 2-core VM), on the cores the ranks
    compute with, while gloo runs several allreduces at once (11 in flight took what one of
-   their total size took: benchmarks/README.md). So there a bucket's large entries
-   (``fusion.ONE_PASS_NUMEL`` elements or more) are reduced where they lie, the small ones
-   between them packed together, and the backend's own allreduces stay in flight together:
+   their total size took: benchmarks/README.md). So there a bucket's small entries are packed
+   together and reduced first, then each large entry (``fusion.ONE_PASS_NUMEL`` elements or
+   more) where it lies, and the backend's own allreduces stay in flight together:
    posted in the agreed order (gloo matches a group's collectives by that order), waited for
    in it, each finished as it ends while the later ones run. Schedules (point-to-point steps),
    the window and calls the online tuner times are waited for alone. Over MPI (progress only
@@ -136,10 +136,10 @@ class FusedAllreduce:
 
         Over a backend whose transfers progress on threads of their own (gloo:
         ``progress_threads``), host memory is not packed where it need not be (module
-        docstring, 3.): a large entry is reduced where it lies, small ones in between are packed
-        together, and the backend's own allreduces stay in flight together, waited for in the
-        order posted; each is finished (unpacked, scaled, its operation completed) as it ends,
-        while the later ones still run."""
+        docstring, 3.): the small entries of a bucket are packed together, each large one is
+        reduced where it lies, and the backend's own allreduces stay in flight together, waited
+        for in the order posted; each is finished (unpacked, scaled, its operation completed)
+        as it ends, while the later ones still run."""
         element = element_size(dtype)
         split = device.type == "cpu" and getattr(backend, "progress_threads", 0) > 0
         flight: list[_Part] = []
@@ -188,15 +188,15 @@ class FusedAllreduce:
         """Wait for the parts in flight, in the order posted, finishing each as it ends."""
         ended = 0.0
         for part in flight:
-            part.t1 = max(part.t1, ended)  # collective time in flight together counted once
             self._host.wait(part.request)
-            self._finish(part, backend, element)
+            self._finish(part, backend, element, since=ended)
             ended = time.perf_counter()
         flight.clear()
 
-    def _finish(self, part: _Part, backend: Backend, element: int) -> None:
+    def _finish(self, part: _Part, backend: Backend, element: int, since: float = 0.0) -> None:
         """Unpack (or scale in place), account and trace; complete the operations whose last
-        entry this was."""
+        entry this was. ``since``: when the part before it in flight ended (its collective time
+        is counted from then: time in flight together is counted once)."""
         host = self._host
         t2 = time.perf_counter()
         if part.packed:
@@ -205,7 +205,7 @@ class FusedAllreduce:
             fusion.scale_(part.entries[0].output, part.entries[0].postscale)  # type: ignore[arg-type]
         t3 = time.perf_counter()
         numel = sum(e.numel for e in part.entries)
-        host.account(numel * element, backend.size, t2 - part.t1, 2.0)
+        host.account(numel * element, backend.size, t2 - max(part.t1, since), 2.0)
         for entry in part.entries:
             owner = entry.owner
             if owner is None:
@@ -236,23 +236,16 @@ def _in_place(entry: fusion.Entry) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _split(bucket: list[fusion.Entry]) -> list[list[fusion.Entry]]:
-    """A bucket as parts to reduce (module docstring, 3.): each large entry alone, where it
-    lies (``fusion.ONE_PASS_NUMEL`` elements or more, a tensor and not a group, not a joined
-    rank's zeros: decided from the sizes alone, so every rank splits alike, a joined one
-    too), the small ones between them packed together."""
-    parts: list[list[fusion.Entry]] = []
-    small: list[fusion.Entry] = []
-    for entry in bucket:
-        if entry.numel >= fusion.ONE_PASS_NUMEL and entry.group is None:
-            if small:
-                parts.append(small)
-                small = []
-            parts.append([entry])
-        else:
-            small.append(entry)
-    if small:
-        parts.append(small)
-    return parts
+    """A bucket as parts to reduce (module docstring, 3.): its small entries packed together
+    first (waited for alone where their algorithm is a schedule, while nothing else is in
+    flight), then each large entry alone, where it lies (``fusion.ONE_PASS_NUMEL`` elements or
+    more, a tensor and not a group): decided from the sizes alone, so every rank (a joined one,
+    whose entries are zeros, too) splits alike."""
+    large = [e for e in bucket if e.numel >= fusion.ONE_PASS_NUMEL and e.group is None]
+    if not large:
+        return [bucket]
+    small = [e for e in bucket if e.numel < fusion.ONE_PASS_NUMEL or e.group is not None]
+    return ([small] if small else []) + [[e] for e in large]
 
 
 _ELEMENT_SIZES: dict[torch.dtype, int] = {}
