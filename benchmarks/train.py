@@ -9,7 +9,11 @@
    measured in the same run, plus a 1-process run of the plain model as the scaling
    reference. Then, per (rank count, model), one paired job (``paired_worker``) trains a DDP
    copy and a commlayer copy step by step in turn: its ratio is the one to quote on a machine
-   whose speed drifts.
+   whose speed drifts. ``--systems commlayer-torchrun`` pairs them under torchrun
+   (``paired-torchrun``: commlayer's engine over gloo, DDP on the default group) with a third
+   copy, the gloo yardstick (``_DirectGloo``: hooks posting gloo allreduces in bucket order,
+   in place, no engine): what a data path over gloo can do at best, the limit of the torchrun
+   comparison on a machine where gloo's transfers take the cores the ranks compute on.
 2. Models with many mid-sized gradient tensors, as in shared/ANCHORS.md: ``mlp`` is
    10 x [Linear(768, 768), LayerNorm(768), GELU()] + Linear(768, 1000) (6.69 M parameters in
    62 tensors), ``resnet`` a small CIFAR-style ResNet (3 stages of 2 basic blocks).
@@ -195,6 +199,76 @@ def _engine_cpu_s() -> float:
     return 0.0
 
 
+class _DirectGloo:
+    """The yardstick of the paired job under torchrun (issue 35): what a data path over gloo
+    can do without commlayer's engine, as DDP would with gradients where they lie. Hooks post
+    gloo allreduces from the backward thread, in buckets of ``bucket_bytes`` in the order
+    backward produced the first step's gradients (reverse registration order here), each
+    bucket once all of it is ready and every earlier one is posted (the same order on every
+    rank: nothing to negotiate); large gradients in place, the small ones of a bucket packed
+    together; ``step()`` waits, averages and steps. No error handling, join or compression:
+    a measuring stick, not a product."""
+
+    def __init__(self, model: nn.Module, group: Any, bucket_bytes: int = 1 << 20) -> None:
+        import torch.distributed as dist
+
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        self._group, self._size = group, dist.get_world_size(group)
+        self._options = dist.AllreduceOptions()
+        self._options.reduceOp = dist.ReduceOp.SUM
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._buckets: list[list[torch.Tensor]] = [[]]
+        used = 0
+        for p in reversed(params):
+            if used >= bucket_bytes:
+                self._buckets.append([])
+                used = 0
+            self._buckets[-1].append(p)
+            used += p.numel() * p.element_size()
+        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
+        self._ready = [0] * len(self._buckets)
+        self._next = 0
+        self._works: list[tuple[Any, torch.Tensor, list[torch.Tensor] | None]] = []
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_ready)
+
+    def _on_ready(self, p: torch.Tensor) -> None:
+        self._ready[self._bucket_of[id(p)]] += 1
+        while self._next < len(self._buckets) and self._ready[self._next] == len(
+            self._buckets[self._next]
+        ):
+            self._post(self._buckets[self._next])
+            self._next += 1
+
+    def _post(self, bucket: list[torch.Tensor]) -> None:
+        small = [p for p in bucket if p.numel() < 65536]
+        if small:
+            flat = torch.cat([p.grad.reshape(-1) for p in small])  # type: ignore[union-attr]
+            self._works.append((self._group.allreduce([flat], self._options), flat, small))
+        for p in bucket:
+            if p.numel() >= 65536:
+                grad = p.grad
+                assert grad is not None
+                self._works.append((self._group.allreduce([grad], self._options), grad, None))
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self) -> None:
+        for work, tensor, small in self._works:
+            while not work.is_completed():
+                time.sleep(50e-6)
+            work.wait()
+            tensor.mul_(1.0 / self._size)
+            if small is not None:
+                grads = [p.grad.view(-1) for p in small]  # type: ignore[union-attr]
+                torch.split_with_sizes_copy(tensor, [p.numel() for p in small], out=grads)
+        self._works.clear()
+        self._ready = [0] * len(self._buckets)
+        self._next = 0
+        self.optimizer.step()
+
+
 def paired_worker(args: argparse.Namespace) -> None:
     """DDP and commlayer in one job, one step of each in turn (which goes first alternates):
     on a VM whose speed drifts within a minute, both see the same machine, so the ratio of
@@ -212,7 +286,13 @@ def paired_worker(args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         ddp_model: Any = nn.parallel.DistributedDataParallel(build())
         ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
+        import torch.distributed as dist
+
+        torch.manual_seed(0)
+        direct_model = build()
+        direct_opt: _DirectGloo | None = _DirectGloo(direct_model, dist.new_group(backend="gloo"))
     else:
+        direct_opt = None
         torch.manual_seed(0)
         ddp_model, ddp_opt, ctx = _setup("ddp", build())
         torch.manual_seed(0)
@@ -223,6 +303,8 @@ def paired_worker(args: argparse.Namespace) -> None:
     targets = torch.randint(0, classes, (args.batch,))
     ddp_t: list[float] = []
     cl_t: list[float] = []
+    direct_t: list[float] = []
+    systems = ["ddp", "commlayer"] + (["direct"] if direct_opt is not None else [])
     hook_s = engine_s = engine_end_s = 0.0
     calls = 0
     for step in range(args.warmup + args.steps):
@@ -232,11 +314,14 @@ def paired_worker(args: argparse.Namespace) -> None:
             # read before the last step, not after the loop: a peer that finished may shut
             # down, and this rank's engine thread ends with it (its CPU clock then reads 0)
             engine_end_s = _engine_cpu_s()
-        for system in ("ddp", "commlayer") if step % 2 == 0 else ("commlayer", "ddp"):
+        turn = step % len(systems)  # which goes first rotates
+        for system in systems[turn:] + systems[:turn]:
             if system == "ddp":
                 ddp_t.append(_timed_step(ddp_model, ddp_opt, inputs, targets))
-            else:
+            elif system == "commlayer":
                 cl_t.append(_timed_step(cl_model, cl_opt, inputs, targets))
+            else:
+                direct_t.append(_timed_step(direct_model, direct_opt, inputs, targets))
     ddp_t, cl_t = ddp_t[args.warmup :], cl_t[args.warmup :]
     result = {
         "system": "paired",
@@ -252,6 +337,16 @@ def paired_worker(args: argparse.Namespace) -> None:
         "hook_us_per_call": (hooks.seconds - hook_s) / max(hooks.calls - calls, 1) * 1e6,
         "engine_cpu_ms_per_step": (engine_end_s - engine_s) / max(args.steps - 1, 1) * 1e3,
     }
+    if direct_t:
+        # the yardstick must train as DDP does (same seed, same data, averaged gradients)
+        for mine, ddp_param in zip(direct_model.parameters(), ddp_model.parameters()):
+            if not torch.allclose(mine, ddp_param, rtol=1e-4, atol=1e-5):
+                raise RuntimeError("the gloo yardstick's parameters differ from DDP's")
+        direct_t = direct_t[args.warmup :]
+        result["direct_step_ms"] = statistics.median(direct_t) * 1e3
+        result["direct_ratio"] = statistics.median(
+            d / g for d, g in zip(ddp_t, direct_t, strict=True)
+        )
     import commlayer as cl
     from commlayer import runtime
 
@@ -482,16 +577,22 @@ def table(results: list[dict[str, Any]]) -> list[str]:
 def paired_table(results: list[dict[str, Any]]) -> list[str]:
     rows = [
         "| model | ranks | launch | DDP step ms | commlayer step ms | commlayer / DDP samples/s "
-        "| commlayer wait | hooks ms/step (us/call) | engine CPU ms/step |",
-        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| commlayer wait | hooks ms/step (us/call) | engine CPU ms/step "
+        "| gloo yardstick / DDP samples/s |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for r in results:
+        direct = (
+            f"{r['direct_ratio']:.2f} ({r['direct_step_ms']:.1f} ms)"
+            if "direct_ratio" in r
+            else "—"
+        )
         rows.append(
             f"| {r['model']} | {r['ranks']} | {r.get('launch', 'mpiexec')} "
             f"| {r['ddp_step_ms']:.1f} "
             f"| {r['commlayer_step_ms']:.1f} | {r['ratio']:.2f} | {r['wait']} "
             f"| {r['hook_ms_per_step']:.2f} ({r['hook_us_per_call']:.0f}) "
-            f"| {r['engine_cpu_ms_per_step']:.1f} |"
+            f"| {r['engine_cpu_ms_per_step']:.1f} | {direct} |"
         )
     return rows
 
