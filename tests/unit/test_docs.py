@@ -65,3 +65,21 @@ def test_examples_page_has_every_example(hooks: ModuleType) -> None:
     for path in sorted((REPO / "examples").glob("*.py")):
         assert f"## `{path.name}`" in page
         assert path.read_text().rstrip() in page
+
+
+def test_readme_code_is_the_runnable_example() -> None:
+    """README's one-line-change code is examples/minimal.py's, which the system tests run."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("## The one-line change\n\n```python\n") + len(
+        "## The one-line change\n\n```python\n"
+    )
+    snippet = readme[start : readme.index("```", start)]
+    assert "hvd.DistributedOptimizer(" in snippet
+    assert snippet in (REPO / "examples" / "minimal.py").read_text()
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "exec bash scripts/test.sh\n" in ci
+    assert "```bash\nbash scripts/test.sh\n```" in readme
