@@ -409,3 +409,69 @@ def test_main_check_build(
     assert launcher.main(["--check-build"]) == 0
     assert capsys.readouterr().out == "the build report\n"
     assert calls.calls == []
+
+
+def test_build_command_prefix_output() -> None:
+    """Each launcher's own option puts the rank before each line; an unknown launcher gets
+    none (its options are not known)."""
+    mpich = launcher.build_command(
+        "/m/mpiexec", "mpich", 2, None, None, COMMAND, {}, None, (), True
+    )
+    assert mpich == ["/m/mpiexec", "-n", "2", "-prepend-rank", *COMMAND]
+    ompi = launcher.build_command(
+        "/o/mpirun", "openmpi", 2, None, None, COMMAND, {}, None, (), True
+    )
+    assert "--tag-output" in ompi and ompi[-len(COMMAND) :] == COMMAND
+    unknown = launcher.build_command(
+        "/u/mpiexec", "unknown", 2, None, None, COMMAND, {}, None, (), True
+    )
+    assert "-prepend-rank" not in unknown and "--tag-output" not in unknown
+    plain = launcher.build_command("/m/mpiexec", "mpich", 2, None, None, COMMAND, {})
+    assert "-prepend-rank" not in plain
+
+
+class _Out:
+    def __init__(self, tty: bool) -> None:
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(
+    ("asked", "tty", "expected"),
+    [(None, True, True), (None, False, False), (False, True, False), (True, False, True)],
+)
+def test_prefix_output_on_a_terminal_unless_asked(
+    asked: bool | None, tty: bool, expected: bool
+) -> None:
+    assert launcher.prefix_output(asked, _Out(tty)) is expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "tty", "prefixed"),
+    [
+        ([], True, True),
+        ([], False, False),
+        (["--no-prefix-output"], True, False),
+        (["--prefix-output"], False, True),
+    ],
+)
+def test_main_prefixes_output_on_a_terminal(
+    hydra: str,
+    calls: Calls,
+    monkeypatch: pytest.MonkeyPatch,
+    options: list[str],
+    tty: bool,
+    prefixed: bool,
+) -> None:
+    monkeypatch.setattr(sys, "stdout", _Out(tty))
+    assert launcher.main([*options, "-np", "2", *COMMAND]) == 3
+    [(cmd, _)] = calls.calls
+    assert ("-prepend-rank" in cmd) is prefixed, cmd
+
+
+def test_prefix_options_exclude_each_other(hydra: str, calls: Calls) -> None:
+    with pytest.raises(SystemExit):
+        launcher.main(["--prefix-output", "--no-prefix-output", "-np", "2", *COMMAND])
+    assert calls.calls == []
