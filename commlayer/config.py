@@ -404,6 +404,30 @@ def launch(environ: Mapping[str, str] | None = None) -> Launch:
     return Launch("")
 
 
+@dataclasses.dataclass(frozen=True)
+class SlurmAllocation:
+    """The Slurm allocation this process runs in (system variables, read here with the
+    others): ``tasks`` (SLURM_NTASKS, the ranks it holds), ``cpus_per_task``
+    (SLURM_CPUS_PER_TASK, 0 when not given), ``nodes`` (SLURM_JOB_NODELIST, Slurm's compact
+    form)."""
+
+    tasks: int
+    cpus_per_task: int = 0
+    nodes: str = ""
+
+
+def slurm_allocation(environ: Mapping[str, str] | None = None) -> SlurmAllocation | None:
+    """The Slurm allocation (inside ``sbatch``/``salloc``), None outside one or where Slurm
+    does not say how many tasks it holds."""
+    env = os.environ if environ is None else environ
+    text = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or ""
+    if "SLURM_JOB_ID" not in env or not text.strip().isdigit() or int(text) < 1:
+        return None
+    cpus = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    return SlurmAllocation(int(text), int(cpus) if cpus.isdigit() else 0, nodes)
+
+
 # glibc's own malloc settings (environment variables and tunables): a user who set one has
 # chosen, and commlayer's tuning (commlayer/malloc.py) leaves malloc alone.
 _GLIBC_MALLOC_VARIABLES = (

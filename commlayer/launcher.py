@@ -226,7 +226,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="commlayerrun",
         description="Launch a commlayer training script on N processes (wraps mpiexec).",
     )
-    parser.add_argument("-np", "-n", "--num-proc", dest="np", type=int, help="number of ranks")
+    parser.add_argument(
+        "-np",
+        "-n",
+        "--num-proc",
+        dest="np",
+        type=int,
+        help="number of ranks (inside a Slurm allocation: its tasks, SLURM_NTASKS, by default)",
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", help="host1:slots,host2:slots")
     where.add_argument("--hostfile", help="file with one 'host slots=N' (or host:N) per line")
@@ -282,7 +289,12 @@ def _plan(
     if cluster is not None:
         _local_ranks(args.np, hosts)  # only to refuse a bad -H, as on real machines
         hosts = None  # the cluster's hosts share this machine's cores: every rank is local
-    env = launch_environ(args.np, hosts, config.launcher_environ(REGISTRIES))
+    environ = config.launcher_environ(REGISTRIES)
+    slurm = config.slurm_allocation(environ)
+    if slurm is not None and slurm.cpus_per_task and "OMP_NUM_THREADS" not in environ:
+        # the cores Slurm gave each task, not this node's cores shared by every rank of the job
+        environ["OMP_NUM_THREADS"] = str(slurm.cpus_per_task)
+    env = launch_environ(args.np, hosts, environ)
     kind = flavor(mpiexec)
     where = (args.np, args.hosts, args.hostfile, command)
     prefix = prefix_output(args.prefix_output, sys.stdout)
@@ -310,6 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # argparse keeps the '--' of 'commlayerrun -np 2 -- python train.py'; Hydra's mpiexec
     # rejects it ("unrecognized argument").
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    slurm = config.slurm_allocation()
+    if args.np is None and slurm is not None and not (args.hosts or args.hostfile):
+        # Inside an allocation: its tasks; MPICH's launcher reads the nodes from Slurm and
+        # starts the ranks through it (Open MPI's does the same).
+        args.np = slurm.tasks
     if not args.np or args.np < 1 or not command:
         _parser().error("give -np N (N >= 1) and a command: commlayerrun -np 2 python train.py")
     mpiexec = find_mpiexec()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import commlayer
-from commlayer import launcher
+from commlayer import config, launcher
 
 OPEN_MPI_VERSION = (
     "mpirun (Open MPI) 4.1.2\n\nReport bugs to http://www.open-mpi.org/community/help/"
@@ -474,4 +474,52 @@ def test_main_prefixes_output_on_a_terminal(
 def test_prefix_options_exclude_each_other(hydra: str, calls: Calls) -> None:
     with pytest.raises(SystemExit):
         launcher.main(["--prefix-output", "--no-prefix-output", "-np", "2", *COMMAND])
+    assert calls.calls == []
+
+
+SLURM = {
+    "SLURM_JOB_ID": "42",
+    "SLURM_NTASKS": "8",
+    "SLURM_CPUS_PER_TASK": "3",
+    "SLURM_JOB_NODELIST": "node[1-2]",
+}
+
+
+def test_slurm_allocation_from_the_environment() -> None:
+    found = config.slurm_allocation(SLURM)
+    assert found == config.SlurmAllocation(8, 3, "node[1-2]")
+    assert config.slurm_allocation({**SLURM, "SLURM_CPUS_PER_TASK": ""}).cpus_per_task == 0  # type: ignore[union-attr]
+    assert config.slurm_allocation({"SLURM_NTASKS": "8"}) is None  # no job: not inside one
+    assert config.slurm_allocation({"SLURM_JOB_ID": "42"}) is None  # tasks unknown
+    assert config.slurm_allocation({"SLURM_JOB_ID": "42", "SLURM_NTASKS": "x"}) is None
+
+
+def test_main_in_a_slurm_allocation_takes_its_tasks_and_cores(
+    hydra: str, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    assert launcher.main(COMMAND) == 3  # no -np
+    [(cmd, env)] = calls.calls
+    assert cmd[:3] == [hydra, "-n", "8"], cmd
+    assert env["OMP_NUM_THREADS"] == "3"  # the task's cores, not this node's cores / 8
+
+
+def test_main_in_a_slurm_allocation_keeps_what_is_given(
+    hydra: str, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert launcher.main(["-np", "2", *COMMAND]) == 3
+    [(cmd, env)] = calls.calls
+    assert cmd[:3] == [hydra, "-n", "2"] and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_main_without_np_outside_slurm_is_refused(
+    hydra: str, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(SystemExit):
+        launcher.main(COMMAND)
     assert calls.calls == []
