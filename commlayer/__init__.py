@@ -77,6 +77,7 @@ from commlayer.runtime import (
     rank,
     shutdown,
     size,
+    startup_summary,
 )
 from commlayer.state_sync import (
     allgather_object,

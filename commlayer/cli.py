@@ -1,6 +1,6 @@
 """``commlayer`` command: ``calibrate`` the cost model, print the ``algorithms`` it predicts,
 ``simulate`` them in SimGrid at thousands of ranks, ask the ``oracle`` which parallelism
-strategy to use.
+strategy to use. ``commlayer COMMAND --help`` describes each.
 
 mpiexec -n 2 commlayer calibrate [--quick] [--out FILE]
 commlayer algorithms --size 64MiB [--ranks 2] [--file FILE]
@@ -146,8 +146,15 @@ def simulate(args: argparse.Namespace) -> int:
     return sim_cli.run(args)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="commlayer", description=__doc__.splitlines()[0])
+def description() -> str:
+    """The first paragraph of this module's docstring, whole (``--help`` shows it)."""
+    first = (__doc__ or "").strip().split("\n\n", 1)[0]
+    return " ".join(first.replace("``", "").split())
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``commlayer`` command's parser (also what the documentation's CLI page prints)."""
+    parser = argparse.ArgumentParser(prog="commlayer", description=description())
     sub = parser.add_subparsers(dest="command", required=True)
     cal = sub.add_parser("calibrate", help="measure alpha, beta, gamma and the native algorithms")
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
@@ -188,7 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     oracle_command.add_arguments(oracle)
     oracle.set_defaults(run=oracle_command.run)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what simulate --out records
     return int(args.run(args))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import os
 import re
 import threading
@@ -403,6 +404,30 @@ def launch(environ: Mapping[str, str] | None = None) -> Launch:
     return Launch("")
 
 
+@dataclasses.dataclass(frozen=True)
+class SlurmAllocation:
+    """The Slurm allocation this process runs in (system variables, read here with the
+    others): ``tasks`` (SLURM_NTASKS, the ranks it holds), ``cpus_per_task``
+    (SLURM_CPUS_PER_TASK, 0 when not given), ``nodes`` (SLURM_JOB_NODELIST, Slurm's compact
+    form)."""
+
+    tasks: int
+    cpus_per_task: int = 0
+    nodes: str = ""
+
+
+def slurm_allocation(environ: Mapping[str, str] | None = None) -> SlurmAllocation | None:
+    """The Slurm allocation (inside ``sbatch``/``salloc``), None outside one or where Slurm
+    does not say how many tasks it holds."""
+    env = os.environ if environ is None else environ
+    text = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or ""
+    if "SLURM_JOB_ID" not in env or not text.strip().isdigit() or int(text) < 1:
+        return None
+    cpus = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    return SlurmAllocation(int(text), int(cpus) if cpus.isdigit() else 0, nodes)
+
+
 # glibc's own malloc settings (environment variables and tunables): a user who set one has
 # chosen, and commlayer's tuning (commlayer/malloc.py) leaves malloc alone.
 _GLIBC_MALLOC_VARIABLES = (
@@ -444,6 +469,50 @@ Registries = Mapping[str, Validator]  # Config field -> its Validator, for REGIS
 _installed: Registries = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    """One COMMLAYER_* variable as the reference documents it (``describe()``)."""
+
+    name: str  # COMMLAYER_...
+    field: str  # the Config field, also init()'s keyword
+    default: Any  # Config's default value
+    unit: str  # 'milliseconds', 'seconds', 'bytes' or ''
+    allowed: str  # what a ConfigError says is allowed
+    help: str
+
+
+def describe(registries: Registries | None = None) -> list[Variable]:
+    """Every variable with its field, default, unit and what it allows, in declaration order:
+    the documentation's configuration reference is generated from this (scripts/docs_hooks.py).
+    ``registries``: the Validators of REGISTERED_FIELDS (default: the installed ones)."""
+    defaults = Config()
+    return [
+        Variable(
+            name,
+            field,
+            getattr(defaults, field),
+            unit(field),
+            _validator(field, declared, registries).allowed(),
+            help_text,
+        )
+        for name, field, declared, help_text in _VARIABLES
+    ]
+
+
+def show_default(variable: Variable) -> str:
+    """The default as a user writes it: '64 MiB' for 67108864 bytes, '60' for 60.0 seconds,
+    'none' for an empty path."""
+    value = variable.default
+    if variable.unit == "bytes" and isinstance(value, int):
+        for shift, suffix in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+            if value and value % (1 << shift) == 0:
+                return f"{value >> shift} {suffix}"
+        return f"{value} B"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value) if value != "" else "none"
+
+
 def install_registries(registries: Registries) -> None:
     """The registries used when a caller passes none (``load()``, ``override()``,
     ``parse_variable()``); commlayer.runtime installs commlayer.registries.REGISTRIES on import."""
@@ -463,8 +532,38 @@ def _validator(field: str, declared: Validator | None, registries: Registries | 
     return found
 
 
+# A field's unit, from its name's suffix (Config: "units are in the field names").
+_UNITS = {"_ms": "milliseconds", "_s": "seconds", "_bytes": "bytes"}
+_NUMBER_WITH_SUFFIX = re.compile(r"^\s*[-+0-9.eE]+\s*[A-Za-z]+\s*$")
+
+
+def unit(field: str) -> str:
+    """'milliseconds', 'seconds', 'bytes' or '' for a Config field, from its name."""
+    for suffix, name in _UNITS.items():
+        if field.endswith(suffix):
+            return name
+    return ""
+
+
+def _expected(field: str, validator: Validator, text: str) -> str:
+    """What a ConfigError says is allowed, with the setting's unit where it has one that the
+    text cannot carry (seconds, milliseconds): 'a finite number > 0, in milliseconds (the
+    unit is fixed: write 1, not 1ms)'."""
+    allowed = validator.allowed()
+    name = unit(field)
+    if name in ("", "bytes"):  # bytes: the text takes K/M/G suffixes, the message says so
+        return allowed
+    allowed += f", in {name}"
+    if _NUMBER_WITH_SUFFIX.match(text):
+        number = re.match(r"^\s*([-+0-9.eE]+)", text)
+        assert number is not None
+        allowed += f" (the unit is fixed: write {number.group(1)}, not {text.strip()})"
+    return allowed
+
+
 def parse_variable(name: str, text: str, registries: Registries | None = None) -> Any:
-    """Parse one variable's text; ConfigError names the variable, value and what is allowed."""
+    """Parse one variable's text; ConfigError names the variable, value, what is allowed and
+    its unit."""
     for var, field, declared, _ in _VARIABLES:
         if var == name:
             validator = _validator(field, declared, registries)
@@ -473,9 +572,11 @@ def parse_variable(name: str, text: str, registries: Registries | None = None) -
             except ValueError as exc:
                 why = f" ({exc})" if isinstance(exc, InvalidValue) else ""
                 raise ConfigError(
-                    f"{name}={text!r} is not valid{why}: expected {validator.allowed()}"
+                    f"{name}={text!r} is not valid{why}: expected "
+                    f"{_expected(field, validator, text)}"
                 ) from None
-    raise ConfigError(f"unknown commlayer variable {name!r}")
+    known = sorted(var for var, _, _, _ in _VARIABLES)
+    raise ConfigError(f"unknown commlayer variable {name!r}{did_you_mean([name], known)}")
 
 
 def _check_settings(
@@ -486,7 +587,10 @@ def _check_settings(
     ``COMMLAYER_CACHE_CAPACITY=-3`` instead of breaking the engine later. None means unset."""
     bad = sorted(set(settings) - _FIELDS)
     if bad:
-        raise ConfigError(f"unknown setting(s) {bad}; known: {sorted(_FIELDS)}")
+        raise ConfigError(
+            f"unknown setting(s) {bad}{did_you_mean(bad, sorted(_FIELDS))}; "
+            f"known: {sorted(_FIELDS)}"
+        )
     checked: dict[str, Any] = {}
     for var, field, declared, _ in _VARIABLES:
         value = settings.get(field)
@@ -501,18 +605,29 @@ def _check_settings(
             why = f" ({exc})" if isinstance(exc, InvalidValue) else ""
             raise ConfigError(
                 f"setting {field}={value!r} (or {var}) is not valid{why}: expected "
-                f"{validator.allowed()}"
+                f"{_expected(field, validator, str(value))}"
             ) from None
     return checked
 
 
+def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """' (did you mean COMMLAYER_COMPRESSION?)' for the closest known name of each unknown one
+    (difflib), '' when none is close."""
+    guesses = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close:
+            guesses.append(f"{name} -> {close[0]}" if len(unknown) > 1 else close[0])
+    return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+
+
 def _check_unknown(environ: Mapping[str, str]) -> None:
-    known = {var for var, _, _, _ in _VARIABLES}
+    known = sorted(var for var, _, _, _ in _VARIABLES)
     unknown = sorted(k for k in environ if k.startswith("COMMLAYER_") and k not in known)
     if unknown:
         raise ConfigError(
-            f"unknown environment variable(s) {', '.join(map(repr, unknown))}; "
-            f"known: {', '.join(sorted(known))}"
+            f"unknown environment variable(s) {', '.join(map(repr, unknown))}"
+            f"{did_you_mean(unknown, known)}; known: {', '.join(known)}"
         )
 
 

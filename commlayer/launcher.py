@@ -1,6 +1,7 @@
 """commlayerrun: launch a training script on N processes through the available mpiexec.
 
-    commlayerrun -np 4 [-H host1:2,host2:2 | --hostfile FILE] [--launcher-exec PATH] python ...
+    commlayerrun -np 4 [-H host1:2,host2:2 | --hostfile FILE] [--launcher-exec PATH]
+                 [--prefix-output | --no-prefix-output] python ...
     commlayerrun --check-build
 
 Wraps MPICH's (the ``mpich`` wheel's, or a system one) or Open MPI's launcher, passes every
@@ -27,6 +28,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from commlayer import config
 from commlayer.registries import REGISTRIES
@@ -75,15 +77,18 @@ def build_command(
     environ: dict[str, str],
     launcher_exec: str | None = None,
     passed: Sequence[str] = (),
+    prefix_output: bool = False,
 ) -> list[str]:
     """The full launcher command line for ``command`` on ``np`` ranks. ``launcher_exec``: the
     program that starts the launcher's daemon on another host in place of ssh, called as ssh
     is (``PATH [options] HOST COMMAND``). ``passed``: more variables of ``environ`` to pass to
-    every rank beside COMMLAYER_* and OMP_NUM_THREADS."""
+    every rank beside COMMLAYER_* and OMP_NUM_THREADS. ``prefix_output``: each line the ranks
+    print starts with the rank that printed it (Hydra's ``[1] ``, Open MPI's ``[1,1]<stdout>:``)."""
     ours = (k for k in environ if k.startswith("COMMLAYER_") or k == "OMP_NUM_THREADS")
     names = sorted({*ours, *(k for k in passed if k in environ)})
     if kind == "openmpi":
         cmd = [mpiexec, "-np", str(np), "--bind-to", "none", "--oversubscribe"]
+        cmd += ["--tag-output"] if prefix_output else []
         cmd += ["--mca", "mpi_yield_when_idle", "1"]
         cmd += ["--mca", "plm_rsh_agent", launcher_exec] if launcher_exec else []
         cmd += ["-H", hosts] if hosts else []
@@ -92,6 +97,7 @@ def build_command(
             cmd += ["-x", name]
     else:
         cmd = [mpiexec, "-n", str(np)]
+        cmd += ["-prepend-rank"] if prefix_output and kind == "mpich" else []
         cmd += ["-launcher", "ssh", "-launcher-exec", launcher_exec] if launcher_exec else []
         cmd += ["-hosts", hosts] if hosts else []
         cmd += ["-f", hostfile] if hostfile else []
@@ -220,7 +226,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="commlayerrun",
         description="Launch a commlayer training script on N processes (wraps mpiexec).",
     )
-    parser.add_argument("-np", "-n", "--num-proc", dest="np", type=int, help="number of ranks")
+    parser.add_argument(
+        "-np",
+        "-n",
+        "--num-proc",
+        dest="np",
+        type=int,
+        help="number of ranks (inside a Slurm allocation: its tasks, SLURM_NTASKS, by default)",
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", help="host1:slots,host2:slots")
     where.add_argument("--hostfile", help="file with one 'host slots=N' (or host:N) per line")
@@ -230,10 +243,40 @@ def _parser() -> argparse.ArgumentParser:
         help="start the MPI daemons on other hosts with PATH in place of ssh (called as ssh is: "
         "PATH HOST COMMAND); scripts/cluster.sh's hosts get the cluster's own",
     )
+    prefix = parser.add_mutually_exclusive_group()
+    prefix.add_argument(
+        "--prefix-output",
+        dest="prefix_output",
+        action="store_const",
+        const=True,
+        help="start each line the ranks print with its rank ([1] ...); the default when "
+        "commlayerrun's output is a terminal",
+    )
+    prefix.add_argument(
+        "--no-prefix-output",
+        dest="prefix_output",
+        action="store_const",
+        const=False,
+        help="leave the ranks' lines as they print them; the default when the output goes to a "
+        "file or a pipe (a program reading it)",
+    )
     parser.add_argument("--check-build", action="store_true", help="print what is available")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return parser
+
+
+def prefix_output(asked: bool | None, stdout: IO[str]) -> bool:
+    """Whether the ranks' lines get their rank in front: as asked (--prefix-output,
+    --no-prefix-output), else when commlayerrun prints to a terminal, where a person reads
+    several ranks' lines mixed, as torchrun and horovodrun prefix them. Output going to a file
+    or a pipe stays as the ranks print it, for the programs that read it."""
+    if asked is not None:
+        return asked
+    try:
+        return stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
 
 
 def _plan(
@@ -246,11 +289,17 @@ def _plan(
     if cluster is not None:
         _local_ranks(args.np, hosts)  # only to refuse a bad -H, as on real machines
         hosts = None  # the cluster's hosts share this machine's cores: every rank is local
-    env = launch_environ(args.np, hosts, config.launcher_environ(REGISTRIES))
+    environ = config.launcher_environ(REGISTRIES)
+    slurm = config.slurm_allocation(environ)
+    if slurm is not None and slurm.cpus_per_task and "OMP_NUM_THREADS" not in environ:
+        # the cores Slurm gave each task, not this node's cores shared by every rank of the job
+        environ["OMP_NUM_THREADS"] = str(slurm.cpus_per_task)
+    env = launch_environ(args.np, hosts, environ)
     kind = flavor(mpiexec)
     where = (args.np, args.hosts, args.hostfile, command)
+    prefix = prefix_output(args.prefix_output, sys.stdout)
     if cluster is None:
-        cmd = build_command(mpiexec, kind, *where, env, args.launcher_exec)
+        cmd = build_command(mpiexec, kind, *where, env, args.launcher_exec, prefix_output=prefix)
         return cmd, env, cmd
     if kind == "openmpi":
         raise ValueError(
@@ -259,7 +308,7 @@ def _plan(
         )
     env = {**cluster.environ, **env}  # the user's own settings win
     mpi = build_command(
-        mpiexec, kind, *where, env, args.launcher_exec, passed=list(cluster.environ)
+        mpiexec, kind, *where, env, args.launcher_exec, list(cluster.environ), prefix
     )
     cmd = on_cluster(cluster, mpi)
     return cmd, env, [f"{name}={env[name]}" for name in cluster.environ] + cmd
@@ -273,6 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # argparse keeps the '--' of 'commlayerrun -np 2 -- python train.py'; Hydra's mpiexec
     # rejects it ("unrecognized argument").
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    slurm = config.slurm_allocation()
+    if args.np is None and slurm is not None and not (args.hosts or args.hostfile):
+        # Inside an allocation: its tasks; MPICH's launcher reads the nodes from Slurm and
+        # starts the ranks through it (Open MPI's does the same).
+        args.np = slurm.tasks
     if not args.np or args.np < 1 or not command:
         _parser().error("give -np N (N >= 1) and a command: commlayerrun -np 2 python train.py")
     mpiexec = find_mpiexec()

@@ -105,11 +105,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def plain(value: Any) -> str:
+    """A value as a user reads it in an error: one tensor's shape ``((3,),)`` as ``[3]``, a
+    group's as ``[3], [4, 2]``, a scalar shape as ``[]``, dimension counts ``(1,)`` as ``1``;
+    anything else as its repr ('float32')."""
+    if isinstance(value, tuple) and value and all(isinstance(v, tuple) for v in value):
+        shapes = ["[" + ", ".join(map(str, shape)) + "]" for shape in value]
+        return ", ".join(shapes) if len(shapes) == 1 else "(" + ", ".join(shapes) + ")"
+    if isinstance(value, tuple) and value and all(isinstance(v, int) for v in value):
+        return str(value[0]) if len(value) == 1 else "(" + ", ".join(map(str, value)) + ")"
+    return repr(value)
+
+
 def _disagreement(field: str, per_rank: dict[int, Any]) -> str | None:
     values = set(per_rank.values())
     if len(values) <= 1:
         return None
-    shown = ", ".join(f"rank {r}: {v!r}" for r, v in sorted(per_rank.items()))
+    shown = ", ".join(f"rank {r}: {plain(v)}" for r, v in sorted(per_rank.items()))
     return f"{field} differs across ranks ({shown})"
 
 

@@ -118,6 +118,7 @@ def train(args: argparse.Namespace) -> float:
             f"commlayer demo: {size} ranks, {len(y_train)} training and {len(y_test)} test "
             f"images, {sum(p.numel() for p in model.parameters())} parameters"
         )
+        print(cl.startup_summary())  # ranks, nodes and hosts, backend, algorithm
     start = time.perf_counter()
     accuracy = 0.0
     for epoch in range(1, args.epochs + 1):

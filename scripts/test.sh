@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Set up and run the tests. This is THE test command (README; CI runs it through .ci/run).
 #
-#   bash scripts/test.sh           every test: lint, types, unit and system tests, the parallel
-#                                  suite under mpiexec at 1, 2, 3 and 4 ranks, then under
-#                                  torchrun (commlayer over gloo) at 1, 2, 3 and 4 processes
-#   bash scripts/test.sh --quick   the fast tier: lint, types, unit tests and the parallel suite
-#                                  at 2 ranks under mpiexec and under torchrun, without the tests
-#                                  marked slow (a few minutes)
+#   bash scripts/test.sh           every test: lint, types, the docs site (scripts/docs.sh), unit
+#                                  and system tests, the parallel suite under mpiexec at 1, 2, 3
+#                                  and 4 ranks, then under torchrun (commlayer over gloo) at 1, 2,
+#                                  3 and 4 processes
+#   bash scripts/test.sh --quick   the fast tier: lint, types, the docs site, unit tests and the
+#                                  parallel suite at 2 ranks under mpiexec and under torchrun,
+#                                  without the tests marked slow (a few minutes)
 #
 # Every full run installs into a virtual environment made anew (no system site packages, only
 # what pyproject.toml declares), so a dependency nothing installs fails here as on a fresh
@@ -113,8 +114,8 @@ else
     python3 -m venv --clear "$VENV"
     bash scripts/install-torch.sh "$PY"
     # test: pytest, ruff, mypy, numba, pillow...; mpich: mpi4py and an MPI with mpiexec;
-    # demo: the demo system test
-    "$PY" -m pip install -q -e ".[test,mpich,demo]"
+    # demo: the demo system test; docs: scripts/docs.sh
+    "$PY" -m pip install -q -e ".[test,mpich,demo,docs]"
     echo "$want" >"$VENV/.commlayer-fingerprint"
 fi
 # mpiexec (from the mpich wheel) and torchrun live next to this python; put them first so that
@@ -133,7 +134,7 @@ stage_done "ok"
 
 stage "ruff"
 lint_paths=()
-for path in commlayer tests benchmarks; do
+for path in commlayer tests benchmarks examples scripts; do
     [[ -e "$path" ]] && lint_paths+=("$path")
 done
 "$PY" -m ruff check "${lint_paths[@]}"
@@ -141,6 +142,11 @@ stage_done "ok"
 
 stage "mypy"
 "$PY" -m mypy
+stage_done "ok"
+
+stage "docs"
+# the site, warnings as errors (broken links, pages the code generates)
+TEST_VENV="$VENV" bash scripts/docs.sh
 stage_done "ok"
 
 if [[ $QUICK -eq 1 ]]; then

@@ -81,7 +81,8 @@ def random_floats(seed: int, rank: int, shape: Sequence[int], dtype: torch.dtype
 
 
 def _scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """tensor * factor; integers truncate toward zero (README: integer Average truncates)."""
+    """tensor * factor; integers truncate toward zero (docs/reference/collectives.md: integer
+    Average truncates)."""
     scaled = tensor.double() * factor
     return scaled if tensor.is_floating_point() else scaled.trunc().long()
 

@@ -5,7 +5,7 @@ Like Horovod's, they run at any size (mismatch tests need 2 ranks and are skippe
 rank builds the same seeded tensors, and results are compared with what the collective must
 give. Unlike Horovod's 4,000-line class, one short function per behaviour; collectives first,
 asserts last (a rank failing early must not leave the others in a collective).
-What does not carry over from Horovod is listed in the README ("Horovod drop-in").
+What does not carry over from Horovod is listed in docs/guides/horovod.md.
 """
 
 from __future__ import annotations

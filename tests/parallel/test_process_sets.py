@@ -221,7 +221,8 @@ def test_broadcasts_on_a_set_take_the_root_as_a_global_rank() -> None:
 
 
 def test_unnamed_operations_on_a_set_leave_global_names_in_step() -> None:
-    """README's pattern ``if ps.included(): cl.allreduce(t, process_set=ps)`` with no name: only
+    """The documented pattern (docs/reference/collectives.md) ``if ps.included():
+    cl.allreduce(t, process_set=ps)`` with no name: only
     members advance a counter, so the next unnamed global operation must not depend on it."""
     ps = cl.add_process_set([0])
     try:

@@ -380,8 +380,8 @@ DEMO_TIMEOUT_S = 150.0
 
 
 def test_demo_trains_across_two_hosts(job: Job, harness: ModuleType) -> None:
-    """The README's demo across the cluster, as a user runs it: 2 ranks on each host, the
-    demo's own exit status (non-zero below 95% test accuracy) and its summary."""
+    """The demo across the cluster (docs/guides/cluster.md), as a user runs it: 2 ranks on each
+    host, the demo's own exit status (non-zero below 95% test accuracy) and its summary."""
     command = [
         _commlayerrun(), "-np", str(HOSTS * PER_HOST),
         "-H", ",".join(f"node{k}:{PER_HOST}" for k in range(1, HOSTS + 1)),

@@ -133,6 +133,29 @@ def test_demo_prints_each_epoch_once(demo: subprocess.CompletedProcess[str]) -> 
     assert all(0.0 <= a <= 100.0 for a in accuracies), _explain(demo)
 
 
+STARTED = re.compile(
+    rf"^commlayer started: {RANKS} ranks on 1 node \({RANKS} ranks per node; [^:]+: "
+    rf"0-{RANKS - 1}\), backend mpi, allreduce algorithm auto, compression none, wait policy auto$"
+)
+
+
+def test_demo_says_what_the_job_got(demo: subprocess.CompletedProcess[str]) -> None:
+    """The start-up summary (commlayer.startup_summary()), once: rank 0 prints it."""
+    _one(STARTED, demo)
+
+
+def test_prefix_output_puts_each_rank_before_its_lines(harness: ModuleType) -> None:
+    """--prefix-output (the default on a terminal) through the real launcher: each line starts
+    with the rank that printed it; --no-prefix-output (the default into a pipe) leaves it."""
+    script = ["python", "-c", "import os; print('line from', os.environ['PMI_RANK'])"]
+    job = _run(harness, ["--prefix-output", "-np", "2", *script], CHECK_BUILD_TIMEOUT_S)
+    assert job.returncode == 0, _explain(job)
+    assert sorted(job.stdout.splitlines()) == ["[0] line from 0", "[1] line from 1"], _explain(job)
+    plain = _run(harness, ["--no-prefix-output", "-np", "2", *script], CHECK_BUILD_TIMEOUT_S)
+    assert plain.returncode == 0, _explain(plain)
+    assert sorted(plain.stdout.splitlines()) == ["line from 0", "line from 1"], _explain(plain)
+
+
 def test_demo_communication_summary(demo: subprocess.CompletedProcess[str]) -> None:
     """Every optimizer step allreduced every gradient (float32) at least once."""
     header = _one(HEADER, demo)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 # case -> (tensor name, what differs, what the message shows for rank r); the values follow the
 # rank-dependent choices in scripts/mismatch.py.
 CASES = {
-    "shape": ("t.shape", "shape", lambda r: f"rank {r}: (({r + 1},),)"),
+    "shape": ("t.shape", "shape", lambda r: f"rank {r}: [{r + 1}]"),  # plainly, not ((1,),)
     "dtype": ("t.dtype", "dtype", lambda r: f"rank {r}: {'float32' if r == 0 else 'float64'!r}"),
     # The op's value: test_op_mismatch_names_the_ops checks it is readable.
     "op": ("t.op", "reduce op", lambda r: f"rank {r}: "),
@@ -23,10 +23,10 @@ CASES = {
         "t.kind", "operation", lambda r: f"rank {r}: {'allreduce' if r == 0 else 'allgather'!r}"
     ),
     "allgather_trailing": (
-        "t.gather", "shape after the first dimension", lambda r: f"rank {r}: (({r + 1},),)"
+        "t.gather", "shape after the first dimension", lambda r: f"rank {r}: [{r + 1}]"
     ),
-    "batch": ("t.batch", "shape", lambda r: f"rank {r}: (({3 + r},),)"),
-    "cached": ("t.cached", "shape", lambda r: f"rank {r}: (({4 if r == 0 else 5},),)"),
+    "batch": ("t.batch", "shape", lambda r: f"rank {r}: [{3 + r}]"),
+    "cached": ("t.cached", "shape", lambda r: f"rank {r}: [{4 if r == 0 else 5}]"),
 }  # fmt: skip
 
 

@@ -397,3 +397,70 @@ def test_override_is_seen_by_other_threads() -> None:
         thread.start()
         thread.join()
     assert seen == [0.5]
+
+
+@pytest.mark.parametrize(
+    ("variable", "meant"),
+    [
+        ("COMMLAYER_COMPRESION", "COMMLAYER_COMPRESSION"),
+        ("COMMLAYER_CYCLE_TIME_MS", "COMMLAYER_CYCLE_TIME"),
+        ("COMMLAYER_STALL_CHECK_TIME", "COMMLAYER_STALL_CHECK_TIME_SECONDS"),
+    ],
+)
+def test_misspelled_variable_suggests_the_known_one(variable: str, meant: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config.load(environ={variable: "1"})
+    assert f"did you mean {meant}?" in str(caught.value), caught.value
+    with pytest.raises(ConfigError, match=f"did you mean {meant}"):
+        config.parse_variable(variable, "1")
+
+
+def test_unrelated_variable_suggests_nothing() -> None:
+    with pytest.raises(ConfigError) as caught:
+        config.load(environ={"COMMLAYER_BOGUS": "1"})
+    assert "did you mean" not in str(caught.value)
+
+
+def test_misspelled_init_keyword_suggests_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean cycle_time_ms\?"):
+        config.load(environ={}, cycle_time=2)
+
+
+@pytest.mark.parametrize(
+    ("variable", "text", "said"),
+    [
+        ("COMMLAYER_CYCLE_TIME", "1ms", "in milliseconds (the unit is fixed: write 1, not 1ms)"),
+        ("COMMLAYER_CYCLE_TIME", "-1", "a finite number > 0, in milliseconds"),
+        ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "30s", "in seconds (the unit is fixed: write 30"),
+        ("COMMLAYER_INIT_TIMEOUT_SECONDS", "2 min", "in seconds (the unit is fixed: write 2,"),
+    ],
+)
+def test_bad_time_names_its_unit(variable: str, text: str, said: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config.load(environ={variable: text})
+    assert said in str(caught.value), caught.value
+
+
+def test_bad_keyword_value_names_its_unit() -> None:
+    with pytest.raises(ConfigError, match="in seconds"):
+        config.load(environ={}, collective_timeout_s="1m")
+
+
+def test_units_come_from_the_field_names() -> None:
+    units = {v.field: v.unit for v in config.describe()}
+    assert units["cycle_time_ms"] == "milliseconds"
+    assert units["stall_shutdown_time_s"] == "seconds"
+    assert units["min_bucket_bytes"] == "bytes"
+    assert units["compression"] == ""
+
+
+def test_describe_gives_each_default_as_a_user_writes_it() -> None:
+    shown = {v.name: config.show_default(v) for v in config.describe()}
+    assert shown["COMMLAYER_FUSION_THRESHOLD"] == "64 MiB"
+    assert shown["COMMLAYER_MIN_BUCKET_BYTES"] == "1 MiB"
+    assert shown["COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS"] == "60"
+    assert shown["COMMLAYER_CYCLE_TIME"] == "1"
+    assert shown["COMMLAYER_SIM_TABLE"] == "none"
+    for variable in config.describe():
+        assert variable.default == getattr(Config(), variable.field)
+        assert variable.allowed  # the registered ones come from the installed registries too

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import commlayer
-from commlayer import launcher
+from commlayer import config, launcher
 
 OPEN_MPI_VERSION = (
     "mpirun (Open MPI) 4.1.2\n\nReport bugs to http://www.open-mpi.org/community/help/"
@@ -408,4 +408,118 @@ def test_main_check_build(
     monkeypatch.setattr(launcher, "check_build", lambda: "the build report")
     assert launcher.main(["--check-build"]) == 0
     assert capsys.readouterr().out == "the build report\n"
+    assert calls.calls == []
+
+
+def test_build_command_prefix_output() -> None:
+    """Each launcher's own option puts the rank before each line; an unknown launcher gets
+    none (its options are not known)."""
+    mpich = launcher.build_command(
+        "/m/mpiexec", "mpich", 2, None, None, COMMAND, {}, None, (), True
+    )
+    assert mpich == ["/m/mpiexec", "-n", "2", "-prepend-rank", *COMMAND]
+    ompi = launcher.build_command(
+        "/o/mpirun", "openmpi", 2, None, None, COMMAND, {}, None, (), True
+    )
+    assert "--tag-output" in ompi and ompi[-len(COMMAND) :] == COMMAND
+    unknown = launcher.build_command(
+        "/u/mpiexec", "unknown", 2, None, None, COMMAND, {}, None, (), True
+    )
+    assert "-prepend-rank" not in unknown and "--tag-output" not in unknown
+    plain = launcher.build_command("/m/mpiexec", "mpich", 2, None, None, COMMAND, {})
+    assert "-prepend-rank" not in plain
+
+
+class _Out:
+    def __init__(self, tty: bool) -> None:
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(
+    ("asked", "tty", "expected"),
+    [(None, True, True), (None, False, False), (False, True, False), (True, False, True)],
+)
+def test_prefix_output_on_a_terminal_unless_asked(
+    asked: bool | None, tty: bool, expected: bool
+) -> None:
+    assert launcher.prefix_output(asked, _Out(tty)) is expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "tty", "prefixed"),
+    [
+        ([], True, True),
+        ([], False, False),
+        (["--no-prefix-output"], True, False),
+        (["--prefix-output"], False, True),
+    ],
+)
+def test_main_prefixes_output_on_a_terminal(
+    hydra: str,
+    calls: Calls,
+    monkeypatch: pytest.MonkeyPatch,
+    options: list[str],
+    tty: bool,
+    prefixed: bool,
+) -> None:
+    monkeypatch.setattr(sys, "stdout", _Out(tty))
+    assert launcher.main([*options, "-np", "2", *COMMAND]) == 3
+    [(cmd, _)] = calls.calls
+    assert ("-prepend-rank" in cmd) is prefixed, cmd
+
+
+def test_prefix_options_exclude_each_other(hydra: str, calls: Calls) -> None:
+    with pytest.raises(SystemExit):
+        launcher.main(["--prefix-output", "--no-prefix-output", "-np", "2", *COMMAND])
+    assert calls.calls == []
+
+
+SLURM = {
+    "SLURM_JOB_ID": "42",
+    "SLURM_NTASKS": "8",
+    "SLURM_CPUS_PER_TASK": "3",
+    "SLURM_JOB_NODELIST": "node[1-2]",
+}
+
+
+def test_slurm_allocation_from_the_environment() -> None:
+    found = config.slurm_allocation(SLURM)
+    assert found == config.SlurmAllocation(8, 3, "node[1-2]")
+    assert config.slurm_allocation({**SLURM, "SLURM_CPUS_PER_TASK": ""}).cpus_per_task == 0  # type: ignore[union-attr]
+    assert config.slurm_allocation({"SLURM_NTASKS": "8"}) is None  # no job: not inside one
+    assert config.slurm_allocation({"SLURM_JOB_ID": "42"}) is None  # tasks unknown
+    assert config.slurm_allocation({"SLURM_JOB_ID": "42", "SLURM_NTASKS": "x"}) is None
+
+
+def test_main_in_a_slurm_allocation_takes_its_tasks_and_cores(
+    hydra: str, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    assert launcher.main(COMMAND) == 3  # no -np
+    [(cmd, env)] = calls.calls
+    assert cmd[:3] == [hydra, "-n", "8"], cmd
+    assert env["OMP_NUM_THREADS"] == "3"  # the task's cores, not this node's cores / 8
+
+
+def test_main_in_a_slurm_allocation_keeps_what_is_given(
+    hydra: str, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in SLURM.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert launcher.main(["-np", "2", *COMMAND]) == 3
+    [(cmd, env)] = calls.calls
+    assert cmd[:3] == [hydra, "-n", "2"] and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_main_without_np_outside_slurm_is_refused(
+    hydra: str, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(SystemExit):
+        launcher.main(COMMAND)
     assert calls.calls == []

@@ -27,6 +27,7 @@ from engine_harness import (
 )
 from waiting import wait_until
 
+from commlayer import negotiation
 from commlayer.backends.loopback import LoopbackBackend
 from commlayer.engine import Engine, Operation
 from commlayer.errors import StallError, TensorMismatchError
@@ -277,7 +278,7 @@ MISMATCHES: dict[str, tuple[Callable[[int], Operation], str, tuple[str, ...]]] =
     "shape": (
         lambda r: allreduce("x", torch.ones(4 + r % 2)),
         "shape",
-        (r"\(\(4,\),\)", r"\(\(5,\),\)", r"\(\(4,\),\)"),
+        (r"\[4\]", r"\[5\]", r"\[4\]"),  # plainly, not ((4,),)
     ),
     "dtype": (
         lambda r: allreduce("x", torch.ones(4, dtype=torch.float64 if r == 1 else torch.float32)),
@@ -298,7 +299,7 @@ MISMATCHES: dict[str, tuple[Callable[[int], Operation], str, tuple[str, ...]]] =
     "allgather": (
         lambda r: allgather("x", torch.ones(2, 3 + r % 2)),
         "shape after the first dimension",
-        (r"\(\(3,\),\)", r"\(\(4,\),\)", r"\(\(3,\),\)"),
+        (r"\[3\]", r"\[4\]", r"\[3\]"),
     ),
 }
 
@@ -336,7 +337,23 @@ def test_mismatched_grouped_allreduce_names_every_rank_value() -> None:
 
     for error in run_engines(SIZE, fn):
         assert "'g'" in error
-        assert "rank 0: ((2,), (1,)), rank 1: ((2,), (1,)), rank 2: ((2,), (3,))" in error
+        assert "rank 0: ([2], [1]), rank 1: ([2], [1]), rank 2: ([2], [3])" in error
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (((3,),), "[3]"),
+        (((),), "[]"),
+        (((2, 3), (4,)), "([2, 3], [4])"),
+        ((1,), "1"),
+        ((1, 2), "(1, 2)"),
+        ("float32", "'float32'"),
+        (0, "0"),
+    ],
+)
+def test_values_in_mismatch_errors_are_plain(value: object, shown: str) -> None:
+    assert negotiation.plain(value) == shown
 
 
 # -- stalls ----------------------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""MkDocs hooks (mkdocs.yml ``hooks:``): the pages that are generated from the code when the site
+is built, so that they cannot drift from it.
+
+- ``reference/configuration.md``: every COMMLAYER_* variable from ``commlayer.config.describe()``
+  (name, init() keyword, default, unit, what is allowed, meaning);
+- ``reference/cli.md``: ``--help`` of ``commlayer`` and each of its commands, and of
+  ``commlayerrun``, from their argparse parsers;
+- ``examples.md``: each script of examples/ with its docstring and its source;
+- ``benchmarks/results/*.png``: the plots the performance page shows, copied from the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+from pathlib import Path
+from typing import Any
+
+from mkdocs.structure.files import File, Files
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cell(text: str) -> str:
+    """Text that fits in one Markdown table cell."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def configuration_page() -> str:
+    from commlayer import config
+    from commlayer.registries import REGISTRIES
+
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- generated when the site is built: scripts/docs_hooks.py, config.describe() -->",
+        "",
+        "Every `COMMLAYER_*` variable is read once, by `commlayer.init()`; a keyword argument of",
+        "`init()` (the *keyword* column) wins over the variable, and nothing reads the environment",
+        "again after `init()`. An unknown variable (with the closest known name when one is close)",
+        "or a bad value is a `ConfigError` naming the variable, the value, what is allowed and its",
+        "unit. `commlayerrun` checks them before it starts any rank and passes them to every rank.",
+        "",
+        "Sizes in bytes take `K`, `M`, `G` suffixes (`COMMLAYER_FUSION_THRESHOLD=64M`); times are",
+        "plain numbers in the unit shown (`COMMLAYER_CYCLE_TIME=1` is one millisecond; `1ms` is",
+        "refused).",
+        "",
+        "| variable | `init()` keyword | default | unit | allowed | meaning |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for var in config.describe(REGISTRIES):
+        lines.append(
+            f"| `{var.name}` | `{var.field}` | `{_cell(config.show_default(var))}` | "
+            f"{var.unit or '-'} | {_cell(var.allowed)} | {_cell(var.help)} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _helps(parser: argparse.ArgumentParser, words: list[str]) -> list[tuple[str, str]]:
+    """(command line, help text) of ``parser`` and of each of its sub-commands, depth first."""
+    found = [(" ".join(words), parser.format_help())]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _helps(sub, [*words, name])
+    return found
+
+
+def cli_page() -> str:
+    from commlayer import cli, launcher
+
+    os.environ["COLUMNS"] = "100"  # argparse wraps to this width
+    lines = [
+        "# Command line",
+        "",
+        "<!-- generated at build time by scripts/docs_hooks.py from the argparse parsers -->",
+        "",
+        "Two commands come with the package: `commlayerrun` starts a job (see",
+        "[Launching](../guides/launching.md)), `commlayer` runs the tools",
+        "([calibrate](../tools/calibrate.md), [simulate](../tools/simulate.md),",
+        "[oracle](../tools/oracle.md)). Below is each one's `--help`.",
+        "",
+    ]
+    helps = _helps(launcher._parser(), ["commlayerrun"]) + _helps(cli.parser(), ["commlayer"])
+    for command, text in helps:
+        lines += [f"## `{command}`", "", "```text", text.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def examples_page() -> str:
+    lines = [
+        "# Examples",
+        "",
+        "<!-- generated at build time by scripts/docs_hooks.py from examples/*.py -->",
+        "",
+        "Each script in `examples/` runs as it is, on synthetic or bundled data (no download),",
+        "and the test suite runs each at 2 ranks (`tests/system/test_examples.py`). Start one with",
+        "`commlayerrun -np 2 python examples/NAME.py` (or `torchrun --nproc_per_node 2 ...`).",
+        "",
+    ]
+    for path in sorted((REPO / "examples").glob("*.py")):
+        source = path.read_text()
+        doc = ast.get_docstring(ast.parse(source)) or ""
+        lines += [f"## `{path.name}`", "", doc, "", "```python", source.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+GENERATED = {
+    "reference/configuration.md": configuration_page,
+    "reference/cli.md": cli_page,
+    "examples.md": examples_page,
+}
+
+
+def on_files(files: Files, config: Any) -> Files:
+    for uri, make in GENERATED.items():
+        files.append(File.generated(config, uri, content=make()))
+    for png in sorted((REPO / "benchmarks" / "results").glob("*.png")):
+        uri = f"benchmarks/results/{png.name}"
+        files.append(File.generated(config, uri, abs_src_path=str(png)))
+    return files
