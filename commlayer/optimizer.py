@@ -45,9 +45,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -410,6 +412,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if not self._cl_synchronized:
                 self._cl_synchronize()
         self._cl_synchronized = self._cl_user_synchronized = False
+        self._opt_called = True  # what an LR scheduler's patch of step notes (DistributedOptimizer)
         # super(self.__class__, ...): these methods are copied onto a class made with type(), so
         # zero-argument super() would name _DistributedOptimizer, which self is not.
         parent: Any = super(self.__class__, self)
@@ -563,6 +566,21 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
     )
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__  # share param_groups, state, defaults, hooks
+    patched = optimizer.__dict__.get("step")
+    if patched is not None:
+        if not getattr(patched, "_wrapped_by_lr_sched", False):
+            raise ValueError(
+                "optimizer.step was replaced on the optimizer object itself (an attribute, "
+                "not its class's method): the wrapper shares the object's attributes, so it "
+                "would call that step and never average the gradients; wrap the optimizer "
+                "before patching it"
+            )
+        # An LR scheduler made before wrapping patched the object's own step to note that it
+        # was called (``_opt_called``, for its "scheduler stepped before optimizer" warning).
+        # On the shared attributes it would run the plain step, without reducing: replaced by
+        # the same kind of patch around the wrapper's step (which notes the call itself), so
+        # ``step()`` on either object reduces and the scheduler still sees its patch.
+        optimizer.__dict__["step"] = _noted_step(wrapped)
     wrapped._cl_setup(
         named_parameters,
         _policy(compression),
@@ -573,6 +591,20 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
         process_set,
     )
     return wrapped  # type: ignore[no-any-return]
+
+
+def _noted_step(wrapped: Any) -> Any:
+    """``wrapped.step`` as an LR scheduler's patch of it (``_wrapped_by_lr_sched``), holding
+    the wrapper weakly, as torch's patch holds the optimizer."""
+    owner = weakref.ref(wrapped)
+    step = type(wrapped).step
+
+    @functools.wraps(step)
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        return step(owner(), *args, **kwargs)
+
+    noted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return noted
 
 
 def _policy(compression: Compressor | str | Policy | None) -> Policy:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -324,6 +325,37 @@ def test_lr_scheduler_changes_lr_and_training_matches() -> None:
     assert lrs == pytest.approx([0.1, 0.05, 0.05, 0.025, 0.025])
     _assert_same_on_all_ranks(gathered)
     _assert_close_models(model, ref, **EXACT)
+
+
+def test_lr_scheduler_made_before_wrapping() -> None:
+    # The scheduler patches the optimizer object's own step (LRScheduler.__init__); the wrapper
+    # shares the object's attributes, so that patch once ran the plain step: nothing averaged,
+    # and the next zero_grad() raised "reductions in flight would be lost".
+    model = _mlp(F64)
+    ref = copy.deepcopy(model)
+    plain = OPTIMIZERS["sgd_momentum"](model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(plain, lambda epoch: 1.0 / (1 + epoch))
+    opt = cl.DistributedOptimizer(plain, named_parameters=model.named_parameters())
+    ref_opt = OPTIMIZERS["sgd_momentum"](ref.parameters())
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda epoch: 1.0 / (1 + epoch))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        for m, o, s, distributed in ((model, opt, sched, True), (ref, ref_opt, ref_sched, False)):
+            for _ in range(3):
+                _train(m, o, distributed=distributed, steps=1)
+                s.step()
+    gathered = _params_on_all_ranks(model)
+
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 / 4)
+    _assert_same_on_all_ranks(gathered)
+    _assert_close_models(model, ref, **EXACT)
+
+
+def test_optimizer_whose_step_was_replaced_on_the_object_is_refused() -> None:
+    plain = OPTIMIZERS["sgd_momentum"](_mlp(F64).parameters())
+    plain.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="optimizer.step was replaced on the optimizer object"):
+        cl.DistributedOptimizer(plain)
 
 
 def test_zero_grad() -> None:
