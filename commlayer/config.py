@@ -63,6 +63,7 @@ class Config:
     nccl: str = "auto"
     sim_table: str = ""
     force_full_path: str = "0"
+    line_output: str = "off"
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -276,6 +277,15 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "on (default): init() sets glibc's mmap threshold to 32 MiB and its trim threshold to "
         "64 MiB, so the memory a training step frees serves the next step without page faults "
         "(skipped when glibc's own MALLOC_*_ or GLIBC_TUNABLES malloc settings are set); off",
+    ),
+    (
+        "COMMLAYER_LINE_OUTPUT",
+        "line_output",
+        _ON_OFF,
+        "on: init() makes sys.stdout and sys.stderr line-buffered, so that each printed line "
+        "reaches the launcher in one write; commlayerrun sets it when MPICH's launcher puts the "
+        "rank before each write of a rank's output (--prefix-output: under PYTHONUNBUFFERED=1 "
+        "print() writes a line in pieces); off (default): output as Python buffers it",
     ),
     (
         "COMMLAYER_AUTO_TUNING",

@@ -97,7 +97,10 @@ def build_command(
             cmd += ["-x", name]
     else:
         cmd = [mpiexec, "-n", str(np)]
-        cmd += ["-prepend-rank"] if prefix_output and kind == "mpich" else []
+        if prefix_output and kind == "mpich":
+            # Hydra prefixes each write, not each line: commlayer.init() makes the ranks'
+            # output line-buffered (COMMLAYER_LINE_OUTPUT), so a print is one write
+            cmd += ["-prepend-rank", "-genv", "COMMLAYER_LINE_OUTPUT", "on"]
         cmd += ["-launcher", "ssh", "-launcher-exec", launcher_exec] if launcher_exec else []
         cmd += ["-hosts", hosts] if hosts else []
         cmd += ["-f", hostfile] if hostfile else []

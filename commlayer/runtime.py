@@ -6,6 +6,7 @@ import atexit
 import dataclasses
 import gc
 import logging
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -61,6 +62,8 @@ def init(
         log.info(
             "malloc: %s", malloc.tune(cfg.malloc_tuning, config_module.glibc_malloc_variables())
         )
+        if cfg.line_output == "on":
+            _line_buffered()
         backend = _start_backend(comm, cfg)
         engine = Engine(backend, cfg)
         _topology.clear()
@@ -187,6 +190,16 @@ def backend_name() -> str:
     """What the running engine's messages travel over: "mpi" or "torch" (torch.distributed);
     "" before init()."""
     return _backend_name if _engine is not None else ""
+
+
+def _line_buffered() -> None:
+    """COMMLAYER_LINE_OUTPUT=on: a whole line per write on stdout and stderr (the launcher's
+    rank prefix goes before each write)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:  # a TextIOWrapper; replaced streams are left as they are
+            stream.flush()
+            reconfigure(line_buffering=True, write_through=False)
 
 
 def _configure_logging(level: str) -> None:

@@ -146,11 +146,19 @@ def test_demo_says_what_the_job_got(demo: subprocess.CompletedProcess[str]) -> N
 
 def test_prefix_output_puts_each_rank_before_its_lines(harness: ModuleType) -> None:
     """--prefix-output (the default on a terminal) through the real launcher: each line starts
-    with the rank that printed it; --no-prefix-output (the default into a pipe) leaves it."""
-    script = ["python", "-c", "import os; print('line from', os.environ['PMI_RANK'])"]
-    job = _run(harness, ["--prefix-output", "-np", "2", *script], CHECK_BUILD_TIMEOUT_S)
+    with the rank that printed it, also under PYTHONUNBUFFERED=1 (_run sets it), where print()
+    writes a line in pieces and hydra prefixes each write (init() makes output line-buffered:
+    COMMLAYER_LINE_OUTPUT); --no-prefix-output (the default into a pipe) leaves it."""
+    code = (
+        "import commlayer as cl; cl.init(); "
+        "print('line from', cl.rank()); print('and', 'another', 'from', cl.rank()); cl.shutdown()"
+    )
+    prefixed = ["--prefix-output", "-np", "2", "python", "-c", code]
+    job = _run(harness, prefixed, CHECK_BUILD_TIMEOUT_S)
     assert job.returncode == 0, _explain(job)
-    assert sorted(job.stdout.splitlines()) == ["[0] line from 0", "[1] line from 1"], _explain(job)
+    want = [f"[{r}] {text} {r}" for r in (0, 1) for text in ("and another from", "line from")]
+    assert sorted(job.stdout.splitlines()) == want, _explain(job)
+    script = ["python", "-c", "import os; print('line from', os.environ['PMI_RANK'])"]
     plain = _run(harness, ["--no-prefix-output", "-np", "2", *script], CHECK_BUILD_TIMEOUT_S)
     assert plain.returncode == 0, _explain(plain)
     assert sorted(plain.stdout.splitlines()) == ["line from 0", "line from 1"], _explain(plain)

@@ -41,6 +41,7 @@ DEFAULTS = {
     "nccl": "auto",
     "sim_table": "",
     "force_full_path": "0",
+    "line_output": "off",
 }
 
 # (variable, text, Config field, parsed value)
@@ -73,6 +74,8 @@ GOOD = [
     ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "2.5", "stall_check_time_s", 2.5),
     ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "0", "stall_shutdown_time_s", 0.0),
     ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "30", "stall_shutdown_time_s", 30.0),
+    ("COMMLAYER_LINE_OUTPUT", "on", "line_output", "on"),
+    ("COMMLAYER_LINE_OUTPUT", "off", "line_output", "off"),
     ("COMMLAYER_LOG_LEVEL", "trace", "log_level", "trace"),
     ("COMMLAYER_LOG_LEVEL", "debug", "log_level", "debug"),
     ("COMMLAYER_LOG_LEVEL", "INFO", "log_level", "info"),

@@ -417,7 +417,9 @@ def test_build_command_prefix_output() -> None:
     mpich = launcher.build_command(
         "/m/mpiexec", "mpich", 2, None, None, COMMAND, {}, None, (), True
     )
-    assert mpich == ["/m/mpiexec", "-n", "2", "-prepend-rank", *COMMAND]
+    # hydra prefixes each write: the ranks' commlayer.init() makes output line-buffered
+    prefix = ["-prepend-rank", "-genv", "COMMLAYER_LINE_OUTPUT", "on"]
+    assert mpich == ["/m/mpiexec", "-n", "2", *prefix, *COMMAND]
     ompi = launcher.build_command(
         "/o/mpirun", "openmpi", 2, None, None, COMMAND, {}, None, (), True
     )
