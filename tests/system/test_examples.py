@@ -1,8 +1,10 @@
 """Every script in examples/ runs as a user runs it, at 2 ranks under mpiexec, and does what
 its docstring says: the ranks end with the same weights, rank 0 alone writes the checkpoint and
 a second run resumes from it, metrics are averaged over the ranks after a learning-rate warm-up,
-compression sends fewer bytes, the DDP hook trains. Each example is kept to a few steps: the
-jobs are mostly two ranks importing torch (6-10 s each on the loaded 2-core machine)."""
+compression sends fewer bytes, the DDP hook trains, the Lightning Trainer trains on its shard.
+The minimal example and the DDP hook also run under torchrun, as their docstrings show. Each
+example is kept to a few steps: the jobs are mostly two ranks importing torch (6-10 s each on the
+loaded 2-core machine; torchrun's agent adds a few; Lightning's import 5-10)."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ RANKS = 2
 TIMEOUT_S = 60.0
 
 
-def _run(run_mpi: RunMPI, name: str, *args: str) -> Job:
-    job = run_mpi(str(EXAMPLES / name), RANKS, *args, timeout_s=TIMEOUT_S)
+def _run(run_mpi: RunMPI, name: str, *args: str, torchrun: bool = False) -> Job:
+    timeout_s = 1.5 * TIMEOUT_S if torchrun else TIMEOUT_S  # torchrun's agent: one more python
+    job = run_mpi(str(EXAMPLES / name), RANKS, *args, timeout_s=timeout_s, torchrun=torchrun)
     assert job.returncode == 0, job.output()
     return job
 
@@ -41,13 +44,15 @@ def _checksums(job: Job, pattern: str) -> dict[int, str]:
 
 
 def test_every_example_has_a_test() -> None:
-    tested = {"minimal.py", "mnist_like.py", "checkpoint.py", "compression.py", "ddp_hook.py"}
+    tested = {"minimal.py", "mnist_like.py", "checkpoint.py", "compression.py", "ddp_hook.py",
+              "lightning_trainer.py"}  # fmt: skip
     elsewhere = {"train_digits.py": "test_launcher_demo.py", "model_parallel_cnn.py": "oracle"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested | set(elsewhere)
 
 
-def test_minimal_ends_with_the_same_weights_on_every_rank(run_mpi: RunMPI) -> None:
-    job = _run(run_mpi, "minimal.py")
+@pytest.mark.parametrize("torchrun", [False, True], ids=["mpiexec", "torchrun"])
+def test_minimal_ends_with_the_same_weights_on_every_rank(run_mpi: RunMPI, torchrun: bool) -> None:
+    job = _run(run_mpi, "minimal.py", torchrun=torchrun)
     sums = _checksums(job, rf"rank (\d) of {RANKS}: ")
     assert len(set(sums.values())) == 1, job.output()
 
@@ -103,7 +108,18 @@ def test_compression_sends_fewer_bytes_and_keeps_the_ranks_alike(run_mpi: RunMPI
     assert 0 < compressed <= 0.55 * dense, job.output()  # fp16: half the bytes
 
 
-def test_ddp_hook_trains_ddp_with_a_compressor(run_mpi: RunMPI) -> None:
-    job = _run(run_mpi, "ddp_hook.py", "--compression", "fp16", "--steps", "5")
+@pytest.mark.parametrize("torchrun", [False, True], ids=["mpiexec", "torchrun"])
+def test_ddp_hook_trains_ddp_with_a_compressor(run_mpi: RunMPI, torchrun: bool) -> None:
+    job = _run(run_mpi, "ddp_hook.py", "--compression", "fp16", "--steps", "5", torchrun=torchrun)
     sums = _checksums(job, rf"rank (\d) of {RANKS}: fp16 hook, ")
+    assert len(set(sums.values())) == 1, job.output()
+
+
+def test_lightning_trainer_trains_each_rank_on_its_shard(run_mpi: RunMPI) -> None:
+    pytest.importorskip("lightning.pytorch")
+    job = _run(run_mpi, "lightning_trainer.py", "--epochs", "2")
+    # 512 samples, batches of 32: 8 a rank and epoch from its half (DistributedSampler), 16 alone
+    sums = _checksums(job, rf"rank (\d) of {RANKS}: 8 batches an epoch, ")
+    # different first weights on each rank: the same end only if rank 0's were broadcast and
+    # every step's gradients averaged
     assert len(set(sums.values())) == 1, job.output()

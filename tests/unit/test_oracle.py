@@ -650,3 +650,46 @@ def test_model_hybrids_model_ways(net: oracle.Net, plat: oracle.Platform) -> Non
     assert model.row(_setup(net, one_node, model_ways=3), "data+filter", 4) is None
     with pytest.raises(ValueError, match="model_ways must be >= 1"):
         oracle.predict(net, plat, "df", [4], model_ways=0)
+
+
+# -- the plot -----------------------------------------------------------------------------------
+def _bars(ax: object, label: str) -> list[tuple[float, float]]:
+    """(bottom, top) of each bar of the container labelled ``label`` in ``ax``."""
+    (container,) = [c for c in ax.containers if c.get_label() == label]  # type: ignore[attr-defined]
+    return [(p.get_y(), p.get_y() + p.get_height()) for p in container.patches]
+
+
+def test_plot_draws_shares_of_the_epoch_with_hidden_communication_inside_the_bar() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    rows = [
+        # 80 s compute, 40 s communication of which 20 s hidden: a 100 s epoch
+        oracle.Row("data", 64, 2, 1.0, 80.0, 40.0, 10, True, hidden_s=20.0),
+        # the issue's case: filter at p=2, 2098 s compute and 5296.1 s communication, none hidden
+        oracle.Row("filter", 64, 2, 1.0, 2098.0, 5296.1, 10, True),
+        oracle.Row("filter", 128, 4, 1.0, 1000.0, 1000.0, 10, False),
+    ]
+    fig = report.figure(rows, "t")
+    data, filt = fig.axes[0], fig.axes[1]
+    assert data.get_yscale() == "linear" and filt.get_yscale() == "linear"
+    hidden = "communication hidden behind backward (inside the compute share)"
+    exposed = "communication (exposed: adds to the epoch)"
+    assert _bars(data, "compute") == [(0.0, 80.0)]
+    assert _bars(data, exposed) == [(80.0, 100.0)]
+    # hidden: the top 20% of the compute share, inside the bar, not above it
+    assert _bars(data, hidden) == [(60.0, 80.0)]
+    comp, comm = _bars(filt, "compute"), _bars(filt, exposed)
+    assert comp[0][1] == pytest.approx(100 * 2098.0 / 7394.1)  # 28%, not drawn as ~1/5 of log
+    assert comm[0] == pytest.approx((comp[0][1], 100.0))
+    assert [b - a for a, b in _bars(filt, hidden)] == [0.0, 0.0]
+    assert comp[1] == pytest.approx((0.0, 50.0)) and comm[1] == pytest.approx((50.0, 100.0))
+    # a row over memory is faded, one that fits is not
+    (container,) = [c for c in filt.containers if c.get_label() == "compute"]
+    assert [p.get_facecolor()[3] for p in container.patches] == pytest.approx([1.0, 0.35])
+    # every bar says its epoch and cost, and the figure says what GPU-min is
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert texts == ["100 s\n4 GPU-min", "7,394 s\n248 GPU-min", "2,000 s\n136 GPU-min"]
+    assert any(t.get_text() == report.GPU_MIN for t in fig.texts)
+    assert "GPU-min: the GPUs times the epoch rounded up to whole minutes" in report.GPU_MIN
+    plt.close(fig)
