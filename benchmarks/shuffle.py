@@ -302,7 +302,8 @@ class Strategy:
         """The exchange the last set_epoch committed (max over ranks; bytes summed)."""
         if self.shuffler is None:
             return
-        stats = cl.allgather_object(self.shuffler.stats)
+        done = self.shuffler.stats()
+        stats = cl.allgather_object(done[-1] if done else {})
         self.row["busy_s"].append(max(s.get("busy_s", 0.0) for s in stats))  # {}: Q = 0
         self.row["wait_s"].append(max(s.get("wait_s", 0.0) for s in stats))
         self.row["set_epoch_s"].append(max(s.get("set_epoch_s", 0.0) for s in stats))
