@@ -266,6 +266,7 @@ class Strategy:
     with the per-epoch numbers gathered so far."""
 
     def __init__(self, name: str, data: list[Any], root: Path, args: argparse.Namespace) -> None:
+        """``name``: "global", or Q, or Q@label (stores under the --dirs folder of that label)."""
         self.name, self.shuffler = name, None
         if name == "global":
             self.dataset: Any = SharedFolder(root / "shared", args.samples, args)
@@ -273,10 +274,12 @@ class Strategy:
                 self.dataset, num_replicas=cl.size(), rank=cl.rank(), shuffle=True, seed=0
             )
         else:
-            path = root / f"q{name}" / "local{rank}"
-            store = ShardStore.from_dataset(data, path=path, partition_by="given")
+            fraction, _, label = name.partition("@")
+            base = Path(dict(args.dirs)[label]) if label else root
+            path = base / f"q{fraction}" / "local{rank}"
+            store = ShardStore.from_dataset(data, path=path, partition_by="given", overwrite=True)
             self.shuffler = PartialLocalShuffler(
-                store, fraction=float(name), seed=0, chunks=args.chunks
+                store, fraction=float(fraction), seed=0, chunks=args.chunks
             )
             self.dataset, self.sampler = self.shuffler.dataset, self.shuffler.sampler
         self.loader = torch.utils.data.DataLoader(
@@ -292,6 +295,9 @@ class Strategy:
                 "wait_s",
                 "set_epoch_s",
                 "sent_bytes",
+                "io_s",
+                "hidden_s",
+                "waited_s",
             )
         }
 
@@ -308,6 +314,8 @@ class Strategy:
         self.row["wait_s"].append(max(s.get("wait_s", 0.0) for s in stats))
         self.row["set_epoch_s"].append(max(s.get("set_epoch_s", 0.0) for s in stats))
         self.row["sent_bytes"].append(sum(s.get("sent_bytes", 0) for s in stats))
+        for key in ("io_s", "hidden_s", "waited_s"):
+            self.row[key].append(max(s.get(key, 0.0) for s in stats))
 
 
 def run_epoch(st: Strategy, epoch: int, model: nn.Module, optimizer: Any, record: bool) -> None:
@@ -351,7 +359,15 @@ def run_io(args: argparse.Namespace) -> dict[str, Any]:
             (shared / f"{i}.pkl").write_bytes(pickle.dumps(sample, protocol=5))
     cl.barrier()
     sample_bytes = (shared / "0.pkl").stat().st_size
-    names = ["global"] + [str(float(q)) for q in args.fractions]
+    fractions = [str(float(q)) for q in args.fractions]
+    if args.dirs:
+        names = [f"{q}@{label}" for label, _ in args.dirs for q in fractions]
+        if cl.rank() == 0:
+            for _, folder in args.dirs:
+                shutil.rmtree(folder, ignore_errors=True)
+    else:
+        names = fractions
+    names = names if args.no_global else ["global"] + names
     strategies = [Strategy(name, data, root, args) for name in names]
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -372,6 +388,8 @@ def run_io(args: argparse.Namespace) -> dict[str, Any]:
     cl.barrier()
     if cl.rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
+        for _, folder in args.dirs:
+            shutil.rmtree(folder, ignore_errors=True)
     return {
         "rows": {st.name: st.row for st in strategies},
         "sample_bytes": sample_bytes,
@@ -503,19 +521,21 @@ def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         f"MLP 3072-{a['hidden']}-10, {a['epochs']} epochs per strategy after a warm-up epoch, "
         "strategies interleaved epoch by epoch. Shared storage: "
         f"{shared}. Epoch times are the slowest rank's; 'paired' is each epoch's time over "
-        "Q = 0's in the same epoch (run seconds apart), median and min..max over epochs; "
+        "Q = 0's (on the same storage) in the same epoch (run seconds apart), median and min..max over epochs; "
         "exchange busy/wait and set_epoch (vote, commit, next plan): the most of any rank, "
         "per epoch (median).",
         "",
         "| strategy | epoch s, median | min..max | paired vs Q = 0, median | min..max | "
         "shared storage read / epoch | exchanged / epoch | collectives s / epoch | "
-        "exchange busy s | exchange wait s | set_epoch s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "exchange busy s | exchange wait s | set_epoch s | I/O thread s | of it hidden s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
     rows = result["rows"]
-    local = rows.get("0.0", {}).get("epoch_s")
     for strategy, row in rows.items():
         times = row["epoch_s"]
+        label = strategy.partition("@")[2]
+        local = rows.get("0.0" + (f"@{label}" if label else ""), {}).get("epoch_s")
         ratios = [t / q - 1 for t, q in zip(times, local)] if local else []
         paired = (
             f"{statistics.median(ratios) * 100:+.1f}% | "
@@ -524,6 +544,7 @@ def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
             else "n/a | n/a"
         )
         name = "global (shared folder)" if strategy == "global" else f"Q = {strategy}"
+        name = name.replace("@", ", stores on ")
 
         def med(key: str, row: dict[str, Any] = row) -> float:
             return statistics.median(row.get(key) or [0.0])
@@ -532,7 +553,7 @@ def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
             f"| {name} | {statistics.median(times):.3f} | {min(times):.3f}..{max(times):.3f} | "
             f"{paired} | {med('shared_bytes') / 1e6:.2f} MB | {med('sent_bytes') / 1e6:.2f} MB | "
             f"{med('collective_s'):.3f} | {med('busy_s'):.3f} | {med('wait_s'):.3f} | "
-            f"{med('set_epoch_s'):.3f} |"
+            f"{med('set_epoch_s'):.3f} | {med('io_s'):.3f} | {med('hidden_s'):.3f} |"
         )
     return lines
 
@@ -559,6 +580,15 @@ def main() -> None:
     parser.add_argument("--shared-url", help="io: read global's samples over HTTP from here")
     parser.add_argument("--notes", help="report: a markdown file appended (the reading)")
     parser.add_argument("--dir", default=tempfile.gettempdir() + "/commlayer-shuffle-bench")
+    parser.add_argument(
+        "--dirs",
+        nargs="*",
+        default=[],
+        type=lambda text: tuple(text.split("=", 1)),
+        help="io: LABEL=FOLDER ...: every fraction's stores under each folder, strategies "
+        "named Q@LABEL, all interleaved in one run (e.g. tmpfs=/dev/shm/x ext4=/var/tmp/x)",
+    )
+    parser.add_argument("--no-global", action="store_true", help="io: leave global out")
     args = parser.parse_intermixed_args()
     if args.part == "serve":
         serve(str(Path(args.dir) / "shared"), args.port)
