@@ -48,6 +48,7 @@ import json
 import os
 import pickle
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -274,12 +275,13 @@ class Strategy:
                 self.dataset, num_replicas=cl.size(), rank=cl.rank(), shuffle=True, seed=0
             )
         else:
-            fraction, _, label = name.partition("@")
+            setting, _, label = name.partition("@")
+            fraction, _, chunks = setting.partition(":")  # Q:chunks overrides --chunks
             base = Path(dict(args.dirs)[label]) if label else root
-            path = base / f"q{fraction}" / "local{rank}"
+            path = base / f"q{setting}" / "local{rank}"
             store = ShardStore.from_dataset(data, path=path, partition_by="given", overwrite=True)
             self.shuffler = PartialLocalShuffler(
-                store, fraction=float(fraction), seed=0, chunks=args.chunks
+                store, fraction=float(fraction), seed=0, chunks=int(chunks or args.chunks)
             )
             self.dataset, self.sampler = self.shuffler.dataset, self.shuffler.sampler
         self.loader = torch.utils.data.DataLoader(
@@ -359,7 +361,10 @@ def run_io(args: argparse.Namespace) -> dict[str, Any]:
             (shared / f"{i}.pkl").write_bytes(pickle.dumps(sample, protocol=5))
     cl.barrier()
     sample_bytes = (shared / "0.pkl").stat().st_size
-    fractions = [str(float(q)) for q in args.fractions]
+    fractions = [
+        str(float(q.partition(":")[0])) + (f":{q.partition(':')[2]}" if ":" in q else "")
+        for q in args.fractions
+    ]
     if args.dirs:
         names = [f"{q}@{label}" for label, _ in args.dirs for q in fractions]
         if cl.rank() == 0:
@@ -377,7 +382,8 @@ def run_io(args: argparse.Namespace) -> dict[str, Any]:
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
     )
     for epoch in range(args.epochs + 1):
-        for st in strategies:
+        # a new order each epoch (the same on every rank): no strategy always runs first
+        for st in random.Random(epoch).sample(strategies, len(strategies)):
             run_epoch(st, epoch, model, optimizer, record=epoch > 0)
         if cl.rank() == 0 and epoch > 0:
             times = " ".join(f"{st.name}={st.row['epoch_s'][-1]:.3f}" for st in strategies)
@@ -454,6 +460,13 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
             lines += ["", f"![accuracy curves]({png.name})", ""]
         else:
             lines += io_table(result, meta) + [""]
+    results = [json.loads(Path(path).read_text()) for path in paths]
+    io_runs = [r for r in results if "rows" in r and any("@" in k for k in r["rows"])]
+    if io_runs:
+        accuracy = next((r for r in results if "curves" in r), None)
+        png = Path(out).with_suffix(".png")
+        plot_against_q(io_runs[-1], accuracy, png, plt)
+        lines += [f"![epoch time and accuracy against Q]({png.name})", ""]
     if notes:
         lines += ["", Path(notes).read_text().rstrip()]
     Path(out).write_text("\n".join(lines) + "\n")
@@ -508,6 +521,74 @@ def plot_curves(result: dict[str, Any], meta: dict[str, Any], png: Path, plt: An
     fig.savefig(png, dpi=110)
 
 
+def plot_against_q(
+    io_run: dict[str, Any], accuracy: dict[str, Any] | None, png: Path, plt: Any
+) -> None:
+    """Epoch time over local shuffling's (paired, per storage) and final accuracy, against Q."""
+    rows = io_run["rows"]
+    labels = list(dict.fromkeys(k.partition("@")[2] for k in rows if "@" in k))
+    panels = 2 if accuracy else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2), squeeze=False)
+    ax = axes[0][0]
+    for n, label in enumerate(labels):
+        qs = [k.partition("@")[0] for k in rows if k.endswith(f"@{label}") and ":" not in k]
+        local = rows[f"0.0@{label}"]["epoch_s"]
+        med, low, high = [], [], []
+        for q in qs:
+            times = rows[f"{q}@{label}"]["epoch_s"]
+            ratios = [(t / t0 - 1) * 100 for t, t0 in zip(times, local)]
+            m = statistics.median(ratios)
+            quartiles = statistics.quantiles(ratios, n=4)
+            med.append(m)
+            low.append(m - quartiles[0])
+            high.append(quartiles[2] - m)
+        x = [i + (n - (len(labels) - 1) / 2) * 0.12 for i in range(len(qs))]
+        ax.errorbar(x, med, yerr=[low, high], fmt="o-", capsize=4, label=f"stores on {label}")
+        ax.set_xticks(range(len(qs)), [f"{float(q):g}" for q in qs])
+    ax.axhline(0, color="k", lw=0.8)
+    ax.axhspan(-5, 5, color="g", alpha=0.08, label="target: within 5% of local")
+    ax.set_xlabel("Q (fraction exchanged per epoch)")
+    ax.set_ylabel("epoch time vs local shuffling (Q = 0), %\npaired per epoch: median, quartiles")
+    ax.set_title(f"{io_run['meta']['ranks']} ranks, {io_run['meta']['args']['samples']} samples")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if accuracy:
+        ax = axes[0][1]
+        curves = accuracy["curves"]
+        qs = [q for q in curves if q != "global"]
+        finals = [[c[-1] * 100 for c in curves[q]] for q in qs]
+        means = [statistics.mean(f) for f in finals]
+        ax.errorbar(
+            range(len(qs)),
+            means,
+            yerr=[
+                [m - min(f) for m, f in zip(means, finals)],
+                [max(f) - m for m, f in zip(means, finals)],
+            ],
+            fmt="o-",
+            capsize=4,
+            label="partial-local",
+        )
+        if "global" in curves:
+            ax.axhline(
+                statistics.mean(c[-1] * 100 for c in curves["global"]),
+                color="k",
+                ls="--",
+                label="global (DistributedSampler)",
+            )
+        ax.set_xticks(range(len(qs)), [f"{float(q):g}" for q in qs])
+        ax.set_xlabel("Q (fraction exchanged per epoch)")
+        ax.set_ylabel("final test accuracy, %: mean, min..max over seeds")
+        a = accuracy["meta"]["args"]
+        ax.set_title(
+            f"{a.get('dataset', 'digits')}, class-sorted shards ({accuracy['meta']['date']})"
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     a = meta["args"]
     shared = (
@@ -521,7 +602,8 @@ def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         f"MLP 3072-{a['hidden']}-10, {a['epochs']} epochs per strategy after a warm-up epoch, "
         "strategies interleaved epoch by epoch. Shared storage: "
         f"{shared}. Epoch times are the slowest rank's; 'paired' is each epoch's time over "
-        "Q = 0's (on the same storage) in the same epoch (run seconds apart), median and min..max over epochs; "
+        "Q = 0's (on the same storage) in the same epoch (run seconds apart), median and "
+        "min..max over epochs; "
         "exchange busy/wait and set_epoch (vote, commit, next plan): the most of any rank, "
         "per epoch (median).",
         "",
@@ -574,7 +656,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--chunks", type=int, default=8, help="io: collectives per exchange")
-    parser.add_argument("--fractions", nargs="*", default=["0.0", "0.1", "0.3", "1.0"])
+    parser.add_argument(
+        "--fractions",
+        nargs="*",
+        default=["0.0", "0.1", "0.3", "1.0"],
+        help="io: the Qs; Q:K runs Q with K chunks (a strategy of its own)",
+    )
     parser.add_argument("--shared-mbps", type=float, default=400.0)
     parser.add_argument("--shared-latency-ms", type=float, default=0.5)
     parser.add_argument("--shared-url", help="io: read global's samples over HTTP from here")

@@ -37,7 +37,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
@@ -72,7 +72,11 @@ class PackSet:
         self.gen, self.next_pack = 0, 1
         self.staging: int | None = None  # the pack received samples are appended to
         self._fds: dict[int, int] = {}
-        self._writer: IO[bytes] | None = None
+        # The staging pack: a descriptor and a buffer of our own, written only by flush(): a
+        # forked DataLoader worker holding a copy never writes it (a buffered file object
+        # would, when collected there).
+        self._writer: int | None = None
+        self._buffer = bytearray()
         self._written = 0  # bytes in the staging pack so far
         self._staged: dict[int, tuple[int, int, int]] | None = None
         self._dirty = False
@@ -161,7 +165,7 @@ class PackSet:
 
     def __getstate__(self) -> dict[str, Any]:
         # a DataLoader worker (spawned) opens its own descriptors; it never stages
-        return {**self.__dict__, "_fds": {}, "_writer": None}
+        return {**self.__dict__, "_fds": {}, "_writer": None, "_buffer": bytearray()}
 
     # -- reading -----------------------------------------------------------------------------
     def ids(self) -> list[int]:
@@ -247,16 +251,19 @@ class PackSet:
             self.staging = self.next_pack
             self.next_pack += 1
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._writer = open(self.pack_file(self.staging), "wb", buffering=1 << 20)  # noqa: SIM115
-            self._writer.write(PACK_MAGIC)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            self._writer = os.open(self.pack_file(self.staging), flags, 0o644)
+            self._buffer += PACK_MAGIC
             self._written = len(PACK_MAGIC)
             if self._staged is None or into_index:
                 self._staged = {}
         assert self.staging is not None and self._staged is not None
         entry = (self.staging, self._written, len(data))
-        self._writer.write(RECORD.pack(sample_id, len(data)))
-        self._writer.write(data)
+        self._buffer += RECORD.pack(sample_id, len(data))
+        self._buffer += data
         self._written += size
+        if len(self._buffer) >= 1 << 20:
+            self.flush()
         if into_index:
             self.index[sample_id] = entry
         else:
@@ -264,7 +271,8 @@ class PackSet:
 
     def _close_writer(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            self.flush()
+            os.close(self._writer)
             self._writer = None
 
     def stage(self, sample_id: int, data: bytes) -> None:
@@ -273,8 +281,12 @@ class PackSet:
 
     def flush(self) -> None:
         """What was staged is in the file (before the journal names the staging pack)."""
-        if self._writer is not None:
-            self._writer.flush()
+        if self._writer is not None and self._buffer:
+            view = memoryview(self._buffer)
+            while view:  # os.write releases the GIL
+                view = view[os.write(self._writer, view) :]
+            view.release()
+            self._buffer = bytearray()
 
     def staged(self) -> dict[int, tuple[int, int, int]]:
         """The staged records: as written by this process, or read back from the staging pack

@@ -647,3 +647,53 @@ def test_an_existing_store_is_opened_or_overwritten_as_told(
         assert "replacing the existing shard stores" in replaced and "overwrite=True" in replaced
     else:
         assert "shard stores" not in opened + replaced
+
+
+def test_a_commit_dying_mid_compaction_rolls_forward(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every rank staged and voted; rank 0 "dies" in its commit after the compaction wrote its
+    # new pack and before the index naming it was saved. Reopening rolls every rank forward:
+    # no sample lost, duplicated or changed, and the half-done compaction's pack is removed.
+    from commlayer.data.packs import PackSet
+
+    n = 12 * cl.size()
+    path = tmp_path / "shard{rank}"
+    store = ShardStore.from_dataset(_dataset(n), path=path)
+    before = {i: _first_number(store.load(i)) for i in store.ids()}
+    shuffler = PartialLocalShuffler(store, fraction=0.5, seed=4)
+    exchange = shuffler._exchange
+    left: set[str] = set()
+    if exchange is not None:  # None at one rank
+        exchange.finish()
+        store.prepare(0, exchange.plan.sent_ids, store.staged())
+        if cl.rank() == 0:
+            compact = PackSet._compact
+
+            def dying(self: PackSet) -> None:
+                compact(self)
+                raise _Died
+
+            monkeypatch.setattr(PackSet, "_compact", dying)
+            packs = tmp_path / "shard0" / "packs"
+            earlier = set(os.listdir(packs))
+            try:
+                store.commit()
+            except _Died:
+                left = set(os.listdir(packs)) - earlier  # the compaction's new pack
+            monkeypatch.undo()
+        else:
+            store.commit()
+    cl.barrier()
+    recovered = PartialLocalShuffler(ShardStore(path), fraction=0.5, seed=4)
+    now = {i: _first_number(recovered.store.load(i)) for i in recovered.store.ids()}
+    final, first = _everyone(now), _everyone(before)
+    stray = recovered.store.stray_files()
+
+    merged = {i: v for d in first for i, v in d.items()}
+    assert sorted(i for d in final for i in d) == list(range(n))
+    assert all(merged[i] == v for d in final for i, v in d.items()), "a sample changed"
+    if cl.rank() == 0 and exchange is not None:
+        assert left, "the compaction was to leave its pack behind"
+        assert recovered.store.epoch == 1, "rolled forward"
+    assert not stray
