@@ -4,11 +4,13 @@ unpacked and written by an I/O thread of the data module.
 1. Chunk k of every rank travels in one ``alltoall_async`` of bytes: the part for rank q is a
    frame of (sample id, length, bytes) records, its length the split for q, so samples of any
    size travel without padding.
-2. The I/O thread (one per shuffler, ``commlayer-shuffle-io``) reads the samples of chunk k and
-   packs them while the training thread computes: chunk 0 when the exchange is planned, chunk
-   k + 1 when chunk k is submitted. The training thread only starts the alltoall (the engine
-   moves it) and, when a chunk is done, hands the received bytes back to the I/O thread, which
-   unpacks them and stages them in the store. File reads and writes release the GIL.
+2. The I/O thread (one per shuffler, ``commlayer-shuffle-io``) first compacts the store's pack
+   files where the last commit left them due (packs.py), then reads the samples of chunk k and
+   packs them while the training thread computes: chunk 0 when the epoch's first sample is
+   drawn, chunk k + 1 when chunk k is submitted. The training thread only starts the alltoall
+   (the engine moves it) and, when a chunk is done, hands the received bytes back to the I/O
+   thread, which unpacks them and stages them in the store. File reads and writes release the
+   GIL.
 3. A rank that cannot read a sample it must send still takes part: it sends every peer an error
    frame naming itself and the file, and every rank raises that error in ``finish``, after all
    chunks are done, so that no rank waits forever on a chunk another rank gave up on. Any other
@@ -81,6 +83,7 @@ class Exchange:
         "vote",
         "io_s",
         "io_waited_s",
+        "compaction",
         "_io",
         "_payloads",
         "_staging",
@@ -108,7 +111,15 @@ class Exchange:
         self._payloads: list[Future[_Payload] | None] = []
         self._staging: list[Future[None]] = []
         self._error: ShardStoreError | None = None
-        self._prepare_next()
+        self.compaction: Future[None] | None = None
+
+    def start(self) -> None:
+        """The epoch begins (the sampler's first sample): the I/O thread compacts the store
+        where the last commit left it due, then prepares chunk 0. Nothing runs before: an
+        exchange planned and never iterated leaves the store's files alone."""
+        if self.compaction is None:
+            self.compaction = self._run(self._compact)
+            self._prepare_next()
 
     @property
     def submitted(self) -> int:
@@ -129,6 +140,7 @@ class Exchange:
 
     def submit_next(self) -> None:
         """Start the next chunk's alltoall (the engine moves it while the caller computes)."""
+        self.start()
         k = len(self.handles)
         future, self._payloads[k] = self._payloads[k], None
         assert future is not None
@@ -155,8 +167,11 @@ class Exchange:
 
     def finish(self) -> None:
         """Submit what is left, then wait for every chunk and for its staging."""
+        self.start()
         while self.submitted < len(self.plan.sends):
             self.submit_next()
+        assert self.compaction is not None
+        self._wait(self.compaction)
         self.collect(block=True)
 
     def _wait(self, future: Future):  # type: ignore[no-untyped-def, type-arg]
@@ -167,6 +182,15 @@ class Exchange:
             self.io_waited_s += time.perf_counter() - t0
 
     # -- on the I/O thread -------------------------------------------------------------------
+    def _compact(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.store.compact()
+        except Exception as exc:
+            self._fail(exc, "compacting the store")
+        finally:
+            self.io_s += time.perf_counter() - t0
+
     def _payload(self, k: int) -> _Payload:
         t0 = time.perf_counter()
         try:

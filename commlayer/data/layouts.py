@@ -198,6 +198,12 @@ class Memory:
     def persist(self, ending: bool) -> None:
         pass
 
+    def compact(self) -> bool:
+        return False
+
+    def drop_superseded(self) -> None:
+        pass
+
     def stray_files(self) -> list[Path]:
         return []
 
@@ -247,6 +253,12 @@ class PackFiles:
     def persist(self, ending: bool) -> None:
         self.packs.persist(ending)
 
+    def compact(self) -> bool:
+        return self.packs.compact()
+
+    def drop_superseded(self) -> None:
+        self.packs.drop_superseded()
+
     def state(self) -> dict[str, Any]:
         return {"packs": self.packs.state()}
 
@@ -289,6 +301,12 @@ class PickleFiles(_Staging):
         return {}
 
     def persist(self, ending: bool) -> None:
+        pass
+
+    def compact(self) -> bool:
+        return False
+
+    def drop_superseded(self) -> None:
         pass
 
     def stray_files(self) -> list[Path]:
@@ -406,6 +424,12 @@ class ImageFolder:
 
     def persist(self, ending: bool) -> None:
         self.incoming.persist(ending)
+
+    def compact(self) -> bool:
+        return False
+
+    def drop_superseded(self) -> None:
+        pass
 
     def stray_files(self) -> list[Path]:
         return self.incoming.stray_files()
@@ -534,6 +558,12 @@ class ArrayFile:
 
     def persist(self, ending: bool) -> None:
         self.packs.persist(ending)
+
+    def compact(self) -> bool:
+        return self.packs.compact()
+
+    def drop_superseded(self) -> None:
+        self.packs.drop_superseded()
 
     def stray_files(self) -> list[Path]:
         return self.packs.stray_files()

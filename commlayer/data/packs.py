@@ -21,8 +21,9 @@ point leaves the previous journal and index whole.
 
 Overhead: 32 bytes per sample (record header and index entry) plus the records of samples sent
 away that still sit in packs: when all of it would pass ``OVERHEAD_BUDGET`` (8%) of the
-samples' bytes, the next save copies the live records of the packs holding dead ones into a new
-pack (sequential reads and writes), so the files stay within 10% of the samples' bytes.
+samples' bytes, ``compact`` copies the live records of the packs holding dead ones into a new
+pack (sequential reads and writes), so the files stay within 10% of the samples' bytes. The
+shuffler runs it on its I/O thread at the start of each epoch, after the commit.
 
 Reads are ``os.pread`` on descriptors kept open (they release the GIL, and several threads may
 read at once). A DataLoader worker holding an index older than the last commit rereads it when a
@@ -233,15 +234,19 @@ class PackSet:
         """A new store's samples (``from_dataset``): packs written in one pass, then the index."""
         self.dir.mkdir(parents=True, exist_ok=True)
         for sample_id, data in records:
-            self._append(sample_id, data, into_index=True)
+            self._append(sample_id, data, self.index, roll=True)
         self._close_writer()
         self.staging = None
         self._dirty = True
 
-    def _append(self, sample_id: int, data: bytes, into_index: bool) -> None:
+    def _append(
+        self, sample_id: int, data: bytes, target: dict[int, tuple[int, int, int]], roll: bool
+    ) -> None:
+        """Append a record to the pack being written (a new one if none is), its entry into
+        ``target``; ``roll``: a pack that would pass MAX_PACK_BYTES is closed, a new one begun."""
         size = RECORD.size + len(data)
         if self._writer is not None and self._written + size > MAX_PACK_BYTES:
-            if not into_index:
+            if not roll:
                 raise LayoutError(
                     f"the staging pack {str(self.pack_file(self.staging or 0))!r} would pass "
                     f"{MAX_PACK_BYTES} bytes: use more chunks or a smaller fraction"
@@ -255,19 +260,14 @@ class PackSet:
             self._writer = os.open(self.pack_file(self.staging), flags, 0o644)
             self._buffer += PACK_MAGIC
             self._written = len(PACK_MAGIC)
-            if self._staged is None or into_index:
-                self._staged = {}
-        assert self.staging is not None and self._staged is not None
+        assert self.staging is not None
         entry = (self.staging, self._written, len(data))
         self._buffer += RECORD.pack(sample_id, len(data))
         self._buffer += data
         self._written += size
         if len(self._buffer) >= 1 << 20:
             self.flush()
-        if into_index:
-            self.index[sample_id] = entry
-        else:
-            self._staged[sample_id] = entry
+        target[sample_id] = entry
 
     def _close_writer(self) -> None:
         if self._writer is not None:
@@ -277,7 +277,9 @@ class PackSet:
 
     def stage(self, sample_id: int, data: bytes) -> None:
         """Phase 1: append a received sample to this exchange's staging pack."""
-        self._append(sample_id, data, into_index=False)
+        if self._staged is None:
+            self._staged = {}
+        self._append(sample_id, data, self._staged, roll=False)
 
     def flush(self) -> None:
         """What was staged is in the file (before the journal names the staging pack)."""
@@ -345,7 +347,6 @@ class PackSet:
         self.flush()
         if not self._dirty:
             return
-        self._compact()
         entries = np.empty(len(self.index), dtype=ENTRY)
         if self.index:
             entries["id"] = list(self.index)
@@ -363,7 +364,14 @@ class PackSet:
         self._close_writer()
         self.staging = None
 
-    def _compact(self) -> None:
+    def compact(self) -> bool:
+        """Copy the live records of the packs holding dead ones into a new pack, where the
+        overhead would pass OVERHEAD_BUDGET; True when it did (the caller saves the journal,
+        which writes the new index). Safe while other threads read: the new index replaces the
+        old in one assignment once the new pack is written, and the old packs stay until
+        ``drop_staged`` (the next exchange's end). Not while anything is staged."""
+        if self.staging is not None:
+            return False
         referenced: dict[int, int] = {}  # pack -> live bytes
         for pack, _, length in self.index.values():
             referenced[pack] = referenced.get(pack, 0) + RECORD.size + length
@@ -376,13 +384,13 @@ class PackSet:
         samples = live - (RECORD.size * len(self.index))
         fixed = (RECORD.size + ENTRY.itemsize) * len(self.index)
         if not dead or fixed + sum(dead.values()) <= OVERHEAD_BUDGET * samples:
-            return
+            return False
         moving = sorted(
             (entry[1], sample_id, entry)
             for sample_id, entry in self.index.items()
             if entry[0] in dead
         )
-        self.staging = None
+        index = dict(self.index)
         by_pack: dict[int, list[tuple[int, int, tuple[int, int, int]]]] = {}
         for item in moving:
             by_pack.setdefault(item[2][0], []).append(item)
@@ -394,17 +402,25 @@ class PackSet:
                     raise LayoutError(
                         f"cannot compact {str(self.pack_file(pack))!r}: truncated at {offset}"
                     )
-                self._append(sample_id, data[RECORD.size :], into_index=True)
+                self._append(sample_id, data[RECORD.size :], index, roll=True)
         self._close_writer()
         self.staging = None
+        self.index, self._dirty = index, True
+        return True
 
     def drop_staged(self) -> None:
         """Remove what neither the saved index nor a staging pack names: a staging pack after
         its exchange ended, packs left empty or compacted, an index replaced."""
         self.end_exchange()
         self._staged = None
-        live = {pack for pack, _, _ in self.index.values()}
-        self._close_fds(keep=live)
+        self._close_fds(keep={pack for pack, _, _ in self.index.values()})
+        self.drop_superseded()
+
+    def drop_superseded(self) -> None:
+        """Remove the packs and index files the saved state no longer names (after a
+        compaction, while other threads may read: their open descriptors stay valid, and a
+        pack opened too late is found gone, which makes the reader reread the index)."""
+        live = {pack for pack, _, _ in self.index.values()} | {self.staging}
         if self.dir.is_dir():
             for file in self.dir.iterdir():
                 if not (file.suffix == ".pack" and _number(file) in live):

@@ -176,6 +176,8 @@ class PartialLocalShuffler:
         exchange = self._exchange
         smallest = min(self.shard_sizes)
         starts = [k * smallest // self.chunks for k in range(self.chunks)]
+        if exchange is not None:
+            exchange.start()
         for position, sample_id in enumerate(list(self._order)):
             while (
                 exchange is not None

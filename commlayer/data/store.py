@@ -223,6 +223,17 @@ class ShardStore:
         self.epoch = int(pending["epoch"]) + 1
         self._end_exchange()
 
+    def compact(self) -> bool:
+        """Rewrite the pack files holding samples sent away where the store's overhead would
+        pass 8% (packs.py), then save the journal naming the new index; True when it did. Not
+        during an exchange's staging; the shuffler runs it on its I/O thread after each
+        commit."""
+        if not self._call(self.layout.compact):
+            return False
+        self._save()
+        self._call(self.layout.drop_superseded)
+        return True
+
     def stray_files(self) -> list[Path]:
         """Files in the store's folder that its saved state does not name: what an interrupted
         exchange left behind, before the recovery removed it (none after)."""
