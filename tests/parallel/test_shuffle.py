@@ -520,22 +520,30 @@ def test_pack_store_stays_within_ten_percent_of_the_samples_bytes(tmp_path: Path
     assert not stray
 
 
-@pytest.mark.parametrize("damage", ["index", "pack"])
-def test_a_truncated_index_or_pack_fails_every_rank_naming_rank_and_file(
-    tmp_path: Path, damage: str
+@pytest.mark.parametrize(
+    ("damage", "what"),
+    [
+        ("index", "the index '{}' is truncated"),
+        ("pack", "the pack '{}' is truncated"),
+        ("header", "'{}' is not a pack index \\(malformed"),
+    ],
+)
+def test_a_truncated_or_malformed_index_or_pack_fails_every_rank_naming_rank_and_file(
+    tmp_path: Path, damage: str, what: str
 ) -> None:
     bad = cl.size() - 1
     path = tmp_path / "shard{rank}"
     store = ShardStore.from_dataset(_dataset(6 * cl.size()), path=path)
     packs = store.layout.packs  # type: ignore[union-attr]
-    file = packs.index_file(packs.gen) if damage == "index" else packs.pack_file(1)
-    if cl.rank() == bad:
+    file = packs.pack_file(1) if damage == "pack" else packs.index_file(packs.gen)
+    if cl.rank() == bad and damage == "header":
+        with open(file, "r+b") as out:
+            out.write(b"NOTINDEX")
+    elif cl.rank() == bad:
         os.truncate(file, file.stat().st_size - 3)
     cl.barrier()
-    name = f"shard{bad}/{file.relative_to(tmp_path / f'shard{cl.rank()}')}"
-    with pytest.raises(
-        ShardStoreError, match=rf"rank {bad}: shard store: the {damage} '[^']*{name}' is truncated"
-    ):
+    name = f"[^']*shard{bad}/{file.relative_to(tmp_path / f'shard{cl.rank()}')}"
+    with pytest.raises(ShardStoreError, match=rf"rank {bad}: shard store: " + what.format(name)):
         ShardStore(path)
 
 
