@@ -4,10 +4,10 @@ unpacked and written by an I/O thread of the data module.
 1. Chunk k of every rank travels in one ``alltoall_async`` of bytes: the part for rank q is a
    frame of (sample id, length, bytes) records, its length the split for q, so samples of any
    size travel without padding.
-2. The I/O thread (one per shuffler, ``commlayer-shuffle-io``) first compacts the store's pack
-   files where the last commit left them due (packs.py), then reads the samples of chunk k and
+2. The I/O thread (one per shuffler, ``commlayer-shuffle-io``) reads the samples of chunk k and
    packs them while the training thread computes: chunk 0 when the epoch's first sample is
-   drawn, chunk k + 1 when chunk k is submitted. The training thread only starts the alltoall
+   drawn (then it compacts the store's pack files where the last commit left them due,
+   packs.py), chunk k + 1 when chunk k is submitted. The training thread only starts the alltoall
    (the engine moves it) and, when a chunk is done, hands the received bytes back to the I/O
    thread, which unpacks them and stages them in the store. File reads and writes release the
    GIL.
@@ -114,12 +114,12 @@ class Exchange:
         self.compaction: Future[None] | None = None
 
     def start(self) -> None:
-        """The epoch begins (the sampler's first sample): the I/O thread compacts the store
-        where the last commit left it due, then prepares chunk 0. Nothing runs before: an
-        exchange planned and never iterated leaves the store's files alone."""
+        """The epoch begins (the sampler's first sample): the I/O thread prepares chunk 0, then
+        compacts the store where the last commit left it due (before anything is staged).
+        Nothing runs before: an exchange planned and never iterated leaves the files alone."""
         if self.compaction is None:
+            self._prepare_next()  # chunk 0 first: the sampler submits it soonest
             self.compaction = self._run(self._compact)
-            self._prepare_next()
 
     @property
     def submitted(self) -> int:

@@ -175,7 +175,10 @@ class PartialLocalShuffler:
     def _iterate(self) -> Iterator[int]:
         exchange = self._exchange
         smallest = min(self.shard_sizes)
-        starts = [k * smallest // self.chunks for k in range(self.chunks)]
+        # chunk k at the middle of the k-th of `chunks` equal parts: the I/O thread has the first
+        # part's samples to prepare chunk 0 in (started at 0, it was waited for: 0.034 s of
+        # busy time per epoch at Q = 0.1, 4 ranks, against 0.003 s hidden)
+        starts = [(2 * k + 1) * smallest // (2 * self.chunks) for k in range(self.chunks)]
         if exchange is not None:
             exchange.start()
         for position, sample_id in enumerate(list(self._order)):
