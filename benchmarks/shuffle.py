@@ -425,7 +425,7 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines = ["# Partial-local shuffling (issue 24)", ""]
+    lines = ["# Partial-local shuffling (issues 24 and 40)", ""]
     lines += [
         "Produced by `benchmarks/shuffle.py` (its docstring says what each part measures); "
         "each section gives the exact command, and the raw numbers are in the .json beside it.",
@@ -439,7 +439,13 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
             + (
                 f", {meta['args'].get('dataset', 'digits')}"
                 if "curves" in result
-                else f", stores under {meta['args']['dir']}, {meta['args'].get('chunks', 8)} chunks"
+                else ", stores under "
+                + (
+                    ", ".join(f"{path} ({label})" for label, path in meta["args"]["dirs"])
+                    if meta["args"].get("dirs")
+                    else meta["args"]["dir"]
+                )
+                + f", {meta['args'].get('chunks', 8)} chunks (Q:K: K chunks)"
                 + (
                     ", namespace cluster (HTTP shared folder)"
                     if meta["args"].get("shared_url")
@@ -655,7 +661,7 @@ def main() -> None:
     parser.add_argument("--test-samples", type=int, default=2000)
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--chunks", type=int, default=8, help="io: collectives per exchange")
+    parser.add_argument("--chunks", type=int, default=2, help="io: collectives per exchange")
     parser.add_argument(
         "--fractions",
         nargs="*",

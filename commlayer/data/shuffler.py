@@ -82,9 +82,11 @@ class ShuffleSampler(torch.utils.data.Sampler[int]):
 class PartialLocalShuffler:
     """Partial-local shuffling of ``store`` (see the module docstring). ``fraction`` is Q:
     0 keeps every shard as it is (local shuffling), 1 deals all samples anew each epoch
-    (global shuffling). ``chunks``: collectives per epoch's exchange."""
+    (global shuffling). ``chunks``: collectives per epoch's exchange (2 by default: each
+    chunk's alltoall costs the training thread ~2 ms to start on a loaded 2-core machine, 0.020
+    s of exchange time per epoch at 8 chunks against 0.007 s at 2, Q = 0.1, 4 ranks)."""
 
-    def __init__(self, store: ShardStore, fraction: float, seed: int = 0, chunks: int = 8) -> None:
+    def __init__(self, store: ShardStore, fraction: float, seed: int = 0, chunks: int = 2) -> None:
         self.rank, self.size = runtime.rank(), runtime.size()
         if not isinstance(fraction, int | float) or not 0.0 <= fraction <= 1.0:
             raise ValueError(f"rank {self.rank}: fraction {fraction!r} is not a number in [0, 1]")
