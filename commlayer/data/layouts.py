@@ -488,6 +488,18 @@ class ArrayFile:
         self.first_id: int | None = None if state is None else int(state["first_id"])
         self.removed: set[int] = set() if state is None else set(state["removed"])
         self.side.mkdir(parents=True, exist_ok=True)
+        if state is not None and "packs" not in state:
+            self._take_in_old_samples()
+
+    def _take_in_old_samples(self) -> None:
+        """A side folder written before pack files kept each received sample as
+        ``samples/<id>.pkl``: they are copied into a pack (the store's next save names it; the
+        old files stay, unused, until then and after)."""
+        old = self.side / "samples"
+        found = sorted(ids_in(old))
+        if found:
+            self.packs.write_all((i, read_bytes(old / f"{i}{SUFFIX}", i)) for i in found)
+            self.packs.persist(ending=True)
 
     @property
     def arrays(self) -> list[np.ndarray]:

@@ -104,3 +104,23 @@ def test_truncated_and_malformed_files_are_named(tmp_path: Path) -> None:
         LayoutError, match=rf"the pack '{cut}' is truncated: the record of sample 1"
     ):
         reopened.staged()
+
+
+def test_an_array_store_written_before_pack_files_keeps_its_received_samples(
+    tmp_path: Path,
+) -> None:
+    # <file>.store/samples/<id>.pkl (received samples before pack files) are taken into a pack
+    # when the store is opened: none is lost.
+    import numpy as np
+
+    from commlayer.data.layouts import ArrayFile, encode
+
+    file = tmp_path / "shard0.npy"
+    np.save(file, np.arange(8, dtype=np.float32).reshape(4, 2))
+    old = tmp_path / "shard0.npy.store" / "samples"
+    old.mkdir(parents=True)
+    (old / "100.pkl").write_bytes(encode(("received", 100)))
+    layout = ArrayFile(file, {"first_id": 0, "removed": [1]})
+    assert sorted(layout.ids()) == [0, 2, 3, 100]
+    assert layout.load(100) == ("received", 100)
+    assert layout.state()["packs"]["index"] == 1, "the next save names the new pack's index"
