@@ -158,7 +158,7 @@ class PackSet:
             state = json.loads(self.meta_file.read_text())["layout"][self.key]
         except (OSError, ValueError, KeyError, TypeError):
             return False
-        if int(state["index"]) == self.gen:
+        if int(state["index"]) <= self.gen:  # nothing newer (the writer itself is never behind)
             return False
         self._close_fds()
         self._load(state)
@@ -184,10 +184,16 @@ class PackSet:
             raise LayoutError(f"sample {sample_id} is not in this rank's store")
         try:
             return self._record(sample_id, *entry)
-        except FileNotFoundError:
-            if not self.reread() or sample_id not in self.index:  # compacted since: reread
-                raise
-            return self._record(sample_id, *self.index[sample_id])
+        except FileNotFoundError as exc:  # compacted since: the new index, here or on disk
+            current = self.index.get(sample_id)
+            if (current is None or current == entry) and self.reread():
+                current = self.index.get(sample_id)
+            if current is None or current == entry:
+                raise LayoutError(
+                    f"cannot read sample {sample_id} from {str(self.pack_file(entry[0]))!r}: "
+                    f"{exc.strerror}"
+                ) from exc
+            return self._record(sample_id, *current)
 
     def _record(self, sample_id: int, pack: int, offset: int, length: int) -> bytes:
         path = self.pack_file(pack)

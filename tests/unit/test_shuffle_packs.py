@@ -124,3 +124,30 @@ def test_an_array_store_written_before_pack_files_keeps_its_received_samples(
     assert sorted(layout.ids()) == [0, 2, 3, 100]
     assert layout.load(100) == ("received", 100)
     assert layout.state()["packs"]["index"] == 1, "the next save names the new pack's index"
+
+
+def test_a_read_racing_a_compaction_finds_the_sample_in_the_new_pack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The training thread looks a sample up in the old index; before it opens the old pack, the
+    # I/O thread compacts, saves and removes that pack: the read uses the new index.
+    packs, meta = _written(tmp_path, 60)
+    for i in range(0, 60, 2):
+        packs.remove(i)
+    _save(packs, meta)
+    fresh = PackSet(tmp_path, json.loads(meta.read_text())["layout"]["packs"], meta)
+    record, raced = PackSet._record, []
+
+    def racing(self: PackSet, *args: int) -> bytes:
+        if not raced:
+            raced.append(args[1])  # the pack the old index names
+            assert self.compact()
+            _save(self, meta)
+            self.drop_superseded()
+            self._close_fds(keep={p for p, _, _ in self.index.values()})
+        return record(self, *args)
+
+    monkeypatch.setattr(PackSet, "_record", racing)
+    assert fresh.read(1) == _sample(1)
+    assert raced == [1] and fresh.index[1][0] != 1, "read from the compaction's new pack"
+    assert not fresh.pack_file(1).exists()
