@@ -48,6 +48,7 @@ import json
 import os
 import pickle
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -266,6 +267,7 @@ class Strategy:
     with the per-epoch numbers gathered so far."""
 
     def __init__(self, name: str, data: list[Any], root: Path, args: argparse.Namespace) -> None:
+        """``name``: "global", or Q, or Q@label (stores under the --dirs folder of that label)."""
         self.name, self.shuffler = name, None
         if name == "global":
             self.dataset: Any = SharedFolder(root / "shared", args.samples, args)
@@ -273,10 +275,13 @@ class Strategy:
                 self.dataset, num_replicas=cl.size(), rank=cl.rank(), shuffle=True, seed=0
             )
         else:
-            path = root / f"q{name}" / "local{rank}"
-            store = ShardStore.from_dataset(data, path=path, partition_by="given")
+            setting, _, label = name.partition("@")
+            fraction, _, chunks = setting.partition(":")  # Q:chunks overrides --chunks
+            base = Path(dict(args.dirs)[label]) if label else root
+            path = base / f"q{setting}" / "local{rank}"
+            store = ShardStore.from_dataset(data, path=path, partition_by="given", overwrite=True)
             self.shuffler = PartialLocalShuffler(
-                store, fraction=float(name), seed=0, chunks=args.chunks
+                store, fraction=float(fraction), seed=0, chunks=int(chunks or args.chunks)
             )
             self.dataset, self.sampler = self.shuffler.dataset, self.shuffler.sampler
         self.loader = torch.utils.data.DataLoader(
@@ -292,6 +297,9 @@ class Strategy:
                 "wait_s",
                 "set_epoch_s",
                 "sent_bytes",
+                "io_s",
+                "hidden_s",
+                "waited_s",
             )
         }
 
@@ -302,11 +310,14 @@ class Strategy:
         """The exchange the last set_epoch committed (max over ranks; bytes summed)."""
         if self.shuffler is None:
             return
-        stats = cl.allgather_object(self.shuffler.stats)
+        done = self.shuffler.stats()
+        stats = cl.allgather_object(done[-1] if done else {})
         self.row["busy_s"].append(max(s.get("busy_s", 0.0) for s in stats))  # {}: Q = 0
         self.row["wait_s"].append(max(s.get("wait_s", 0.0) for s in stats))
         self.row["set_epoch_s"].append(max(s.get("set_epoch_s", 0.0) for s in stats))
         self.row["sent_bytes"].append(sum(s.get("sent_bytes", 0) for s in stats))
+        for key in ("io_s", "hidden_s", "waited_s"):
+            self.row[key].append(max(s.get(key, 0.0) for s in stats))
 
 
 def run_epoch(st: Strategy, epoch: int, model: nn.Module, optimizer: Any, record: bool) -> None:
@@ -350,7 +361,18 @@ def run_io(args: argparse.Namespace) -> dict[str, Any]:
             (shared / f"{i}.pkl").write_bytes(pickle.dumps(sample, protocol=5))
     cl.barrier()
     sample_bytes = (shared / "0.pkl").stat().st_size
-    names = ["global"] + [str(float(q)) for q in args.fractions]
+    fractions = [
+        str(float(q.partition(":")[0])) + (f":{q.partition(':')[2]}" if ":" in q else "")
+        for q in args.fractions
+    ]
+    if args.dirs:
+        names = [f"{q}@{label}" for label, _ in args.dirs for q in fractions]
+        if cl.rank() == 0:
+            for _, folder in args.dirs:
+                shutil.rmtree(folder, ignore_errors=True)
+    else:
+        names = fractions
+    names = names if args.no_global else ["global"] + names
     strategies = [Strategy(name, data, root, args) for name in names]
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -360,7 +382,8 @@ def run_io(args: argparse.Namespace) -> dict[str, Any]:
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
     )
     for epoch in range(args.epochs + 1):
-        for st in strategies:
+        # a new order each epoch (the same on every rank): no strategy always runs first
+        for st in random.Random(epoch).sample(strategies, len(strategies)):
             run_epoch(st, epoch, model, optimizer, record=epoch > 0)
         if cl.rank() == 0 and epoch > 0:
             times = " ".join(f"{st.name}={st.row['epoch_s'][-1]:.3f}" for st in strategies)
@@ -371,6 +394,8 @@ def run_io(args: argparse.Namespace) -> dict[str, Any]:
     cl.barrier()
     if cl.rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
+        for _, folder in args.dirs:
+            shutil.rmtree(folder, ignore_errors=True)
     return {
         "rows": {st.name: st.row for st in strategies},
         "sample_bytes": sample_bytes,
@@ -400,7 +425,7 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines = ["# Partial-local shuffling (issue 24)", ""]
+    lines = ["# Partial-local shuffling (issues 24 and 40)", ""]
     lines += [
         "Produced by `benchmarks/shuffle.py` (its docstring says what each part measures); "
         "each section gives the exact command, and the raw numbers are in the .json beside it.",
@@ -414,7 +439,13 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
             + (
                 f", {meta['args'].get('dataset', 'digits')}"
                 if "curves" in result
-                else f", stores under {meta['args']['dir']}, {meta['args'].get('chunks', 8)} chunks"
+                else ", stores under "
+                + (
+                    ", ".join(f"{path} ({label})" for label, path in meta["args"]["dirs"])
+                    if meta["args"].get("dirs")
+                    else meta["args"]["dir"]
+                )
+                + f", {meta['args'].get('chunks', 8)} chunks (Q:K: K chunks)"
                 + (
                     ", namespace cluster (HTTP shared folder)"
                     if meta["args"].get("shared_url")
@@ -435,6 +466,13 @@ def report(paths: list[str], out: str, notes: str | None) -> None:
             lines += ["", f"![accuracy curves]({png.name})", ""]
         else:
             lines += io_table(result, meta) + [""]
+    results = [json.loads(Path(path).read_text()) for path in paths]
+    io_runs = [r for r in results if "rows" in r and any("@" in k for k in r["rows"])]
+    if io_runs:
+        accuracy = next((r for r in results if "curves" in r), None)
+        png = Path(out).with_suffix(".png")
+        plot_against_q(io_runs[-1], accuracy, png, plt)
+        lines += [f"![epoch time and accuracy against Q]({png.name})", ""]
     if notes:
         lines += ["", Path(notes).read_text().rstrip()]
     Path(out).write_text("\n".join(lines) + "\n")
@@ -489,6 +527,74 @@ def plot_curves(result: dict[str, Any], meta: dict[str, Any], png: Path, plt: An
     fig.savefig(png, dpi=110)
 
 
+def plot_against_q(
+    io_run: dict[str, Any], accuracy: dict[str, Any] | None, png: Path, plt: Any
+) -> None:
+    """Epoch time over local shuffling's (paired, per storage) and final accuracy, against Q."""
+    rows = io_run["rows"]
+    labels = list(dict.fromkeys(k.partition("@")[2] for k in rows if "@" in k))
+    panels = 2 if accuracy else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2), squeeze=False)
+    ax = axes[0][0]
+    for n, label in enumerate(labels):
+        qs = [k.partition("@")[0] for k in rows if k.endswith(f"@{label}") and ":" not in k]
+        local = rows[f"0.0@{label}"]["epoch_s"]
+        med, low, high = [], [], []
+        for q in qs:
+            times = rows[f"{q}@{label}"]["epoch_s"]
+            ratios = [(t / t0 - 1) * 100 for t, t0 in zip(times, local)]
+            m = statistics.median(ratios)
+            quartiles = statistics.quantiles(ratios, n=4)
+            med.append(m)
+            low.append(m - quartiles[0])
+            high.append(quartiles[2] - m)
+        x = [i + (n - (len(labels) - 1) / 2) * 0.12 for i in range(len(qs))]
+        ax.errorbar(x, med, yerr=[low, high], fmt="o-", capsize=4, label=f"stores on {label}")
+        ax.set_xticks(range(len(qs)), [f"{float(q):g}" for q in qs])
+    ax.axhline(0, color="k", lw=0.8)
+    ax.axhspan(-5, 5, color="g", alpha=0.08, label="target: within 5% of local")
+    ax.set_xlabel("Q (fraction exchanged per epoch)")
+    ax.set_ylabel("epoch time vs local shuffling (Q = 0), %\npaired per epoch: median, quartiles")
+    ax.set_title(f"{io_run['meta']['ranks']} ranks, {io_run['meta']['args']['samples']} samples")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if accuracy:
+        ax = axes[0][1]
+        curves = accuracy["curves"]
+        qs = [q for q in curves if q != "global"]
+        finals = [[c[-1] * 100 for c in curves[q]] for q in qs]
+        means = [statistics.mean(f) for f in finals]
+        ax.errorbar(
+            range(len(qs)),
+            means,
+            yerr=[
+                [m - min(f) for m, f in zip(means, finals)],
+                [max(f) - m for m, f in zip(means, finals)],
+            ],
+            fmt="o-",
+            capsize=4,
+            label="partial-local",
+        )
+        if "global" in curves:
+            ax.axhline(
+                statistics.mean(c[-1] * 100 for c in curves["global"]),
+                color="k",
+                ls="--",
+                label="global (DistributedSampler)",
+            )
+        ax.set_xticks(range(len(qs)), [f"{float(q):g}" for q in qs])
+        ax.set_xlabel("Q (fraction exchanged per epoch)")
+        ax.set_ylabel("final test accuracy, %: mean, min..max over seeds")
+        a = accuracy["meta"]["args"]
+        ax.set_title(
+            f"{a.get('dataset', 'digits')}, class-sorted shards ({accuracy['meta']['date']})"
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     a = meta["args"]
     shared = (
@@ -502,19 +608,22 @@ def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         f"MLP 3072-{a['hidden']}-10, {a['epochs']} epochs per strategy after a warm-up epoch, "
         "strategies interleaved epoch by epoch. Shared storage: "
         f"{shared}. Epoch times are the slowest rank's; 'paired' is each epoch's time over "
-        "Q = 0's in the same epoch (run seconds apart), median and min..max over epochs; "
+        "Q = 0's (on the same storage) in the same epoch (run seconds apart), median and "
+        "min..max over epochs; "
         "exchange busy/wait and set_epoch (vote, commit, next plan): the most of any rank, "
         "per epoch (median).",
         "",
         "| strategy | epoch s, median | min..max | paired vs Q = 0, median | min..max | "
         "shared storage read / epoch | exchanged / epoch | collectives s / epoch | "
-        "exchange busy s | exchange wait s | set_epoch s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "exchange busy s | exchange wait s | set_epoch s | I/O thread s | of it hidden s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: |",
     ]
     rows = result["rows"]
-    local = rows.get("0.0", {}).get("epoch_s")
     for strategy, row in rows.items():
         times = row["epoch_s"]
+        label = strategy.partition("@")[2]
+        local = rows.get("0.0" + (f"@{label}" if label else ""), {}).get("epoch_s")
         ratios = [t / q - 1 for t, q in zip(times, local)] if local else []
         paired = (
             f"{statistics.median(ratios) * 100:+.1f}% | "
@@ -523,6 +632,7 @@ def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
             else "n/a | n/a"
         )
         name = "global (shared folder)" if strategy == "global" else f"Q = {strategy}"
+        name = name.replace("@", ", stores on ")
 
         def med(key: str, row: dict[str, Any] = row) -> float:
             return statistics.median(row.get(key) or [0.0])
@@ -531,7 +641,7 @@ def io_table(result: dict[str, Any], meta: dict[str, Any]) -> list[str]:
             f"| {name} | {statistics.median(times):.3f} | {min(times):.3f}..{max(times):.3f} | "
             f"{paired} | {med('shared_bytes') / 1e6:.2f} MB | {med('sent_bytes') / 1e6:.2f} MB | "
             f"{med('collective_s'):.3f} | {med('busy_s'):.3f} | {med('wait_s'):.3f} | "
-            f"{med('set_epoch_s'):.3f} |"
+            f"{med('set_epoch_s'):.3f} | {med('io_s'):.3f} | {med('hidden_s'):.3f} |"
         )
     return lines
 
@@ -551,13 +661,27 @@ def main() -> None:
     parser.add_argument("--test-samples", type=int, default=2000)
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--chunks", type=int, default=8, help="io: collectives per exchange")
-    parser.add_argument("--fractions", nargs="*", default=["0.0", "0.1", "0.3", "1.0"])
+    parser.add_argument("--chunks", type=int, default=2, help="io: collectives per exchange")
+    parser.add_argument(
+        "--fractions",
+        nargs="*",
+        default=["0.0", "0.1", "0.3", "1.0"],
+        help="io: the Qs; Q:K runs Q with K chunks (a strategy of its own)",
+    )
     parser.add_argument("--shared-mbps", type=float, default=400.0)
     parser.add_argument("--shared-latency-ms", type=float, default=0.5)
     parser.add_argument("--shared-url", help="io: read global's samples over HTTP from here")
     parser.add_argument("--notes", help="report: a markdown file appended (the reading)")
     parser.add_argument("--dir", default=tempfile.gettempdir() + "/commlayer-shuffle-bench")
+    parser.add_argument(
+        "--dirs",
+        nargs="*",
+        default=[],
+        type=lambda text: tuple(text.split("=", 1)),
+        help="io: LABEL=FOLDER ...: every fraction's stores under each folder, strategies "
+        "named Q@LABEL, all interleaved in one run (e.g. tmpfs=/dev/shm/x ext4=/var/tmp/x)",
+    )
+    parser.add_argument("--no-global", action="store_true", help="io: leave global out")
     args = parser.parse_intermixed_args()
     if args.part == "serve":
         serve(str(Path(args.dir) / "shared"), args.port)

@@ -10,8 +10,12 @@ rank's shard per epoch through commlayer's collectives.
         for x, y in loader: ...    # Q of the shard moves to other ranks meanwhile
         hvd.join()                 # shards may differ by a sample: uneven batch counts
 
-``path=None`` keeps the shard in memory. The sampler yields global sample ids; the dataset
-reads them from this rank's store.
+``path=None`` keeps the shard in memory; with a path the samples are kept in append-only pack
+files with an index (packs.py: 32 bytes per sample, the files within 10% of the samples' own
+bytes), and a job run again opens the stores its last run left (``overwrite=True`` writes them
+anew; a log line says which). The sampler yields global sample ids; the dataset reads them from
+this rank's store. The exchange's reading, packing and writing run on the shuffler's I/O thread;
+``shuffler.stats()`` says per epoch what moved and how much of it the training thread waited for.
 """
 
 from commlayer.data.shuffler import PartialLocalShuffler, ShardDataset, ShuffleSampler

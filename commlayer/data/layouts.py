@@ -3,19 +3,24 @@
 A ShardStore (store.py) runs the two-phase exchange; its layout keeps the samples:
 
 - ``Memory``: a dict (``path=None``).
-- ``PickleFiles``: ``samples/<global id>.pkl`` under a folder (what ``from_dataset`` writes).
+- ``PackFiles``: append-only pack files with an index under a folder (packs.py; what
+  ``from_dataset`` writes): received samples are appended to a new pack, not a file each.
+- ``PickleFiles``: ``samples/<global id>.pkl`` under a folder (stores written before pack
+  files; still read and exchanged).
 - ``ImageFolder``: files already staged per rank as ``<class>/<file>`` (torchvision's layout);
   samples are ``(loader(file), class index)``, class indices numbered over the union of every
-  rank's class folders. Received files are written into their class folder, so the folder stays
-  ImageFolder-like; its index of ids lives in ``.commlayer-store.json``.
+  rank's class folders. Received samples are staged in a pack under ``.commlayer-incoming/`` and
+  written into their class folder at the commit, so the folder stays ImageFolder-like; its index
+  of ids lives in ``.commlayer-store.json``.
 - ``ArrayFile``: one ``.npy`` (sample i is row i) or ``.npz`` (sample i is the tuple of row i of
-  each array, in the file's order); the file is only read, received samples and the rows sent
-  away are kept in ``<file>.store/`` beside it.
+  each array, in the file's order); the file is only read, received samples (in pack files) and
+  the ids of the rows sent away are kept in ``<file>.store/`` beside it.
 
 Every layout stages received samples apart (``stage``) and takes them in at ``commit`` with
 ``take`` after ``remove`` dropped the samples sent. Both are idempotent: a commit interrupted
 by a dying process is redone from the journal. The staged bytes of a sample are removed only
 after the store saved the layout's new state (``_end_exchange``), so a redo still finds them.
+``persist(ending)`` runs before each save of the journal (packs: flush, write the new index).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from commlayer.data.packs import LayoutError, PackSet
 
 SUFFIX = ".pkl"
 ARRAY_SUFFIXES = (".npy", ".npz")
@@ -92,10 +99,6 @@ def image_loader(path: str) -> torch.Tensor:
     with Image.open(path) as image:
         array = np.asarray(image.convert("RGB"))
     return torch.from_numpy(array.copy()).permute(2, 0, 1)
-
-
-class LayoutError(Exception):
-    """What is wrong with a store's files; ShardStore names the rank and re-raises."""
 
 
 def default_image_loader() -> Callable[[str], torch.Tensor]:
@@ -192,6 +195,76 @@ class Memory:
     def state(self) -> dict[str, Any]:
         return {}
 
+    def persist(self, ending: bool) -> None:
+        pass
+
+    def compact(self) -> bool:
+        return False
+
+    def drop_superseded(self) -> None:
+        pass
+
+    def stray_files(self) -> list[Path]:
+        return []
+
+
+class PackFiles:
+    """Pack files and their index under ``folder`` (packs.py); a sample travels as its record's
+    bytes, read with one ``pread``."""
+
+    kind = "packs"
+    numbered, found = True, ()
+
+    def __init__(self, folder: Path, state: dict[str, Any] | None) -> None:
+        self.folder, self.meta_file = folder, folder / "store.json"
+        self.packs = PackSet(folder, None if state is None else state.get("packs"), self.meta_file)
+
+    def ids(self) -> list[int]:
+        return self.packs.ids()
+
+    def load(self, sample_id: int) -> Any:
+        data = self.packs.read(sample_id)
+        try:
+            return decode(data)
+        except Exception as exc:
+            pack = self.packs.pack_file(self.packs.index[sample_id][0])
+            raise LayoutError(
+                f"cannot decode sample {sample_id} from {str(pack)!r}: {exc}"
+            ) from exc
+
+    def dump(self, sample_id: int) -> bytes:
+        return self.packs.read(sample_id)
+
+    def stage(self, sample_id: int, data: bytes) -> None:
+        self.packs.stage(sample_id, data)
+
+    def staged(self) -> list[int]:
+        return list(self.packs.staged())
+
+    def take(self, sample_id: int) -> None:
+        self.packs.take(sample_id)
+
+    def remove(self, sample_id: int) -> None:
+        self.packs.remove(sample_id)
+
+    def drop_staged(self) -> None:
+        self.packs.drop_staged()
+
+    def persist(self, ending: bool) -> None:
+        self.packs.persist(ending)
+
+    def compact(self) -> bool:
+        return self.packs.compact()
+
+    def drop_superseded(self) -> None:
+        self.packs.drop_superseded()
+
+    def state(self) -> dict[str, Any]:
+        return {"packs": self.packs.state()}
+
+    def stray_files(self) -> list[Path]:
+        return self.packs.stray_files()
+
 
 class PickleFiles(_Staging):
     """``samples/<id>.pkl`` under ``folder``; a sample travels as its file's bytes."""
@@ -227,6 +300,18 @@ class PickleFiles(_Staging):
     def state(self) -> dict[str, Any]:
         return {}
 
+    def persist(self, ending: bool) -> None:
+        pass
+
+    def compact(self) -> bool:
+        return False
+
+    def drop_superseded(self) -> None:
+        pass
+
+    def stray_files(self) -> list[Path]:
+        return [self.incoming] if self.incoming.exists() else []
+
 
 def _decode_file(file: Path, sample_id: int) -> Any:
     data = read_bytes(file, sample_id)
@@ -236,7 +321,7 @@ def _decode_file(file: Path, sample_id: int) -> Any:
         raise LayoutError(f"cannot read sample {sample_id} from {str(file)!r}: {exc}") from exc
 
 
-class ImageFolder(_Staging):
+class ImageFolder:
     """``<class>/<file>`` under ``folder`` (module docstring). ``files`` maps id -> relative path;
     a sample travels as (relative path, the file's bytes)."""
 
@@ -251,8 +336,13 @@ class ImageFolder(_Staging):
     ) -> None:
         """``leaving``: samples a commit in progress sends away (their files may be gone)."""
         self.folder, self.loader = folder, loader or default_image_loader()
-        self.incoming = folder / ".commlayer-incoming"
         self.meta_file = folder / ".commlayer-store.json"
+        self.incoming = PackSet(
+            folder / ".commlayer-incoming",
+            None if state is None else state.get("incoming"),
+            self.meta_file,
+            "incoming",
+        )
         self.classes: list[str] = []
         self.files: dict[int, str] = {}
         self.owner: dict[str, int] = {}  # relative path -> id
@@ -323,9 +413,30 @@ class ImageFolder(_Staging):
     def dump(self, sample_id: int) -> bytes:
         return encode((self.files[sample_id], read_bytes(self._path(sample_id), sample_id)))
 
+    def stage(self, sample_id: int, data: bytes) -> None:
+        self.incoming.stage(sample_id, data)
+
+    def staged(self) -> list[int]:
+        return list(self.incoming.staged())
+
+    def drop_staged(self) -> None:
+        self.incoming.drop_staged()
+
+    def persist(self, ending: bool) -> None:
+        self.incoming.persist(ending)
+
+    def compact(self) -> bool:
+        return False
+
+    def drop_superseded(self) -> None:
+        pass
+
+    def stray_files(self) -> list[Path]:
+        return self.incoming.stray_files()
+
     def take(self, sample_id: int) -> None:
-        # The staged file stays until the store saved the new index: a redo finds it.
-        rel, data = decode(read_bytes(self.incoming / f"{sample_id}{SUFFIX}", sample_id))
+        # The staging pack stays until the store saved the new index: a redo finds it.
+        rel, data = decode(self.incoming.staged_bytes(sample_id))
         parts = Path(rel).parts
         dest = str(Path(parts[0], parts[-1]))
         if self.owner.get(dest, sample_id) != sample_id:  # another file of that name: keep both
@@ -344,21 +455,29 @@ class ImageFolder(_Staging):
             (self.folder / rel).unlink(missing_ok=True)
 
     def state(self) -> dict[str, Any]:
-        return {"classes": self.classes, "files": {str(i): r for i, r in self.files.items()}}
+        return {
+            "classes": self.classes,
+            "files": {str(i): r for i, r in self.files.items()},
+            "incoming": self.incoming.state(),
+        }
 
 
-class ArrayFile(_Staging):
-    """One .npy/.npz file, read only; received samples (pickled) and the ids of the rows sent
-    away are kept in ``<file>.store/`` (module docstring). A .npz is decompressed into memory
-    once per process; a .npy is memory-mapped. DataLoader workers get the store without the
-    arrays and open the file themselves (a memory map would be pickled as a full copy)."""
+class ArrayFile:
+    """One .npy/.npz file, read only; received samples (pickled, in pack files) and the ids of
+    the rows sent away are kept in ``<file>.store/`` (module docstring). A .npz is decompressed
+    into memory once per process; a .npy is memory-mapped. DataLoader workers get the store
+    without the arrays and open the file themselves (a memory map would be pickled as a full
+    copy)."""
 
     kind = "array"
 
     def __init__(self, file: Path, state: dict[str, Any] | None) -> None:
         self.file = file
         self.side = file.with_name(file.name + ".store")
-        self.incoming, self.meta_file = self.side / "incoming", self.side / "store.json"
+        self.meta_file = self.side / "store.json"
+        self.packs = PackSet(
+            self.side, None if state is None else state.get("packs"), self.meta_file
+        )
         self._arrays: list[np.ndarray] | None = None
         rows = {len(a) for a in self.arrays}
         if len(rows) != 1:
@@ -368,7 +487,19 @@ class ArrayFile(_Staging):
         self.numbered = state is not None
         self.first_id: int | None = None if state is None else int(state["first_id"])
         self.removed: set[int] = set() if state is None else set(state["removed"])
-        (self.side / "samples").mkdir(parents=True, exist_ok=True)
+        self.side.mkdir(parents=True, exist_ok=True)
+        if state is not None and "packs" not in state:
+            self._take_in_old_samples()
+
+    def _take_in_old_samples(self) -> None:
+        """A side folder written before pack files kept each received sample as
+        ``samples/<id>.pkl``: they are copied into a pack (the store's next save names it; the
+        old files stay, unused, until then and after)."""
+        old = self.side / "samples"
+        found = sorted(ids_in(old))
+        if found:
+            self.packs.write_all((i, read_bytes(old / f"{i}{SUFFIX}", i)) for i in found)
+            self.packs.persist(ending=True)
 
     @property
     def arrays(self) -> list[np.ndarray]:
@@ -394,37 +525,64 @@ class ArrayFile(_Staging):
         row = sample_id - self.first_id
         return row if 0 <= row < self.rows and sample_id not in self.removed else None
 
-    def _kept(self, sample_id: int) -> Path:
-        return self.side / "samples" / f"{sample_id}{SUFFIX}"
-
     def ids(self) -> list[int]:
         assert self.first_id is not None
         rows = range(self.first_id, self.first_id + self.rows)
-        return [i for i in rows if i not in self.removed] + ids_in(self.side / "samples")
+        return [i for i in rows if i not in self.removed] + self.packs.ids()
 
     def load(self, sample_id: int) -> Any:
         row = self._row(sample_id)
         if row is None:
-            return _decode_file(self._kept(sample_id), sample_id)
+            data = self.packs.read(sample_id)
+            try:
+                return decode(data)
+            except Exception as exc:
+                pack = self.packs.pack_file(self.packs.index[sample_id][0])
+                raise LayoutError(
+                    f"cannot decode sample {sample_id} from {str(pack)!r}: {exc}"
+                ) from exc
         if len(self.arrays) == 1 and self.file.suffix == ".npy":
             return tensor(np.asarray(self.arrays[0][row]))
         return tuple(tensor(np.asarray(a[row])) for a in self.arrays)
 
     def dump(self, sample_id: int) -> bytes:
         if self._row(sample_id) is None:
-            return read_bytes(self._kept(sample_id), sample_id)
+            return self.packs.read(sample_id)
         return encode(self.load(sample_id))
 
+    def stage(self, sample_id: int, data: bytes) -> None:
+        self.packs.stage(sample_id, data)
+
+    def staged(self) -> list[int]:
+        return list(self.packs.staged())
+
     def take(self, sample_id: int) -> None:
-        staged = self.incoming / f"{sample_id}{SUFFIX}"
-        if staged.exists():  # absent: moved already by a commit that was interrupted
-            os.replace(staged, self._kept(sample_id))
+        self.packs.take(sample_id)
 
     def remove(self, sample_id: int) -> None:
-        self._kept(sample_id).unlink(missing_ok=True)
+        self.packs.remove(sample_id)
         assert self.first_id is not None
         if 0 <= sample_id - self.first_id < self.rows:
             self.removed.add(sample_id)
 
+    def drop_staged(self) -> None:
+        self.packs.drop_staged()
+
+    def persist(self, ending: bool) -> None:
+        self.packs.persist(ending)
+
+    def compact(self) -> bool:
+        return self.packs.compact()
+
+    def drop_superseded(self) -> None:
+        self.packs.drop_superseded()
+
+    def stray_files(self) -> list[Path]:
+        return self.packs.stray_files()
+
     def state(self) -> dict[str, Any]:
-        return {"first_id": self.first_id, "removed": sorted(self.removed)}
+        return {
+            "first_id": self.first_id,
+            "removed": sorted(self.removed),
+            "packs": self.packs.state(),
+        }

@@ -1,11 +1,12 @@
 """ShardStore: one rank's part of a dataset, samples keyed by their global index.
 
 In memory (``path=None``), or at a path (``{rank}`` in it keeps the ranks of one host apart):
-a folder the store wrote (``samples/<id>.pkl``), an ImageFolder-like folder or one .npy/.npz
-array file already staged per rank (layouts.py). An exchange changes a store in two phases, so
-that a rank dying mid-exchange loses no sample (the shuffler runs the vote between them):
+a folder the store wrote (pack files and their index, packs.py; ``samples/<id>.pkl`` from
+before them is still read), an ImageFolder-like folder or one .npy/.npz array file already
+staged per rank (layouts.py). An exchange changes a store in two phases, so that a rank dying
+mid-exchange loses no sample (the shuffler runs the vote between them):
 
-1. ``stage``: received samples wait apart (``incoming/``); the samples sent stay.
+1. ``stage``: received samples wait apart (a staging pack); the samples sent stay.
    ``prepare`` records both lists in the store's journal (state "prepared").
 2. After every rank voted that it staged all it expected, ``commit`` records "committed", drops
    the samples sent, takes in the staged ones and records the new epoch. With no vote, ``abort``
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import random
 import shutil
@@ -35,21 +37,24 @@ from typing import Any
 from commlayer import runtime, state_sync
 from commlayer.data.layouts import (
     ARRAY_SUFFIXES,
-    SUFFIX,
     ArrayFile,
     ImageFolder,
     LayoutError,
     Memory,
+    PackFiles,
     PickleFiles,
     decode,
     encode,
 )
+from commlayer.data.packs import PackSet
 from commlayer.errors import ShardStoreError, ShuffleMismatchError
+
+log = logging.getLogger("commlayer")
 
 __all__ = ["ShardStore", "decode", "encode", "partition"]
 
 _opens = itertools.count()  # every rank opens its stores in the same order
-_Layout = Memory | PickleFiles | ImageFolder | ArrayFile
+_Layout = Memory | PackFiles | PickleFiles | ImageFolder | ArrayFile
 
 
 def partition(
@@ -96,11 +101,22 @@ class ShardStore:
         path: str | os.PathLike[str] | None = None,
         partition_by: str | Sequence[Sequence[int]] = "random",
         seed: int = 0,
+        overwrite: bool = False,
     ) -> ShardStore:
-        """Keep this rank's part of ``dataset`` (every rank passes the same one); a store
-        already at ``path`` is replaced. Collective: the ranks first compare their dataset's
-        length (ShuffleMismatchError on every rank where they differ: the partitions would
-        leave samples out or in two stores), and with a path, open the store together."""
+        """Keep this rank's part of ``dataset`` (every rank passes the same one) in memory
+        (``path=None``) or in pack files at ``path``. Collective: the ranks first compare their
+        dataset's length (ShuffleMismatchError on every rank where they differ: the partitions
+        would leave samples out or in two stores), and with a path, open the store together.
+
+        Where every rank already has a store at ``path`` (a job run again), ``overwrite``
+        decides: False (the default) opens those stores as the last run left them, so training
+        resumes with the shards its exchanges made (an interrupted exchange is finished when the
+        shuffler is built), after checking that they hold ``len(dataset)`` samples in all
+        (ShardStoreError otherwise); True removes them and writes the shards anew from
+        ``dataset`` (``partition_by`` and ``seed`` as given). Either way rank 0 logs which
+        (logger ``commlayer``, level WARNING, shown by default). Where only some ranks have a
+        store, every rank writes anew (the old shards do not fit together), and logs it.
+        """
         me, size = runtime.rank(), runtime.size()
         lengths = state_sync.allgather_object(
             len(dataset), name=f"commlayer.data.store{next(_opens)}.from_dataset"
@@ -111,17 +127,51 @@ class ShardStore:
                 f"rank {me}: ShardStore.from_dataset needs the same dataset on every rank; "
                 f"got datasets of {shown} samples"
             )
-        shard = partition(len(dataset), size, partition_by, seed)[me]
         if path is None:
+            shard = partition(len(dataset), size, partition_by, seed)[me]
             store = cls(None)
             store.layout = Memory({i: dataset[i] for i in shard})
             return store
         folder = Path(str(path).format(rank=me))
+        found = (folder / "store.json").exists()
+        everyone = state_sync.allgather_object(
+            found, name=f"commlayer.data.store{next(_opens)}.existing"
+        )
+        if all(everyone) and not overwrite:
+            store = cls(folder)
+            if me == 0:
+                log.warning(
+                    "ShardStore.from_dataset: opening the existing shard stores at %s as the "
+                    "last run left them (epoch %d); overwrite=True writes them anew",
+                    path,
+                    store.epoch,
+                )
+            held = state_sync.allgather_object(
+                len(store), name=f"commlayer.data.store{next(_opens)}.held"
+            )
+            if sum(held) != len(dataset):
+                raise ShardStoreError(
+                    f"rank {me}: the existing stores at {str(path)!r} hold {sum(held)} samples "
+                    f"in all, the dataset {len(dataset)}: pass overwrite=True to write them anew"
+                )
+            return store
+        if any(everyone) and me == 0:
+            log.warning(
+                "ShardStore.from_dataset: replacing the existing shard stores at %s (%s)",
+                path,
+                "overwrite=True"
+                if overwrite
+                else f"only ranks {[r for r, f in enumerate(everyone) if f]} have one",
+            )
         if folder.exists():
             shutil.rmtree(folder)
-        (folder / "samples").mkdir(parents=True)
-        for i in shard:
-            (folder / "samples" / f"{i}{SUFFIX}").write_bytes(encode(dataset[i]))
+        folder.mkdir(parents=True)
+        shard = partition(len(dataset), size, partition_by, seed)[me]
+        packs = PackSet(folder, None, folder / "store.json")
+        packs.write_all((i, encode(dataset[i])) for i in shard)
+        packs.persist(ending=True)
+        meta = {"epoch": 0, "pending": None, "layout": {"packs": packs.state()}}
+        (folder / "store.json").write_text(json.dumps(meta))
         return cls(folder)
 
     # -- reading -----------------------------------------------------------------------------
@@ -172,6 +222,35 @@ class ShardStore:
                 self._call(self.layout.take, i)
         self.epoch = int(pending["epoch"]) + 1
         self._end_exchange()
+
+    def compact(self) -> bool:
+        """Rewrite the pack files holding samples sent away where the store's overhead would
+        pass 8% (packs.py), then save the journal naming the new index; True when it did. Not
+        during an exchange's staging; the shuffler runs it on its I/O thread after each
+        commit."""
+        if not self._call(self.layout.compact):
+            return False
+        self._save()
+        self._call(self.layout.drop_superseded)
+        return True
+
+    def stray_files(self) -> list[Path]:
+        """Files in the store's folder that its saved state does not name: what an interrupted
+        exchange left behind, before the recovery removed it (none after)."""
+        return list(self._call(self.layout.stray_files))
+
+    def disk_bytes(self) -> tuple[int, int]:
+        """(bytes the store's files take on disk, in allocated blocks; the samples' own bytes,
+        as encoded) for a store written by ``from_dataset`` (pack files): every file and
+        folder under its folder counts."""
+        layout = self.layout
+        if not isinstance(layout, PackFiles):
+            raise ShardStoreError(f"rank {runtime.rank()}: disk_bytes needs a pack-file store")
+        on_disk = 0
+        for root, dirs, files in os.walk(layout.folder):
+            for name in dirs + files:
+                on_disk += os.lstat(os.path.join(root, name)).st_blocks * 512
+        return on_disk, layout.packs.live_bytes()
 
     def abort(self) -> None:
         """No vote: forget what was staged; the store is as before the exchange."""
@@ -225,6 +304,9 @@ class ShardStore:
         if path.suffix in ARRAY_SUFFIXES and path.is_file():
             state = self._read_meta(path.with_name(path.name + ".store") / "store.json")
             return self._call(ArrayFile, path, state)
+        if (path / "packs").is_dir():
+            state = self._read_meta(path / "store.json")
+            return self._call(PackFiles, path, state)
         if (path / "samples").is_dir():
             self._read_meta(path / "store.json")
             return self._call(PickleFiles, path)
@@ -284,6 +366,7 @@ class ShardStore:
         meta = self.layout.meta_file
         if meta is None:
             return
+        self._call(self.layout.persist, self._pending is None)
         tmp = meta.with_suffix(".tmp")
         record = {"epoch": self.epoch, "pending": self._pending, "layout": self.layout.state()}
         tmp.write_text(json.dumps(record))

@@ -30,6 +30,7 @@ def test_a_rank_dying_mid_exchange_loses_no_sample(
     resumed = run_mpi("shuffle_crash.py", 2, "resume", str(tmp_path), torchrun=torchrun)
     assert resumed.returncode == 0, resumed.output()
     stores = [resumed.one("stores", r) for r in range(2)]
+    assert {s["layout"] for s in stores} == {"packs"}, "from_dataset writes pack files"
     assert sorted(i for s in stores for i in s["ids"]) == list(range(N)), resumed.output()
     # rolled forward: epoch 1's exchange counts as done (epoch 2); back: epoch 1 again
     assert {s["epoch"] for s in stores} == {2 if when == "committing" else 1}

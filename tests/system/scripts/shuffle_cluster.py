@@ -35,10 +35,8 @@ optimizer = cl.DistributedOptimizer(
     torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
 )
 visited = []
-sent_bytes = 0
 for epoch in range(EPOCHS):
     shuffler.set_epoch(epoch)
-    sent_bytes += int(shuffler.stats.get("sent_bytes", 0)) if epoch else 0
     values = []
     for x, y in loader:
         optimizer.zero_grad()
@@ -48,7 +46,7 @@ for epoch in range(EPOCHS):
     cl.join()
     visited.append(values)
 shuffler.set_epoch(EPOCHS)  # commits the last exchange
-sent_bytes += int(shuffler.stats.get("sent_bytes", 0))
+sent_bytes = sum(int(s["sent_bytes"]) for s in shuffler.stats())
 _worker.report(
     "shuffle",
     hostname=socket.gethostname(),

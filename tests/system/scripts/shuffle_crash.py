@@ -5,7 +5,8 @@ runs epoch 0, then in epoch 1 rank 1 dies (``os._exit``, no goodbye): ``mid`` ha
 its shard, some chunks of the exchange sent and staged, none committed; ``committing`` in
 phase 2, after it recorded the commit and before it moved a file. ``resume <folder>``: opens
 the stores (recovering the interrupted exchange), reports each rank's samples, runs one epoch
-and reports what it visited.
+and reports what it visited. The stores are pack files (issue 40): received samples appended to
+a staging pack, the index replaced at the commit.
 """
 
 from __future__ import annotations
@@ -59,9 +60,13 @@ if mode == "crash":
     _worker.report("not killed")
 else:
     shuffler = PartialLocalShuffler(ShardStore(path), **SETTINGS)
-    incoming = os.path.join(path.format(rank=rank), "incoming")
+    stray = [str(f) for f in shuffler.store.stray_files()] + shuffler.store.staged()
     _worker.report(
-        "stores", ids=shuffler.store.ids(), epoch=shuffler.epoch, staged=os.path.exists(incoming)
+        "stores",
+        ids=shuffler.store.ids(),
+        epoch=shuffler.epoch,
+        staged=stray,
+        layout=shuffler.store.layout.kind,
     )
     visited = list(shuffler.sampler)
     values = [int(shuffler.dataset[i][0][0]) for i in visited]

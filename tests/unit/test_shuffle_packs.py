@@ -1,0 +1,153 @@
+"""Pack files of the shard store (commlayer/data/packs.py), one process, no collective: records
+read back as written, staging and taking in, compaction keeping every live record and removing
+the superseded files, a stale copy (a persistent DataLoader worker) finding samples that a commit
+or a compaction moved, and truncated or malformed files named."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from commlayer.data.packs import LayoutError, PackSet
+
+
+def _save(packs: PackSet, meta: Path) -> None:
+    """What ShardStore._save does with a pack set: persist, then the journal naming it."""
+    packs.persist(ending=True)
+    meta.write_text(json.dumps({"layout": {"packs": packs.state()}}))
+
+
+def _sample(i: int) -> bytes:
+    return bytes([i % 251]) * (100 + i % 7)
+
+
+def _written(tmp_path: Path, n: int) -> tuple[PackSet, Path]:
+    meta = tmp_path / "store.json"
+    packs = PackSet(tmp_path, None, meta)
+    packs.write_all((i, _sample(i)) for i in range(n))
+    _save(packs, meta)
+    return packs, meta
+
+
+def test_records_read_back_and_exchange_in_two_phases(tmp_path: Path) -> None:
+    packs, meta = _written(tmp_path, 50)
+    assert sorted(packs.ids()) == list(range(50))
+    assert all(packs.read(i) == _sample(i) for i in range(50))
+    for i in range(100, 110):
+        packs.stage(i, _sample(i))
+    packs.persist(ending=False)  # the journal names the staging pack ("prepared")
+    prepared = packs.state()
+    assert prepared["staging"] is not None
+    # a process reopening from that journal finds what was staged in the staging pack
+    again = PackSet(tmp_path, prepared, meta)
+    assert sorted(again.staged()) == list(range(100, 110))
+    for i in range(10):
+        again.remove(i)
+    for i in range(100, 110):
+        again.take(i)
+    _save(again, meta)
+    again.drop_staged()
+    reopened = PackSet(tmp_path, json.loads(meta.read_text())["layout"]["packs"], meta)
+    assert sorted(reopened.ids()) == list(range(10, 50)) + list(range(100, 110))
+    assert all(reopened.read(i) == _sample(i) for i in reopened.ids())
+    assert reopened.stray_files() == []
+
+
+def test_compaction_keeps_every_live_record_and_a_stale_copy_rereads(tmp_path: Path) -> None:
+    packs, meta = _written(tmp_path, 200)
+    stale = pickle.loads(pickle.dumps(packs))  # a spawned DataLoader worker's copy
+    for i in range(0, 200, 3):  # a third sent away: well past the overhead budget
+        packs.remove(i)
+    _save(packs, meta)
+    assert packs.compact()
+    _save(packs, meta)
+    packs.drop_superseded()
+    live = [i for i in range(200) if i % 3]
+    assert sorted(packs.ids()) == live
+    assert all(packs.read(i) == _sample(i) for i in live)
+    assert not (tmp_path / "packs" / "1.pack").exists(), "the compacted pack is removed"
+    assert packs.stray_files() == []
+    assert not packs.compact(), "nothing left to compact"
+    # the stale copy's index points into the removed pack: it rereads the journal's index
+    assert all(stale.read(i) == _sample(i) for i in live)
+    with pytest.raises(LayoutError, match="sample 0 is not in this rank's store"):
+        stale.read(0)
+
+
+def test_truncated_and_malformed_files_are_named(tmp_path: Path) -> None:
+    packs, meta = _written(tmp_path, 20)
+    state = packs.state()
+    index = tmp_path / f"index-{state['index']}.bin"
+    pack = tmp_path / "packs" / "1.pack"
+    os.truncate(pack, pack.stat().st_size - 1)
+    with pytest.raises(LayoutError, match=rf"the pack '{pack}' is truncated"):
+        PackSet(tmp_path, state, meta)
+    data = index.read_bytes()
+    index.write_bytes(data[:-5])
+    with pytest.raises(LayoutError, match=rf"the index '{index}' is truncated or malformed"):
+        PackSet(tmp_path, state, meta)
+    index.write_bytes(b"garbage!" + data[8:])
+    with pytest.raises(LayoutError, match=rf"'{index}' is not a pack index"):
+        PackSet(tmp_path, state, meta)
+    # a staging pack cut short mid-record (the forward recovery reads it back)
+    staging = PackSet(tmp_path / "s", None, tmp_path / "s.json")
+    staging.stage(1, b"x" * 50)
+    staging.persist(ending=False)
+    cut = staging.pack_file(staging.state()["staging"])
+    os.truncate(cut, cut.stat().st_size - 10)
+    reopened = PackSet(tmp_path / "s", staging.state(), tmp_path / "s.json")
+    with pytest.raises(
+        LayoutError, match=rf"the pack '{cut}' is truncated: the record of sample 1"
+    ):
+        reopened.staged()
+
+
+def test_an_array_store_written_before_pack_files_keeps_its_received_samples(
+    tmp_path: Path,
+) -> None:
+    # <file>.store/samples/<id>.pkl (received samples before pack files) are taken into a pack
+    # when the store is opened: none is lost.
+    import numpy as np
+
+    from commlayer.data.layouts import ArrayFile, encode
+
+    file = tmp_path / "shard0.npy"
+    np.save(file, np.arange(8, dtype=np.float32).reshape(4, 2))
+    old = tmp_path / "shard0.npy.store" / "samples"
+    old.mkdir(parents=True)
+    (old / "100.pkl").write_bytes(encode(("received", 100)))
+    layout = ArrayFile(file, {"first_id": 0, "removed": [1]})
+    assert sorted(layout.ids()) == [0, 2, 3, 100]
+    assert layout.load(100) == ("received", 100)
+    assert layout.state()["packs"]["index"] == 1, "the next save names the new pack's index"
+
+
+def test_a_read_racing_a_compaction_finds_the_sample_in_the_new_pack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The training thread looks a sample up in the old index; before it opens the old pack, the
+    # I/O thread compacts, saves and removes that pack: the read uses the new index.
+    packs, meta = _written(tmp_path, 60)
+    for i in range(0, 60, 2):
+        packs.remove(i)
+    _save(packs, meta)
+    fresh = PackSet(tmp_path, json.loads(meta.read_text())["layout"]["packs"], meta)
+    record, raced = PackSet._record, []
+
+    def racing(self: PackSet, *args: int) -> bytes:
+        if not raced:
+            raced.append(args[1])  # the pack the old index names
+            assert self.compact()
+            _save(self, meta)
+            self.drop_superseded()
+            self._close_fds(keep={p for p, _, _ in self.index.values()})
+        return record(self, *args)
+
+    monkeypatch.setattr(PackSet, "_record", racing)
+    assert fresh.read(1) == _sample(1)
+    assert raced == [1] and fresh.index[1][0] != 1, "read from the compaction's new pack"
+    assert not fresh.pack_file(1).exists()
