@@ -246,6 +246,7 @@ class _Peer(NamedTuple):
     machine: str
     gpus: int
     addresses: Sequence[str]
+    cpus: int
 
 
 class TorchBackend:
@@ -275,12 +276,17 @@ class TorchBackend:
         self._size = dist.get_world_size(self._group)
         gathered: list[Any] = [None] * self._size
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        me = _Peer(socket.gethostname(), os.getpid(), machine_id(), gpus, addresses())
+        me = _Peer(
+            socket.gethostname(), os.getpid(), machine_id(), gpus, addresses(), os.cpu_count() or 1
+        )
         dist.all_gather_object(gathered, tuple(me), group=self._group)
         peers = [_Peer(*fields) for fields in gathered]
         self._peers: list[tuple[str, int]] = [(peer.host, peer.pid) for peer in peers]
         self._machines = indices([peer.machine for peer in peers])
         self._gpus = {peer.host: peer.gpus for peer in peers}
+        # some machine runs more of this group's ranks than it has cores (every rank alike)
+        ranks_on = [self._machines.count(m) for m in self._machines]
+        self._oversubscribed = any(n > peer.cpus for n, peer in zip(ranks_on, peers))
         self._addresses = [set(peer.addresses) for peer in peers]
         self._nodes = indices(host for host, _ in self._peers)
         # one waiter per lane (module docstring, 2.): a send waits for its receiver to post,
@@ -505,6 +511,12 @@ class TorchBackend:
 
     def nodes(self) -> list[int]:
         return list(self._nodes)
+
+    def oversubscribed(self) -> bool:
+        """Whether some machine runs more of this group's ranks than it has cores: the same
+        answer on every rank (each rank's core count travels in the start-up gather), for
+        decisions that change which collectives every rank posts (runners/allreduce.py, 3.)."""
+        return self._oversubscribed
 
     def crowded_hosts(self) -> list[str]:
         """Hosts running more of this group's ranks than they have GPUs ("host: n ranks, m

@@ -18,7 +18,9 @@
    posted in the agreed order (gloo matches a group's collectives by that order), waited for
    in it, each finished as it ends while the later ones run. Schedules (point-to-point steps),
    the window and calls the online tuner times are waited for alone. Over MPI (progress only
-   while tested, and the window on one node) buckets are packed and waited for one by one.
+   while tested, and the window on one node) buckets are packed and waited for one by one, and
+   so they are over gloo where a machine runs more ranks than it has cores (``_splits``: each
+   allreduce a split adds then costs more than the copies it saves).
 """
 
 from __future__ import annotations
@@ -115,13 +117,14 @@ class _Part:
 class FusedAllreduce:
     """Buckets of fused entries reduced with the job's algorithm (module docstring, 2)."""
 
-    __slots__ = ("_allreduce", "_threshold_bytes", "_host", "_pool")
+    __slots__ = ("_allreduce", "_threshold_bytes", "_host", "_pool", "_split_of")
 
     def __init__(self, allreducer: Allreducer, fusion_threshold_bytes: int, host: Host) -> None:
         self._allreduce = allreducer
         self._threshold_bytes = fusion_threshold_bytes
         self._host = host
         self._pool = fusion.BufferPool()
+        self._split_of: dict[Backend, bool] = {}  # per backend object: _splits
 
     def run(
         self,
@@ -141,7 +144,7 @@ class FusedAllreduce:
         for in the order posted; each is finished (unpacked, scaled, its operation completed)
         as it ends, while the later ones still run."""
         element = element_size(dtype)
-        split = device.type == "cpu" and getattr(backend, "progress_threads", 0) > 0
+        split = device.type == "cpu" and self._splits(backend)
         flight: list[_Part] = []
         offset = 0  # into the pool buffer: packed parts in flight together need their own slices
         for bucket in fusion.plan_buckets(entries, element, self._threshold_bytes):
@@ -183,6 +186,23 @@ class FusedAllreduce:
                 flight.append(flying)
                 self._drain(flight, backend, element)
         self._drain(flight, backend, element)
+
+    def _splits(self, backend: Backend) -> bool:
+        """Whether buckets over ``backend`` are split (module docstring, 3.): its transfers
+        progress on threads of their own (gloo), and no machine runs more of its ranks than it
+        has cores (``oversubscribed``). Where one does, every hop of a collective waits for a
+        peer the kernel has descheduled, and the allreduces a split adds cost more than the
+        copies it saves (the MLP over gloo, paired with DDP on 2 cores: split 0.86-0.90 of DDP
+        against packed 0.81-0.87 at 2 ranks, 4 of 4 pairs better; 0.71-0.74 against 0.78-0.90
+        at 4 ranks, 2 of 2 worse). Every rank decides alike: a split changes which
+        collectives are posted."""
+        known = self._split_of.get(backend)
+        if known is None:
+            threads = getattr(backend, "progress_threads", 0) > 0
+            crowded = getattr(backend, "oversubscribed", None)
+            known = threads and crowded is not None and not crowded()
+            self._split_of[backend] = known
+        return known
 
     def _drain(self, flight: list[_Part], backend: Backend, element: int) -> None:
         """Wait for the parts in flight, in the order posted, finishing each as it ends."""

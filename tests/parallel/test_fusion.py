@@ -166,7 +166,9 @@ def test_large_and_small_tensors_grouped(
     collectives = cl.communication_stats()["operations"] - before
     backend = runtime.engine().backend(0)
     if cl.size() > 1 and getattr(backend, "progress_threads", 0):
-        assert collectives == _MIXED_PARTS, f"rank {cl.rank()}: {collectives} collectives"
+        # split where no machine runs more ranks than it has cores, else packed in one
+        parts = 1 if backend.oversubscribed() else _MIXED_PARTS  # type: ignore[union-attr]
+        assert collectives == parts, f"rank {cl.rank()}: {collectives} collectives"
     for result, per_rank, tensor in zip(results, every, mine):
         assert_reduced(result, per_rank, op, pre, post)
         assert torch.equal(tensor, per_rank[cl.rank()]), f"{name} changed its input"
