@@ -155,7 +155,24 @@ def check_readable(files: list[Path]) -> None:
             raise LayoutError(f"cannot read {str(file)!r}: {why}")
 
 
-class Memory:
+class _NoPacks:
+    """A layout that keeps nothing in pack files: no state of its own to save, nothing to
+    persist before a save, nothing to compact."""
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def persist(self, ending: bool) -> None:
+        pass
+
+    def compact(self) -> bool:
+        return False
+
+    def drop_superseded(self) -> None:
+        pass
+
+
+class Memory(_NoPacks):
     """Samples in a dict; what is staged waits in another."""
 
     kind = "memory"
@@ -192,37 +209,17 @@ class Memory:
     def drop_staged(self) -> None:
         self._staged = {}
 
-    def state(self) -> dict[str, Any]:
-        return {}
-
-    def persist(self, ending: bool) -> None:
-        pass
-
-    def compact(self) -> bool:
-        return False
-
-    def drop_superseded(self) -> None:
-        pass
-
     def stray_files(self) -> list[Path]:
         return []
 
 
-class PackFiles:
-    """Pack files and their index under ``folder`` (packs.py); a sample travels as its record's
-    bytes, read with one ``pread``."""
+class _InPacks:
+    """What a layout keeps in pack files (``self.packs``: packs.py) does there: received
+    samples staged and taken in, samples removed, the packs persisted and compacted."""
 
-    kind = "packs"
-    numbered, found = True, ()
+    packs: PackSet
 
-    def __init__(self, folder: Path, state: dict[str, Any] | None) -> None:
-        self.folder, self.meta_file = folder, folder / "store.json"
-        self.packs = PackSet(folder, None if state is None else state.get("packs"), self.meta_file)
-
-    def ids(self) -> list[int]:
-        return self.packs.ids()
-
-    def load(self, sample_id: int) -> Any:
+    def _decoded(self, sample_id: int) -> Any:
         data = self.packs.read(sample_id)
         try:
             return decode(data)
@@ -231,9 +228,6 @@ class PackFiles:
             raise LayoutError(
                 f"cannot decode sample {sample_id} from {str(pack)!r}: {exc}"
             ) from exc
-
-    def dump(self, sample_id: int) -> bytes:
-        return self.packs.read(sample_id)
 
     def stage(self, sample_id: int, data: bytes) -> None:
         self.packs.stage(sample_id, data)
@@ -259,14 +253,35 @@ class PackFiles:
     def drop_superseded(self) -> None:
         self.packs.drop_superseded()
 
-    def state(self) -> dict[str, Any]:
-        return {"packs": self.packs.state()}
-
     def stray_files(self) -> list[Path]:
         return self.packs.stray_files()
 
 
-class PickleFiles(_Staging):
+class PackFiles(_InPacks):
+    """Pack files and their index under ``folder`` (packs.py); a sample travels as its record's
+    bytes, read with one ``pread``."""
+
+    kind = "packs"
+    numbered, found = True, ()
+
+    def __init__(self, folder: Path, state: dict[str, Any] | None) -> None:
+        self.folder, self.meta_file = folder, folder / "store.json"
+        self.packs = PackSet(folder, None if state is None else state.get("packs"), self.meta_file)
+
+    def ids(self) -> list[int]:
+        return self.packs.ids()
+
+    def load(self, sample_id: int) -> Any:
+        return self._decoded(sample_id)
+
+    def dump(self, sample_id: int) -> bytes:
+        return self.packs.read(sample_id)
+
+    def state(self) -> dict[str, Any]:
+        return {"packs": self.packs.state()}
+
+
+class PickleFiles(_NoPacks, _Staging):
     """``samples/<id>.pkl`` under ``folder``; a sample travels as its file's bytes."""
 
     kind = "files"
@@ -296,18 +311,6 @@ class PickleFiles(_Staging):
 
     def remove(self, sample_id: int) -> None:
         self.file(sample_id).unlink(missing_ok=True)
-
-    def state(self) -> dict[str, Any]:
-        return {}
-
-    def persist(self, ending: bool) -> None:
-        pass
-
-    def compact(self) -> bool:
-        return False
-
-    def drop_superseded(self) -> None:
-        pass
 
     def stray_files(self) -> list[Path]:
         return [self.incoming] if self.incoming.exists() else []
@@ -462,7 +465,7 @@ class ImageFolder:
         }
 
 
-class ArrayFile:
+class ArrayFile(_InPacks):
     """One .npy/.npz file, read only; received samples (pickled, in pack files) and the ids of
     the rows sent away are kept in ``<file>.store/`` (module docstring). A .npz is decompressed
     into memory once per process; a .npy is memory-mapped. DataLoader workers get the store
@@ -533,14 +536,7 @@ class ArrayFile:
     def load(self, sample_id: int) -> Any:
         row = self._row(sample_id)
         if row is None:
-            data = self.packs.read(sample_id)
-            try:
-                return decode(data)
-            except Exception as exc:
-                pack = self.packs.pack_file(self.packs.index[sample_id][0])
-                raise LayoutError(
-                    f"cannot decode sample {sample_id} from {str(pack)!r}: {exc}"
-                ) from exc
+            return self._decoded(sample_id)
         if len(self.arrays) == 1 and self.file.suffix == ".npy":
             return tensor(np.asarray(self.arrays[0][row]))
         return tuple(tensor(np.asarray(a[row])) for a in self.arrays)
@@ -550,35 +546,11 @@ class ArrayFile:
             return self.packs.read(sample_id)
         return encode(self.load(sample_id))
 
-    def stage(self, sample_id: int, data: bytes) -> None:
-        self.packs.stage(sample_id, data)
-
-    def staged(self) -> list[int]:
-        return list(self.packs.staged())
-
-    def take(self, sample_id: int) -> None:
-        self.packs.take(sample_id)
-
     def remove(self, sample_id: int) -> None:
-        self.packs.remove(sample_id)
+        super().remove(sample_id)
         assert self.first_id is not None
         if 0 <= sample_id - self.first_id < self.rows:
             self.removed.add(sample_id)
-
-    def drop_staged(self) -> None:
-        self.packs.drop_staged()
-
-    def persist(self, ending: bool) -> None:
-        self.packs.persist(ending)
-
-    def compact(self) -> bool:
-        return self.packs.compact()
-
-    def drop_superseded(self) -> None:
-        self.packs.drop_superseded()
-
-    def stray_files(self) -> list[Path]:
-        return self.packs.stray_files()
 
     def state(self) -> dict[str, Any]:
         return {
