@@ -59,6 +59,9 @@ MAX_PACK_BYTES = 2**32 - 1  # offsets are uint32: a pack that would pass it is c
 OVERHEAD_BUDGET = 0.08
 
 
+_REREADS = 20  # a stale copy reads the journal again at most this often (PackSet.reread)
+
+
 class PackSet:
     """The samples of one folder's packs (module docstring). ``state`` is what ``state()``
     returned when the journal was last saved (None: an empty set). ``meta_file`` and ``key``
@@ -153,16 +156,29 @@ class PackSet:
 
     def reread(self) -> bool:
         """The state the journal saved last (a stale copy: a persistent DataLoader worker);
-        False when there is nothing newer."""
-        try:
-            state = json.loads(self.meta_file.read_text())["layout"][self.key]
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        if int(state["index"]) <= self.gen:  # nothing newer (the writer itself is never behind)
-            return False
-        self._close_fds()
-        self._load(state)
-        return True
+        False when there is nothing newer. The index (or a pack) the journal named may be gone
+        by the time this copy reads it: the writer saved a newer one since and dropped the
+        superseded files; then the journal is read again, up to ``_REREADS`` times."""
+        gone: LayoutError | None = None
+        for _ in range(_REREADS):
+            try:
+                state = json.loads(self.meta_file.read_text())["layout"][self.key]
+            except (OSError, ValueError, KeyError, TypeError):
+                return False
+            if int(state["index"]) <= self.gen:  # nothing newer (the writer is never behind)
+                return False
+            previous = (self.gen, self.next_pack, self.staging, self.index)
+            self._close_fds()
+            try:
+                self._load(state)
+                return True
+            except LayoutError as exc:
+                self.gen, self.next_pack, self.staging, self.index = previous
+                if not isinstance(exc.__cause__, FileNotFoundError):
+                    raise
+                gone = exc  # superseded while being read: the journal names a newer one
+        assert gone is not None
+        raise gone
 
     def __getstate__(self) -> dict[str, Any]:
         # a DataLoader worker (spawned) opens its own descriptors; it never stages

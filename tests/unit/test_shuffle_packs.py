@@ -78,6 +78,37 @@ def test_compaction_keeps_every_live_record_and_a_stale_copy_rereads(tmp_path: P
         stale.read(0)
 
 
+def test_a_stale_copy_whose_journal_index_is_superseded_meanwhile_reads_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A persistent DataLoader worker read the journal naming index N, and before it read that
+    # index the writer saved N + 1 and removed N (found by a 4-rank run: "cannot read the index
+    # .../index-4.bin"): it reads the journal again and takes the newer index.
+    packs, meta = _written(tmp_path, 60)
+    stale = pickle.loads(pickle.dumps(packs))
+    for i in range(0, 60, 2):
+        packs.remove(i)
+    _save(packs, meta)
+    older = json.loads(meta.read_text())
+    assert packs.compact()
+    _save(packs, meta)
+    packs.drop_superseded()
+    newer = meta.read_text()
+    assert not (tmp_path / f"index-{older['layout']['packs']['index']}.bin").exists()
+    reads = []
+    real_read_text = Path.read_text
+
+    def journal_then_newer(path: Path, *args: object, **kwargs: object) -> str:
+        if path != meta:
+            return real_read_text(path, *args, **kwargs)  # type: ignore[arg-type]
+        reads.append(path)
+        return json.dumps(older) if len(reads) == 1 else newer  # the first read is stale
+
+    monkeypatch.setattr(Path, "read_text", journal_then_newer)
+    assert stale.read(1) == _sample(1)  # 1 was in the removed pack: it rereads
+    assert len(reads) == 2, "the journal was read again after its index had gone"
+
+
 def test_truncated_and_malformed_files_are_named(tmp_path: Path) -> None:
     packs, meta = _written(tmp_path, 20)
     state = packs.state()
