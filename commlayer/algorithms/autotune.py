@@ -151,9 +151,15 @@ class Tuner:
             return request
         if state.started >= state.round_calls():
             return request
-        first = state.started % (state.runs + 1) == 0  # of its block: not counted
+        timed = _timed_next(state)
         state.started += 1
-        return request if first else _Timed(self, key, name, backend, request, extra_s)
+        return _Timed(self, key, name, backend, request, extra_s) if timed else request
+
+    def measures(self, key: Hashable) -> bool:
+        """Whether the next call of ``key``'s class (its next ``start``) is a measurement, asked
+        before it is posted: a measured call runs alone (runners/allreduce.py, 3.)."""
+        state = self._classes.get(key)
+        return state is not None and _timed_next(state)
 
     def record(self, key: Hashable, name: str, seconds: float) -> list[float] | None:
         """One measured call completed; this rank's times (lower quartile of each candidate's
@@ -193,6 +199,16 @@ class Tuner:
         state.candidates, state.samples, state.started = [], {}, 0
         state.left = state.interval
         self.rounds += 1
+
+
+def _timed_next(state: _SizeClass) -> bool:
+    """Whether ``state``'s next call is timed: a round is on, not all its calls are started,
+    and the call is not the first of its block (that one is not counted)."""
+    return (
+        bool(state.candidates)
+        and state.started < state.round_calls()
+        and state.started % (state.runs + 1) != 0
+    )
 
 
 class _Timed:

@@ -9,6 +9,7 @@ peer noticed): the backend's own for ``mpi`` and ``shm``, else the algorithm's s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,12 +138,14 @@ class Allreducer:
         buf: torch.Tensor,
         op: ReduceOp,
         packed_s: float = 0.0,
+        before_alone: Callable[[], None] | None = None,
     ) -> tuple[Request, bool]:
         """``__call__``, and whether the request may stay in flight beside others: the
         backend's own allreduce (``mpi``: gloo or MPI match collectives by the order they are
-        posted, which is the same on every rank), not timed by online tuning (a measurement
-        waits alone). A schedule's point-to-point steps, the shared-memory window (one buffer)
-        and a measured call are waited for alone."""
+        posted, which is the same on every rank), not timed by online tuning. A schedule's
+        point-to-point steps, the shared-memory window (one buffer) and a measured call run
+        alone: ``before_alone`` is called before such a request is posted (the caller waits
+        for what it has in flight, so a measurement times this call only)."""
         if buf.device.type != "cpu":
             # A device buffer (a direct CUDA operation, device.py): the backend's own allreduce
             # (NCCL's, a CUDA-aware MPI's) unless a schedule was asked for by name; the cost
@@ -150,9 +153,14 @@ class Allreducer:
             name = self.algorithm
             if name in (algorithms.AUTO, "shm", "hierarchical"):
                 name = "mpi"
+            if name != "mpi" and before_alone is not None:
+                before_alone()
             topology = self._backend_facts(backend)[0]
             return self._run(name, backend, send, buf, op, topology), name == "mpi"
         name, key = self._next(backend, buf.numel(), buf.element_size())
+        alone = name != "mpi" or (key is not None and self._tuner.measures(key))
+        if alone and before_alone is not None:
+            before_alone()
         topology, _, two_level = self._backend_facts(backend)
         if name == "hierarchical" and two_level:
             request = backend.shm_hierarchical_iallreduce(  # type: ignore[attr-defined]
@@ -161,9 +169,8 @@ class Allreducer:
         else:
             request = self._run(name, backend, send, buf, op, topology)
         if key is not None:
-            timed = self._tuner.start(key, name, backend, request, 2 * packed_s)
-            return timed, name == "mpi" and timed is request
-        return request, name == "mpi"
+            request = self._tuner.start(key, name, backend, request, 2 * packed_s)
+        return request, not alone
 
     def pieces(
         self,

@@ -97,14 +97,15 @@ _CPU = torch.device("cpu")
 
 class _Part:
     """A part of a bucket in flight: its entries, the buffer the collective reduces (a pooled
-    one it was packed into, or the lone entry's output), and its start times."""
+    one it was packed into, or the lone entry's output; None where the shared-memory window
+    reads and writes the tensors themselves), and its start times."""
 
     __slots__ = ("entries", "buf", "packed", "request", "t0", "t1")
 
     def __init__(
         self,
         entries: list[fusion.Entry],
-        buf: torch.Tensor,
+        buf: torch.Tensor | None,
         packed: bool,
         request: Request,
         t0: float,
@@ -147,19 +148,17 @@ class FusedAllreduce:
         split = device.type == "cpu" and self._splits(backend)
         flight: list[_Part] = []
         offset = 0  # into the pool buffer: packed parts in flight together need their own slices
+        # over a split, a part that must run alone waits for the flight before it is posted
+        drain = (lambda: self._drain(flight, backend, element)) if split else None
         for bucket in fusion.plan_buckets(entries, element, self._threshold_bytes):
             t0 = time.perf_counter()
             # the shared-memory window reads host memory only
             pieces = fusion.pieces(bucket, dtype) if device.type == "cpu" and not split else None
             request = None if pieces is None else self._allreduce.pieces(backend, *pieces, op)
             if request is not None:  # the window reads and writes the tensors where they lie
-                self._drain(flight, backend, element)
-                offset = 0
                 t1 = time.perf_counter()
-                self._host.wait(request)
-                self._finish(
-                    _Part(bucket, torch.empty(0), False, request, t0, t1), backend, element
-                )
+                self._host.wait(request)  # (nothing in flight: no split where there is a window)
+                self._finish(_Part(bucket, None, False, request, t0, t1), backend, element)
                 continue
             for part in _split(bucket) if split else (bucket,):
                 t0 = time.perf_counter()
@@ -174,17 +173,12 @@ class FusedAllreduce:
                     fusion.pack(part, buf)
                     send, packed, packed_s = None, True, time.perf_counter() - t0
                 t1 = time.perf_counter()
-                request, concurrent = self._allreduce.start(backend, send, buf, op, packed_s)
-                flying = _Part(part, buf, packed, request, t0, t1)
-                if concurrent and split:
-                    flight.append(flying)
-                    if packed:
-                        offset += buf.numel()
-                    continue
-                self._drain(flight, backend, element)
-                offset = 0
-                flight.append(flying)
-                self._drain(flight, backend, element)
+                request, concurrent = self._allreduce.start(backend, send, buf, op, packed_s, drain)
+                flight.append(_Part(part, buf, packed, request, t0, t1))
+                if packed:
+                    offset += buf.numel()
+                if not (concurrent and split):
+                    self._drain(flight, backend, element)  # waited for alone
         self._drain(flight, backend, element)
 
     def _splits(self, backend: Backend) -> bool:
@@ -219,9 +213,11 @@ class FusedAllreduce:
         is counted from then: time in flight together is counted once)."""
         host = self._host
         t2 = time.perf_counter()
-        if part.packed:
+        if part.buf is None:
+            pass  # the window scaled the outputs as it wrote them
+        elif part.packed:
             fusion.unpack(part.entries, part.buf)
-        elif part.buf.numel():
+        else:
             fusion.scale_(part.entries[0].output, part.entries[0].postscale)  # type: ignore[arg-type]
         t3 = time.perf_counter()
         numel = sum(e.numel for e in part.entries)

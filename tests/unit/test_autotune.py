@@ -76,6 +76,22 @@ def test_candidates_are_measured_round_robin_then_the_pick_stands() -> None:
     assert {_call(tuner) for _ in range(autotune.CALLS_PER_RUN * SAMPLES)} == {pick}
 
 
+def test_measures_says_beforehand_which_calls_are_timed() -> None:
+    # runners/allreduce.py asks before posting, to run a measured call alone: the answer must
+    # be what start() then does, through a first round and the next one
+    tuner = Tuner()
+    calls = autotune.round_calls(3, SAMPLES) + FIRST + autotune.round_calls(2, SAMPLES)
+    said, done = [], []
+    for _ in range(calls):
+        name = tuner.peek("k") or tuner.add("k", ["a", "b", "c"])
+        said.append(tuner.measures("k"))
+        request = tuner.start("k", name, _OneRank(), COMPLETED)  # type: ignore[arg-type]
+        done.append(request is not COMPLETED)
+        assert request.test()
+    assert said == done
+    assert sum(done) == 3 * SAMPLES + 2 * SAMPLES  # both rounds measured (the test means it)
+
+
 def test_the_fastest_by_everyones_sum_is_taken_ties_in_the_models_order() -> None:
     tuner = Tuner()
     tuner.add("k", ["a", "b", "c"])
