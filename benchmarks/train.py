@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commlayer import malloc
+from commlayer import fusion, malloc
 
 SYSTEMS = ("commlayer", "ddp", "horovod")
 # commlayer launched by torchrun (its engine over torch.distributed's gloo) instead of mpiexec
@@ -241,12 +241,12 @@ class _DirectGloo:
             self._next += 1
 
     def _post(self, bucket: list[torch.Tensor]) -> None:
-        small = [p for p in bucket if p.numel() < 65536]
+        small = [p for p in bucket if p.numel() < fusion.ONE_PASS_NUMEL]
         if small:
             flat = torch.cat([p.grad.reshape(-1) for p in small])  # type: ignore[union-attr]
             self._works.append((self._group.allreduce([flat], self._options), flat, small))
         for p in bucket:
-            if p.numel() >= 65536:
+            if p.numel() >= fusion.ONE_PASS_NUMEL:
                 grad = p.grad
                 assert grad is not None
                 self._works.append((self._group.allreduce([grad], self._options), grad, None))
