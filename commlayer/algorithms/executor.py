@@ -179,16 +179,26 @@ class Allreducer:
         outputs: list[torch.Tensor],
         scales: list[float],
         op: ReduceOp,
+        before_alone: Callable[[], None] | None = None,
     ) -> Request | None:
         """Start the allreduce of a fused bucket without a fusion buffer (fusion.pieces), where
         the algorithm of this call is the shared-memory window, which copies every byte in and
-        out of the window anyway; None elsewhere (the caller packs and calls this object)."""
+        out of the window anyway; None elsewhere (the caller packs and calls this object).
+        The window runs alone: ``before_alone`` (as ``start``'s) is called before it is posted."""
         numel = sum(t.numel() for t in sources)
         name, key = self._next(backend, numel, sources[0].element_size())
         if backend.size == 1 or name != "shm":
             return None
+        if before_alone is not None:
+            before_alone()
         request = backend.shm_iallreduce_pieces(sources, outputs, scales, op)  # type: ignore[attr-defined]
         return request if key is None else self._tuner.start(key, name, backend, request)
+
+    def windowed(self, backend: Backend, numel: int, element_size: int) -> bool:
+        """Whether a buffer of ``numel`` elements goes through the shared-memory window (as
+        ``pieces`` or packed): the caller keeps such a bucket whole, on every rank alike (a
+        joined rank, which packs its zeros, too)."""
+        return backend.size > 1 and self._next(backend, numel, element_size)[0] == "shm"
 
     def _inter(self, cross: Backend, part: torch.Tensor, op: ReduceOp) -> Request:
         """The leg across nodes of the two-level hierarchical: ``hierarchical.INTER``, as in
@@ -234,7 +244,11 @@ class Allreducer:
             else:
                 topology = Topology(detected)
             # shm needs real shared memory: the detected nodes, not an override
-            capable = hasattr(backend, "shm_iallreduce") and len(set(detected)) == 1
+            capable = (
+                hasattr(backend, "shm_iallreduce")
+                and len(set(detected)) == 1
+                and getattr(backend, "window_capable", True)
+            )
             # hierarchical's window per node: more than one node (on one, the schedule the cost
             # model predicts), and a window per node fits (Topology.windows_fit)
             two_level = (

@@ -56,7 +56,6 @@ _DTYPES: dict[torch.dtype, MPI.Datatype] = {
     torch.bfloat16: MPI.INT16_T,
 }
 
-_SHM_CHUNK_BYTES = 2 << 20  # per rank and half-window; 1, 2, 4 MiB: 2 MiB best or tied at 64 MiB
 _ABORT_CODE = 70  # MPI_Abort's exit code: sysexits' EX_SOFTWARE, distinct from a Python error's 1
 _P2P_TAG = 7  # the schedules' point-to-point messages (the engine makes no others)
 
@@ -201,6 +200,31 @@ class _GatherBytesRequest:
         return True
 
 
+class MPIWindow:
+    """An MPI-3 shared-memory window (``MPI.Win.Allocate_shared``) in a ``Lock_all`` epoch;
+    ``Win.Sync`` (MPI_Win_sync) is the barrier MPI-3's shared-memory model asks for."""
+
+    def __init__(self, comm: MPI.Intracomm, segment: int) -> None:
+        self._comm = comm
+        self.win = MPI.Win.Allocate_shared(segment, 1, comm=comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.segments: list[np.ndarray] = []
+        for r in range(comm.size):
+            mem, _ = self.win.Shared_query(r)
+            self.segments.append(np.frombuffer(mem, dtype=np.uint8, count=segment))  # type: ignore[call-overload]
+
+    def sync(self) -> None:
+        self.win.Sync()
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+    def close(self) -> None:
+        self.segments = []
+        self.win.Unlock_all()
+        self.win.Free()
+
+
 class MPIBackend:
     """Backend over one MPI communicator."""
 
@@ -309,10 +333,13 @@ class MPIBackend:
 
     def _window(self) -> SharedMemoryAllreduce:
         if self._shm is None:
-            from commlayer.backends.shm import SharedMemoryAllreduce
+            from commlayer.backends.shm import CHUNK_BYTES, SharedMemoryAllreduce
 
             assert isinstance(self._comm, MPI.Intracomm)
-            self._shm = SharedMemoryAllreduce(self._comm, _SHM_CHUNK_BYTES)
+            comm = self._comm
+            self._shm = SharedMemoryAllreduce(
+                comm.rank, comm.size, CHUNK_BYTES, lambda segment: MPIWindow(comm, segment)
+            )
         return self._shm
 
     def _two_levels(self, node_of: tuple[int, ...]) -> tuple[MPIBackend, MPIBackend]:

@@ -1,8 +1,10 @@
-"""Intra-node allreduce through an MPI-3 shared-memory window.
+"""Intra-node allreduce through a shared-memory window.
 
 Between ranks of one node MPI's allreduce moves data through its own queues at ~1-4 GB/s busbw
-(shared/ANCHORS.md), while one core copies 24-30 GB/s. Here every rank of the communicator maps
-the same window (``MPI.Win.Allocate_shared``) and an allreduce of a buffer is, per chunk:
+(shared/ANCHORS.md), and gloo's through TCP over loopback, while one core copies 24-30 GB/s.
+Here every rank of the node maps the same window (the MPI backend: an MPI-3 window,
+``MPI.Win.Allocate_shared``; the torch backend, under torchrun: ``FileWindow``, files in
+/dev/shm that every rank maps) and an allreduce of a buffer is, per chunk:
 
 1. copy in: each rank copies the parts of its chunk that other ranks reduce (every slice but its
    own) into its own segment, then raises its flag;
@@ -19,8 +21,9 @@ Each slice is reduced by exactly one rank and copied by all, so every rank gets 
 Chunks alternate between two halves of each segment: a rank can write chunk k+2 into a half only
 after every rank raised its "reduced" flag for chunk k+1, which each does after copying chunk k
 out, so no rank overwrites data another still reads. Flags are monotonic counters (2 per chunk)
-in a cache line of their own; ``Win.Sync`` (MPI_Win_sync, a memory barrier in the window's
-``Lock_all`` epoch) orders data before flags, as MPI-3's shared-memory model requires.
+in a cache line of their own; the window's ``sync`` (MPI_Win_sync, a memory barrier in the
+window's ``Lock_all`` epoch, as MPI-3's shared-memory model requires; FileWindow's: below) orders
+data before flags.
 
 As the local leg of ``hierarchical`` (algorithms/hierarchical.py: several nodes of g ranks
 each), rank r raises its "reduced" flag only after ``inter`` has allreduced its reduced slice in
@@ -42,38 +45,181 @@ drives it like any MPI request: no busy-polling, and a dead peer is still notice
 from __future__ import annotations
 
 import bisect
+import mmap
+import os
+import platform
 from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from commlayer.backends.base import Request
 from commlayer.reduce_ops import ReduceOp, reduce_into, reduce_out, scale_into
 
 _FLAG_BYTES = 128  # one flag per rank, alone in its cache lines (no false sharing)
 _ALIGN = 64  # slice boundaries on cache lines
+# per rank and half-window (both backends); at 64 MiB over MPI 1, 2 and 4 MiB were measured:
+# 2 MiB best or tied
+CHUNK_BYTES = 2 << 20
+
+
+class Window(Protocol):
+    """Memory every rank of a node maps: one segment per rank, and how to order it.
+
+    ``segments[r]``: rank r's segment (uint8, the size asked for), mapped in this process;
+    ``sync()``: a full memory barrier (data written before a flag is visible before it, and a
+    flag seen makes the data written before it visible); ``barrier()``: every rank of the node
+    reaches it before any leaves; ``close()``: unmaps (collective where the memory needs it)."""
+
+    segments: list[np.ndarray]
+
+    def sync(self) -> None: ...
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class FileWindow:
+    """Shared memory without MPI (the torch backend's window): one file per rank in a tmpfs
+    (``/dev/shm``), every rank mapping every file. Made collectively: ``token`` is the same on
+    every rank and new to this window (the file names).
+
+    Each rank creates its own file, reserves its pages (``posix_fallocate``: a tmpfs too small
+    fails here with ENOSPC, not later with SIGBUS), maps every rank's after a barrier, and
+    unlinks its own after a second: from then on nothing is left on disk, even if the job is
+    killed. ``sync()``: on x86-64 none is needed (stores are seen in program order, loads are not
+    reordered with loads, and glibc fences its non-temporal copies), elsewhere numba's fence
+    where numba is installed; without either, ``FileWindow.usable()`` is False and the torch
+    backend keeps to gloo."""
+
+    DIRECTORY = "/dev/shm"
+
+    def __init__(
+        self, rank: int, size: int, token: str, segment: int, agree: Callable[[bool], bool]
+    ) -> None:
+        """``agree(ok)``: True on every rank when every rank passes True (a collective AND:
+        it is also the node's barrier). A rank that cannot make its file makes every rank
+        raise OSError, naming the ranks that could not, instead of waiting for them."""
+        self._agree = agree
+        self._sync = _fence()
+        self._maps: list[mmap.mmap] = []
+        self.segments: list[np.ndarray] = []
+        mine = self._path(token, rank)
+        error: OSError | None = None
+        try:
+            fd = os.open(mine, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, segment)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            error = exc
+        if not agree(error is None):
+            if error is None:
+                os.unlink(mine)
+            why = str(error) if error else "another rank could not make its file"
+            raise OSError(
+                f"rank {rank}: no shared-memory window of {size} x {segment} B in "
+                f"{self.DIRECTORY}: {why}"
+            )
+        try:
+            for r in range(size):
+                fd = os.open(self._path(token, r), os.O_RDWR)
+                try:
+                    self._maps.append(mmap.mmap(fd, segment))
+                finally:
+                    os.close(fd)
+                self.segments.append(np.frombuffer(self._maps[-1], dtype=np.uint8))
+        finally:
+            agree(True)  # every rank mapped every file (or failed): the names can go
+            os.unlink(mine)
+
+    @classmethod
+    def usable(cls) -> bool:
+        """Whether this process can make one: a writable tmpfs and a memory barrier."""
+        if not os.access(cls.DIRECTORY, os.W_OK | os.X_OK):
+            return False
+        try:
+            _fence()
+        except ImportError:
+            return False
+        return True
+
+    @classmethod
+    def _path(cls, token: str, rank: int) -> str:
+        return os.path.join(cls.DIRECTORY, f"commlayer-{token}-{rank}")
+
+    def sync(self) -> None:
+        self._sync()
+
+    def barrier(self) -> None:
+        self._agree(True)
+
+    def close(self) -> None:
+        self.segments = []
+        for mapped in self._maps:
+            try:
+                mapped.close()
+            except BufferError:  # a view still exported (a request not collected yet)
+                pass
+        self._maps = []
+
+
+def _no_fence() -> None:
+    pass
+
+
+_FENCE: list[Callable[[], None]] = []
+
+
+def _fence() -> Callable[[], None]:
+    """A full memory barrier callable from Python (FileWindow.sync); ImportError where none."""
+    if _FENCE:
+        return _FENCE[0]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        _FENCE.append(_no_fence)
+        return _no_fence
+    from numba import njit, types  # ImportError: no barrier here
+    from numba.extending import intrinsic
+
+    @intrinsic  # type: ignore[misc]
+    def _seq_cst(typingctx: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            builder.fence("seq_cst")
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @njit(nogil=True)  # type: ignore[misc]
+    def fence() -> None:
+        _seq_cst()  # type: ignore[call-arg]
+
+    fence()
+    _FENCE.append(fence)
+    return fence
 
 
 class SharedMemoryAllreduce:
-    """A shared window over the ranks of ``comm`` (all on one node) and its flag counters.
+    """A shared window over the ranks of a node and its flag counters.
 
-    Collective: every rank of ``comm`` constructs it together; ``chunk_bytes`` must agree."""
+    Collective: every rank of the node constructs it together; ``chunk_bytes`` must agree.
+    ``window(segment_bytes)`` maps the memory: backends/mpi.py's ``MPIWindow``, or
+    ``FileWindow`` (the torch backend's)."""
 
-    def __init__(self, comm: MPI.Intracomm, chunk_bytes: int) -> None:
-        self.comm = comm
-        self.rank = comm.rank
-        self.size = comm.size
+    def __init__(
+        self, rank: int, size: int, chunk_bytes: int, window: Callable[[int], Window]
+    ) -> None:
+        self.rank = rank
+        self.size = size
         self.others = [r for r in range(self.size) if r != self.rank]  # reduction order
         self.chunk_bytes = max(_ALIGN * self.size, chunk_bytes // _ALIGN * _ALIGN)
         self._segment = _FLAG_BYTES + 2 * self.chunk_bytes
-        self.win = MPI.Win.Allocate_shared(self._segment, 1, comm=comm)
-        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.win = window(self._segment)
         self._flags: list[np.ndarray] = []
         self._halves: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for r in range(self.size):
-            mem, _ = self.win.Shared_query(r)
-            raw = np.frombuffer(mem, dtype=np.uint8, count=self._segment)  # type: ignore[call-overload]
+        for raw in self.win.segments:
             self._flags.append(raw[:8].view(np.int64))
             data = torch.from_numpy(raw[_FLAG_BYTES:])
             self._halves.append((data[: self.chunk_bytes], data[self.chunk_bytes :]))
@@ -81,16 +227,16 @@ class SharedMemoryAllreduce:
         self._flags[self.rank][0] = 0
         self.seq = 0  # this rank's flag value: 2 per chunk done
         self.chunks = 0  # chunks done, for the half to use
-        self.win.Sync()
-        comm.Barrier()
+        self.win.sync()
+        self.win.barrier()
 
     def raise_flag(self) -> None:
-        self.win.Sync()  # data written before the flag is visible before it
+        self.win.sync()  # data written before the flag is visible before it
         self.seq += 1
         self._flags[self.rank][0] = self.seq
 
     def all_reached(self, target: int) -> bool:
-        self.win.Sync()  # see the peers' flags and the data written before them
+        self.win.sync()  # see the peers' flags and the data written before them
         return all(int(flag[0]) >= target for flag in self._flags)
 
     def views(self, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -135,8 +281,8 @@ class SharedMemoryAllreduce:
         return _Request(self, _Pieces(sources), _Pieces(outputs), scales, op, None)
 
     def close(self) -> None:
-        self.win.Unlock_all()
-        self.win.Free()
+        self._halves, self._views, self._flags = [], {}, []
+        self.win.close()
 
 
 class _Pieces:

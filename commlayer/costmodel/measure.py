@@ -161,7 +161,10 @@ def _natives(backend: Any, nodes: int) -> dict[str, _Start]:
     if nodes > 1:
         return {"mpi": mpi}
     capable = (
-        backend.size > 1 and hasattr(backend, "shm_iallreduce") and len(set(backend.nodes())) == 1
+        backend.size > 1
+        and hasattr(backend, "shm_iallreduce")
+        and len(set(backend.nodes())) == 1
+        and getattr(backend, "window_capable", True)
     )
     return {"mpi": mpi, "shm": shm if capable else mpi}
 

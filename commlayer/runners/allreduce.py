@@ -17,10 +17,12 @@
    more) where it lies, and the backend's own allreduces stay in flight together:
    posted in the agreed order (gloo matches a group's collectives by that order), waited for
    in it, each finished as it ends while the later ones run. Schedules (point-to-point steps),
-   the window and calls the online tuner times are waited for alone. Over MPI (progress only
-   while tested, and the window on one node) buckets are packed and waited for one by one, and
-   so they are over gloo where a machine runs more ranks than it has cores (``_splits``: each
-   allreduce a split adds then costs more than the copies it saves).
+   the window and calls the online tuner times are waited for alone; a bucket whose
+   algorithm is the window (every rank on one machine: the torch backend has one too) is not
+   split (``Allreducer.windowed``: a joined rank, which packs, must take the same path). Over
+   MPI (progress only while tested, and the window on one node) buckets are packed and waited
+   for one by one, and so they are over gloo where a machine runs more ranks than it has cores
+   (``_splits``: each allreduce a split adds then costs more than the copies it saves).
 """
 
 from __future__ import annotations
@@ -152,15 +154,20 @@ class FusedAllreduce:
         drain = (lambda: self._drain(flight, backend, element)) if split else None
         for bucket in fusion.plan_buckets(entries, element, self._threshold_bytes):
             t0 = time.perf_counter()
-            # the shared-memory window reads host memory only
-            pieces = fusion.pieces(bucket, dtype) if device.type == "cpu" and not split else None
-            request = None if pieces is None else self._allreduce.pieces(backend, *pieces, op)
+            # the shared-memory window reads host memory only, and runs alone
+            pieces = fusion.pieces(bucket, dtype) if device.type == "cpu" else None
+            request = (
+                None if pieces is None else self._allreduce.pieces(backend, *pieces, op, drain)
+            )
             if request is not None:  # the window reads and writes the tensors where they lie
                 t1 = time.perf_counter()
-                self._host.wait(request)  # (nothing in flight: no split where there is a window)
+                self._host.wait(request)
                 self._finish(_Part(bucket, None, False, request, t0, t1), backend, element)
                 continue
-            for part in _split(bucket) if split else (bucket,):
+            whole = not split or self._allreduce.windowed(
+                backend, sum(e.numel for e in bucket), element
+            )
+            for part in (bucket,) if whole else _split(bucket):
                 t0 = time.perf_counter()
                 if len(part) == 1 and part[0].output is not None:
                     buf, send = _in_place(part[0])

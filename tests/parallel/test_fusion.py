@@ -166,8 +166,16 @@ def test_large_and_small_tensors_grouped(
     collectives = cl.communication_stats()["operations"] - before
     backend = runtime.engine().backend(0)
     if cl.size() > 1 and getattr(backend, "progress_threads", 0):
-        # split where no machine runs more ranks than it has cores, else packed in one
-        parts = 1 if backend.oversubscribed() else _MIXED_PARTS  # type: ignore[union-attr]
+        # whole through the window where the bucket's algorithm is the window (every rank on
+        # one machine), else split where no machine runs more ranks than it has cores, else
+        # packed in one
+        total = sum(t.numel() for t in mine)
+        allreducer = runtime.engine()._allreduce
+        window = getattr(backend, "window_capable", False) and (
+            allreducer.choose(backend, total, mine[0].element_size()) == "shm"
+        )
+        split = not window and not backend.oversubscribed()  # type: ignore[union-attr]
+        parts = _MIXED_PARTS if split else 1
         assert collectives == parts, f"rank {cl.rank()}: {collectives} collectives"
     for result, per_rank, tensor in zip(results, every, mine):
         assert_reduced(result, per_rank, op, pre, post)

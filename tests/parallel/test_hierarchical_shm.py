@@ -33,7 +33,8 @@ import commlayer as cl
 from commlayer import runtime
 from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.topology import Topology
-from commlayer.backends.mpi import _SHM_CHUNK_BYTES, MPIBackend
+from commlayer.backends.mpi import MPIBackend
+from commlayer.backends.shm import CHUNK_BYTES
 from commlayer.reduce_ops import ReduceOp
 
 pytestmark = mpi_only
@@ -66,7 +67,7 @@ def layouts(kinds: tuple[str, ...]) -> list[tuple[int, ...]]:
 
 def several_chunks(dtype: torch.dtype) -> int:
     """Elements spanning 2.5 of the window's chunks at any node size, and not aligned."""
-    return (5 * _SHM_CHUNK_BYTES // 2) // dtype.itemsize + 7
+    return (5 * CHUNK_BYTES // 2) // dtype.itemsize + 7
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 every tensor's result, scaled by its own factor, where it belongs.
 
 Piece boundaries fall anywhere: inside a chunk, on a chunk boundary, inside another rank's
-slice; pieces can be empty; outputs can be the sources themselves (in place). Results must
+slice; pieces can be empty; outputs can be the sources themselves (in place). Under mpiexec the
+window is MPI's, under torchrun files in /dev/shm (FileWindow). Results must
 match the locally computed reference (exact for small integers held in floats, with scales that
 are powers of two) and be the same bits on every rank. Collectives first, asserts last (see
 test_allreduce.py).
@@ -25,17 +26,15 @@ from collective_reference import (
     random_floats,
     seed_of,
 )
-from launch import mpi_only
+from launch import own_backend
 from restart import reinit
 from waiting import wait_until
 
 import commlayer as cl
 from commlayer import fusion, ops
 from commlayer.backends import shm
-from commlayer.backends.mpi import _SHM_CHUNK_BYTES, MPIBackend
+from commlayer.backends.shm import CHUNK_BYTES
 from commlayer.reduce_ops import ReduceOp
-
-pytestmark = mpi_only
 
 OPS = (cl.Sum, cl.Min, cl.Max, cl.Product)
 SCALES = (1.0, 0.5, 0.25, 1.0, 2.0, 1.0, 0.5)
@@ -44,21 +43,21 @@ SCALES = (1.0, 0.5, 0.25, 1.0, 2.0, 1.0, 0.5)
 def piece_sizes(dtype: torch.dtype) -> list[int]:
     """Seven pieces whose boundaries fall inside and on the window's chunks (2.5 chunks in all
     at any rank count), two of them empty."""
-    chunk = _SHM_CHUNK_BYTES // dtype.itemsize
+    chunk = CHUNK_BYTES // dtype.itemsize
     return [0, 5, chunk - 5, 1, chunk + chunk // 2 - 3, 0, 17]
 
 
 @pytest.fixture(scope="module")
-def backend() -> Iterator[MPIBackend]:
+def backend() -> Iterator[Any]:
     if cl.size() == 1:
         pytest.skip("one rank: the window needs two")
-    own = MPIBackend()  # a duplicate of COMM_WORLD: collective, every rank makes it here
+    own = own_backend()  # collective: every rank makes it here
     yield own
     own.close()
 
 
 def run(
-    backend: MPIBackend,
+    backend: Any,
     sources: list[torch.Tensor],
     op: ReduceOp,
     in_place: bool,
@@ -74,7 +73,7 @@ def run(
 @pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=dtype_id)
 def test_pieces_give_the_reference(
-    backend: MPIBackend, dtype: torch.dtype, op: ReduceOp, in_place: bool
+    backend: Any, dtype: torch.dtype, op: ReduceOp, in_place: bool
 ) -> None:
     runs = []
     sizes = piece_sizes(dtype)
@@ -94,9 +93,7 @@ def test_pieces_give_the_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
-def test_float_results_are_the_same_bits_on_every_rank(
-    backend: MPIBackend, dtype: torch.dtype
-) -> None:
+def test_float_results_are_the_same_bits_on_every_rank(backend: Any, dtype: torch.dtype) -> None:
     sizes = piece_sizes(dtype)
     mine = [
         random_floats(seed_of(f"pieces.bits.{dtype}.{k}"), cl.rank(), (n,), dtype)
