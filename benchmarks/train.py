@@ -41,6 +41,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -541,7 +542,19 @@ def run_one(
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if system.endswith(MALLOC_CONTROL):
         env.update(_GLIBC_THRESHOLDS)
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout_s)
+    # a session of its own: at the timeout the launcher and every rank it started are stopped
+    # (torchrun's workers outlive a killed torchrun and would load the next runs)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"{' '.join(command)} ran past {args.timeout_s} s: stopped") from None
+    done = subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             result = dict(json.loads(line.removeprefix(RESULT_PREFIX)))
