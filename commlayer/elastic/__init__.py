@@ -97,8 +97,7 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
                         runtime.rank() if runtime.is_initialized() else -1,
                         exc,
                     )
-                    _reform()
-                    state.joined_world(rendezvous.formed())
+                    _reform(state)
                     state.restore()
                     skip_sync = False
                     state.on_reset()
@@ -120,19 +119,24 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
             except HostsUpdatedInterrupt as exc:
                 skip_sync = exc.skip_sync
                 if elastic:
-                    _reform()
-                    state.joined_world(rendezvous.formed())
+                    _reform(state)
                     skip_sync = skip_sync and not rendezvous.joined()
             state.on_reset()
 
     return wrapper
 
 
-def _reform() -> None:
+def _reform(state: State) -> None:
     """Leave this world (the engine stops without waiting on dead peers: its thread has
     already stopped on their death) and join the driver's next one."""
+    from commlayer.elastic import rendezvous
+
     runtime.shutdown()
     runtime.init()
+    state.joined_world(rendezvous.formed())
+    new_world = getattr(state, "new_world", None)
+    if new_world is not None:
+        new_world()
 
 
 def _world_intact() -> bool:

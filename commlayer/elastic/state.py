@@ -128,7 +128,8 @@ class _Handler:
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        self.save()
+        _Handler.save(self)  # this rank's own: no collective when a state is made (a worker
+        # joining a running job makes its state while the others sync theirs)
 
     def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
@@ -209,6 +210,14 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    def new_world(self) -> None:
+        """Elastic driver: the world was re-formed; DistributedOptimizers start over with what
+        they learned of the old one (buckets, operations in flight)."""
+        for handler in self._handlers.values():
+            renew = getattr(handler.value, "_cl_new_world", None)
+            if renew is not None:
+                renew()
 
     def on_reset(self) -> None:
         # the world may have another size now: samplers repartition what is left of the epoch
