@@ -60,8 +60,10 @@ state.register_reset_callbacks([on_reset])
 
 @elastic.run
 def train(state: elastic.TorchState) -> None:
-    for state.epoch in range(state.epoch, args.epochs):
-        for state.batch, (x, y) in enumerate(loader):
+    for epoch in range(state.epoch, args.epochs):
+        state.epoch = epoch
+        for batch, (x, y) in enumerate(loader):
+            state.batch = batch
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
