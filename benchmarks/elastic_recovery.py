@@ -156,7 +156,8 @@ def _throughput(out: Path, window_s: float) -> float:
 
 def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, window_s: float
            ) -> tuple[list[float], float]:  # fmt: skip
-    proc = subprocess.Popen(job, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    output = (out / "job.out").open("w")
+    proc = subprocess.Popen(job, env=env, stdout=output, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     try:
         live = _steady(out, np, -1)
@@ -180,9 +181,16 @@ def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, wind
             print(f"  trial: {first - killed_at:.2f} s", flush=True)
             live = _steady(out, np, world)
         return times, rate
+    except Exception:
+        print((out / "job.out").read_text()[-3000:], file=sys.stderr)
+        raise
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(proc.pid, signal.SIGTERM)  # the driver, torchrun's agent: they stop theirs
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def main() -> None:
@@ -210,7 +218,7 @@ def main() -> None:
                    "--blacklist-cooldown-range", "0", "0", *me]  # fmt: skip
         else:
             job = [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(args.np),
-                   "--max-restarts", str(args.trials + 1), *me]  # fmt: skip
+                   "--max-restarts", str(args.trials + 1), *me[1:]]  # fmt: skip
         print(f"{mode}:", flush=True)
         results[mode] = trials(job, env, out, args.np, args.trials, args.window)
         shutil.rmtree(out, ignore_errors=True)

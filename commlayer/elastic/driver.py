@@ -167,6 +167,7 @@ class Driver:
         self._hosts: dict[str, int] = {}
         self._cooling: dict[tuple[str, int], float] = {}  # slot -> when it comes back
         self._short_since: float | None = None  # when live workers fell below min_np
+        self._announced: set[str] = set()  # new workers the world was told of
         self._finishing = False
         self._stopping = False
         self._error: str | None = None
@@ -343,9 +344,9 @@ class Driver:
                         self._waiting.discard(worker.name)
                         self._replies[worker.name] = {"exit": True}
             self._hosts = hosts
-        added = self._fill(now)
-        if removed or added:
-            notice = {"event": "hosts_updated", "timestamp": now, "removed_only": not added}
+        self._fill(now)
+        if removed:  # (workers started are announced once they wait at the rendezvous)
+            notice = {"event": "hosts_updated", "timestamp": now, "removed_only": True}
             self._notify(self._in_world(), notice)
             self._cv.notify_all()
 
@@ -407,8 +408,27 @@ class Driver:
                 )
             return
         self._short_since = None
-        if self._finishing or not live or not all(w.name in self._waiting for w in live):
+        if self._finishing or not live:
             return
+        if self._generation == 0:
+            if not all(w.name in self._waiting for w in live):
+                return
+        else:
+            # The last world's members, all back: new workers still starting are not waited
+            # for (a worker's start, torch's import, takes seconds): they join the next world
+            members = [w for w in live if w.rank >= 0]
+            ready = [w for w in live if w.name in self._waiting]
+            if any(w.name not in self._waiting for w in members):
+                # new workers waiting: the members come at their next commit
+                arrived = [w.name for w in ready if w.rank < 0 and w.name not in self._announced]
+                if arrived:
+                    self._announced.update(arrived)
+                    notice = {"event": "hosts_updated", "timestamp": now, "removed_only": False}
+                    self._notify(self._in_world(), notice)
+                return
+            if len(ready) < self.min_np:
+                return
+            live = ready
         if self._generation > 0:
             self._resets += 1
             if self.reset_limit is not None and self._resets > self.reset_limit:
@@ -441,6 +461,13 @@ class Driver:
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
         threading.Thread(target=self._serve, name="commlayerrun-driver", daemon=True).start()
+
+        def stop(signum: int, _: Any) -> None:
+            raise JobError(f"commlayerrun got signal {signum}; stopping the workers")
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(sig, stop)
         next_discovery = 0.0
         try:
             while True:

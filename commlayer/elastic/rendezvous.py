@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
+import sys
 import threading
 import time
 import weakref
@@ -219,8 +221,14 @@ def _notices(events: Client) -> None:
     while True:
         try:
             notice = events.recv()
-        except (OSError, ConnectionError):
-            return  # the driver is gone: the next call to it names that
+        except (OSError, ConnectionError) as exc:
+            # the driver is gone (killed: it could not stop its workers): no world can form
+            # any more, and a worker left alone would hold its slot and memory for ever
+            sys.stderr.write(
+                f"commlayer elastic worker {events.worker}: lost the driver ({exc}); exiting\n"
+            )
+            sys.stderr.flush()
+            os._exit(1)
         kind = notice.get("event")
         if kind == "hosts_updated":
             for state in list(_states):

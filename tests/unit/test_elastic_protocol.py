@@ -122,3 +122,13 @@ def test_parse_hosts() -> None:
     for bad in ("a:0", "a:x", ":2"):
         with pytest.raises(ValueError, match="bad entry"):
             driver_module.parse_hosts(bad)
+
+
+def test_commlayerrun_refuses_elastic_mode_over_mpi(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from commlayer import launcher
+
+    monkeypatch.setenv("COMMLAYER_BACKEND", "mpi")
+    assert launcher.main(["-np", "2", "--min-np", "1", "-H", "localhost:2", "true"]) == 2
+    assert "MPI cannot re-form its world" in capsys.readouterr().err
