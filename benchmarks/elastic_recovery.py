@@ -154,14 +154,14 @@ def _throughput(out: Path, window_s: float) -> float:
     return steps * BATCH / (ended - began)
 
 
-def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, window_s: float
-           ) -> tuple[list[float], float]:  # fmt: skip
+def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, window_s: float,
+           windows: int = 1) -> tuple[list[float], list[float]]:  # fmt: skip
     output = (out / "job.out").open("w")
     proc = subprocess.Popen(job, env=env, stdout=output, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     try:
         live = _steady(out, np, -1)
-        rate = _throughput(out, window_s)
+        rate = [_throughput(out, window_s) for _ in range(windows)]
         times = []
         for _ in range(n):
             world = max(r[-1][2] for p, r in _lines(out).items() if p in live and r)
@@ -200,6 +200,8 @@ def main() -> None:
     parser.add_argument("--np", type=int, default=3)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--window", type=float, default=10.0, help="seconds of throughput")
+    parser.add_argument("--rounds", type=int, default=2, help="A B rounds of throughput jobs")
+    parser.add_argument("--skip-trials", action="store_true", help="throughput only")
     parser.add_argument("--out", default=str(HERE.parent / "results" / "elastic_recovery.md"))
     args = parser.parse_args()
     if args.worker:
@@ -208,46 +210,75 @@ def main() -> None:
     bindir = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
     env.update(OMP_NUM_THREADS="1", COMMLAYER_BACKEND="torch")
-    results = {}
-    for mode in ("elastic", "torchrun"):
-        out = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))
+
+    def job(mode: str, out: Path) -> list[str]:
         me = [sys.executable, str(HERE), "--worker", mode, "--dir", str(out)]
         if mode == "elastic":
-            job = [str(bindir / "commlayerrun"), "-np", str(args.np), "--min-np",
-                   str(args.np - 1), "-H", f"localhost:{args.np}",
-                   "--blacklist-cooldown-range", "0", "0", *me]  # fmt: skip
-        else:
-            job = [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(args.np),
-                   "--max-restarts", str(args.trials + 1), *me[1:]]  # fmt: skip
+            return [str(bindir / "commlayerrun"), "-np", str(args.np), "--min-np",
+                    str(args.np - 1), "-H", f"localhost:{args.np}",
+                    "--blacklist-cooldown-range", "0", "0", *me]  # fmt: skip
+        return [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(args.np),
+                "--max-restarts", str(args.trials + 1), *me[1:]]  # fmt: skip
+
+    results = {}
+    for mode in () if args.skip_trials else ("elastic", "torchrun"):
+        out = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))
         print(f"{mode}:", flush=True)
-        results[mode] = trials(job, env, out, args.np, args.trials, args.window)
+        results[mode] = trials(job(mode, out), env, out, args.np, args.trials, args.window)
         shutil.rmtree(out, ignore_errors=True)
+    # samples/s: jobs started in turn (A B A B), several windows each, no event
+    rates: dict[str, list[float]] = {"elastic": [], "torchrun": []}
+    for _ in range(args.rounds):
+        for mode in rates:
+            out = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))
+            got = trials(job(mode, out), env, out, args.np, 0, args.window / 2, windows=3)
+            rates[mode] += got[1]
+            print(f"{mode} samples/s: {got[1]}", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
     lines = [
         "# Elastic recovery (benchmarks/elastic_recovery.py)",
         "",
-        f"{args.np} ranks on this machine ({os.cpu_count()} cores, shared), MLP 256-512-512-10, "
-        f"batch {BATCH} a rank, DistributedOptimizer, commit or checkpoint every {COMMIT_EVERY} "
-        f"steps; {args.trials} SIGKILLs of a random worker each; the two jobs one after the "
-        "other in the same run.",
+        f"{args.np} ranks on this machine ({os.cpu_count()} cores, shared with other jobs), MLP "
+        f"256-512-512-10, batch {BATCH} a rank, DistributedOptimizer, commit (elastic) or "
+        f"checkpoint (torchrun, rank 0) every {COMMIT_EVERY} steps.",
         "",
-        "| job | recovery median (s) | max (s) | min (s) | samples/s at full size |",
-        "| --- | --- | --- | --- | --- |",
     ]
-    for mode, (times, rate) in results.items():
-        name = ("commlayerrun elastic driver (in-memory commit)" if mode == "elastic"
-                else "torchrun --max-restarts (checkpoint reload)")  # fmt: skip
-        lines.append(f"| {name} | {statistics.median(times):.2f} | {max(times):.2f} | "
-                     f"{min(times):.2f} | {rate:.0f} |")  # fmt: skip
-    ratio = results["elastic"][1] / results["torchrun"][1]
+    if results:
+        lines += [
+            f"## Recovery: {args.trials} SIGKILLs of a random worker in each job",
+            "",
+            "From the SIGKILL to the first step a survivor completes in the next world (elastic: "
+            "re-formed without the dead worker, from the last commit in memory; torchrun: every "
+            "worker restarted, checkpoint loaded). The two jobs one after the other.",
+            "",
+            "| job | median (s) | max (s) | min (s) | trials (s) |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for mode, (times, _) in results.items():
+            name = ("commlayerrun elastic driver" if mode == "elastic"
+                    else "torchrun --max-restarts")  # fmt: skip
+            each = ", ".join(f"{t:.2f}" for t in times)
+            lines.append(f"| {name} | {statistics.median(times):.2f} | {max(times):.2f} | "
+                         f"{min(times):.2f} | {each} |")  # fmt: skip
+        lines.append("")
+    lines += [
+        f"## samples/s at {args.np} workers, no event",
+        "",
+        f"Each job started {args.rounds} times in turn (elastic, torchrun, elastic, ...), three "
+        f"{args.window / 2:g} s windows each once every worker trains; torchrun runs the torch "
+        "backend with no elastic state.",
+        "",
+        "| job | median samples/s | windows |",
+        "| --- | --- | --- |",
+    ]
+    for mode, got in rates.items():
+        lines.append(f"| {mode} | {statistics.median(got):.0f} | "
+                     f"{', '.join(f'{r:.0f}' for r in got)} |")  # fmt: skip
+    ratios = [e / t for e, t in zip(rates["elastic"], rates["torchrun"], strict=True)]
     lines += [
         "",
-        f"samples/s elastic / torchrun (torch backend, no elastic state): {ratio:.3f} (one "
-        f"{args.window:g} s window each, not simultaneous).",
-        "",
-        "Recovery: from the SIGKILL to the first step a survivor completes in the next world "
-        "(elastic: re-formed without the dead worker; torchrun: every worker restarted, "
-        "checkpoint loaded). Each trial's times: "
-        + "; ".join(f"{m} " + ", ".join(f"{t:.2f}" for t in r[0]) for m, r in results.items()),
+        f"elastic / torchrun, window by window in order: median {statistics.median(ratios):.3f} "
+        f"(range {min(ratios):.3f}-{max(ratios):.3f}).",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
