@@ -426,6 +426,42 @@ class SlurmAllocation:
     nodes: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class ElasticWorker:
+    """A worker started by commlayerrun's elastic driver (commlayer/elastic/driver.py): the
+    driver's ``host:port``, the job key and this worker's name. Set by the driver only."""
+
+    driver: str
+    key: bytes = dataclasses.field(repr=False)
+    worker: str
+
+
+# The elastic driver's variables: read by elastic_worker(), not settings of Config.
+_ELASTIC_VARIABLES = (
+    "COMMLAYER_ELASTIC_DRIVER",
+    "COMMLAYER_ELASTIC_KEY",
+    "COMMLAYER_ELASTIC_WORKER",
+)
+
+
+def elastic_worker(environ: Mapping[str, str] | None = None) -> ElasticWorker | None:
+    """This process as an elastic driver's worker, None when the driver did not start it."""
+    env = os.environ if environ is None else environ
+    if "COMMLAYER_ELASTIC_DRIVER" not in env:
+        return None
+    try:
+        key = bytes.fromhex(env.get("COMMLAYER_ELASTIC_KEY", ""))
+    except ValueError:
+        key = b""
+    if len(key) < 16 or not env.get("COMMLAYER_ELASTIC_WORKER"):
+        raise ConfigError(
+            "COMMLAYER_ELASTIC_DRIVER is set but COMMLAYER_ELASTIC_KEY (the job key, hex) or "
+            "COMMLAYER_ELASTIC_WORKER is missing or bad: these are set by commlayerrun's "
+            "elastic driver for the workers it starts, not by hand"
+        )
+    return ElasticWorker(env["COMMLAYER_ELASTIC_DRIVER"], key, env["COMMLAYER_ELASTIC_WORKER"])
+
+
 def slurm_allocation(environ: Mapping[str, str] | None = None) -> SlurmAllocation | None:
     """The Slurm allocation (inside ``sbatch``/``salloc``), None outside one or where Slurm
     does not say how many tasks it holds."""
@@ -633,7 +669,11 @@ def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
 
 def _check_unknown(environ: Mapping[str, str]) -> None:
     known = sorted(var for var, _, _, _ in _VARIABLES)
-    unknown = sorted(k for k in environ if k.startswith("COMMLAYER_") and k not in known)
+    unknown = sorted(
+        k
+        for k in environ
+        if k.startswith("COMMLAYER_") and k not in known and k not in _ELASTIC_VARIABLES
+    )
     if unknown:
         raise ConfigError(
             f"unknown environment variable(s) {', '.join(map(repr, unknown))}"

@@ -263,6 +263,37 @@ def _parser() -> argparse.ArgumentParser:
         help="leave the ranks' lines as they print them; the default when the output goes to a "
         "file or a pipe (a program reading it)",
     )
+    elastic = parser.add_argument_group(
+        "elastic training (Horovod's flags; any of --min-np, --max-np, --host-discovery-script "
+        "runs commlayer's elastic driver instead of mpiexec: commlayer/elastic/driver.py)"
+    )
+    elastic.add_argument("--min-np", type=int, help="fewest workers to train with (default -np)")
+    elastic.add_argument("--max-np", type=int, help="most workers to start (default -np)")
+    elastic.add_argument(
+        "--host-discovery-script",
+        metavar="SCRIPT",
+        help="prints the available hosts, one host:slots a line; run every second",
+    )
+    elastic.add_argument(
+        "--slots", type=int, default=1, help="slots of a host the script names without a count"
+    )
+    elastic.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECS",
+        help="how long fewer than --min-np workers may last before the job fails (default 600)",
+    )
+    elastic.add_argument(
+        "--reset-limit", type=int, help="most times the world may re-form (default: no limit)"
+    )
+    elastic.add_argument(
+        "--blacklist-cooldown-range",
+        type=float,
+        nargs=2,
+        metavar=("LO", "HI"),
+        help="a failed worker's slot comes back after a random LO..HI seconds (default: never)",
+    )
     parser.add_argument("--check-build", action="store_true", help="print what is available")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
@@ -332,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.np = slurm.tasks
     if not args.np or args.np < 1 or not command:
         _parser().error("give -np N (N >= 1) and a command: commlayerrun -np 2 python train.py")
+    if args.min_np is not None or args.max_np is not None or args.host_discovery_script:
+        return _elastic(args, command)
     mpiexec = find_mpiexec()
     if mpiexec is None:
         print(_NO_MPI, file=sys.stderr)
@@ -345,6 +378,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(shlex.join(shown))  # quoted: it can be pasted into a shell as it is
         return 0
     return subprocess.call(cmd, env=env)
+
+
+def _elastic(args: argparse.Namespace, command: Sequence[str]) -> int:
+    """Run ``command`` under the elastic driver (commlayer/elastic/driver.py)."""
+    from commlayer.elastic import driver
+
+    try:
+        environ = config.launcher_environ(REGISTRIES)
+        if config.load(environ=environ).backend == "mpi":
+            raise ValueError(
+                "COMMLAYER_BACKEND=mpi: elastic training runs on the torch backend (gloo); MPI "
+                "cannot re-form its world when ranks come and go"
+            )
+        if args.hostfile:
+            raise ValueError("elastic mode takes -H or --host-discovery-script, not --hostfile")
+        if args.host_discovery_script:
+            discover = driver.discovery_script(args.host_discovery_script, args.slots)
+        else:
+            fixed = driver.parse_hosts(args.hosts or f"localhost:{args.max_np or args.np}")
+            discover = lambda: dict(fixed)  # noqa: E731
+        first = discover()
+        min_np = args.min_np if args.min_np is not None else args.np
+        unbounded = 1 << 30 if args.host_discovery_script else max(args.np, sum(first.values()))
+        max_np = args.max_np if args.max_np is not None else unbounded
+        remote = [h for h in first if h not in driver.local_names()]
+        cluster = cluster_of(remote) if remote else None
+        environ = {**(cluster.environ if cluster else {}), **environ}
+        environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max_np)))
+        cooldown = tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None
+        if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
+            raise ValueError(f"--blacklist-cooldown-range {cooldown}: need 0 <= LO <= HI")
+        job = driver.Driver(
+            command,
+            args.np,
+            min_np,
+            max_np,
+            discover,
+            environ,
+            elastic_timeout_s=args.elastic_timeout,
+            reset_limit=args.reset_limit,
+            cooldown_s=cooldown,  # type: ignore[arg-type]
+            cluster=cluster,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"commlayerrun: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(
+            f"elastic driver: {shlex.join(command)} on {first}, np {args.np} [{min_np}, {max_np}]"
+        )
+        return 0
+    return job.run()
 
 
 if __name__ == "__main__":

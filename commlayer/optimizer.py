@@ -276,6 +276,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return ops.allgather_async(rows, name=self._cl_names[p], process_set=self._cl_process_set)
 
     # -- step side ---------------------------------------------------------------------------------
+    def _cl_new_world(self) -> None:
+        """Elastic training re-formed the world (commlayer/elastic): what was in flight is
+        gone, the buckets are planned again from the next step's order (as a new worker plans
+        its own: every rank alike), and whether this rank reduces follows the new size."""
+        alone = self._cl_process_set.size() == 1 and runtime.config().force_full_path != "1"
+        self._cl_reduces = self._cl_process_set.included() and not alone
+        self._cl_handles.clear()
+        self._cl_passes.clear()
+        self._cl_ready = 0
+        self._cl_buckets, self._cl_bucket_of = [], {}
+        self._cl_unsent, self._cl_unsent_bytes = [], 0
+        self._cl_order = []
+        self._cl_resparsify.clear()
+
     def synchronize(self) -> None:
         """Wait for every gradient's reduction and write the results into ``p.grad``. Then
         call ``step()`` inside ``skip_synchronize()`` (as in Horovod; without it, step()

@@ -107,12 +107,25 @@ def _start_backend(comm: Any, cfg: Config) -> Any:
     kind = cfg.backend
     if kind == "auto":
         kind = auto_backend(launch.launcher, torch_ready)
+    elastic = config_module.elastic_worker() is not None and not torch_ready
+    if elastic:
+        if cfg.backend == "mpi":
+            raise ConfigError(
+                "COMMLAYER_BACKEND=mpi, but commlayerrun's elastic driver started this worker: "
+                "MPI cannot re-form its world when ranks come and go; elastic training runs on "
+                "the torch backend (COMMLAYER_BACKEND=torch or auto)"
+            )
+        from commlayer.elastic import rendezvous
+
+        rendezvous.init_process_group(cfg.init_timeout_s)  # this generation's world
+        kind = "torch"
     if kind == "torch":
         from commlayer.backends import torch_distributed
 
         backend, _owns_torch_group = torch_distributed.start(
             comm, cfg.init_timeout_s, launch, cfg.nccl
         )
+        _owns_torch_group = _owns_torch_group or elastic
         _backend_name = "torch"
         return backend
     if launch.launcher == "torchrun" and launch.world_size > 1:

@@ -631,7 +631,8 @@ class TorchBackend:
         return [
             rank
             for rank, (peer_host, pid) in enumerate(self._peers)
-            if rank != self._rank and peer_host == host and not process_alive(pid)
+            if rank != self._rank
+            and ((peer_host == host and not process_alive(pid)) or rank in _reported_dead)
         ]
 
     def lost_peers(self, error: BaseException) -> tuple[str, list[int]] | None:
@@ -701,6 +702,18 @@ def nccl_wanted(setting: str, cuda: bool, nccl: bool, crowded: list[str]) -> boo
 
 
 _starts = 0  # torch.distributed started by init() in this process (every rank counts the same)
+
+
+# Ranks of the current world that commlayer's elastic driver reported dead (report_dead):
+# dead_peers() names them too, wherever they ran.
+_reported_dead: frozenset[int] = frozenset()
+
+
+def report_dead(ranks: Sequence[int]) -> None:
+    """The elastic driver saw these ranks of the current world exit (commlayer/elastic/
+    rendezvous.py); an empty list when a new world starts."""
+    global _reported_dead
+    _reported_dead = frozenset(ranks) if ranks else frozenset()
 
 
 def start(

@@ -12,9 +12,26 @@ def train(state):
 train(state)
 ```
 
-What differs from Horovod, and why: MPI cannot re-form its world once a process has died, so
-commlayer never adds or removes ranks. The State API works unchanged (commit saves, restore rolls
-back, sync broadcasts from rank 0, reset callbacks run on each retry). ``run`` does, in a loop:
+Under commlayerrun's elastic driver (``commlayerrun --min-np/--max-np/--host-discovery-script``,
+commlayer/elastic/driver.py) the world changes as in Horovod. ``run`` does, in a loop:
+
+1. ``state.sync()`` (unless the last interrupt said to skip it), then call the function.
+2. On a ``HorovodInternalError`` (a peer died: RankDiedError; or any commlayer error): shut the
+   engine down without waiting on dead peers, destroy the process group, ask the driver for
+   this worker's new rank and size, start commlayer again over the new world (gloo, a store
+   prefix of its own per generation), ``state.restore()`` the last commit (in memory, no
+   checkpoint), run the reset callbacks, and go to 1 (the sync gives every rank, new workers
+   included, rank 0's state). ``--reset-limit`` of commlayerrun bounds how often.
+3. On ``HostsUpdatedInterrupt`` (raised by ``state.commit()`` on every rank at the same commit
+   once the driver reported a host change): the same, without the restore (the state was
+   just committed), and without the sync when hosts were only removed.
+
+A worker whose host was removed exits with code 0 at its rendezvous (``WorkerRemoved``);
+``init()`` settings passed as arguments are not kept across a re-formation (the environment's
+are), nor are process sets registered at ``init()``.
+
+Without the driver (mpiexec, torchrun, a plain process) the world is fixed, and MPI cannot
+re-form it once a process has died. ``run`` then does:
 
 1. ``state.sync()`` (unless the last interrupt said to skip it), then call the function.
 2. On a ``HorovodInternalError`` (``CommlayerError``) while the world is intact (a mismatch, a
@@ -32,7 +49,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from commlayer import runtime
+from commlayer import config, runtime
 from commlayer.elastic.sampler import ElasticSampler
 from commlayer.elastic.state import ObjectState, State, TorchState
 from commlayer.errors import HorovodInternalError, HostsUpdatedInterrupt, ShutdownError
@@ -61,6 +78,12 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
                 f"{getattr(func, '__name__', func)!r} wrapped by commlayer.elastic.run needs a "
                 f"commlayer.elastic State as its first argument, got {type(state).__name__}"
             )
+        elastic = config.elastic_worker() is not None
+        if elastic:
+            from commlayer.elastic import rendezvous
+
+            rendezvous.register_state(state)
+            state.joined_world(rendezvous.formed())
         skip_sync, resets = False, 0
         while True:
             try:
@@ -68,6 +91,17 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
                     state.sync()
                 return func(state, *args, **kwargs)
             except HorovodInternalError as exc:
+                if elastic:
+                    log.warning(
+                        "commlayer rank %d: %s; re-forming the world from the last commit",
+                        runtime.rank() if runtime.is_initialized() else -1,
+                        exc,
+                    )
+                    _reform(state)
+                    state.restore()
+                    skip_sync = False
+                    state.on_reset()
+                    continue
                 if isinstance(exc, ShutdownError) or not _world_intact():
                     raise
                 resets += 1
@@ -84,9 +118,25 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
                 skip_sync = False
             except HostsUpdatedInterrupt as exc:
                 skip_sync = exc.skip_sync
+                if elastic:
+                    _reform(state)
+                    skip_sync = skip_sync and not rendezvous.joined()
             state.on_reset()
 
     return wrapper
+
+
+def _reform(state: State) -> None:
+    """Leave this world (the engine stops without waiting on dead peers: its thread has
+    already stopped on their death) and join the driver's next one."""
+    from commlayer.elastic import rendezvous
+
+    runtime.shutdown()
+    runtime.init()
+    state.joined_world(rendezvous.formed())
+    new_world = getattr(state, "new_world", None)
+    if new_world is not None:
+        new_world()
 
 
 def _world_intact() -> bool:

@@ -57,6 +57,12 @@ class State:
         world cannot change: it is here for code that watches hosts itself)."""
         self._host_messages.put((timestamp, removed_only))
 
+    def joined_world(self, formed: float) -> None:
+        """Elastic driver: this rank joined a world formed at ``formed`` (the driver's clock);
+        host updates up to then are part of it (every rank starts from the same point)."""
+        self._host_messages = queue.Queue()
+        self._last_updated_timestamp = formed
+
     def commit(self) -> None:
         """Save the state in memory (a copy), then check for host updates."""
         self.save()
@@ -122,7 +128,8 @@ class _Handler:
 
     def __init__(self, value: Any) -> None:
         self.value = value
-        self.save()
+        _Handler.save(self)  # this rank's own: no collective when a state is made (a worker
+        # joining a running job makes its state while the others sync theirs)
 
     def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
@@ -146,11 +153,15 @@ class _OptimizerHandler(_Handler):
 
 class _SamplerHandler(_Handler):
     def save(self) -> None:
-        # Samples any rank processed are done for all: keep the most any rank recorded.
+        # Samples any rank processed are done for all: the union of every rank's record.
         state = copy.deepcopy(self.value.state_dict())
-        state["processed_num"] = max(
-            state_sync.allgather_object(state["processed_num"], name="elastic.sampler")
-        )
+        done: set[int] = set()
+        for indices in state_sync.allgather_object(
+            state["processed_indices"], name="elastic.sampler"
+        ):
+            done.update(indices)
+        state["processed_indices"] = sorted(done)
+        self.value.load_state_dict(copy.deepcopy(state))  # every rank holds the union
         self._saved = state
 
 
@@ -199,6 +210,21 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    def new_world(self) -> None:
+        """Elastic driver: the world was re-formed; DistributedOptimizers start over with what
+        they learned of the old one (buckets, operations in flight)."""
+        for handler in self._handlers.values():
+            renew = getattr(handler.value, "_cl_new_world", None)
+            if renew is not None:
+                renew()
+
+    def on_reset(self) -> None:
+        # the world may have another size now: samplers repartition what is left of the epoch
+        for handler in self._handlers.values():
+            if isinstance(handler.value, ElasticSampler):
+                handler.value.reset()
+        super().on_reset()
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})

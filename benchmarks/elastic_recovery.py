@@ -1,0 +1,288 @@
+"""Elastic recovery: the time from a worker's death (SIGKILL) to training again, commlayerrun's
+elastic driver against torchrun --max-restarts reloading a checkpoint, in the same run; and the
+samples/s between events against the non-elastic torch backend (issue 38).
+
+    python benchmarks/elastic_recovery.py [--np 3] [--trials 10] [--out FILE.md]
+
+Both jobs train the same MLP (batch 64 a rank, DistributedOptimizer) at --np ranks on this
+machine; every worker appends ``time step world size`` to a file of its own per completed step.
+
+- elastic: ``commlayerrun -np N --min-np N-1 -H localhost:N --blacklist-cooldown-range 0 0``,
+  commit every 10 steps. A trial kills a random worker and measures until the first step that
+  a survivor completes in a later world (re-formed at N-1 from the last commit in memory); the
+  slot comes back at once, so the next trial starts once the world has N workers again.
+- torchrun: ``torchrun --nproc-per-node N --max-restarts T+1``, rank 0 saving a checkpoint
+  every 10 steps and every rank loading it at start. A trial kills a random worker and measures
+  until the first step completed after torchrun restarted all of them (restart count higher).
+- samples/s: over a quiet window (no event) at N workers, the elastic job (commits included)
+  against the torchrun job (the torch backend, no elastic state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+COMMIT_EVERY = 10
+BATCH = 64
+
+
+# -- worker ------------------------------------------------------------------------------------
+def worker(mode: str, out: Path) -> None:
+    import torch
+    from torch import nn
+
+    import commlayer as hvd
+    from commlayer import elastic
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 10))  # fmt: skip
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+    )
+    x, y = torch.randn(BATCH, 256), torch.randint(0, 10, (BATCH,))
+    log = (out / f"{os.getpid()}.log").open("a", buffering=1)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    if mode == "elastic":
+        from commlayer.elastic import rendezvous
+
+        state = elastic.TorchState(model, optimizer, step=0)
+
+        @elastic.run
+        def train(state: elastic.TorchState) -> None:
+            while True:
+                step()
+                state.step += 1
+                log.write(f"{time.time()} {state.step} {rendezvous.generation()} {hvd.size()}\n")
+                if state.step % COMMIT_EVERY == 0:
+                    state.commit()
+
+        train(state)
+    else:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        checkpoint, done = out / "checkpoint.pt", 0
+        if checkpoint.exists():
+            saved = torch.load(checkpoint)
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            done = saved["step"]
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        while True:
+            step()
+            done += 1
+            log.write(f"{time.time()} {done} {restart} {hvd.size()}\n")
+            if done % COMMIT_EVERY == 0 and hvd.rank() == 0:
+                tmp = out / "checkpoint.tmp"
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "step": done}, tmp)  # fmt: skip
+                os.replace(tmp, checkpoint)
+
+
+# -- driver ------------------------------------------------------------------------------------
+def _lines(out: Path) -> dict[int, list[tuple[float, int, int, int]]]:
+    """pid -> its (time, step, world, size) lines."""
+    found = {}
+    for path in out.glob("*.log"):
+        rows = []
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                rows.append((float(parts[0]), int(parts[1]), int(parts[2]), int(parts[3])))
+        found[int(path.stem)] = rows
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and " Z " not in Path(f"/proc/{pid}/stat").read_text()
+
+
+def _wait(what: str, until: object, limit_s: float = 180.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not until():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"waited {limit_s:g} s for {what}")
+        time.sleep(0.05)
+
+
+def _steady(out: Path, np: int, world_of: int) -> list[int]:
+    """Live workers once ``np`` of them have each done 5 steps in a world after ``world_of``."""
+    live: list[int] = []
+
+    def ready() -> bool:
+        nonlocal live
+        rows = {p: r for p, r in _lines(out).items() if _alive(p)}
+        fresh = [p for p, r in rows.items() if r and r[-1][2] > world_of and r[-1][3] == np]
+        counts = [sum(1 for row in rows[p] if row[2] == rows[p][-1][2]) for p in fresh]
+        live = fresh
+        return len(fresh) == np and min(counts) >= 5
+
+    _wait(f"{np} workers training", ready)
+    return live
+
+
+def _throughput(out: Path, window_s: float) -> float:
+    """samples/s of the whole job over the next ``window_s`` (from rank files' step counts)."""
+    before = {p: len(r) for p, r in _lines(out).items()}
+    began = time.time()
+    time.sleep(window_s)
+    after = _lines(out)
+    ended = time.time()
+    steps = sum(sum(1 for t, *_ in rows[before.get(p, 0) :] if began <= t <= ended)
+                for p, rows in after.items())  # fmt: skip
+    return steps * BATCH / (ended - began)
+
+
+def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, window_s: float,
+           windows: int = 1) -> tuple[list[float], list[float]]:  # fmt: skip
+    output = (out / "job.out").open("w")
+    proc = subprocess.Popen(job, env=env, stdout=output, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        live = _steady(out, np, -1)
+        rate = [_throughput(out, window_s) for _ in range(windows)]
+        times = []
+        for _ in range(n):
+            world = max(r[-1][2] for p, r in _lines(out).items() if p in live and r)
+            victim = random.choice(live)
+            killed_at = time.time()
+            os.kill(victim, signal.SIGKILL)
+
+            def resumed(victim: int = victim, killed_at: float = killed_at,
+                        world: int = world) -> bool:  # fmt: skip
+                rows = [row for p, r in _lines(out).items() if p != victim for row in r]
+                return any(t > killed_at and w > world for t, _, w, _ in rows)
+
+            _wait("training after the kill", resumed)
+            first = min(t for p, r in _lines(out).items() if p != victim
+                        for t, _, w, _ in r if t > killed_at and w > world)  # fmt: skip
+            times.append(first - killed_at)
+            print(f"  trial: {first - killed_at:.2f} s", flush=True)
+            live = _steady(out, np, world)
+        return times, rate
+    except Exception:
+        print((out / "job.out").read_text()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the driver, torchrun's agent: they stop theirs
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", choices=["elastic", "torchrun"])
+    parser.add_argument("--dir")
+    parser.add_argument("--np", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--window", type=float, default=10.0, help="seconds of throughput")
+    parser.add_argument("--rounds", type=int, default=2, help="A B rounds of throughput jobs")
+    parser.add_argument("--skip-trials", action="store_true", help="throughput only")
+    parser.add_argument("--out", default=str(HERE.parent / "results" / "elastic_recovery.md"))
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, Path(args.dir))
+        return
+    bindir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
+    env.update(OMP_NUM_THREADS="1", COMMLAYER_BACKEND="torch")
+
+    def job(mode: str, out: Path) -> list[str]:
+        me = [sys.executable, str(HERE), "--worker", mode, "--dir", str(out)]
+        if mode == "elastic":
+            return [str(bindir / "commlayerrun"), "-np", str(args.np), "--min-np",
+                    str(args.np - 1), "-H", f"localhost:{args.np}",
+                    "--blacklist-cooldown-range", "0", "0", *me]  # fmt: skip
+        return [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(args.np),
+                "--max-restarts", str(args.trials + 1), *me[1:]]  # fmt: skip
+
+    results = {}
+    for mode in () if args.skip_trials else ("elastic", "torchrun"):
+        out = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))
+        print(f"{mode}:", flush=True)
+        results[mode] = trials(job(mode, out), env, out, args.np, args.trials, args.window)
+        shutil.rmtree(out, ignore_errors=True)
+    # samples/s: jobs started in turn (A B A B), several windows each, no event
+    rates: dict[str, list[float]] = {"elastic": [], "torchrun": []}
+    for _ in range(args.rounds):
+        for mode in rates:
+            out = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))
+            got = trials(job(mode, out), env, out, args.np, 0, args.window / 2, windows=3)
+            rates[mode] += got[1]
+            print(f"{mode} samples/s: {got[1]}", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    lines = [
+        "# Elastic recovery (benchmarks/elastic_recovery.py)",
+        "",
+        f"{args.np} ranks on this machine ({os.cpu_count()} cores, shared with other jobs), MLP "
+        f"256-512-512-10, batch {BATCH} a rank, DistributedOptimizer, commit (elastic) or "
+        f"checkpoint (torchrun, rank 0) every {COMMIT_EVERY} steps.",
+        "",
+    ]
+    if results:
+        lines += [
+            f"## Recovery: {args.trials} SIGKILLs of a random worker in each job",
+            "",
+            "From the SIGKILL to the first step a survivor completes in the next world (elastic: "
+            "re-formed without the dead worker, from the last commit in memory; torchrun: every "
+            "worker restarted, checkpoint loaded). The two jobs one after the other.",
+            "",
+            "| job | median (s) | max (s) | min (s) | trials (s) |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for mode, (times, _) in results.items():
+            name = ("commlayerrun elastic driver" if mode == "elastic"
+                    else "torchrun --max-restarts")  # fmt: skip
+            each = ", ".join(f"{t:.2f}" for t in times)
+            lines.append(f"| {name} | {statistics.median(times):.2f} | {max(times):.2f} | "
+                         f"{min(times):.2f} | {each} |")  # fmt: skip
+        lines.append("")
+    lines += [
+        f"## samples/s at {args.np} workers, no event",
+        "",
+        f"Each job started {args.rounds} times in turn (elastic, torchrun, elastic, ...), three "
+        f"{args.window / 2:g} s windows each once every worker trains; torchrun runs the torch "
+        "backend with no elastic state.",
+        "",
+        "| job | median samples/s | windows |",
+        "| --- | --- | --- |",
+    ]
+    for mode, got in rates.items():
+        lines.append(f"| {mode} | {statistics.median(got):.0f} | "
+                     f"{', '.join(f'{r:.0f}' for r in got)} |")  # fmt: skip
+    ratios = [e / t for e, t in zip(rates["elastic"], rates["torchrun"], strict=True)]
+    lines += [
+        "",
+        f"elastic / torchrun, window by window in order: median {statistics.median(ratios):.3f} "
+        f"(range {min(ratios):.3f}-{max(ratios):.3f}).",
+    ]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The worker's side of the elastic driver (commlayer/elastic/driver.py): rendezvous, the
+torch.distributed store, and the driver's notices.
+
+A worker the driver started has COMMLAYER_ELASTIC_DRIVER (the driver's address),
+COMMLAYER_ELASTIC_KEY (the job key) and COMMLAYER_ELASTIC_WORKER (its name) in its environment
+(``config.elastic_worker()``). ``init()`` then calls ``init_process_group`` here instead of
+reading torchrun's variables: it asks the driver for this worker's rank, the world's size and
+the generation (``rendezvous``; it waits until every live worker asked, so survivors and new
+workers form one world), and starts torch.distributed (gloo) over ``DriverStore``.
+
+``DriverStore`` is a ``torch.distributed.Store`` written in Python (torch calls its methods for
+gloo's address exchange) whose set/get/add/wait travel over the driver's authenticated channel
+(protocol.py), with a key prefix of its own per generation: no open TCPStore that anyone on the
+network could write, and no stale key of an earlier world read by a later one.
+
+A second connection carries the driver's notices: hosts added or removed (``on_hosts_updated``
+of the registered states: ``HostsUpdatedInterrupt`` at the next commit) and workers that died
+(``torch_distributed.report_dead``: the engine fails its pending operations with RankDiedError
+at its next peer check, also for a peer on another host whose pid it cannot check).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from commlayer import config
+from commlayer.backends import torch_distributed
+from commlayer.elastic import protocol
+from commlayer.errors import CommlayerError
+
+log = logging.getLogger("commlayer")
+
+
+class WorkerRemoved(SystemExit):
+    """The driver took this worker out of the job (its host was removed): it exits with 0."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(0)
+        self.worker = worker
+
+
+class Client:
+    """Request/response calls to the driver over one authenticated connection (thread-safe)."""
+
+    def __init__(self, address: str, key: bytes, worker: str, role: str = "rpc") -> None:
+        self.address, self.worker = address, worker
+        try:
+            self._channel = protocol.connect(address, key)
+            self._channel.send({"op": "hello", "worker": worker, "role": role})
+            reply = self._channel.recv()
+        except (OSError, ConnectionError) as exc:
+            raise CommlayerError(
+                f"elastic worker {worker}: cannot reach the driver at {address}: {exc}"
+            ) from exc
+        if reply.get("error"):
+            raise CommlayerError(
+                f"elastic worker {worker}: the driver refused it: {reply['error']}"
+            )
+        self._lock = threading.Lock()
+
+    def call(self, message: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            try:
+                self._channel.send(message)
+                reply: dict[str, Any] = self._channel.recv()
+            except (OSError, ConnectionError) as exc:
+                raise CommlayerError(
+                    f"elastic worker {self.worker}: lost the driver at {self.address} ({exc})"
+                ) from exc
+        if reply.get("error"):
+            raise CommlayerError(f"elastic worker {self.worker}: {reply['error']}")
+        return reply
+
+    def recv(self) -> Any:
+        return self._channel.recv()
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _text(value: Any) -> str:
+    return base64.b64encode(value.encode() if isinstance(value, str) else bytes(value)).decode()
+
+
+class DriverStore(dist.Store):
+    """torch.distributed's store over the driver's channel, keys under ``prefix``."""
+
+    def __init__(self, client: Client, prefix: str, timeout_s: float) -> None:
+        super().__init__()
+        self._client, self._prefix, self._timeout_s = client, prefix, timeout_s
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    def set(self, key: str, value: Any) -> None:
+        self._client.call({"op": "set", "key": self._key(key), "value": _text(value)})
+
+    def get(self, key: str) -> bytes:
+        reply = self._client.call({"op": "get", "key": self._key(key), "timeout": self._timeout_s})
+        return base64.b64decode(reply["value"])
+
+    def add(self, key: str, amount: int) -> int:
+        return int(
+            self._client.call({"op": "add", "key": self._key(key), "amount": amount})["value"]
+        )
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._client.call({"op": "check", "keys": [self._key(k) for k in keys]})["ok"])
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else self._timeout_s
+        self._client.call({"op": "wait", "keys": [self._key(k) for k in keys], "timeout": seconds})
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        reply = self._client.call(
+            {
+                "op": "compare_set",
+                "key": self._key(key),
+                "expected": _text(expected),
+                "desired": _text(desired),
+            }
+        )
+        return base64.b64decode(reply["value"])
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._client.call({"op": "delete", "key": self._key(key)})["ok"])
+
+
+_lock = threading.Lock()
+_client: Client | None = None
+_store: DriverStore | None = None  # torch keeps a C++ reference only: the Python object lives here
+_generation = -1
+_states: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def client() -> Client:
+    """This worker's connection to the driver (made on first use; the notices' thread too)."""
+    global _client
+    with _lock:
+        if _client is None:
+            worker = config.elastic_worker()
+            if worker is None:
+                raise CommlayerError(
+                    "not started by commlayerrun's elastic driver (no COMMLAYER_ELASTIC_DRIVER)"
+                )
+            _client = Client(worker.driver, worker.key, worker.worker)
+            events = Client(worker.driver, worker.key, worker.worker, role="events")
+            threading.Thread(
+                target=_notices, args=(events,), name="commlayer-elastic-notices", daemon=True
+            ).start()
+        return _client
+
+
+def register_state(state: Any) -> None:
+    """Tell ``state`` (``on_hosts_updated``) of the driver's host changes."""
+    _states.add(state)
+
+
+_joined = True
+_formed = 0.0
+
+
+def formed() -> float:
+    """When (the driver's clock) the world this worker last joined formed: host updates
+    notified up to then are part of it; every rank starts its host checks from there, so that
+    all raise HostsUpdatedInterrupt at the same commit, new workers included."""
+    return _formed
+
+
+def joined() -> bool:
+    """Whether the world this worker last joined has workers the one before had not (then
+    every rank syncs its state from rank 0, even after a removal)."""
+    return _joined
+
+
+def generation() -> int:
+    """The generation (world) this worker last joined; -1 before the first."""
+    return _generation
+
+
+def init_process_group(timeout_s: float) -> None:
+    """Join the driver's next world and start torch.distributed over it (module docstring);
+    WorkerRemoved (exit code 0) when the driver has taken this worker out of the job."""
+    global _store, _generation
+    me = client()
+    began = time.monotonic()
+    reply = me.call({"op": "rendezvous", "worker": me.worker})
+    if reply.get("exit"):
+        log.warning("commlayer elastic worker %s: removed from the job; exiting", me.worker)
+        raise WorkerRemoved(me.worker)
+    rank, size, gen = int(reply["rank"]), int(reply["size"]), int(reply["generation"])
+    store = DriverStore(me, f"commlayer/elastic/{gen}/", timeout_s)
+    torch_distributed.report_dead([])
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+    )
+    _store, _generation = store, gen
+    global _joined, _formed
+    _joined, _formed = bool(reply.get("joined", True)), float(reply["timestamp"])
+    log.info(
+        "commlayer elastic worker %s: rank %d of %d, generation %d (rendezvous %.2f s)",
+        me.worker,
+        rank,
+        size,
+        gen,
+        time.monotonic() - began,
+    )
+
+
+def _notices(events: Client) -> None:
+    while True:
+        try:
+            notice = events.recv()
+        except (OSError, ConnectionError) as exc:
+            # the driver is gone (killed: it could not stop its workers): no world can form
+            # any more, and a worker left alone would hold its slot and memory for ever
+            sys.stderr.write(
+                f"commlayer elastic worker {events.worker}: lost the driver ({exc}); exiting\n"
+            )
+            sys.stderr.flush()
+            os._exit(1)
+        kind = notice.get("event")
+        if kind == "hosts_updated":
+            for state in list(_states):
+                state.on_hosts_updated(float(notice["timestamp"]), bool(notice["removed_only"]))
+        elif kind == "dead" and int(notice["generation"]) == _generation:
+            torch_distributed.report_dead([int(r) for r in notice["ranks"]])
