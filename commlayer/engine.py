@@ -266,20 +266,27 @@ class Engine:
                 self._cv.notify()
             return self._join_handle
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Tell the other ranks, stop the thread, fail what is still pending."""
+    def shutdown(self, timeout_s: float = 30.0) -> bool:
+        """Tell the other ranks, stop the thread, fail what is still pending. Waits at most
+        ``timeout_s`` for the others to take the goodbye; False, logged, when they did not (the
+        thread is then still inside the negotiation: the caller must not finalize under it)."""
         with self._cv:
             self._global.negotiator.shutting_down = True
             self._cv.notify()
+        stopped = True
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.warning(
-                    "commlayer rank %d: engine did not stop within %g s (a peer is not answering)",
-                    self.rank,
-                    timeout_s,
-                )
+            stopped = not self._thread.is_alive()
+        if not stopped:
+            log.error(
+                "commlayer rank %d: shutdown() gave up after %g s: the other ranks did not take "
+                "its goodbye (one is stuck, in a long call that holds Python's GIL or stopped, "
+                "or cannot be reached); leaving without waiting for them",
+                self.rank,
+                timeout_s,
+            )
         self._timeline.close()
+        return stopped
 
     def set_timeline(
         self, timeline: Timeline | NullTimeline, mark_cycles: bool = False
