@@ -45,7 +45,11 @@ class Config:
     compression: str = "none"
     timeline_path: str = ""
     stall_check_time_s: float = 60.0
-    stall_shutdown_time_s: float = 0.0
+    # 10 minutes, NCCL's watchdog default: above a slow rank's first step (torch.compile), a
+    # checkpoint or an evaluation only rank 0 runs while the others wait in the next collective;
+    # below a job burning its allocation on a rank that will never come (a hang by default
+    # before: issue 38)
+    stall_shutdown_time_s: float = 600.0
     log_level: str = "warning"
     allreduce_algorithm: str = "auto"
     topology: str = ""
@@ -217,7 +221,11 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS",
         "stall_shutdown_time_s",
         _NONNEG_FLOAT,
-        "fail a stalled operation with StallError on every rank after this long; 0 = never",
+        "fail a stalled operation with StallError after this long, on every rank, and stop "
+        "commlayer there (the job ends when the error goes uncaught); 0 = never; default 600 "
+        "(10 minutes, NCCL's watchdog default: above a slow first step, a checkpoint or an "
+        "evaluation that one rank runs while the others wait, below a job idling out its "
+        "allocation)",
     ),
     (
         "COMMLAYER_LOG_LEVEL",

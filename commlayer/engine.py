@@ -28,9 +28,13 @@ The constraints it answers, and how:
    1.02-1.28 passive; ResNet 0.87-0.90 active, 0.94-0.95 passive. Alone on the cores (the
    allreduce benchmark) passive costs latency: 64 MiB 9.4 -> 18.4 ms at 2 ranks.
 5. Errors must reach every rank, named, within seconds, never a hang: mismatches become error
-   responses on every rank; stalls are reported and optionally failed; a shutting-down rank
-   tells the others in its last cycle; a peer that died is noticed within a second while
-   waiting (its pid is checked) and every pending operation fails with RankDiedError.
+   responses on every rank; stalls are reported, and failed after ``stall_shutdown_time_s``
+   (10 minutes by default): StallError on every rank, and the engine stops on all of them (a
+   rank that never submitted the operation cannot take part in anything after it: the
+   Horovod and NCCL answer too), through a goodbye, so that ranks outside a stalled process
+   set stop as well; a shutting-down rank tells the others in its last cycle; a peer that
+   died is noticed within a second while waiting (its pid is checked) and every pending
+   operation fails with RankDiedError.
 6. A peer on another host cannot be checked, and MPI over TCP retransmits to a dead host or
    through a cut link for minutes. -> A watchdog (``collective_timeout_s``): a wait on one
    request, collective or negotiation, that sees nothing complete for that long raises
@@ -67,6 +71,7 @@ from commlayer.errors import (
     DuplicateNameError,
     RankDiedError,
     ShutdownError,
+    StallError,
     TensorMismatchError,
 )
 from commlayer.future import Future, mark_engine_thread
@@ -261,20 +266,27 @@ class Engine:
                 self._cv.notify()
             return self._join_handle
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Tell the other ranks, stop the thread, fail what is still pending."""
+    def shutdown(self, timeout_s: float = 30.0) -> bool:
+        """Tell the other ranks, stop the thread, fail what is still pending. Waits at most
+        ``timeout_s`` for the others to take the goodbye; False, logged, when they did not (the
+        thread is then still inside the negotiation: the caller must not finalize under it)."""
         with self._cv:
             self._global.negotiator.shutting_down = True
             self._cv.notify()
+        stopped = True
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.warning(
-                    "commlayer rank %d: engine did not stop within %g s (a peer is not answering)",
-                    self.rank,
-                    timeout_s,
-                )
+            stopped = not self._thread.is_alive()
+        if not stopped:
+            log.error(
+                "commlayer rank %d: shutdown() gave up after %g s: the other ranks did not take "
+                "its goodbye (one is stuck, in a long call that holds Python's GIL or stopped, "
+                "or cannot be reached); leaving without waiting for them",
+                self.rank,
+                timeout_s,
+            )
         self._timeline.close()
+        return stopped
 
     def set_timeline(
         self, timeline: Timeline | NullTimeline, mark_cycles: bool = False
@@ -293,9 +305,13 @@ class Engine:
         return isinstance(self._error, RankDiedError)
 
     def _raise_if_stopped(self, what: str) -> None:
+        """ShutdownError once the engine stopped or is stopping; of the class of the error that
+        stopped it where that is a commlayer error (a StallError stays one on every rank)."""
         if self._stopped.is_set() or self._global.negotiator.shutting_down:
-            reason = f": {self._error}" if self._error else ""
-            raise ShutdownError(
+            error = self._error
+            reason = f": {error}" if error else ""
+            cls = type(error) if isinstance(error, CommlayerError) else ShutdownError
+            raise cls(
                 f"rank {self.rank}: cannot run {what!r}, commlayer has been shut down{reason}"
             )
 
@@ -390,19 +406,38 @@ class Engine:
                 continue
             self._waiting_set, self._waiting_on = set_id, None
             result = state.negotiator.cycle()
+            if result.stalled:  # first: no user thread woken below may submit anything more
+                self._stop_after_stall(result.stalled)
             for op, error in result.failed:
                 self.complete(op, error=error)
             self._execute(set_id, state, result)
             if set_id == 0:
                 if result.all_joined_last is not None:
                     self._finish_join(result.all_joined_last)
+                if result.stalled:
+                    return True  # every rank got it in this cycle: all stop here
                 if result.shutdown_ranks:
-                    self._error = ShutdownError(
-                        f"rank {self.rank}: rank(s) {list(result.shutdown_ranks)} shut down; "
-                        "collectives that need them cannot complete"
-                    )
+                    if self._error is None:  # else this rank stops for a stall, said above
+                        self._error = ShutdownError(
+                            f"rank {self.rank}: rank(s) {list(result.shutdown_ranks)} shut "
+                            "down; collectives that need them cannot complete"
+                        )
                     return True
         return False
+
+    def _stop_after_stall(self, stalled: list[str]) -> None:
+        """A stall failed (constraint 5): every rank of the set got ``stalled`` in this cycle,
+        and stops with it: at once in the global set; in another, through a goodbye in the next
+        cycle of the global set, which stops the ranks outside it too (ShutdownError naming the
+        set's ranks). Nothing can be submitted from now on."""
+        if self._error is not None:
+            return
+        self._error = StallError(
+            f"rank {self.rank}: {'; '.join(stalled)}; commlayer stopped on every rank"
+        )
+        log.error("commlayer rank %d: engine stopped: %s", self.rank, self._error)
+        with self._cv:
+            self._global.negotiator.shutting_down = True
 
     def _finish_join(self, last_rank: int) -> None:
         with self._cv:

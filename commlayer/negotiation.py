@@ -14,7 +14,8 @@
    then new ones in announcement order.
 4. An operation some ranks have and others do not for ``stall_check_time_s`` raises the stall
    flag; the next cycle exchanges pending names, every rank logs which ranks are missing, and
-   after ``stall_shutdown_time_s`` the operation fails with StallError on the ranks holding it.
+   after ``stall_shutdown_time_s`` the operation fails with StallError on the ranks holding it
+   and every rank of the set reports it (``CycleResult.stalled``): the engine stops on all.
 """
 
 from __future__ import annotations
@@ -250,6 +251,9 @@ class CycleResult:
     joined: frozenset[int]
     all_joined_last: int | None  # set when every rank has joined: the last to join
     shutdown_ranks: tuple[int, ...]
+    # what failed for a stall this cycle, the same on every rank of the set ("allreduce 'x'
+    # stalled: submitted by ranks [0], never by ranks [1] within 600 s (...)")
+    stalled: list[str] = dataclasses.field(default_factory=list)
 
 
 class Negotiator:
@@ -490,17 +494,30 @@ class Negotiator:
                 self._stall_check_s,
             )
         for name in sorted({n for _, _, late in reports for n in late}):
+            what = (
+                f"{self._kind_of(name)} {name!r} stalled: submitted by ranks "
+                f"{holders.get(name, [])}, never by ranks {missing(name)} within "
+                f"{self._stall_shutdown_s:g} s (COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS)"
+            )
+            result.stalled.append(what)
             self.table.pop(name, None)
             self._partial_since.pop(name, None)
-            self._stall_reported.discard(name)  # if it stalls again, warn again
+            self._stall_reported.discard(name)
             pending = self.pending.pop(name, None)
             if pending is not None:
-                error = StallError(
-                    f"rank {self.rank}: {pending.announce.kind} {name!r} stalled: submitted by "
-                    f"ranks {holders.get(name, [])}, never by ranks {missing(name)} within "
-                    f"{self._stall_shutdown_s:g} s (COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS)"
-                )
-                result.failed.append((pending.item, error))
+                result.failed.append((pending.item, StallError(f"rank {self.rank}: {what}")))
+
+    def _kind_of(self, name: str) -> str:
+        """What kind of operation ``name`` is, on any rank of the set (for a rank that never
+        submitted it: from the others' announcements, or the cache)."""
+        pending = self.pending.get(name)
+        if pending is not None:
+            return pending.announce.kind
+        announced = self.table.get(name)
+        if announced:
+            return next(iter(announced.values())).kind
+        cached = self.cache.get(name)
+        return cached[1].kind if cached else "operation"
 
     def fail_all(self) -> list[Any]:
         """Drop every pending operation (engine stopping); return their items."""

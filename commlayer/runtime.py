@@ -1,4 +1,14 @@
-"""Runtime: init/shutdown of the process-wide engine, and the rank topology queries."""
+"""Runtime: init/shutdown of the process-wide engine, and the rank topology queries.
+
+A rank that fails ends the whole job, never leaving its peers blocked (issue 38): ``init()``
+chains a ``sys.excepthook`` so that an exception nobody caught, on any rank of a job of more
+than one, ends the job as ``python -m mpi4py`` does. Under MPI the rank aborts the job
+(MPI_Abort, after its other exit handlers, instead of MPI_Finalize: MPICH's waits for every
+rank, for ever where one waits on this rank); under torch.distributed it exits at once
+(``shutdown()`` gives its goodbye 3 s), its peers in collectives get an error naming it, and
+torchrun's agent stops the others. A normal ``shutdown()`` waits for the goodbye past the
+collective watchdog, which aborts the job when a peer never answers.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +44,16 @@ _config: Config | None = None  # what init() resolved: every consumer reads this
 _topology: dict[str, int] = {}
 _summary = ""  # startup_summary(): what init() started, one line
 _atexit_registered = False
+# Set by the excepthook: this process exits on an exception nobody caught (module docstring).
+_failing = False
+# shutdown()'s wait for the other ranks to take its goodbye, when this rank fails: a courtesy
+# (a peer blocked in a collective gets ShutdownError naming this rank at once, else
+# RankDiedError within a second of this process's exit), not worth holding the job for.
+_FAILING_GOODBYE_S = 3.0
+# ... otherwise: past the collective watchdog, which ends a goodbye nobody answers (the job
+# aborts, naming the ranks it waits on), or this long where the watchdog is off.
+_WATCHDOG_MARGIN_S = 5.0
+_NO_WATCHDOG_GOODBYE_S = 30.0
 _NOT_INITIALIZED = (
     "commlayer has not been initialized; call commlayer.init() first (or it was shut down)"
 )
@@ -83,7 +103,43 @@ def init(
         gc.freeze()
         if not _atexit_registered:
             atexit.register(shutdown)
+            _install_excepthook()
             _atexit_registered = True
+
+
+def _install_excepthook() -> None:
+    """Chain sys.excepthook (the one in place at the first init(): Python's, torch's): the
+    traceback as before, then ``_end_job``."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        try:
+            previous(kind, exc, tb)
+        finally:
+            _end_job(exc)
+
+    sys.excepthook = hook
+
+
+def _end_job(exc: BaseException) -> None:
+    """This rank raised ``exc`` and nobody caught it: make it end the whole job, saying so
+    (module docstring). Also after shutdown(): MPI_Finalize would still wait for the peers."""
+    global _failing
+    if _topology.get("size", 1) < 2:
+        return
+    _failing = True
+    what = f"rank {_topology['rank']} raised an uncaught {type(exc).__name__}: {exc}"
+    if _backend_name == "mpi":
+        from commlayer.backends import mpi
+
+        sys.stderr.write(f"commlayer: {what}; the whole job ends, so that no rank waits for it\n")
+        mpi.abort_at_exit(what, 130 if isinstance(exc, KeyboardInterrupt) else 1)
+    else:
+        sys.stderr.write(
+            f"commlayer: {what}; this rank exits without waiting for its peers (torchrun's "
+            "agent then stops them)\n"
+        )
+    sys.stderr.flush()
 
 
 def auto_backend(launcher: str, torch_ready: bool) -> str:
@@ -250,16 +306,30 @@ def shutdown() -> None:
         process_sets_module.bind(None)
     if engine is None:
         return
-    engine.shutdown()
+    if _failing and _backend_name == "mpi":
+        return  # no goodbye: the job aborts at exit (_end_job)
+    stopped = engine.shutdown(_goodbye_wait_s(engine.config))
     if _backend_name == "torch":
         from commlayer.backends import torch_distributed
 
-        torch_distributed.finish(owns_default_group=_owns_torch_group)
+        if stopped:  # else the engine thread is still inside a gloo call
+            torch_distributed.finish(owns_default_group=_owns_torch_group)
         return
     from commlayer.backends import mpi
 
-    if engine.peer_died:
+    if engine.peer_died or not stopped:
+        # MPI_Finalize would wait for the dead or stuck peer; exiting without it ends the job
+        # (mpiexec stops every rank when one exits without finalizing)
         mpi.skip_finalize()
+
+
+def _goodbye_wait_s(cfg: Config) -> float:
+    """How long shutdown() waits for the other ranks to take its goodbye (module constants)."""
+    if _failing:
+        return _FAILING_GOODBYE_S
+    if cfg.collective_timeout_s > 0:
+        return cfg.collective_timeout_s + _WATCHDOG_MARGIN_S
+    return _NO_WATCHDOG_GOODBYE_S
 
 
 def engine() -> Engine:

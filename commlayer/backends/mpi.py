@@ -446,12 +446,9 @@ class MPIBackend:
         return None  # MPI errors name no peer: a death elsewhere ends the job through mpiexec
 
     def abort(self, reason: str) -> None:
-        # MPI_Abort prints which process aborted; the reason goes first, on this rank's stderr.
-        # Hydra then kills every rank it can reach; a rank on a host cut off from mpiexec
-        # aborts on its own, when its own watchdog fires.
-        sys.stderr.write(f"commlayer: aborting the job: {reason}\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(_ABORT_CODE)
+        # Hydra kills every rank it can reach; a rank on a host cut off from mpiexec aborts on
+        # its own, when its own watchdog fires.
+        _abort(reason, _ABORT_CODE)
 
     def close(self) -> None:
         if self._shm is not None:
@@ -476,7 +473,16 @@ def library_version() -> str:
     return " ".join(MPI.Get_library_version().replace("\x00", " ").splitlines()[0].split())
 
 
+def _abort(reason: str, code: int) -> None:
+    # MPI_Abort prints which process aborted; the reason goes first, on this rank's stderr.
+    sys.stdout.flush()
+    sys.stderr.write(f"commlayer: aborting the job: {reason}\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(code)
+
+
 _finalize_skipped = False
+_abort_at_exit: tuple[str, int] | None = None
 
 
 def skip_finalize() -> None:
@@ -485,7 +491,18 @@ def skip_finalize() -> None:
     _finalize_skipped = True
 
 
+def abort_at_exit(reason: str, code: int) -> None:
+    """End the whole job at exit with MPI_Abort(``code``) instead of MPI_Finalize: this rank
+    failed (an uncaught exception), and MPICH's MPI_Finalize waits for every rank to finalize
+    too, for ever where one waits on this rank. After the other exit handlers, as
+    ``python -m mpi4py`` aborts."""
+    global _abort_at_exit
+    _abort_at_exit = (reason, code)
+
+
 def _finalize_at_exit() -> None:
+    if _abort_at_exit is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        _abort(*_abort_at_exit)
     if not _finalize_skipped:
         finalize()
 

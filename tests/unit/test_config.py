@@ -23,7 +23,7 @@ DEFAULTS = {
     "compression": "none",
     "timeline_path": "",
     "stall_check_time_s": 60.0,
-    "stall_shutdown_time_s": 0.0,
+    "stall_shutdown_time_s": 600.0,  # 10 minutes: a stall is an error by default (issue 38)
     "log_level": "warning",
     "allreduce_algorithm": "auto",
     "topology": "",

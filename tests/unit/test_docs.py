@@ -48,7 +48,7 @@ def test_configuration_page_has_every_variable_with_default_and_unit(hooks: Modu
     assert _row(page, "COMMLAYER_FUSION_THRESHOLD")[2:4] == ["`64 MiB`", "bytes"]
     assert _row(page, "COMMLAYER_CYCLE_TIME")[2:4] == ["`1`", "milliseconds"]
     assert _row(page, "COMMLAYER_STALL_CHECK_TIME_SECONDS")[2:4] == ["`60`", "seconds"]
-    assert _row(page, "COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS")[2:4] == ["`0`", "seconds"]
+    assert _row(page, "COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS")[2:4] == ["`600`", "seconds"]
     assert _row(page, "COMMLAYER_TIMELINE")[2:4] == ["`none`", "-"]
 
 

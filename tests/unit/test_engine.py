@@ -530,6 +530,29 @@ def test_watchdog_fails_a_negotiation_a_peer_never_joins() -> None:
     assert "waits on rank(s) [1] on this host (running)" in message, message
 
 
+def test_shutdown_gives_up_on_a_peer_that_never_takes_its_goodbye(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rank 1's engine never runs (a rank stuck in a call that holds the GIL, or stopped):
+    rank 0's shutdown() waits at most its limit for the goodbye, says so, and returns False
+    (runtime.shutdown then leaves without MPI_Finalize); its watchdog ends the engine later."""
+
+    def fn(engine: Engine) -> tuple[bool, float] | None:
+        if engine.rank == 1:
+            return None
+        engine.start()
+        started = time.perf_counter()
+        stopped = engine.shutdown(timeout_s=0.2)
+        return stopped, time.perf_counter() - started
+
+    # the watchdog well after the 0.2 s: the goodbye must be given up on, not ended by it
+    result = run_engines(2, fn, start=False, collective_timeout_s=1.0)[0]
+    assert result is not None
+    stopped, took = result
+    assert not stopped and took >= 0.2, result
+    assert "commlayer rank 0: shutdown() gave up after 0.2 s" in caplog.text, caplog.text
+
+
 def test_watchdog_off_at_zero() -> None:
     def fn(engine: Engine) -> float:
         return engine._timeout_s

@@ -30,7 +30,7 @@ from waiting import wait_until
 from commlayer import negotiation
 from commlayer.backends.loopback import LoopbackBackend
 from commlayer.engine import Engine, Operation
-from commlayer.errors import StallError, TensorMismatchError
+from commlayer.errors import ShutdownError, StallError, TensorMismatchError
 from commlayer.reduce_ops import ReduceOp
 
 SIZE = 3
@@ -396,44 +396,70 @@ def test_stall_warning_names_op_and_missing_ranks_then_completes(
     assert seen(), caplog.text
 
 
-def test_stall_shutdown_fails_the_op_on_the_ranks_holding_it(
+def _wait_stopped(engine: Engine) -> None:
+    wait_until(lambda: not engine.running, WAIT_S, f"rank {engine.rank}: engine still running")
+
+
+def test_stall_shutdown_fails_every_rank_and_stops_the_engines(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """The ranks holding the operation get StallError for it; rank 2, which never submitted it,
+    gets the same news as its engine stops (logged at once; raised by its next collective);
+    every engine stops, so no rank can go on into collectives its peers will never join."""
     caplog.set_level(logging.WARNING, logger="commlayer")
-    gate = threading.Barrier(3)
 
-    def fn(engine: Engine) -> str | None:
-        error = None
+    def fn(engine: Engine) -> list[str]:
+        errors = []
         if engine.rank != 2:
             with pytest.raises(StallError) as info:
                 wait(engine.submit(allreduce("lonely", torch.ones(2))))
-            error = str(info.value)
-        gate.wait(WAIT_S)  # rank 2 must not start "after" alone: it would stall too
-        # Every rank goes on working, and the stalled name can be used again.
-        for name in ("after", "lonely"):
-            out = wait(engine.submit(allreduce(name, torch.ones(2))))
-            assert torch.equal(out, torch.full((2,), 3.0))
-        return error
+            errors.append(str(info.value))
+        else:
+            _wait_stopped(engine)
+        # at its submission, also right after the StallError woke this thread: the engine
+        # takes nothing more once it failed a stall
+        with pytest.raises(StallError) as info:
+            engine.submit(allreduce("after", torch.ones(2)))
+        errors.append(str(info.value))
+        _wait_stopped(engine)
+        return errors
 
     errors = run_engines(3, fn, stall_check_time_s=0.05, stall_shutdown_time_s=0.5)
-    assert errors[2] is None
-    for rank in (0, 1):
-        message = errors[rank]
-        assert message is not None and message.startswith(f"rank {rank}: ")
-        assert "'lonely' stalled: submitted by ranks [0, 1], never by ranks [2]" in message
+    described = "allreduce 'lonely' stalled: submitted by ranks [0, 1], never by ranks [2]"
+    for rank in range(3):
+        for message in errors[rank]:
+            assert message.startswith(f"rank {rank}: "), message
+            assert described in message, message
+        assert "cannot run 'after'" in errors[rank][-1], errors[rank]
     expected = "'lonely' was submitted by ranks [0, 1] but not by ranks [2]"
     assert any(expected in m for m in stall_warnings(caplog, "lonely")), caplog.text
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    for rank in range(3):
+        assert any(m.startswith(f"commlayer rank {rank}: engine stopped: ") for m in logged)
 
 
-def test_a_name_that_stalls_again_is_warned_about_again(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="commlayer")
+def test_a_stall_in_a_process_set_stops_the_ranks_outside_it_too() -> None:
+    """Ranks 0 and 1 stall in their process set; they stop with StallError and say goodbye on
+    the global set, so rank 2, outside the set, stops too (naming them) rather than wait in a
+    global negotiation they no longer join."""
 
-    def fn(engine: Engine) -> None:
+    def fn(engine: Engine) -> str:
+        set_id, _ = engine.register_process_set([0, 1])
+        engine.start()
         if engine.rank == 0:
-            for _ in range(2):
-                with pytest.raises(StallError):
-                    wait(engine.submit(allreduce("lonely", torch.ones(2))))
+            op = allreduce("pair", torch.ones(2))
+            op.process_set_id = set_id
+            with pytest.raises(StallError):
+                wait(engine.submit(op))
+        _wait_stopped(engine)
+        with pytest.raises((StallError, ShutdownError)) as info:
+            engine.submit(allreduce("after", torch.ones(2)))
+        return f"{type(info.value).__name__}: {info.value}"
 
-    run_engines(2, fn, stall_check_time_s=0.05, stall_shutdown_time_s=0.25)
-    warnings = [m for m in stall_warnings(caplog, "lonely") if "stall on rank 0:" in m]
-    assert len(warnings) == 2, warnings
+    errors = run_engines(3, fn, start=False, stall_check_time_s=0.05, stall_shutdown_time_s=0.3)
+    described = "allreduce 'pair' stalled: submitted by ranks [0], never by ranks [1]"
+    for rank in (0, 1):
+        assert errors[rank].startswith(f"StallError: rank {rank}: "), errors[rank]
+        assert described in errors[rank], errors[rank]
+    assert errors[2].startswith("ShutdownError: rank 2: "), errors[2]
+    assert "rank(s) [0, 1] shut down" in errors[2], errors[2]

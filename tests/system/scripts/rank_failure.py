@@ -1,13 +1,13 @@
-"""Rank 1 fails while the others need it; the others must get an error, not hang.
+"""Rank 1 fails while the others need it; the others must get an error or be ended, not hang.
 
-``how``: ``raise`` (an uncaught exception: Python exits 1 after atexit, where commlayer shuts
-down and tells the others), ``exit1``/``exit0`` (``os._exit``: no atexit, no goodbye),
-``sigkill`` (SIGKILL of itself). ``when``: ``blocked`` (rank 1 fails once rank 0 has submitted
-its allreduce and waits in it: rank 0's ``submitted`` record) or ``early`` (right after init).
-Rank 2, when there is one, is idle (not in a collective) when rank 1 fails: it submits its
-allreduces only once its engine has noticed the failure between collectives and stopped
-(``noticed``), and they must fail at their submission. The survivors report their errors and
-exit 0, so only rank 1's fate sets the job's status.
+``how``: ``raise`` (an uncaught exception: under mpiexec commlayer aborts the job at exit;
+under torchrun the rank says goodbye, 3 s at most, and exits 1), ``exit1``/``exit0``
+(``os._exit``: no atexit, no goodbye), ``sigkill`` (SIGKILL of itself). ``when``: ``blocked``
+(rank 1 fails once rank 0 has submitted its allreduce and waits in it: rank 0's ``submitted``
+record) or ``early`` (right after init). Rank 2, when there is one, is idle (not in a
+collective) when rank 1 fails: it submits its allreduces only once its engine has noticed the
+failure between collectives and stopped (``noticed``), and they must fail at their submission.
+The survivors report their errors and exit 0, so only rank 1's fate sets the job's status.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Operations some ranks never submit: a warning, then StallError, then normal service.
+"""Operations some ranks never submit: a warning, then StallError on every rank, and commlayer
+stops there (a stall ends the job: its later collectives fail at once with the StallError).
 
-``lonely``: every rank r submits allreduce 'lonely.<r>' that no other rank submits; each must
-fail with StallError on its own rank. ``barrier``: rank 0 submits allreduce 'lonely' while the
-others wait in barrier(), which rank 0 never calls, so both stall: rank 0's allreduce and the
-others' barrier must each fail with StallError. Then every rank allreduces and calls barrier().
+``lonely``: every rank r submits allreduce 'lonely.<r>' that no other rank submits. ``barrier``:
+rank 0 submits allreduce 'lonely' while the others wait in barrier(), which rank 0 never calls.
+Both operations stall in either mode; whichever is failed first stops every engine, and the
+other then fails with its StallError. Then every rank tries an allreduce and a barrier, catches
+their errors, and shuts down: the job exits 0 (an uncaught StallError would end it non-zero).
 Run with COMMLAYER_STALL_CHECK_TIME_SECONDS=1 and COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS=2.
 """
 
@@ -38,7 +40,7 @@ elif rank == 0:
     _worker.attempt("stalled", lambda: hvd.allreduce(torch.ones(2), name="lonely"))
 else:
     _worker.attempt("stalled", hvd.barrier)
-_worker.attempt("after", lambda: hvd.allreduce(torch.ones(2), name="after", op=hvd.Sum))
+_worker.attempt("after", lambda: _worker.allreduce_reporting("after"))
 _worker.attempt("barrier_after", hvd.barrier)
 hvd.shutdown()
 _worker.report("done")
