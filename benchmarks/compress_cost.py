@@ -116,17 +116,23 @@ def measure(spec: str, grads: list[tuple[str, torch.Tensor]], ranks: int, repeat
             if c.name != "none":
                 c.compress(g, "grad." + name)
 
-    def total() -> None:
+    def refill() -> None:
         for (_, g, _), (_, src, _) in zip(work, chosen):
             g.copy_(src)  # the gradient as backward left it (reduce writes in place)
+
+    def total() -> None:
         for name, g, c in work:
             comm.reduce([g], c, "grad." + name).wait()
 
-    refill = _times(lambda: [g.copy_(src) for (_, g, _), (_, src, _) in zip(work, chosen)],
-                    repeats)  # fmt: skip
-    totals = _times(total, repeats)
-    base = statistics.median(refill)
-    return _times(compress_only, repeats), [max(t - base, 0.0) for t in totals]
+    refill()
+    total()  # untimed: compile, first allocations
+    totals = []
+    for _ in range(repeats):
+        refill()
+        start = time.perf_counter()
+        total()
+        totals.append(time.perf_counter() - start)
+    return _times(compress_only, repeats), totals
 
 
 def main() -> int:

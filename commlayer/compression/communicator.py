@@ -257,7 +257,7 @@ class Communicator:
             following = []
             for j, c in pending:
                 if c.final:
-                    _write(tensors[j], compressor.decompress(c))
+                    _decompress_into(compressor, c, tensors[j])
                 else:
                     following.append((j, compressor.next_round(c, names[j])))  # type: ignore[attr-defined]
             pending[:] = following
@@ -321,24 +321,83 @@ class Communicator:
             raise self._malformed(name, exc) from None
         start = 0
         for tensor, local, count in zip(tensors, compressed, counts):
-            total: torch.Tensor | None = None
-            for source, record in enumerate(records):
-                payload = record[start : start + count]
-                try:
-                    part = compressor.decompress(Compressed(payload, local.ctx))
-                except PayloadError as exc:
-                    raise self._malformed(
-                        name, PayloadError(f"{compressor.name} payload from rank {source}: {exc}")
-                    ) from None
-                total = part.clone() if total is None else total.add_(part)
-            assert total is not None  # this rank's own record is always there
-            if self.op == ReduceOp.Average:
-                total.div_(len(records))
-            _write(tensor, total)
+            parts = [record[start : start + count] for record in records]
             start += count
+            try:
+                if not self._add_records(tensor, parts, local, compressor):
+                    self._sum_dense(tensor, parts, local, compressor)
+            except _FromRank as exc:
+                raise self._malformed(
+                    name, PayloadError(f"{compressor.name} payload from rank {exc.rank}: {exc}")
+                ) from None
+
+    def _add_records(
+        self,
+        tensor: torch.Tensor,
+        parts: list[list[torch.Tensor]],
+        local: Compressed,
+        compressor: Compressor,
+    ) -> bool:
+        """Sum the records into ``tensor`` itself with the compressor's ``decompress_add_``
+        (top-k: k entries a record, no dense tensor per rank): False where it has none or the
+        tensor is not one flat block. The tensor's own values were read by ``compress``
+        already; it is zeroed and each record added, scaled by 1 / records under Average."""
+        add = getattr(compressor, "decompress_add_", None)
+        if add is None or not tensor.is_contiguous():
+            return False
+        alpha = 1.0 / len(parts) if self.op == ReduceOp.Average else 1.0
+        flat = tensor.view(-1)
+        # Check every record before the gradient is touched: a malformed one leaves it as is.
+        for source, payload in enumerate(parts):
+            try:
+                compressor.check_payload(Compressed(payload, local.ctx))  # type: ignore[attr-defined]
+            except PayloadError as exc:
+                raise _FromRank(source, str(exc)) from None
+        flat.zero_()
+        for payload in parts:
+            add(Compressed(payload, local.ctx), flat, alpha)
+        return True
+
+    def _sum_dense(
+        self,
+        tensor: torch.Tensor,
+        parts: list[list[torch.Tensor]],
+        local: Compressed,
+        compressor: Compressor,
+    ) -> None:
+        total: torch.Tensor | None = None
+        for source, payload in enumerate(parts):
+            try:
+                part = compressor.decompress(Compressed(payload, local.ctx))
+            except PayloadError as exc:
+                raise _FromRank(source, str(exc)) from None
+            total = part.clone() if total is None else total.add_(part)
+        assert total is not None  # this rank's own record is always there
+        if self.op == ReduceOp.Average:
+            total.div_(len(parts))
+        _write(tensor, total)
 
     def _malformed(self, name: str, exc: PayloadError) -> PayloadError:
         return PayloadError(f"rank {self.transport.rank}: {self.what} {name!r}: malformed {exc}")
+
+
+class _FromRank(PayloadError):
+    """A peer's payload refused while summing: which rank sent it."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def _decompress_into(compressor: Compressor, compressed: Compressed, tensor: torch.Tensor) -> None:
+    """The reduced payload decompressed into ``tensor``: by the compressor's
+    ``decompress_into`` where it has one (casts: one converting copy; PowerSGD: the product
+    written in place), else ``decompress`` and a copy."""
+    into = getattr(compressor, "decompress_into", None)
+    if into is not None:
+        into(compressed, tensor)
+    else:
+        _write(tensor, compressor.decompress(compressed))
 
 
 def _write(tensor: torch.Tensor, value: torch.Tensor) -> None:
