@@ -32,6 +32,7 @@ commlayer.ops); ``commlayer.compression`` itself does not import it.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ from commlayer import ops, runtime
 from commlayer.algorithms.topology import Topology
 from commlayer.compression import wire
 from commlayer.compression.base import Compressed, Compressor
+from commlayer.compression.factory import create
 from commlayer.compression.sparse_reduction import SparseReduction, engine_algorithm
 from commlayer.errors import PayloadError
 from commlayer.future import Future, combined
@@ -199,7 +201,9 @@ class Communicator:
         alone under its own name (``names``; default ``<name>.p<j>``, or ``name`` for a single
         one), which keys the compressor's state (error-feedback residuals, warm starts)."""
         tensors = list(tensors)
-        if compressor.name == "none":  # the payload is the tensors: reduce them where they lie
+        # The payload is the tensors: reduce them where they lie ("auto" before or without a
+        # decision sends them as they are: compression/auto.py).
+        if compressor.name in ("none", "auto"):
             return self._identity(tensors, name)
         if names is None:
             names = [name] if len(tensors) == 1 else [f"{name}.p{j}" for j in range(len(tensors))]
@@ -404,3 +408,50 @@ def _write(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """The reduced value into the caller's tensor (nothing to do when reduced in place)."""
     if value is not tensor:
         tensor.copy_(value.reshape(tensor.shape))
+
+
+class Loopback:
+    """A transport that completes every call at once, for measuring the CPU side alone: a
+    summable payload is "reduced" as it is, a gathered record comes back ``ranks`` times."""
+
+    chains_rounds = True
+
+    def __init__(self, ranks: int) -> None:
+        self.rank, self.size = 0, ranks
+
+    @staticmethod
+    def _done(value: Any) -> Future:
+        future = Future("loopback")
+        future.set_result(value)
+        return future
+
+    def allreduce_(
+        self, tensors: list[torch.Tensor], name: str, op: ReduceOp, prescale: float,
+        postscale: float,
+    ) -> Future:  # fmt: skip
+        return self._done(tensors)
+
+    def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
+        return self._done(record.repeat(self.size))
+
+    def sparse(self, *args: Any) -> None:
+        return None
+
+
+def measure_cpu(spec: str, tensors: Sequence[torch.Tensor], ranks: int, repeats: int = 2) -> float:
+    """Seconds ``Communicator.reduce`` spends on (clones of) ``tensors`` with ``spec`` as a rank
+    of ``ranks`` does, communication left out: the fastest of ``repeats`` calls after a first
+    (numba's compile, error feedback's first residual). compression="auto" reads it."""
+    compressor = create(spec, rank=0, seed=0)
+    comm = Communicator(Loopback(ranks))
+    work = [t.detach().clone() for t in tensors]
+    names = [f"auto.measure.{j}" for j in range(len(work))]
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        for w, t in zip(work, tensors):
+            w.copy_(t)
+        start = time.perf_counter()
+        comm.reduce(work, compressor, "auto.measure", names).wait()
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best
