@@ -183,7 +183,8 @@ def throughput(system: System, args: argparse.Namespace) -> dict[str, Any]:
     rx1, tx1 = _link_bytes()
     stats1 = system.stats()
     decided = getattr(optimizer, "compression_decisions", None)  # compression="auto" (rank 0)
-    choices = [d["choice"] for d in decided()] if decided else []
+    decisions = decided() if decided else []
+    choices = [d["choice"] for d in decisions]
     step_s = statistics.median(times[args.warmup :])
     quartiles = statistics.quantiles(times[args.warmup :], n=4)
     engine = {  # commlayer only: where a step's communication went
@@ -193,7 +194,7 @@ def throughput(system: System, args: argparse.Namespace) -> dict[str, Any]:
     }
     return {
         **engine,
-        **({"auto_choices": choices} if choices else {}),
+        **({"auto_choices": choices, "auto_decisions": decisions} if choices else {}),
         "step_ms": step_s * 1e3,
         "step_ms_iqr": [q * 1e3 for q in (quartiles[0], quartiles[2])],
         "samples_per_s": args.batch * system.size / step_s,
