@@ -125,3 +125,17 @@ def test_plan_decides_once_per_bucket_class_and_logs_it(caplog: pytest.LogCaptur
 def test_measure_cpu_times_the_real_path() -> None:
     seconds = measure_cpu("topk:ratio=0.01", [torch.randn(64, 64)], ranks=2, repeats=1)
     assert 0 < seconds < 5
+
+
+def test_link_from_a_calibration_follows_the_cost_model() -> None:
+    """auto:link=calibration: t(B) is the cost model's fastest algorithm plus the op latency."""
+    from commlayer.costmodel import Calibration
+
+    def cal(beta: float) -> Calibration:
+        return Calibration(2, 1, 20e-6, beta, 1e-10, 1e-10, {}, op_latency_s=1e-4)
+
+    slow, fast = Link.from_calibration(cal(8e-8)), Link.from_calibration(cal(8e-12))
+    assert slow.allreduce_s(4 << 20) > 100 * fast.allreduce_s(4 << 20) > 0
+    assert fast.allreduce_s(4) >= 1e-4  # the engine's latency per call
+    assert decide(MLP_LAYER, slow, CPU, lossy=True).choice != "none"
+    assert decide(MLP_LAYER, fast, CPU, lossy=True).choice == "none"
