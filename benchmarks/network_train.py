@@ -83,6 +83,9 @@ SYSTEMS: list[tuple[str, str, str, str]] = [
     ("powersgd r2", "commlayer", "powersgd:rank=2", ""),
     ("powersgd r4", "commlayer", "powersgd:rank=4", ""),
     ("efsignsgd", "commlayer", "efsignsgd", ""),
+    # issue 39: per bucket none / a cast (auto), or a lossy one with error feedback too
+    ("auto", "commlayer", "auto", ""),
+    ("auto lossy", "commlayer", "auto:lossy=1", ""),
     # commlayer launched as DDP is (torchrun, one agent per host), its engine over gloo
     ("torchrun none", TORCHRUN, "none", ""),
     ("torchrun fp16", TORCHRUN, "fp16", ""),
@@ -179,6 +182,9 @@ def throughput(system: System, args: argparse.Namespace) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     rx1, tx1 = _link_bytes()
     stats1 = system.stats()
+    decided = getattr(optimizer, "compression_decisions", None)  # compression="auto" (rank 0)
+    decisions = decided() if decided else []
+    choices = [d["choice"] for d in decisions]
     step_s = statistics.median(times[args.warmup :])
     quartiles = statistics.quantiles(times[args.warmup :], n=4)
     engine = {  # commlayer only: where a step's communication went
@@ -188,6 +194,7 @@ def throughput(system: System, args: argparse.Namespace) -> dict[str, Any]:
     }
     return {
         **engine,
+        **({"auto_choices": choices, "auto_decisions": decisions} if choices else {}),
         "step_ms": step_s * 1e3,
         "step_ms_iqr": [q * 1e3 for q in (quartiles[0], quartiles[2])],
         "samples_per_s": args.batch * system.size / step_s,
@@ -367,6 +374,24 @@ def throughputs(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _paired(rows: list[dict[str, Any]], label: str, base_label: str) -> str:
+    """samples/s of ``label`` over the baseline's in the same round (runs taken in turn):
+    median [min-max] over the rounds."""
+    step = {
+        (r["label"], r.get("round", 0)): r["step_ms"]
+        for r in rows
+        if r["task"] == "throughput" and "error" not in r
+    }
+    ratios = [
+        step[base_label, k] / step[label, k]
+        for (name, k) in step
+        if name == label and (base_label, k) in step
+    ]
+    if not ratios:
+        return "—"
+    return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
@@ -376,6 +401,8 @@ def tables(result: dict[str, Any]) -> list[str]:
     for rate in result["rates"]:
         rows = [r for r in result["runs"] if r["rate"] == rate]
         ddp = {r["task"]: r for r in rows if r["label"] == "ddp" and "error" not in r}
+        # the baseline of the ratios: DDP where it ran, else uncompressed commlayer
+        base_label = "ddp" if any(r["label"] == "ddp" for r in rows) else "none"
         bound = 26.76e6 * 2 * (result["hosts"] - 1) / result["hosts"] * 8 / rate_bits(rate)
         lines += [
             f"## links at {rate}",
@@ -387,21 +414,29 @@ def tables(result: dict[str, Any]) -> list[str]:
             "what host 1's link carried per step, each way (eth0 counters). Link floor for an "
             f"uncompressed step: {bound * 1e3:.0f} ms of transfer beyond compute.",
             "",
-            "| system | step ms | samples/s | vs DDP | link MB/step out | link MB/step in |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |",
+            f"| system | step ms | samples/s | vs {base_label} | vs {base_label} per round "
+            "[min-max] | link MB/step out | link MB/step in | auto chose |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         speeds = throughputs(rows)
-        base = speeds.get("ddp", {}).get("samples_per_s")
+        base = speeds.get(base_label, {}).get("samples_per_s")
         for label, agg in speeds.items():
             if "error" in agg:
-                lines.append(f"| {label} | failed: {agg['error'].splitlines()[-1][:80]} | | | | |")
+                lines.append(
+                    f"| {label} | failed: {agg['error'].splitlines()[-1][:80]} | | | | | | |"
+                )
                 continue
             ratio = _fmt(agg["samples_per_s"] / base if base else None, ".2f")
             low, high = agg["step_ms_range"]
+            paired = _paired(rows, label, base_label)
+            choices = sorted(
+                {c for r in rows if r["label"] == label for c in r.get("auto_choices", [])}
+            )
             lines.append(
                 f"| {label} | {agg['step_ms']:.1f} [{low:.0f}-{high:.0f}] | "
-                f"{agg['samples_per_s']:.0f} | {ratio} | {agg['link_sent_mb_per_step']:.2f} | "
-                f"{agg['link_received_mb_per_step']:.2f} |"
+                f"{agg['samples_per_s']:.0f} | {ratio} | {paired} | "
+                f"{agg['link_sent_mb_per_step']:.2f} | {agg['link_received_mb_per_step']:.2f} | "
+                f"{', '.join(choices)} |"
             )
         acc_rows = [r for r in rows if r["task"] == "accuracy"]
         if acc_rows:
@@ -534,6 +569,7 @@ def driver(args: argparse.Namespace) -> None:
                         run.update(rate=rate, round=round_)
                         result["runs"].append(run)
                         keys = (
+                            "auto_choices",
                             "step_ms",
                             "samples_per_s",
                             "link_sent_mb_per_step",

@@ -203,7 +203,8 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "compression",
         _REGISTERED,
         "DistributedOptimizer's default gradient compressor, e.g. 'fp16', 'topk:ratio=0.01', "
-        "'qsgd:levels=127,bucket=512'; default none",
+        "'qsgd:levels=127,bucket=512', or 'auto' (per bucket from the measured link; "
+        "'auto:lossy=1' allows lossy ones); default none",
     ),
     (
         "COMMLAYER_TIMELINE",

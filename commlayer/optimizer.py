@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import time
 import warnings
@@ -57,12 +58,15 @@ import torch
 
 from commlayer import ops, runtime
 from commlayer.compression import Compressor, Policy, create
-from commlayer.compression.communicator import Communicator, EngineTransport
+from commlayer.compression import auto as auto_compression
+from commlayer.compression.auto import AutoCompressor, Link
+from commlayer.compression.communicator import Communicator, EngineTransport, measure_cpu
 from commlayer.errors import CommlayerError, TensorMismatchError
 from commlayer.future import Future
 from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.reduce_ops import ReduceOp
 
+_log = logging.getLogger("commlayer")
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
 
 
@@ -371,26 +375,129 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         split = sum(1 for p in ready if p not in self._cl_sparse_dims)
         from commlayer import state_sync  # imports the ops layer, as this module does
 
-        names, split = state_sync.broadcast_object(
-            (names, split),
-            min(self._cl_process_set.ranks or [0]),  # the set's first rank (a global rank)
-            name=f"{next(iter(self._cl_names.values()))}.bucket_plan",
-            process_set=self._cl_process_set,
-        )
+        root = min(self._cl_process_set.ranks or [0])  # the set's first rank (a global rank)
         by_name = {name: p for p, name in self._cl_names.items()}
         compressor_of = {
             p: self._cl_policy.choose(name.removeprefix("grad."), p)
             for p, name in self._cl_names.items()
         }
+        autos = [c for c in self._cl_policy.compressors().values() if isinstance(c, AutoCompressor)]
+        # compression="auto": every rank times the link now (a collective), rank 0 decides
+        # each bucket's compressor and its decisions travel with the plan (compression/auto.py).
+        link = self._cl_measure_link() if autos else None
+        decisions = None
+        if link is not None and runtime.rank() == root:
+            decisions = self._cl_decide(self._cl_plan(names, split, by_name, compressor_of), link)
+        names, split, decisions = state_sync.broadcast_object(
+            (names, split, decisions),
+            root,
+            name=f"{next(iter(self._cl_names.values()))}.bucket_plan",
+            process_set=self._cl_process_set,
+        )
+        for index, params in enumerate(self._cl_plan(names, split, by_name, compressor_of)):
+            first, last = (self._cl_names[p].removeprefix("grad.") for p in (params[0], params[-1]))
+            compressor = compressor_of[params[0]]
+            if isinstance(compressor, AutoCompressor):
+                spec = decisions[index] if decisions is not None else None
+                if spec is None:
+                    raise CommlayerError(
+                        f"rank {runtime.rank()}: compression='auto' here but rank {root} sent no "
+                        f"decision for bucket {index}: every rank must pass the same compression"
+                    )
+                compressor = compressor.compressor(spec, runtime.rank())
+            name = f"grad.bucket[{first}..{last}]"
+            self._cl_buckets.append(_Bucket(params, name, compressor))
+        self._cl_bucket_of = {p: b for b in self._cl_buckets for p in b.params}
+
+    def _cl_plan(
+        self,
+        names: list[str],
+        split: int,
+        by_name: dict[str, torch.nn.Parameter],
+        compressor_of: dict[torch.nn.Parameter, Compressor],
+    ) -> list[list[torch.nn.Parameter]]:
+        """The buckets of a plan: the gradients backward made ready, then the late ones."""
+        buckets: list[list[torch.nn.Parameter]] = []
         for part in (names[:split], names[split:]):
             members = [by_name[name] for name in part]
-            for params in _bucket_plan(members, self._cl_bucket_bytes, compressor_of):
-                first, last = (
-                    self._cl_names[p].removeprefix("grad.") for p in (params[0], params[-1])
-                )
-                name = f"grad.bucket[{first}..{last}]"
-                self._cl_buckets.append(_Bucket(params, name, compressor_of[params[0]]))
-        self._cl_bucket_of = {p: b for b in self._cl_buckets for p in b.params}
+            buckets += _bucket_plan(members, self._cl_bucket_bytes, compressor_of)
+        return buckets
+
+    def _cl_measure_link(self) -> Link:
+        """The engine's allreduce time over this process set, ``alpha + beta B``, from the
+        fastest of a few blocking allreduces at two sizes (every rank: a collective)."""
+        prefix = f"{next(iter(self._cl_names.values()))}.auto_link"
+        points = []
+        for nbytes in auto_compression.LINK_SIZES:
+            buffer = torch.zeros(nbytes // 4)
+            best = math.inf
+            for repeat in range(auto_compression.LINK_REPEATS):
+                start = time.perf_counter()
+                ops.allreduce_(
+                    buffer, name=f"{prefix}.{nbytes}.{repeat}", op=ReduceOp.Sum,
+                    process_set=self._cl_process_set,
+                )  # fmt: skip
+                best = min(best, time.perf_counter() - start)
+            points.append((nbytes, best))
+        return Link.fit(points, self._cl_process_set.size())
+
+    def _cl_decide(self, buckets: list[list[torch.nn.Parameter]], link: Link) -> list[str | None]:
+        """Rank 0: each bucket's spec where the policy said auto (None elsewhere)."""
+        size = self._cl_process_set.size()
+        out: list[str | None] = [None] * len(buckets)
+        by_auto: dict[int, list[int]] = {}
+        for index, params in enumerate(buckets):
+            chosen = self._cl_policy.choose(
+                self._cl_names[params[0]].removeprefix("grad."), params[0]
+            )
+            if isinstance(chosen, AutoCompressor):
+                by_auto.setdefault(id(chosen), []).append(index)
+        autos = {
+            id(c): c
+            for c in self._cl_policy.compressors().values()
+            if isinstance(c, AutoCompressor)
+        }
+        for key, indices in by_auto.items():
+            auto = autos[key]
+            used = self._cl_calibrated_link(link) if auto.link == "calibration" else link
+            grads = [
+                [p.grad if p.grad is not None and not p.grad.is_sparse else torch.zeros_like(p)
+                 for p in buckets[i]]
+                for i in indices
+            ]  # fmt: skip
+            for i, spec in zip(
+                indices, auto_compression.plan(auto, grads, used, size, measure_cpu)
+            ):
+                out[i] = spec
+        return out
+
+    def _cl_calibrated_link(self, measured: Link) -> Link:
+        """``auto:link=calibration``: the stored calibration for these ranks and nodes, else
+        the measured link (logged)."""
+        from commlayer import costmodel
+
+        nodes = ops.topology(self._cl_process_set).nodes
+        cal = costmodel.load(self._cl_process_set.size(), nodes)
+        if cal is None or (nodes > 1 and not cal.has_inter):
+            _log.info(
+                "commlayer: compression auto:link=calibration: no calibration for %d ranks on "
+                "%d node(s) (run `commlayer calibrate`); using the link measured now",
+                self._cl_process_set.size(), nodes,
+            )  # fmt: skip
+            return measured
+        return Link.from_calibration(cal)
+
+    def compression_decisions(self) -> list[dict[str, Any]]:
+        """What ``compression="auto"`` chose, one entry per bucket class (rank 0's decisions,
+        kept on rank 0; empty before the second step and without auto): the choice, the
+        bucket's bytes and tensors, the predicted seconds and measured CPU seconds of each
+        candidate, and the link it was decided for."""
+        return [
+            d
+            for c in self._cl_policy.compressors().values()
+            if isinstance(c, AutoCompressor)
+            for d in c.decisions
+        ]
 
     def _cl_sparse_result(self, p: torch.nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
         """Unpack the gathered (index, value) rows and sum duplicates."""

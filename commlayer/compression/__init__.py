@@ -5,6 +5,7 @@
 ``factory.py`` for specs, and each compressor's module for its math and paper.
 """
 
+from commlayer.compression.auto import AutoCompressor
 from commlayer.compression.base import (
     ENTRY_POINT_GROUP,
     Compressed,
@@ -35,6 +36,7 @@ class Compression:
 
 
 __all__ = [
+    "AutoCompressor",
     "DEFAULT_MIN_NUMEL",
     "ENTRY_POINT_GROUP",
     "SPEC_HELP",

@@ -32,6 +32,7 @@ commlayer.ops); ``commlayer.compression`` itself does not import it.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ from commlayer import ops, runtime
 from commlayer.algorithms.topology import Topology
 from commlayer.compression import wire
 from commlayer.compression.base import Compressed, Compressor
+from commlayer.compression.factory import create
 from commlayer.compression.sparse_reduction import SparseReduction, engine_algorithm
 from commlayer.errors import PayloadError
 from commlayer.future import Future, combined
@@ -199,7 +201,9 @@ class Communicator:
         alone under its own name (``names``; default ``<name>.p<j>``, or ``name`` for a single
         one), which keys the compressor's state (error-feedback residuals, warm starts)."""
         tensors = list(tensors)
-        if compressor.name == "none":  # the payload is the tensors: reduce them where they lie
+        # The payload is the tensors: reduce them where they lie ("auto" before or without a
+        # decision sends them as they are: compression/auto.py).
+        if compressor.name in ("none", "auto"):
             return self._identity(tensors, name)
         if names is None:
             names = [name] if len(tensors) == 1 else [f"{name}.p{j}" for j in range(len(tensors))]
@@ -257,7 +261,7 @@ class Communicator:
             following = []
             for j, c in pending:
                 if c.final:
-                    _write(tensors[j], compressor.decompress(c))
+                    _decompress_into(compressor, c, tensors[j])
                 else:
                     following.append((j, compressor.next_round(c, names[j])))  # type: ignore[attr-defined]
             pending[:] = following
@@ -321,27 +325,133 @@ class Communicator:
             raise self._malformed(name, exc) from None
         start = 0
         for tensor, local, count in zip(tensors, compressed, counts):
-            total: torch.Tensor | None = None
-            for source, record in enumerate(records):
-                payload = record[start : start + count]
-                try:
-                    part = compressor.decompress(Compressed(payload, local.ctx))
-                except PayloadError as exc:
-                    raise self._malformed(
-                        name, PayloadError(f"{compressor.name} payload from rank {source}: {exc}")
-                    ) from None
-                total = part.clone() if total is None else total.add_(part)
-            assert total is not None  # this rank's own record is always there
-            if self.op == ReduceOp.Average:
-                total.div_(len(records))
-            _write(tensor, total)
+            parts = [record[start : start + count] for record in records]
             start += count
+            try:
+                if not self._add_records(tensor, parts, local, compressor):
+                    self._sum_dense(tensor, parts, local, compressor)
+            except _FromRank as exc:
+                raise self._malformed(
+                    name, PayloadError(f"{compressor.name} payload from rank {exc.rank}: {exc}")
+                ) from None
+
+    def _add_records(
+        self,
+        tensor: torch.Tensor,
+        parts: list[list[torch.Tensor]],
+        local: Compressed,
+        compressor: Compressor,
+    ) -> bool:
+        """Sum the records into ``tensor`` itself with the compressor's ``decompress_add_``
+        (top-k: k entries a record, no dense tensor per rank): False where it has none or the
+        tensor is not one flat block. The tensor's own values were read by ``compress``
+        already; it is zeroed and each record added, scaled by 1 / records under Average."""
+        add = getattr(compressor, "decompress_add_", None)
+        if add is None or not tensor.is_contiguous():
+            return False
+        alpha = 1.0 / len(parts) if self.op == ReduceOp.Average else 1.0
+        flat = tensor.view(-1)
+        # Check every record before the gradient is touched: a malformed one leaves it as is.
+        for source, payload in enumerate(parts):
+            try:
+                compressor.check_payload(Compressed(payload, local.ctx))  # type: ignore[attr-defined]
+            except PayloadError as exc:
+                raise _FromRank(source, str(exc)) from None
+        flat.zero_()
+        for payload in parts:
+            add(Compressed(payload, local.ctx), flat, alpha)
+        return True
+
+    def _sum_dense(
+        self,
+        tensor: torch.Tensor,
+        parts: list[list[torch.Tensor]],
+        local: Compressed,
+        compressor: Compressor,
+    ) -> None:
+        total: torch.Tensor | None = None
+        for source, payload in enumerate(parts):
+            try:
+                part = compressor.decompress(Compressed(payload, local.ctx))
+            except PayloadError as exc:
+                raise _FromRank(source, str(exc)) from None
+            total = part.clone() if total is None else total.add_(part)
+        assert total is not None  # this rank's own record is always there
+        if self.op == ReduceOp.Average:
+            total.div_(len(parts))
+        _write(tensor, total)
 
     def _malformed(self, name: str, exc: PayloadError) -> PayloadError:
         return PayloadError(f"rank {self.transport.rank}: {self.what} {name!r}: malformed {exc}")
+
+
+class _FromRank(PayloadError):
+    """A peer's payload refused while summing: which rank sent it."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def _decompress_into(compressor: Compressor, compressed: Compressed, tensor: torch.Tensor) -> None:
+    """The reduced payload decompressed into ``tensor``: by the compressor's
+    ``decompress_into`` where it has one (casts: one converting copy; PowerSGD: the product
+    written in place), else ``decompress`` and a copy."""
+    into = getattr(compressor, "decompress_into", None)
+    if into is not None:
+        into(compressed, tensor)
+    else:
+        _write(tensor, compressor.decompress(compressed))
 
 
 def _write(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """The reduced value into the caller's tensor (nothing to do when reduced in place)."""
     if value is not tensor:
         tensor.copy_(value.reshape(tensor.shape))
+
+
+class Loopback:
+    """A transport that completes every call at once, for measuring the CPU side alone: a
+    summable payload is "reduced" as it is, a gathered record comes back ``ranks`` times."""
+
+    chains_rounds = True
+
+    def __init__(self, ranks: int) -> None:
+        self.rank, self.size = 0, ranks
+
+    @staticmethod
+    def _done(value: Any) -> Future:
+        future = Future("loopback")
+        future.set_result(value)
+        return future
+
+    def allreduce_(
+        self, tensors: list[torch.Tensor], name: str, op: ReduceOp, prescale: float,
+        postscale: float,
+    ) -> Future:  # fmt: skip
+        return self._done(tensors)
+
+    def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
+        return self._done(record.repeat(self.size))
+
+    def sparse(self, *args: Any) -> None:
+        return None
+
+
+def measure_cpu(spec: str, tensors: Sequence[torch.Tensor], ranks: int, repeats: int = 2) -> float:
+    """Seconds ``Communicator.reduce`` spends on (clones of) ``tensors`` with ``spec`` as a rank
+    of ``ranks`` does, communication left out: the fastest of ``repeats`` calls after a first
+    (numba's compile, error feedback's first residual). compression="auto" reads it."""
+    compressor = create(spec, rank=0, seed=0)
+    comm = Communicator(Loopback(ranks))
+    work = [t.detach().clone() for t in tensors]
+    names = [f"auto.measure.{j}" for j in range(len(work))]
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        for w, t in zip(work, tensors):
+            w.copy_(t)
+        start = time.perf_counter()
+        comm.reduce(work, compressor, "auto.measure", names).wait()
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best

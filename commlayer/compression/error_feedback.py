@@ -11,6 +11,12 @@ so nothing is lost, only delayed: sum_t D(C(p_t)) = sum_t g_t - e_{T+1}. This is
 biased compressors (top-k, signs, PowerSGD) converge like SGD. For a multi-round compressor
 (PowerSGD) step 3 uses the last round's local payload, before it is reduced.
 
+Cost: the generic path builds p_t (one read of g and e, one write) and e_{t+1} (D(C(p_t)) and a
+subtraction: two to three more passes over the tensor). A compressor that sends some entries
+exactly and drops the rest (top-k, random-k) declares ``drop_sent_(p, compressed)``: p_t is then
+built in the residual's own buffer (``e.add_(g)``) and the sent entries zeroed in it, which is
+e_{t+1}, bit for bit the generic result, in one pass instead of three to four.
+
 State: one residual per tensor name (the name the optimizer gives each gradient), returned by
 ``state_dict()`` so a checkpoint keeps it; residuals are per rank.
 """
@@ -22,6 +28,10 @@ from typing import Any
 import torch
 
 from commlayer.compression.base import Compressed, Compressor
+
+# The inner compressor's optional fast paths, used through the wrapper as they are: they
+# read or write the reduced result, never the residual.
+_FORWARDED = frozenset({"decompress_add_", "decompress_into", "check_payload", "wire_bytes"})
 
 
 class ErrorFeedback:
@@ -40,6 +50,11 @@ class ErrorFeedback:
     def name(self) -> str:
         return self.inner.name
 
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute in _FORWARDED:
+            return getattr(self.inner, attribute)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attribute!r}")
+
     @property
     def summable(self) -> bool:
         return self.inner.summable
@@ -49,6 +64,9 @@ class ErrorFeedback:
 
     def compress(self, tensor: torch.Tensor, name: str) -> Compressed:
         residual = self.residuals.get(name)
+        drop_sent = getattr(self.inner, "drop_sent_", None)
+        if drop_sent is not None:
+            return self._compress_in_place(tensor, name, residual, drop_sent)
         corrected = tensor
         if residual is not None and residual.shape == tensor.shape:
             # .to: a residual restored by load_state_dict may sit elsewhere (a checkpoint
@@ -56,6 +74,28 @@ class ErrorFeedback:
             corrected = tensor + residual.to(tensor.device)
         compressed = self.inner.compress(corrected, name)
         self._remember(name, corrected, compressed)
+        return compressed
+
+    def _compress_in_place(
+        self, tensor: torch.Tensor, name: str, residual: torch.Tensor | None, drop_sent: Any
+    ) -> Compressed:
+        """p_t in the residual's buffer, e_{t+1} = p_t with the sent entries zeroed (module
+        docstring): the payload holds copies of the sent values, so the buffer is free."""
+        usable = (
+            residual is not None
+            and residual.shape == tensor.shape
+            and residual.dtype == tensor.dtype
+            and residual.device == tensor.device
+        )
+        if usable:
+            assert residual is not None
+            corrected = residual.add_(tensor.detach())
+        elif residual is not None and residual.shape == tensor.shape:
+            corrected = (tensor.detach() + residual.to(tensor.device, tensor.dtype)).contiguous()
+        else:
+            corrected = tensor.detach().clone(memory_format=torch.contiguous_format)
+        compressed = self.inner.compress(corrected, name)
+        self.residuals[name] = drop_sent(corrected, compressed)
         return compressed
 
     def next_round(self, compressed: Compressed, name: str) -> Compressed | None:
@@ -68,6 +108,10 @@ class ErrorFeedback:
         if compressed.final:
             # Now, before the payload is communicated: a summable one is reduced in place. Not
             # in place: the payload may be ``corrected`` itself (PowerSGD sends vectors as is).
+            local_error = getattr(self.inner, "local_error", None)
+            if local_error is not None:  # PowerSGD: one fused product
+                self.residuals[name] = local_error(corrected, compressed)
+                return
             local = self.inner.decompress(compressed)
             self.residuals[name] = corrected.detach() - local.to(corrected.dtype)
         else:

@@ -28,8 +28,8 @@ from commlayer.compression.error_feedback import ErrorFeedback
 _PASSED_IN = ("process_rank",)
 SPEC_HELP = (
     "a compressor 'name' or 'name:key=value,...' with a valid name (none, fp16, bf16, qsgd, "
-    "topk, randomk, efsignsgd, onebit, powersgd, or one registered) and valid parameters, "
-    "e.g. 'topk:ratio=0.01'"
+    "topk, randomk, efsignsgd, onebit, powersgd, auto, or one registered) and valid parameters, "
+    "e.g. 'topk:ratio=0.01' or 'auto:lossy=1'"
 )
 
 

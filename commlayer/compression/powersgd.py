@@ -97,6 +97,31 @@ class PowerSGDCompressor:
         p_hat, shape, dtype = compressed.ctx
         return (p_hat @ compressed.payload[0].t()).reshape(shape).to(dtype)
 
+    def decompress_into(self, compressed: Compressed, out: torch.Tensor) -> None:
+        """P_hat Q^T written into ``out`` by the product itself where ``out`` is a contiguous
+        tensor of the compute dtype (no temporary, no copy); else decompress and copy."""
+        if compressed.ctx is None:
+            if compressed.payload[0] is not out:
+                out.copy_(compressed.payload[0].view(out.shape))
+            return
+        p_hat, _, _ = compressed.ctx
+        if out.is_contiguous() and out.dtype == p_hat.dtype:
+            torch.mm(p_hat, compressed.payload[0].t(), out=out.view(p_hat.shape[0], -1))
+        else:
+            out.copy_(self.decompress(compressed).view(out.shape))
+
+    def local_error(self, corrected: torch.Tensor, compressed: Compressed) -> torch.Tensor:
+        """Error feedback's residual corrected - P_hat Q_local^T in one fused product
+        (``addmm``: no decompressed temporary, no separate subtraction)."""
+        if compressed.ctx is None:
+            return torch.zeros_like(corrected)
+        p_hat, shape, _ = compressed.ctx
+        m = corrected.detach().reshape(shape[0], -1)
+        if m.dtype != p_hat.dtype:
+            local = self.decompress(compressed).to(corrected.dtype)
+            return corrected.detach() - local
+        return torch.addmm(m, p_hat, compressed.payload[0].t(), alpha=-1).view(shape)
+
     def wire_bytes(self, shape: torch.Size, element_bytes: int = 4) -> int:
         rank = self._matrix_rank(shape)
         if rank == 0:

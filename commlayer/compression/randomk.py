@@ -68,6 +68,11 @@ class RandomKCompressor:
         positions = self.indices(name, flat.numel(), flat.device)
         return Compressed([flat[positions]], (tensor.shape, positions))
 
+    def drop_sent_(self, corrected: torch.Tensor, compressed: Compressed) -> torch.Tensor:
+        """Error feedback's new residual, in place: the sent positions zeroed (ErrorFeedback)."""
+        corrected.reshape(-1)[compressed.ctx[1]] = 0
+        return corrected
+
     def decompress(self, compressed: Compressed) -> torch.Tensor:
         shape, positions = compressed.ctx
         values = compressed.payload[0]

@@ -7,16 +7,24 @@ contraction), so ``create("topk:...")`` wraps it in ErrorFeedback, which is what
 converge (Stich et al. 2018, "Sparsified SGD with Memory").
 
 Selection, ``mode``:
-1. ``exact``: ``torch.topk`` of |x| over the whole tensor.
-2. ``sampled`` (DGC's sampled threshold, Lin et al. 2018, section 3 / appendix): take |x| at
-   ~1% random positions, set the threshold to the sample's top 1.25 * ratio quantile, keep the
-   candidates |x| >= threshold (one comparison and one compaction over the tensor) and run
-   ``torch.topk`` on the candidates only. Whenever at least k candidates pass, the k largest
-   are all among them, so the result equals exact top-k; when too few pass (the sample
-   overestimated the threshold, rare with the 25% margin) it falls back to exact. The
+1. ``sampled`` (the default; DGC's sampled threshold, Lin et al. 2018, section 3 / appendix):
+   take |x| at ~1% random positions, set the threshold to the sample's top 1.5 * ratio
+   quantile, keep the candidates |x| >= threshold (one read of the tensor, comparing |x| as it
+   goes: no |x| temporary) and run ``torch.topk`` on the candidates only. Whenever at least
+   k candidates pass, the k largest are all among them, so the result equals exact top-k;
+   when too few pass (the sample overestimated the threshold: rare with the 50% margin, and
+   error feedback's residuals fatten the tail) it reads again with the threshold at twice
+   the margin, twice (``retries``), then falls back to exact (``fallbacks``). The
    compaction is ``kernels.threshold_select``, dispatched by the tensor's device and
    COMMLAYER_KERNELS (numba on the CPU: 2.7x torch's in benchmarks/results/kernels.md; the CUDA
    kernels on a GPU).
+2. ``exact``: ``torch.topk`` of |x| over the whole tensor (a |x| temporary and a selection
+   over all of it: several times the sampled threshold's cost, benchmarks/compress_cost.py).
+
+Error feedback (``ErrorFeedback``) keeps what was not sent: ``drop_sent_`` zeroes the sent
+positions of the corrected gradient in place, which is exactly p - D(C(p)) without building
+D(C(p)). Summing gathered payloads, ``decompress_add_`` adds each rank's k values into the
+result in place (no dense tensor per rank).
 
 Payload: values (the tensor's dtype) and int32 indices, 2 x 4 bytes per kept float32 element;
 reduced by allgather (each rank's k pairs are scattered and summed locally).
@@ -42,7 +50,8 @@ from commlayer.errors import PayloadError
 MODES = ("exact", "sampled")
 _SAMPLE_FRACTION = 0.01  # DGC samples 0.1-1% of the gradient
 _MIN_SAMPLE = 4096  # at fewer samples the quantile estimate is too noisy; below, exact is cheap
-_MARGIN = 1.25  # candidates ~1.25 k: fewer than k (fallback to exact) is a > 2.5 sigma event
+_MARGIN = 1.5  # candidates ~1.5 k: fewer than k is a > 3 sigma event at 1% of 1 M elements
+_RETRIES = 2  # too few candidates: the threshold at twice the margin, then exact
 _HOST_DRAWS = (
     "sampled mode draws its sample positions on the CPU (the same as a CPU rank with this seed) "
     "and copies them to the device, one index per sampled element"
@@ -57,12 +66,13 @@ class TopKCompressor:
     summable: ClassVar[bool] = False
     biased: ClassVar[bool] = True
 
-    def __init__(self, ratio: float = 0.01, mode: str = "exact", seed: int = 0) -> None:
+    def __init__(self, ratio: float = 0.01, mode: str = "sampled", seed: int = 0) -> None:
         self.ratio = check_ratio(ratio)
         if mode not in MODES:
             raise ValueError(f"topk mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
         self._generator = torch.Generator().manual_seed(seed)
+        self.retries = 0  # sampled selections read again with a lower threshold
         self.fallbacks = 0  # sampled selections that had to fall back to exact
 
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
@@ -70,33 +80,60 @@ class TopKCompressor:
         if flat.numel() >= 2**31:
             raise ValueError(f"topk: {flat.numel()} elements do not fit int32 indices")
         k = kept(flat.numel(), self.ratio)
-        indices = self.select(flat.abs(), k)
+        indices = self.select(flat, k)
         values = flat[indices]
         return Compressed([values, indices.to(torch.int32)], (tensor.shape, tensor.dtype))
 
-    def select(self, magnitude: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices (int64) of the k largest entries of ``magnitude``."""
-        count = magnitude.numel()
+    def select(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices (int64) of the k entries of ``x`` (1-D) largest in magnitude."""
+        count = x.numel()
         sample = max(_MIN_SAMPLE, int(count * _SAMPLE_FRACTION))
         # Exact when the sample would be a quarter of the tensor, or the candidates would:
         # the compaction then costs about what it saves.
         if self.mode == "exact" or sample * 4 > count or _MARGIN * k * 4 > count:
-            return torch.topk(magnitude, k, sorted=False).indices
+            return torch.topk(x.abs(), k, sorted=False).indices
         # The sample positions come from the CPU generator for any device (then moved), so a
         # CUDA rank samples where a CPU rank with this seed does: the same threshold and result.
         positions = torch.randint(0, count, (sample,), generator=self._generator)
-        positions = positions.to(magnitude.device)
-        host_work(self.name, magnitude.device, _HOST_DRAWS)
-        top_in_sample = min(sample, int(_MARGIN * k / count * sample) + 1)
-        threshold = torch.topk(magnitude[positions], top_in_sample, sorted=False).values.min()
-        candidates = kernels.threshold_select(magnitude, float(threshold)).long()
-        if candidates.numel() < k:
-            self.fallbacks += 1
-            return torch.topk(magnitude, k, sorted=False).indices
-        return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
+        positions = positions.to(x.device)
+        host_work(self.name, x.device, _HOST_DRAWS)
+        sampled = x[positions].abs()
+        margin = _MARGIN
+        for _ in range(1 + _RETRIES):
+            top_in_sample = min(sample, int(margin * k / count * sample) + 1)
+            threshold = torch.topk(sampled, top_in_sample, sorted=False).values.min()
+            candidates = kernels.threshold_select(x, float(threshold)).long()  # compares |x|
+            if candidates.numel() >= k:
+                return candidates[torch.topk(x[candidates].abs(), k, sorted=False).indices]
+            self.retries += 1
+            margin *= 2  # the sample's estimate was high: a lower threshold, one more read
+        self.fallbacks += 1
+        return torch.topk(x.abs(), k, sorted=False).indices
+
+    def drop_sent_(self, corrected: torch.Tensor, compressed: Compressed) -> torch.Tensor:
+        """Error feedback's new residual, in place: ``corrected`` less what was sent (the
+        sent positions zeroed; D(C(p)) holds p's own values there and zeros elsewhere)."""
+        indices = compressed.payload[1]
+        corrected.reshape(-1).index_fill_(0, indices.to(corrected.device, torch.long), 0)
+        return corrected
 
     def decompress(self, compressed: Compressed) -> torch.Tensor:
         shape, dtype = compressed.ctx
+        values, indices = self.check_payload(compressed)
+        out = torch.zeros(shape.numel(), dtype=dtype, device=values.device)
+        # index_add_, not scatter: a duplicated index sums instead of picking one arbitrarily.
+        out.index_add_(0, indices, values.to(dtype))
+        return out.view(shape)
+
+    def decompress_add_(self, compressed: Compressed, out: torch.Tensor, alpha: float) -> None:
+        """``out`` (flat, the tensor's dtype) += ``alpha`` x the decompressed payload, touching
+        only the k positions (the communicator sums gathered payloads with it)."""
+        values, indices = self.check_payload(compressed)
+        out.index_add_(0, indices, values.to(out.dtype), alpha=alpha)
+
+    def check_payload(self, compressed: Compressed) -> tuple[torch.Tensor, torch.Tensor]:
+        """A peer's (values, indices), checked against this rank's ctx."""
+        shape, _ = compressed.ctx
         values, indices = compressed.payload
         count = shape.numel()
         k = kept(count, self.ratio)
@@ -108,10 +145,7 @@ class TopKCompressor:
         if low < 0 or high >= max(count, 1):
             bad = low if low < 0 else high
             raise PayloadError(f"topk index {bad} out of range [0, {count})")
-        out = torch.zeros(count, dtype=dtype, device=values.device)
-        # index_add_, not scatter: a duplicated index sums instead of picking one arbitrarily.
-        out.index_add_(0, indices, values.to(dtype))
-        return out.view(shape)
+        return values, indices
 
     def wire_bytes(self, numel: int, element_bytes: int = 4) -> int:
         return kept(numel, self.ratio) * (element_bytes + 4)

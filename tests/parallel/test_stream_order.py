@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -156,6 +157,22 @@ def test_reduced_gradients_are_written_before_step(
         real_write(tensor, value)
 
     monkeypatch.setattr(communicator, "_write", write)
+    # the reduced payload written straight into the gradient (casts, PowerSGD: decompress_into;
+    # gathered top-k: summed in place) is a write of the gradient too
+    real_into = communicator._decompress_into
+
+    def into(compressor: Any, compressed: Any, tensor: torch.Tensor) -> None:
+        world.enqueue("write")
+        real_into(compressor, compressed, tensor)
+
+    monkeypatch.setattr(communicator, "_decompress_into", into)
+    real_add = communicator.Communicator._add_records
+
+    def add(self: Any, *args: Any) -> bool:
+        world.enqueue("write")
+        return real_add(self, *args)
+
+    monkeypatch.setattr(communicator.Communicator, "_add_records", add)
     torch.manual_seed(0)
     # weights of 2048 elements: compressed (the policy sends tensors under 1024 as they are)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))

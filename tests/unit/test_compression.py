@@ -228,11 +228,16 @@ def test_topk_sampled_falls_back_to_exact_when_too_few_pass(
 ) -> None:
     """A threshold from the sample that lets fewer than k through: exact top-k instead."""
     monkeypatch.setattr(topk_module, "_MARGIN", 0.5)  # threshold at ~k/2 candidates
-    compressor = TopKCompressor(0.01, mode="sampled")
     x = _randn((200_000,))
+    want = set(torch.topk(x.abs(), 2000).indices.tolist())
+    retried = TopKCompressor(0.01, mode="sampled")  # 0.5 -> 1.0 -> 2.0: the last lets k pass
+    assert set(retried.select(x, 2000).tolist()) == want
+    assert retried.retries >= 1 and retried.fallbacks == 0
+    monkeypatch.setattr(topk_module, "_RETRIES", 0)
+    compressor = TopKCompressor(0.01, mode="sampled")
     indices = compressor.select(x.abs(), 2000)
     assert compressor.fallbacks == 1
-    assert set(indices.tolist()) == set(torch.topk(x.abs(), 2000).indices.tolist())
+    assert set(indices.tolist()) == want
 
 
 def test_randomk_positions_are_shared_per_name_and_step() -> None:
@@ -512,3 +517,67 @@ def test_host_work_is_logged_once_per_reason_and_never_for_cpu_tensors(
         "compressor qsgd on cuda:0: draws on the CPU",
         "compressor randomk on cuda:0: positions",
     ]
+
+
+# -- issue 39: the cheaper paths give the generic results ----------------------------------------
+def test_topk_default_is_the_sampled_threshold_and_error_feedback_keeps_the_rest() -> None:
+    """Sampled top-k (the default) sends k entries; with error feedback what it did not send is
+    the residual, exactly p - D(C(p)), built in place (ErrorFeedback + drop_sent_)."""
+    compressor = compression.create("topk:ratio=0.01")
+    assert isinstance(compressor, ErrorFeedback) and compressor.inner.mode == "sampled"
+    first, second = _randn((200_000,), seed=1), _randn((200_000,), seed=2)
+    compressor.compress(first, "g")
+    residual = compressor.residuals["g"].clone()
+    corrected = second + residual
+    sent = compressor.compress(second, "g")
+    values, indices = sent.payload
+    k = math.ceil(0.01 * 200_000)
+    assert values.numel() == indices.numel() == k  # k, not about k: the threshold only filters
+    local = compressor.decompress(sent)
+    torch.testing.assert_close(compressor.residuals["g"], corrected - local, rtol=0, atol=0)
+    # what was sent plus what was kept back is every bit of the corrected gradient
+    torch.testing.assert_close(local + compressor.residuals["g"], corrected, rtol=0, atol=0)
+    assert compressor.inner.fallbacks == 0
+
+
+@pytest.mark.parametrize("spec", ["randomk:ratio=0.05", "powersgd:rank=2", "topk:ratio=0.05"])
+def test_fast_error_feedback_paths_equal_the_generic_one(spec: str) -> None:
+    """drop_sent_ (top-k, random-k) and local_error (PowerSGD) against residual = p - D(C(p))."""
+    fast = compression.create(spec, seed=4)
+    generic = compression.create(spec, seed=4)
+    assert isinstance(fast, ErrorFeedback) and isinstance(generic, ErrorFeedback)
+    for step in range(3):
+        g = _randn((96, 80), seed=10 + step)
+        a = fast.compress(g, "w")
+        corrected = g + generic.residuals["w"] if step else g
+        b = generic.inner.compress(corrected, "w")
+        while not a.final:
+            a, b = fast.next_round(a, "w"), generic.inner.next_round(b, "w")  # type: ignore[attr-defined]
+        generic.residuals["w"] = corrected - generic.inner.decompress(b)
+        torch.testing.assert_close(fast.residuals["w"], generic.residuals["w"])
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "powersgd:rank=2"])
+def test_decompress_into_writes_what_decompress_returns(spec: str) -> None:
+    compressor = compression.create(spec)
+    g = _randn((64, 50), seed=3)
+    c = compressor.compress(g, "w")
+    while not c.final:
+        c = compressor.next_round(c, "w")  # type: ignore[attr-defined]
+    out = torch.full_like(g, 7.0)
+    compressor.decompress_into(c, out)  # type: ignore[attr-defined]
+    torch.testing.assert_close(out, compressor.decompress(c).to(g.dtype).view(g.shape))
+
+
+def test_topk_decompress_add_sums_scaled_records_and_checks_them() -> None:
+    compressor = TopKCompressor(0.1)
+    a, b = _randn((1000,), seed=1), _randn((1000,), seed=2)
+    ca, cb = compressor.compress(a, "a"), compressor.compress(b, "b")
+    out = torch.zeros(1000)
+    compressor.decompress_add_(ca, out, 0.5)
+    compressor.decompress_add_(cb, out, 0.5)
+    want = (compressor.decompress(ca) + compressor.decompress(cb)) / 2
+    torch.testing.assert_close(out, want)
+    bad = Compressed([ca.payload[0], ca.payload[1].clone().fill_(5000)], ca.ctx)
+    with pytest.raises(PayloadError, match="out of range"):
+        compressor.decompress_add_(bad, out, 1.0)

@@ -1,0 +1,285 @@
+"""``compression="auto"``: per bucket, none, a cast or (``auto:lossy=1``) a lossy compressor,
+whichever the cost model predicts fastest for this link, these ranks and this bucket (issue 39).
+
+DistributedOptimizer decides once, when it plans its buckets after the first step (the first
+step travels uncompressed, as ``none``): rank 0 decides for every bucket and its decisions
+travel with the bucket plan it broadcasts already, so every rank uses the same compressor for a
+bucket whatever its own measurements. Rank 0's facts:
+
+1. The link: the time of the engine's allreduce of B bytes, ``t(B) = alpha + beta B``, from
+   blocking allreduces of 16 KiB and 2 MiB (three each, the fastest kept) that every rank makes
+   at that moment: the path a bucket takes (algorithm, engine, the link's rate now), measured
+   on the job's own ranks. With ``auto:link=calibration``, the stored calibration
+   (``commlayer calibrate``) for this rank count and node layout predicts ``t(B)`` instead
+   (the cost model's fastest algorithm, plus the engine's measured op latency); without one
+   that fits, the measurement. (A calibration does not know the rate a link has today: the
+   measurement is the default.)
+2. Each candidate's CPU cost on this machine, measured on the bucket's own gradients (step 1's,
+   cloned; the candidate made as ``create`` makes it, error feedback included, its second call
+   timed so the residual is there): the whole of ``Communicator.reduce`` over a transport that
+   completes at once, decoding a gathered payload once per rank as a rank of the job does.
+   Buckets of the same shapes and dtype share one measurement ("bucket class").
+3. The prediction per candidate: CPU cost + link time of its payload: ``t(B)`` uncompressed,
+   ``t(B / 2)`` for a cast, each round's ``t(bytes)`` for PowerSGD, and for a gathered payload
+   of p bytes a rank ``t(n p / 2)`` (an allgather moves (n - 1) p bytes through each rank, the
+   allreduce of B bytes 2 (n - 1) B / n).
+
+A candidate replaces the one before it (none, then the casts, then the lossy ones) only when
+predicted at most ``margin`` (``auto:margin=``, default 0.85) of its time: noise in the
+measurements must not buy a cast or a lossy compressor where the link is fast. Lossy
+candidates (PowerSGD rank 4, top-k 1% by sampled threshold) come with error feedback and only
+with ``lossy=1``; tensors under the policy's ``min_numel`` then travel uncompressed (the casts
+take every tensor otherwise).
+Every decision is logged once per bucket class at INFO by rank 0 and kept in ``decisions``
+(``DistributedOptimizer.compression_decisions()``). Elsewhere (the DDP hook, a collective
+called with ``compression=auto``) nothing decides: it sends what it is given, as ``none``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from commlayer.compression.base import Compressed, Compressor, horovod_args, register
+from commlayer.compression.factory import create
+
+_log = logging.getLogger("commlayer")
+
+MARGIN = 0.85  # a candidate must be predicted at most this fraction of the one it replaces
+CASTS = ("fp16", "bf16")
+LOSSY = ("powersgd:rank=4", "topk:ratio=0.01")
+LINK_SIZES = (16 << 10, 2 << 20)  # bytes of the timed allreduces (the link's alpha and beta)
+LINK_REPEATS = 3
+LINKS = ("measure", "calibration")
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Seconds of one allreduce of ``nbytes`` over the job's ranks: ``alpha + beta nbytes``,
+    or ``curve(nbytes)`` where a calibration predicts it."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+    ranks: int
+    source: str = "measured"
+    curve: Callable[[int], float] | None = dataclasses.field(default=None, compare=False)
+
+    def allreduce_s(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        if self.curve is not None:
+            return self.curve(int(nbytes))
+        return self.alpha_s + self.beta_s_per_byte * nbytes
+
+    def allgather_s(self, nbytes_per_rank: float) -> float:
+        """An allgather of ``nbytes_per_rank`` from each rank: the allreduce moving as many
+        bytes through each rank."""
+        return self.allreduce_s(self.ranks * nbytes_per_rank / 2)
+
+    @staticmethod
+    def from_calibration(cal: Any, op_latency: bool = True) -> Link:
+        """``t(B)`` from a stored calibration: the cost model's fastest algorithm for B bytes
+        (costmodel.table) plus the engine's measured latency per call."""
+        from commlayer import costmodel
+
+        def curve(nbytes: int) -> float:
+            rows = costmodel.table(max(nbytes, 4), cal)
+            return (rows[0][1] if rows else 0.0) + (cal.op_latency_s if op_latency else 0.0)
+
+        return Link(cal.alpha_s, cal.beta_s_per_byte, cal.size, "calibration", curve)
+
+    @staticmethod
+    def fit(points: Sequence[tuple[int, float]], ranks: int) -> Link:
+        """alpha and beta through the (bytes, seconds) points (least squares; beta >= 0)."""
+        n = len(points)
+        mean_b = sum(b for b, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        var = sum((b - mean_b) ** 2 for b, _ in points)
+        beta = sum((b - mean_b) * (t - mean_t) for b, t in points) / var if var else 0.0
+        beta = max(beta, 0.0)
+        return Link(max(mean_t - beta * mean_b, 0.0), beta, ranks)
+
+    def describe(self) -> str:
+        if self.curve is not None:
+            return f"{self.source} ({self.ranks} ranks)"
+        rate = 8 / self.beta_s_per_byte / 1e9 if self.beta_s_per_byte else float("inf")
+        return (
+            f"{self.source} alpha {self.alpha_s * 1e6:.0f} us, {rate:.2f} Gbit/s of allreduce "
+            f"payload ({self.ranks} ranks)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What ``auto`` chose for one bucket class, and why (seconds predicted per candidate)."""
+
+    choice: str
+    nbytes: int
+    tensors: int
+    predicted_s: dict[str, float]
+    cpu_s: dict[str, float]
+    link: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        times = ", ".join(f"{spec} {t * 1e3:.1f} ms" for spec, t in self.predicted_s.items())
+        return (
+            f"compression auto: {self.choice} for buckets of {self.nbytes / 1e6:.2f} MB "
+            f"({self.tensors} tensor(s)); predicted a step's reduce: {times}; link: {self.link}"
+        )
+
+
+def payload_time(spec: str, tensors: Sequence[torch.Tensor], link: Link) -> float:
+    """Link seconds of ``spec``'s payload for these tensors (module docstring, 3.)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    name = spec.partition(":")[0]
+    if name == "none":
+        return link.allreduce_s(nbytes)
+    if name in CASTS:
+        return link.allreduce_s(sum(t.numel() * 2 for t in tensors))
+    compressor = create(spec)
+    inner: Any = getattr(compressor, "inner", compressor)
+    if name == "powersgd":
+        first = second = 0
+        for t in tensors:
+            rank = inner._matrix_rank(t.shape)
+            if rank == 0:
+                first += t.numel() * t.element_size()
+            else:
+                first += t.shape[0] * rank * 4
+                second += (t.numel() // t.shape[0]) * rank * 4
+        return link.allreduce_s(first) + link.allreduce_s(second)
+    wire_bytes = getattr(inner, "wire_bytes", None)
+    if wire_bytes is None:
+        raise ValueError(f"compression auto cannot cost {spec!r}: it declares no wire_bytes")
+    sent = sum(wire_bytes(t.numel()) for t in tensors)
+    if inner.summable:
+        return link.allreduce_s(sent)
+    return link.allgather_s(sent)
+
+
+def choose(
+    predicted: dict[str, float], lossy: bool, margin: float = MARGIN
+) -> str:  # fmt: skip
+    """The candidate to use, from predicted seconds (module docstring): none, then each cast,
+    then (``lossy``) each lossy spec replaces the pick only at ``margin`` of its time or less."""
+    pick = "none"
+    for group in (CASTS, LOSSY if lossy else ()):
+        present = [spec for spec in group if spec in predicted]
+        if not present:
+            continue
+        best = min(present, key=lambda spec: predicted[spec])
+        if predicted[best] <= margin * predicted[pick]:
+            pick = best
+    return pick
+
+
+def decide(
+    tensors: Sequence[torch.Tensor],
+    link: Link,
+    cpu_s: dict[str, float],
+    lossy: bool,
+    margin: float = MARGIN,
+) -> Decision:
+    """The decision for a bucket of ``tensors`` given the link and each candidate's measured
+    CPU seconds (``cpu_s``: the candidates; "none" costs nothing). Pure: unit-testable with
+    fake numbers."""
+    candidates = ["none", *CASTS, *(LOSSY if lossy else ())]
+    predicted = {
+        spec: cpu_s.get(spec, 0.0) + payload_time(spec, tensors, link)
+        for spec in candidates
+        if spec == "none" or spec in cpu_s
+    }
+    return Decision(
+        choose(predicted, lossy, margin),
+        sum(t.numel() * t.element_size() for t in tensors),
+        len(tensors),
+        predicted,
+        dict(cpu_s),
+        link.describe(),
+    )
+
+
+@register("auto")
+class AutoCompressor:
+    """Placeholder DistributedOptimizer resolves per bucket (module docstring); until then, and
+    anywhere nothing resolves it, it sends tensors as they are."""
+
+    name: ClassVar[str] = "auto"
+    summable: ClassVar[bool] = True
+
+    def __init__(self, lossy: int = 0, link: str = "measure", margin: float = MARGIN) -> None:
+        if lossy not in (0, 1) or isinstance(lossy, bool):
+            raise ValueError(f"auto: lossy must be 0 or 1, got {lossy!r}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin <= 0:
+            raise ValueError(f"auto: margin must be a number > 0, got {margin!r}")
+        self.margin = float(margin)
+        if link not in LINKS:
+            raise ValueError(f"auto: link must be one of {', '.join(LINKS)}, got {link!r}")
+        self.lossy = bool(lossy)
+        self.link = link
+        # Lossy candidates skip small tensors (Policy's min_numel); casts take every tensor.
+        self.compresses_small_tensors = not self.lossy
+        self.decisions: list[dict[str, Any]] = []  # one per bucket class, in plan order
+        self.chosen: dict[str, Compressor] = {}  # spec -> the compressor buckets share
+
+    def __repr__(self) -> str:
+        return f"AutoCompressor(lossy={int(self.lossy)}, link={self.link!r}, margin={self.margin})"
+
+    def compressor(self, spec: str, rank: int) -> Compressor:
+        """The one compressor of ``spec`` every bucket given it shares (its state: residuals)."""
+        if spec not in self.chosen:
+            self.chosen[spec] = create(spec, rank=rank)
+        return self.chosen[spec]
+
+    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
+        return Compressed([tensor])
+
+    def decompress(self, compressed: Compressed | torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        return horovod_args(compressed, ctx).payload[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            spec: c.state_dict()  # type: ignore[attr-defined]
+            for spec, c in self.chosen.items()
+            if hasattr(c, "state_dict")
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for spec, value in state.items():
+            target = self.chosen.get(spec)
+            if target is None:  # restored before the plan: kept for when it is chosen
+                target = self.chosen[spec] = create(spec)
+            target.load_state_dict(value)  # type: ignore[attr-defined]
+
+
+def plan(
+    auto: AutoCompressor,
+    buckets: Sequence[Sequence[torch.Tensor]],
+    link: Link,
+    ranks: int,
+    measure: Callable[[str, Sequence[torch.Tensor], int], float],
+) -> list[str]:
+    """Rank 0: the spec for each bucket (tensors: step 1's gradients), logging each bucket
+    class's decision once and recording it in ``auto.decisions``. ``measure(spec, tensors,
+    ranks)``: the CPU seconds of a candidate (communicator.measure_cpu)."""
+    by_class: dict[tuple[Any, ...], str] = {}
+    out = []
+    for tensors in buckets:
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        if key not in by_class:
+            candidates = [*CASTS, *(LOSSY if auto.lossy else ())]
+            floating = all(t.is_floating_point() for t in tensors)
+            cpu = {spec: measure(spec, tensors, ranks) for spec in candidates} if floating else {}
+            decision = decide(tensors, link, cpu, auto.lossy, auto.margin)
+            by_class[key] = decision.choice
+            auto.decisions.append(decision.as_dict())
+            _log.info("commlayer: %s", decision.describe())
+        out.append(by_class[key])
+    return out
