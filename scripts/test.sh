@@ -9,6 +9,9 @@
 #                                  parallel suite at 2 ranks under mpiexec and under torchrun,
 #                                  without the tests marked slow (a few minutes)
 #
+# On 2 cores, single-process stages share the time: mypy and the docs build run beside the unit
+# tests, and the 1-rank parallel runs under mpiexec and torchrun side by side (``lanes``).
+#
 # Every full run installs into a virtual environment made anew (no system site packages, only
 # what pyproject.toml declares), so a dependency nothing installs fails here as on a fresh
 # machine. --quick reuses that environment while pyproject.toml, the torch pin and the Python
@@ -134,50 +137,100 @@ stage_done "ok"
 
 stage "ruff"
 lint_paths=()
-for path in commlayer tests benchmarks examples scripts; do
+for path in commlayer tests benchmarks examples integrations scripts; do
     [[ -e "$path" ]] && lint_paths+=("$path")
 done
 "$PY" -m ruff check "${lint_paths[@]}"
 stage_done "ok"
 
-stage "mypy"
-"$PY" -m mypy
-stage_done "ok"
-
-stage "docs"
-# the site, warnings as errors (broken links, pages the code generates)
-TEST_VENV="$VENV" bash scripts/docs.sh
-stage_done "ok"
 
 if [[ $QUICK -eq 1 ]]; then
-    unit_dirs=(tests/unit)
     ranks=(2)
     select=(-m "not slow")
 else
-    unit_dirs=(tests/unit tests/system)
     ranks=(1 2 3 4)
     select=()
 fi
 
-stage "pytest ${unit_dirs[*]}"
+# Two single-process lanes at once, one core each (this machine has 2): each lane's output is
+# kept in a file and printed when both have ended; the stage fails naming the lane that failed.
+# Usage: lanes "<stage name>" <function of lane 1> <function of lane 2>
+lanes() {
+    stage "$1"
+    local logs rc1=0 rc2=0 pid1 pid2
+    logs="$(mktemp -d)"
+    "$2" >"$logs/1" 2>&1 &
+    pid1=$!
+    "$3" >"$logs/2" 2>&1 &
+    pid2=$!
+    wait "$pid1" || rc1=$?
+    wait "$pid2" || rc2=$?
+    printf -- '-------- %s\n' "$2"
+    cat "$logs/1"
+    printf -- '-------- %s\n' "$3"
+    cat "$logs/2"
+    rm -rf "$logs"
+    if [[ $rc1 -ne 0 ]]; then
+        STAGE="$1: $2"
+        return "$rc1"
+    fi
+    if [[ $rc2 -ne 0 ]]; then
+        STAGE="$1: $3"
+        return "$rc2"
+    fi
+    stage_done "ok"
+}
+
+mypy_then_docs() {
+    "$PY" -m mypy
+    # the site, warnings as errors (broken links, pages the code generates)
+    TEST_VENV="$VENV" bash scripts/docs.sh
+}
+
 # -rs: why a test skipped; --durations: where the time goes, for keeping the suite short
-run_pytest "${unit_dirs[*]}" "$PY" -m pytest "${unit_dirs[@]}" -q -rs --durations=25 \
-    "${select[@]+"${select[@]}"}"
-stage_done "ok"
+unit_tests() {
+    run_pytest tests/unit "$PY" -m pytest tests/unit -q -rs --durations=25 -p no:cacheprovider \
+        "${select[@]+"${select[@]}"}"
+}
+
+parallel_mpiexec() { # $1: ranks
+    run_pytest tests/parallel timeout -k 30 "$PARALLEL_TIMEOUT_S" \
+        mpiexec -n "$1" "$PY" -m pytest tests/parallel -q -p no:cacheprovider -x \
+        "${select[@]+"${select[@]}"}" </dev/null
+}
+
+parallel_torchrun() { # $1: processes
+    # --standalone: a rendezvous on a free local port (two runs never share one)
+    run_pytest tests/parallel timeout -k 30 "$PARALLEL_TIMEOUT_S" \
+        "$PY" -m torch.distributed.run --standalone --nproc_per_node "$1" \
+        -m pytest tests/parallel -q -p no:cacheprovider -x "${select[@]+"${select[@]}"}" </dev/null
+}
+
+# mypy and the docs site (one process each, in turn) beside the unit tests (one process)
+lanes "mypy + docs | pytest tests/unit" mypy_then_docs unit_tests
+
+if [[ $QUICK -eq 0 ]]; then
+    stage "pytest tests/system"
+    run_pytest tests/system "$PY" -m pytest tests/system -q -rs --durations=25 -p no:cacheprovider
+    stage_done "ok"
+fi
 
 for n in "${ranks[@]}"; do
+    if [[ $n -eq 1 ]]; then
+        # one process each: both 1-rank runs at once
+        one_mpiexec() { parallel_mpiexec 1; }
+        one_torchrun() { parallel_torchrun 1; }
+        lanes "pytest parallel, mpiexec -n 1 | torchrun --nproc_per_node 1" one_mpiexec one_torchrun
+        continue
+    fi
     stage "pytest parallel, mpiexec -n $n"
-    run_pytest tests/parallel timeout -k 30 "$PARALLEL_TIMEOUT_S" \
-        mpiexec -n "$n" "$PY" -m pytest tests/parallel -q -p no:cacheprovider -x \
-        "${select[@]+"${select[@]}"}" </dev/null
+    parallel_mpiexec "$n"
     stage_done "ok"
 done
 
 for n in "${ranks[@]}"; do
+    [[ $n -eq 1 ]] && continue # ran beside mpiexec -n 1
     stage "pytest parallel, torchrun --nproc_per_node $n"
-    # --standalone: a rendezvous on a free local port (two runs never share one)
-    run_pytest tests/parallel timeout -k 30 "$PARALLEL_TIMEOUT_S" \
-        "$PY" -m torch.distributed.run --standalone --nproc_per_node "$n" \
-        -m pytest tests/parallel -q -p no:cacheprovider -x "${select[@]+"${select[@]}"}" </dev/null
+    parallel_torchrun "$n"
     stage_done "ok"
 done
