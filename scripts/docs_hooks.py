@@ -104,6 +104,15 @@ def examples_page() -> str:
         source = path.read_text()
         doc = ast.get_docstring(ast.parse(source)) or ""
         lines += [f"## `{path.name}`", "", doc, "", "```python", source.rstrip(), "```", ""]
+    # an example of several files in a folder of its own (examples/elastic/): its train.py's
+    # docstring says how to run it, then every file
+    for folder in sorted(p for p in (REPO / "examples").iterdir() if (p / "train.py").is_file()):
+        doc = ast.get_docstring(ast.parse((folder / "train.py").read_text())) or ""
+        lines += [f"## `{folder.name}/`", "", doc, ""]
+        for path in sorted(f for f in folder.iterdir() if f.suffix in (".py", ".sh")):
+            language = "python" if path.suffix == ".py" else "sh"
+            lines += [f"`{folder.name}/{path.name}`:", "", f"```{language}"]
+            lines += [path.read_text().rstrip(), "```", ""]
     return "\n".join(lines)
 
 
