@@ -158,7 +158,10 @@ def test_prefix_output_puts_each_rank_before_its_lines(harness: ModuleType) -> N
     assert job.returncode == 0, _explain(job)
     want = [f"[{r}] {text} {r}" for r in (0, 1) for text in ("and another from", "line from")]
     assert sorted(job.stdout.splitlines()) == want, _explain(job)
-    script = ["python", "-c", "import os; print('line from', os.environ['PMI_RANK'])"]
+    # one write per line: unprefixed, hydra forwards each rank's writes as they come, and a
+    # print() in pieces (PYTHONUNBUFFERED=1) could interleave with the other rank's
+    line = "import os, sys; sys.stdout.write(f\"line from {os.environ['PMI_RANK']}\\n\")"
+    script = ["python", "-c", line]
     plain = _run(harness, ["--no-prefix-output", "-np", "2", *script], CHECK_BUILD_TIMEOUT_S)
     assert plain.returncode == 0, _explain(plain)
     assert sorted(plain.stdout.splitlines()) == ["line from 0", "line from 1"], _explain(plain)
