@@ -27,6 +27,7 @@ import sysconfig
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -206,6 +207,18 @@ def _read_records(out_dir: Path) -> list[dict[str, Any]]:
 
 
 RunMPI = Callable[..., Job]
+
+
+@pytest.fixture(scope="module")
+def harness(pytestconfig: pytest.Config) -> ModuleType:
+    """This conftest.py as pytest loaded it, for tests that call its helpers (worker_env,
+    run_limited, ...). Not ``import conftest``: that name is whichever conftest.py pytest
+    loaded last (``pytest tests/system tests/parallel``)."""
+    path = Path(__file__).resolve()
+    for plugin in pytestconfig.pluginmanager.get_plugins():
+        if getattr(plugin, "__file__", None) and Path(plugin.__file__).resolve() == path:
+            return plugin
+    pytest.fail(f"{path} is not loaded as a conftest")
 
 
 @pytest.fixture(scope="session")

@@ -196,16 +196,6 @@ def test_cluster_lifecycle_leaves_nothing_behind(permitted: None) -> None:
 # -- one job across 2 hosts ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def harness(pytestconfig: pytest.Config) -> ModuleType:
-    """This directory's conftest.py as pytest loaded it (as in test_launcher_demo.py)."""
-    path = Path(__file__).with_name("conftest.py").resolve()
-    for plugin in pytestconfig.pluginmanager.get_plugins():
-        if getattr(plugin, "__file__", None) and Path(plugin.__file__).resolve() == path:
-            return plugin
-    pytest.fail(f"{path} is not loaded as a conftest")
-
-
 class Job:
     """What the worker's ranks reported, and everything the job printed."""
 

@@ -27,16 +27,6 @@ TIMEOUT_S = 90.0  # a launcher, its agent and 2 ranks: 25-45 s at load 12-14 (py
 
 
 @pytest.fixture(scope="module")
-def harness(pytestconfig: pytest.Config) -> ModuleType:
-    """This directory's conftest.py as pytest loaded it (as test_launcher_demo.py finds it)."""
-    path = Path(__file__).with_name("conftest.py").resolve()
-    for plugin in pytestconfig.pluginmanager.get_plugins():
-        if getattr(plugin, "__file__", None) and Path(plugin.__file__).resolve() == path:
-            return plugin
-    pytest.fail(f"{path} is not loaded as a conftest")
-
-
-@pytest.fixture(scope="module")
 def job(
     harness: ModuleType, tmp_path_factory: pytest.TempPathFactory
 ) -> subprocess.CompletedProcess[str]:

@@ -37,16 +37,6 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
 @pytest.fixture(scope="module")
-def harness(pytestconfig: pytest.Config) -> ModuleType:
-    """This directory's conftest.py as pytest loaded it (as test_launcher_demo.py finds it)."""
-    path = Path(__file__).with_name("conftest.py").resolve()
-    for plugin in pytestconfig.pluginmanager.get_plugins():
-        if getattr(plugin, "__file__", None) and Path(plugin.__file__).resolve() == path:
-            return plugin
-    pytest.fail(f"{path} is not loaded as a conftest")
-
-
-@pytest.fixture(scope="module")
 def job(harness: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The script's result record, its lines about the checkpoint and ranks under "lines"."""
     out_dir = tmp_path_factory.mktemp("ray")

@@ -65,17 +65,6 @@ def _commlayerrun() -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def harness(pytestconfig: pytest.Config) -> ModuleType:
-    """This directory's conftest.py as pytest loaded it. Not ``import conftest``: that name is
-    whichever conftest.py pytest loaded last (``pytest tests/system tests/parallel``)."""
-    path = Path(__file__).with_name("conftest.py").resolve()
-    for plugin in pytestconfig.pluginmanager.get_plugins():
-        if getattr(plugin, "__file__", None) and Path(plugin.__file__).resolve() == path:
-            return plugin
-    pytest.fail(f"{path} is not loaded as a conftest")
-
-
 def _run(
     harness: ModuleType, args: list[str], timeout_s: float
 ) -> subprocess.CompletedProcess[str]:
