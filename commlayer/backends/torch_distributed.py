@@ -73,7 +73,7 @@ from commlayer.backends.base import COMPLETED, Request
 from commlayer.backends.peers import addresses, indices, machine_id, process_alive
 from commlayer.backends.shm import CHUNK_BYTES, FileWindow, SharedMemoryAllreduce
 from commlayer.errors import CommlayerError
-from commlayer.reduce_ops import ReduceOp
+from commlayer.reduce_ops import ReduceOp, scale_into
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated there); torch 2.1-2.12 have only it.
 log = logging.getLogger("commlayer")
@@ -383,8 +383,9 @@ class TorchBackend:
         """iallreduce through the shared-memory window (``window_capable``: every rank on one
         machine; backends/shm.py), made at the first call, which every rank reaches together
         (an allreduce that the engine's agreed plan runs through the window)."""
-        window = self._window() if self._size > 1 and recv.numel() else None
-        if window is None or recv.device.type != "cpu":
+        usable = self._size > 1 and recv.numel() and recv.device.type == "cpu"
+        window = self._window() if usable else None
+        if window is None:
             return self.iallreduce(send, recv, op)
         return window.iallreduce(send, recv, op)
 
@@ -397,7 +398,8 @@ class TorchBackend:
     ) -> Request:
         """shm_iallreduce of the concatenation of ``sources`` into ``outputs``, output i scaled
         by ``scales[i]`` (SharedMemoryAllreduce.iallreduce_pieces; size >= 2). Where the
-        window could not be made: packed and reduced over gloo, waited for here."""
+        window could not be made: packed and reduced over gloo, waited for here, each output
+        scaled as the window scales it (``scale_into``: the same bits)."""
         window = self._window()
         if window is not None:
             return window.iallreduce_pieces(sources, outputs, scales, op)
@@ -406,7 +408,7 @@ class TorchBackend:
         at = 0
         for out, scale in zip(outputs, scales):
             part = buf[at : at + out.numel()].view_as(out)
-            out.copy_(part) if scale == 1.0 else torch.mul(part, scale, out=out)
+            out.copy_(part) if scale == 1.0 else scale_into(part, scale, out)
             at += out.numel()
         return COMPLETED
 

@@ -26,7 +26,7 @@ from collective_reference import (
     random_floats,
     seed_of,
 )
-from launch import own_backend
+from launch import own_backend, under_torchrun
 from restart import reinit
 from waiting import wait_until
 
@@ -103,6 +103,31 @@ def test_float_results_are_the_same_bits_on_every_rank(backend: Any, dtype: torc
     results = run(backend, mine, cl.Sum, True, scales)
     rows = gather_rows(torch.cat(results), f"pieces.bits.{dtype}")
     assert_same_on_every_rank(rows)
+
+
+def test_without_a_window_the_torch_backend_packs_and_scales_as_the_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torchrun, where no rank can map a window (here: its folder missing on every rank),
+    the pieces are packed and reduced over gloo, each output scaled as the window scales it."""
+    if cl.size() == 1 or not under_torchrun():
+        pytest.skip("the torch backend's fallback, at 2 ranks or more")
+    monkeypatch.setattr(shm.FileWindow, "DIRECTORY", "/nonexistent/commlayer-test")
+    own = own_backend()  # every rank finds no window at its start-up gather
+    try:
+        assert not own.window_capable
+        sizes = piece_sizes(torch.float32)
+        every = [
+            every_rank_small_ints(seed_of(f"pieces.fallback.{k}"), (n,), torch.float32)
+            for k, n in enumerate(sizes)
+        ]
+        mine = [inputs[cl.rank()].clone() for inputs in every]
+        scales = (1.0 / cl.size(), *SCALES[1:])  # Average's 1/n among powers of two
+        results = run(own, mine, cl.Sum, False, scales)
+    finally:
+        own.close()
+    for result, inputs, scale in zip(results, every, scales, strict=True):
+        assert_reduced(result, inputs, cl.Sum, postscale=scale)
 
 
 # -- through the engine: a burst of large tensors fused under the window ------------------------
