@@ -37,10 +37,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from test_cluster import REPO, _commlayerrun, cluster, harness, permitted, torchrun_agents
+from test_cluster import REPO, _commlayerrun, cluster, permitted, torchrun_agents
 from waiting import Deadline, poll
 
-__all__ = ["harness", "permitted"]  # fixtures of test_cluster.py, used here
+__all__ = ["permitted"]  # a fixture of test_cluster.py, used here (harness: conftest.py)
 
 WORKER = Path(__file__).parent / "scripts" / "fault_worker.py"
 HOSTS = "node1:2,node2:2"

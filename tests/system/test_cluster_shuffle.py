@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 from test_cluster import _why_not_permitted, cluster, run_worker
-from test_cluster import harness as harness  # noqa: F401  (the fixture)
 
 WORKER = Path(__file__).parent / "scripts" / "shuffle_cluster.py"
 N, EPOCHS, PER_HOST = 203, 3, 2  # scripts/shuffle_cluster.py
