@@ -13,7 +13,10 @@
    (``paired-torchrun``: commlayer's engine over gloo, DDP on the default group) with a third
    copy, the gloo yardstick (``_DirectGloo``: hooks posting gloo allreduces in bucket order,
    in place, no engine): what a data path over gloo can do at best, the limit of the torchrun
-   comparison on a machine where gloo's transfers take the cores the ranks compute on.
+   comparison on a machine where gloo's transfers take the cores the ranks compute on. Every
+   paired job also trains a copy with nothing communicated (plain SGD on each rank's batch):
+   its ratio to DDP is the bound, the most any data-parallel library could gain over DDP on
+   this machine (a ratio target above it cannot be met by communication alone).
 2. Models with many mid-sized gradient tensors, as in shared/ANCHORS.md: ``mlp`` is
    10 x [Linear(768, 768), LayerNorm(768), GELU()] + Linear(768, 1000) (6.69 M parameters in
    62 tensors), ``resnet`` a small CIFAR-style ResNet (3 stages of 2 basic blocks).
@@ -299,13 +302,19 @@ def paired_worker(args: argparse.Namespace) -> None:
         torch.manual_seed(0)
         with _HookTimer() as hooks:
             cl_model, cl_opt, _ = _setup("commlayer", build())
+    # the bound: the same model and optimizer with nothing communicated (no library can do
+    # better on this machine: its ratio to DDP is the most a data-parallel step can gain)
+    torch.manual_seed(0)
+    local_model = build()
+    local_opt = torch.optim.SGD(local_model.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(1)
     inputs = torch.randn(args.batch, *input_shape)
     targets = torch.randint(0, classes, (args.batch,))
     ddp_t: list[float] = []
     cl_t: list[float] = []
     direct_t: list[float] = []
-    systems = ["ddp", "commlayer"] + (["direct"] if direct_opt is not None else [])
+    local_t: list[float] = []
+    systems = ["ddp", "commlayer", "local"] + (["direct"] if direct_opt is not None else [])
     hook_s = engine_s = engine_end_s = 0.0
     calls = 0
     for step in range(args.warmup + args.steps):
@@ -321,9 +330,11 @@ def paired_worker(args: argparse.Namespace) -> None:
                 ddp_t.append(_timed_step(ddp_model, ddp_opt, inputs, targets))
             elif system == "commlayer":
                 cl_t.append(_timed_step(cl_model, cl_opt, inputs, targets))
+            elif system == "local":
+                local_t.append(_timed_step(local_model, local_opt, inputs, targets))
             else:
                 direct_t.append(_timed_step(direct_model, direct_opt, inputs, targets))
-    ddp_t, cl_t = ddp_t[args.warmup :], cl_t[args.warmup :]
+    ddp_t, cl_t, local_t = ddp_t[args.warmup :], cl_t[args.warmup :], local_t[args.warmup :]
     result = {
         "system": "paired",
         "launch": "torchrun" if under_torchrun else "mpiexec",
@@ -337,6 +348,8 @@ def paired_worker(args: argparse.Namespace) -> None:
         "hook_ms_per_step": (hooks.seconds - hook_s) / args.steps * 1e3,
         "hook_us_per_call": (hooks.seconds - hook_s) / max(hooks.calls - calls, 1) * 1e6,
         "engine_cpu_ms_per_step": (engine_end_s - engine_s) / max(args.steps - 1, 1) * 1e3,
+        "local_step_ms": statistics.median(local_t) * 1e3,
+        "local_ratio": statistics.median(d / n for d, n in zip(ddp_t, local_t, strict=True)),
     }
     if direct_t:
         # the yardstick must train as DDP does (same seed, same data, averaged gradients)
@@ -591,8 +604,8 @@ def paired_table(results: list[dict[str, Any]]) -> list[str]:
     rows = [
         "| model | ranks | launch | DDP step ms | commlayer step ms | commlayer / DDP samples/s "
         "| commlayer wait | hooks ms/step (us/call) | engine CPU ms/step "
-        "| gloo yardstick / DDP samples/s |",
-        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| gloo yardstick / DDP samples/s | no communication / DDP (the bound) |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         direct = (
@@ -600,12 +613,15 @@ def paired_table(results: list[dict[str, Any]]) -> list[str]:
             if "direct_ratio" in r
             else "—"
         )
+        bound = (
+            f"{r['local_ratio']:.2f} ({r['local_step_ms']:.1f} ms)" if "local_ratio" in r else "—"
+        )
         rows.append(
             f"| {r['model']} | {r['ranks']} | {r.get('launch', 'mpiexec')} "
             f"| {r['ddp_step_ms']:.1f} "
             f"| {r['commlayer_step_ms']:.1f} | {r['ratio']:.2f} | {r['wait']} "
             f"| {r['hook_ms_per_step']:.2f} ({r['hook_us_per_call']:.0f}) "
-            f"| {r['engine_cpu_ms_per_step']:.1f} | {direct} |"
+            f"| {r['engine_cpu_ms_per_step']:.1f} | {direct} | {bound} |"
         )
     return rows
 
