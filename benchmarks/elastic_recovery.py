@@ -31,10 +31,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve()
 COMMIT_EVERY = 10
 BATCH = 64
+PROFILE_FROM, PROFILE_TO = 100, 600
 
 
 # -- worker ------------------------------------------------------------------------------------
@@ -60,6 +62,7 @@ def worker(mode: str, out: Path) -> None:
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
 
+    profile = _Profile(out, mode)
     if mode == "elastic":
         from commlayer.elastic import rendezvous
 
@@ -68,11 +71,14 @@ def worker(mode: str, out: Path) -> None:
         @elastic.run
         def train(state: elastic.TorchState) -> None:
             while True:
+                profile.tick()
                 step()
                 state.step += 1
                 log.write(f"{time.time()} {state.step} {rendezvous.generation()} {hvd.size()}\n")
                 if state.step % COMMIT_EVERY == 0:
+                    began = time.perf_counter()
                     state.commit()
+                    profile.commits += time.perf_counter() - began
 
         train(state)
     else:
@@ -85,6 +91,7 @@ def worker(mode: str, out: Path) -> None:
             done = saved["step"]
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         while True:
+            profile.tick()
             step()
             done += 1
             log.write(f"{time.time()} {done} {restart} {hvd.size()}\n")
@@ -94,6 +101,36 @@ def worker(mode: str, out: Path) -> None:
                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "step": done}, tmp)  # fmt: skip
                 os.replace(tmp, checkpoint)
+
+
+class _Profile:
+    """``--profile``: cProfile of each worker's steps PROFILE_FROM..PROFILE_TO (after warm-up),
+    written to OUT/<mode>-<pid>.prof, and the seconds those steps took with the seconds spent
+    in commit() (OUT/<mode>-<pid>.time: ``steps seconds commit_seconds``)."""
+
+    def __init__(self, out: Path, mode: str) -> None:
+        self.on = bool(os.environ.get("ELASTIC_BENCH_PROFILE"))
+        self.path = out / f"{mode}-{os.getpid()}"
+        self.steps, self.commits, self.began = 0, 0.0, 0.0
+        self.profiler: Any = None
+
+    def tick(self) -> None:
+        if not self.on:
+            return
+        self.steps += 1
+        if self.steps == PROFILE_FROM:
+            import cProfile
+
+            self.commits, self.began = 0.0, time.perf_counter()
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+        elif self.steps == PROFILE_TO:
+            self.profiler.disable()
+            took = time.perf_counter() - self.began
+            self.profiler.dump_stats(f"{self.path}.prof")
+            Path(f"{self.path}.time").write_text(
+                f"{PROFILE_TO - PROFILE_FROM} {took} {self.commits}\n"
+            )
 
 
 # -- driver ------------------------------------------------------------------------------------
