@@ -191,6 +191,12 @@ def _throughput(out: Path, window_s: float) -> float:
     return steps * BATCH / (ended - began)
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, window_s: float,
            windows: int = 1) -> tuple[list[float], list[float]]:  # fmt: skip
     output = (out / "job.out").open("w")
@@ -198,7 +204,11 @@ def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, wind
                             start_new_session=True)  # fmt: skip
     try:
         live = _steady(out, np, -1)
+        cpu, began = _cpu_s(proc.pid), time.monotonic()
         rate = [_throughput(out, window_s) for _ in range(windows)]
+        if n == 0:  # the launcher's own CPU (the elastic driver's polling, torchrun's agent)
+            share = (_cpu_s(proc.pid) - cpu) / (time.monotonic() - began)
+            print(f"  launcher process: {share:.4f} of a core during the windows", flush=True)
         times = []
         for _ in range(n):
             world = max(r[-1][2] for p, r in _lines(out).items() if p in live and r)
