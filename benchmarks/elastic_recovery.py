@@ -15,7 +15,10 @@ machine; every worker appends ``time step world size`` to a file of its own per 
   every 10 steps and every rank loading it at start. A trial kills a random worker and measures
   until the first step completed after torchrun restarted all of them (restart count higher).
 - samples/s: over a quiet window (no event) at N workers, the elastic job (commits included)
-  against the torchrun job (the torch backend, no elastic state).
+  against the torchrun job without its checkpoints (the non-elastic torch backend, no state
+  saved at all). Each launcher's own CPU during the windows is printed (the elastic driver's
+  polling, torchrun's agent). ``ELASTIC_BENCH_PROFILE=1``: each worker writes a cProfile of its
+  steps 100-600 and the share of them spent in commit() (``_Profile``) to the job's folder.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ def worker(mode: str, out: Path) -> None:
         train(state)
     else:
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        checkpoints = not os.environ.get("ELASTIC_BENCH_PLAIN")  # the samples/s baseline: none
         checkpoint, done = out / "checkpoint.pt", 0
         if checkpoint.exists():
             saved = torch.load(checkpoint)
@@ -95,7 +99,7 @@ def worker(mode: str, out: Path) -> None:
             step()
             done += 1
             log.write(f"{time.time()} {done} {restart} {hvd.size()}\n")
-            if done % COMMIT_EVERY == 0 and hvd.rank() == 0:
+            if done % COMMIT_EVERY == 0 and hvd.rank() == 0 and checkpoints:
                 tmp = out / "checkpoint.tmp"
                 torch.save(
                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -278,7 +282,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for mode in rates:
             out = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))
-            got = trials(job(mode, out), env, out, args.np, 0, args.window / 2, windows=3)
+            plain = {**env, "ELASTIC_BENCH_PLAIN": "1"}  # torchrun without its checkpoints
+            got = trials(job(mode, out), plain, out, args.np, 0, args.window / 2, windows=3)
             rates[mode] += got[1]
             print(f"{mode} samples/s: {got[1]}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -313,7 +318,7 @@ def main() -> None:
         "",
         f"Each job started {args.rounds} times in turn (elastic, torchrun, elastic, ...), three "
         f"{args.window / 2:g} s windows each once every worker trains; torchrun runs the torch "
-        "backend with no elastic state.",
+        "backend with no elastic state and no checkpoint.",
         "",
         "| job | median samples/s | windows |",
         "| --- | --- | --- |",
