@@ -15,7 +15,10 @@ machine; every worker appends ``time step world size`` to a file of its own per 
   every 10 steps and every rank loading it at start. A trial kills a random worker and measures
   until the first step completed after torchrun restarted all of them (restart count higher).
 - samples/s: over a quiet window (no event) at N workers, the elastic job (commits included)
-  against the torchrun job (the torch backend, no elastic state).
+  against the torchrun job without its checkpoints (the non-elastic torch backend, no state
+  saved at all). Each launcher's own CPU during the windows is printed (the elastic driver's
+  polling, torchrun's agent). ``ELASTIC_BENCH_PROFILE=1``: each worker writes a cProfile of its
+  steps 100-600 and the share of them spent in commit() (``_Profile``) to the job's folder.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve()
 COMMIT_EVERY = 10
 BATCH = 64
+PROFILE_FROM, PROFILE_TO = 100, 600
 
 
 # -- worker ------------------------------------------------------------------------------------
@@ -60,6 +65,7 @@ def worker(mode: str, out: Path) -> None:
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
 
+    profile = _Profile(out, mode)
     if mode == "elastic":
         from commlayer.elastic import rendezvous
 
@@ -68,15 +74,19 @@ def worker(mode: str, out: Path) -> None:
         @elastic.run
         def train(state: elastic.TorchState) -> None:
             while True:
+                profile.tick()
                 step()
                 state.step += 1
                 log.write(f"{time.time()} {state.step} {rendezvous.generation()} {hvd.size()}\n")
                 if state.step % COMMIT_EVERY == 0:
+                    began = time.perf_counter()
                     state.commit()
+                    profile.commits += time.perf_counter() - began
 
         train(state)
     else:
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        checkpoints = not os.environ.get("ELASTIC_BENCH_PLAIN")  # the samples/s baseline: none
         checkpoint, done = out / "checkpoint.pt", 0
         if checkpoint.exists():
             saved = torch.load(checkpoint)
@@ -85,15 +95,46 @@ def worker(mode: str, out: Path) -> None:
             done = saved["step"]
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         while True:
+            profile.tick()
             step()
             done += 1
             log.write(f"{time.time()} {done} {restart} {hvd.size()}\n")
-            if done % COMMIT_EVERY == 0 and hvd.rank() == 0:
+            if done % COMMIT_EVERY == 0 and hvd.rank() == 0 and checkpoints:
                 tmp = out / "checkpoint.tmp"
                 torch.save(
                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "step": done}, tmp)  # fmt: skip
                 os.replace(tmp, checkpoint)
+
+
+class _Profile:
+    """``--profile``: cProfile of each worker's steps PROFILE_FROM..PROFILE_TO (after warm-up),
+    written to OUT/<mode>-<pid>.prof, and the seconds those steps took with the seconds spent
+    in commit() (OUT/<mode>-<pid>.time: ``steps seconds commit_seconds``)."""
+
+    def __init__(self, out: Path, mode: str) -> None:
+        self.on = bool(os.environ.get("ELASTIC_BENCH_PROFILE"))
+        self.path = out / f"{mode}-{os.getpid()}"
+        self.steps, self.commits, self.began = 0, 0.0, 0.0
+        self.profiler: Any = None
+
+    def tick(self) -> None:
+        if not self.on:
+            return
+        self.steps += 1
+        if self.steps == PROFILE_FROM:
+            import cProfile
+
+            self.commits, self.began = 0.0, time.perf_counter()
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+        elif self.steps == PROFILE_TO:
+            self.profiler.disable()
+            took = time.perf_counter() - self.began
+            self.profiler.dump_stats(f"{self.path}.prof")
+            Path(f"{self.path}.time").write_text(
+                f"{PROFILE_TO - PROFILE_FROM} {took} {self.commits}\n"
+            )
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -154,6 +195,12 @@ def _throughput(out: Path, window_s: float) -> float:
     return steps * BATCH / (ended - began)
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, window_s: float,
            windows: int = 1) -> tuple[list[float], list[float]]:  # fmt: skip
     output = (out / "job.out").open("w")
@@ -161,7 +208,11 @@ def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, wind
                             start_new_session=True)  # fmt: skip
     try:
         live = _steady(out, np, -1)
+        cpu, began = _cpu_s(proc.pid), time.monotonic()
         rate = [_throughput(out, window_s) for _ in range(windows)]
+        if n == 0:  # the launcher's own CPU (the elastic driver's polling, torchrun's agent)
+            share = (_cpu_s(proc.pid) - cpu) / (time.monotonic() - began)
+            print(f"  launcher process: {share:.4f} of a core during the windows", flush=True)
         times = []
         for _ in range(n):
             world = max(r[-1][2] for p, r in _lines(out).items() if p in live and r)
@@ -231,7 +282,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for mode in rates:
             out = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))
-            got = trials(job(mode, out), env, out, args.np, 0, args.window / 2, windows=3)
+            plain = {**env, "ELASTIC_BENCH_PLAIN": "1"}  # torchrun without its checkpoints
+            got = trials(job(mode, out), plain, out, args.np, 0, args.window / 2, windows=3)
             rates[mode] += got[1]
             print(f"{mode} samples/s: {got[1]}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -266,7 +318,7 @@ def main() -> None:
         "",
         f"Each job started {args.rounds} times in turn (elastic, torchrun, elastic, ...), three "
         f"{args.window / 2:g} s windows each once every worker trains; torchrun runs the torch "
-        "backend with no elastic state.",
+        "backend with no elastic state and no checkpoint.",
         "",
         "| job | median samples/s | windows |",
         "| --- | --- | --- |",

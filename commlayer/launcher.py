@@ -24,6 +24,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -294,6 +295,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar=("LO", "HI"),
         help="a failed worker's slot comes back after a random LO..HI seconds (default: never)",
     )
+    elastic.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECS",
+        help="a worker silent this long (its host's link down, or frozen) is stopped and the "
+        "others go on without it (default 10)",
+    )
     parser.add_argument("--check-build", action="store_true", help="print what is available")
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
@@ -364,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.np or args.np < 1 or not command:
         _parser().error("give -np N (N >= 1) and a command: commlayerrun -np 2 python train.py")
     if args.min_np is not None or args.max_np is not None or args.host_discovery_script:
-        return _elastic(args, command)
+        return _elastic(args, command, sys.argv[1:] if argv is None else list(argv))
     mpiexec = find_mpiexec()
     if mpiexec is None:
         print(_NO_MPI, file=sys.stderr)
@@ -380,8 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return subprocess.call(cmd, env=env)
 
 
-def _elastic(args: argparse.Namespace, command: Sequence[str]) -> int:
-    """Run ``command`` under the elastic driver (commlayer/elastic/driver.py)."""
+def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[str]) -> int:
+    """Run ``command`` under the elastic driver (commlayer/elastic/driver.py). On the namespace
+    cluster the driver runs on its first host, entered through the cluster's launcher (as
+    mpiexec does: the root namespace has no route into the cluster), with the same ``argv``."""
     from commlayer.elastic import driver
 
     try:
@@ -404,6 +415,11 @@ def _elastic(args: argparse.Namespace, command: Sequence[str]) -> int:
         max_np = args.max_np if args.max_np is not None else unbounded
         remote = [h for h in first if h not in driver.local_names()]
         cluster = cluster_of(remote) if remote else None
+        inside = (
+            cluster is not None and (Path(cluster.launch).parent / socket.gethostname()).is_dir()
+        )
+        if cluster is not None and not inside and not args.dry_run:
+            return _driver_on_cluster(cluster, argv)
         environ = {**(cluster.environ if cluster else {}), **environ}
         environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max_np)))
         cooldown = tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None
@@ -420,6 +436,7 @@ def _elastic(args: argparse.Namespace, command: Sequence[str]) -> int:
             reset_limit=args.reset_limit,
             cooldown_s=cooldown,  # type: ignore[arg-type]
             cluster=cluster,
+            heartbeat_timeout_s=args.heartbeat_timeout,
         )
     except (ValueError, OSError) as exc:
         print(f"commlayerrun: {exc}", file=sys.stderr)
@@ -430,6 +447,19 @@ def _elastic(args: argparse.Namespace, command: Sequence[str]) -> int:
         )
         return 0
     return job.run()
+
+
+def _driver_on_cluster(cluster: Cluster, argv: Sequence[str]) -> int:
+    """This commlayerrun, run again on the cluster's first host (it becomes the driver: its
+    workers there are its children, the other hosts' are entered through the launcher).
+    exec: a signal to this process reaches the driver itself."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    again = f"cd {shlex.quote(os.getcwd())} && exec " + shlex.join(
+        [sys.executable, "-m", "commlayer.launcher", *argv]
+    )
+    os.execv(cluster.launch, [cluster.launch, cluster.first_host, again])
+    return 127  # (not reached)
 
 
 if __name__ == "__main__":

@@ -609,6 +609,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     check_ranks(ps, runtime.size())
     ps.process_set_id = register_process_set(ps.ranks)
+    runtime.remember_process_set(ps, added=True)  # an elastic re-formation registers it again
     return ps
 
 
@@ -618,6 +619,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     unregister_process_set(process_set.process_set_id)
     process_set.process_set_id = None
+    runtime.remember_process_set(process_set, added=False)
     return True
 
 

@@ -72,6 +72,46 @@ def init(
     The environment is read here, once: the resolved Config goes to the engine, is handed
     down to the kernels (``kernels.use``) and is ``config()`` for the layers above.
     """
+    global _user_init
+    with _lock:
+        if _engine is not None and _engine.running:
+            return
+        _user_init = (comm, list(process_sets or ()), dict(settings))
+        _added_sets.clear()
+    _start(comm, list(process_sets or ()), settings, reformed=False)
+
+
+# What the user's last init() was given (``restart()`` starts commlayer again with it), and the
+# process sets add_process_set registered since, less those removed (``added_process_sets``).
+_user_init: tuple[Any, list[ProcessSet], dict[str, Any]] = (None, [], {})
+_added_sets: list[ProcessSet] = []
+
+
+def restart() -> None:
+    """Start commlayer again after shutdown() as the user's last init() did: its keyword
+    settings, its ``comm`` and its process sets (registered again: new ids). The elastic
+    driver's re-formed world (``elastic.run``) starts so. A process set with a rank the new
+    world does not have is a ValueError naming it and the world's size, on every rank."""
+    comm, sets, settings = _user_init
+    _start(comm, sets, settings, reformed=True)
+
+
+def remember_process_set(ps: ProcessSet, added: bool) -> None:
+    """``add_process_set`` registered ``ps`` (``added``), or ``remove_process_set`` removed it."""
+    with _lock:
+        _added_sets[:] = [p for p in _added_sets if p is not ps] + ([ps] if added else [])
+
+
+def added_process_sets() -> list[ProcessSet]:
+    """The process sets add_process_set registered since init(), in order, less those
+    removed."""
+    with _lock:
+        return list(_added_sets)
+
+
+def _start(
+    comm: Any, process_sets: Sequence[ProcessSet], settings: dict[str, Any], reformed: bool
+) -> None:
     global _engine, _config, _atexit_registered, _summary
     with _lock:
         if _engine is not None and _engine.running:
@@ -88,7 +128,14 @@ def init(
         engine = Engine(backend, cfg)
         _topology.clear()
         _topology.update(_derive_topology(backend.rank, backend.nodes()))
-        for ps in process_sets or ():
+        for ps in process_sets:
+            if reformed and any(r >= backend.size for r in ps.ranks):
+                raise ValueError(
+                    f"commlayer rank {backend.rank}: the world re-formed at size {backend.size}, "
+                    f"and process set {ps.ranks} of init(process_sets=...) has ranks it does not "
+                    "have: give init() only sets that every size the job may have (--min-np) "
+                    "contains, and add the others with add_process_set when the size allows"
+                )
             check_ranks(ps, backend.size)
             ps.process_set_id, _ = engine.register_process_set(ps.ranks)
         engine.start()

@@ -26,9 +26,13 @@ commlayer/elastic/driver.py) the world changes as in Horovod. ``run`` does, in a
    once the driver reported a host change): the same, without the restore (the state was
    just committed), and without the sync when hosts were only removed.
 
-A worker whose host was removed exits with code 0 at its rendezvous (``WorkerRemoved``);
-``init()`` settings passed as arguments are not kept across a re-formation (the environment's
-are), nor are process sets registered at ``init()``.
+A worker whose host was removed exits with code 0 at its rendezvous (``WorkerRemoved``).
+The new world starts as the user's ``init()`` did (``runtime.restart``): its keyword settings
+and its process sets (a set with a rank the new world lacks is a ValueError naming it and the
+size, on every rank, new workers included: the job ends). Sets of ``add_process_set`` are
+registered again when every rank had them (no worker joined) and their ranks exist; else they
+are dropped with a warning (using one is a clear "not registered" error, never a hang): a
+reset callback can add them again on every rank.
 
 Without the driver (mpiexec, torchrun, a plain process) the world is fixed, and MPI cannot
 re-form it once a process has died. ``run`` then does:
@@ -131,12 +135,40 @@ def _reform(state: State) -> None:
     already stopped on their death) and join the driver's next one."""
     from commlayer.elastic import rendezvous
 
+    added = runtime.added_process_sets()
     runtime.shutdown()
-    runtime.init()
+    runtime.restart()  # the user's init() arguments and process sets, in the new world
     state.joined_world(rendezvous.formed())
+    _add_again(added)
     new_world = getattr(state, "new_world", None)
     if new_world is not None:
         new_world()
+
+
+def _add_again(added: list[Any]) -> None:
+    """The process sets add_process_set registered in the last world: registered again
+    (collective) where every rank of the new one had them, that is no worker joined and each
+    set's ranks exist; else dropped (unregistered: using one is a clear error), saying so."""
+    from commlayer import ops
+    from commlayer.elastic import rendezvous
+
+    size, fits = runtime.size(), [ps for ps in added if max(ps.ranks) < runtime.size()]
+    kept = fits if not rendezvous.joined() else []
+    for ps in added:
+        if ps in kept:
+            ops.add_process_set(ps)
+            continue
+        ps.process_set_id = None
+        runtime.remember_process_set(ps, added=False)
+        if runtime.rank() == 0:
+            why = "new workers joined" if ps in fits else f"the world has {size} ranks"
+            log.warning(
+                "commlayer: process set %s of add_process_set is not registered in the new "
+                "world (%s): add it again on every rank (a reset callback), or pass it to "
+                "init(process_sets=...)",
+                ps.ranks,
+                why,
+            )
 
 
 def _world_intact() -> bool:

@@ -10,8 +10,14 @@ hosts, and on a death or a change of hosts tells the survivors.
   slots); it runs every second. Without one, ``-H host:slots,...`` is a fixed set of hosts
   (workers that die are still replaced after their cooldown). A host that is this machine
   (``localhost``, ``127.0.0.1``, its name) gets its workers as child processes; a host of the
-  namespace cluster (scripts/cluster.sh, ``nodeK``) through the cluster's launcher. ssh to other
-  machines is not done.
+  namespace cluster (scripts/cluster.sh, ``nodeK``) through the cluster's launcher. On the
+  cluster commlayerrun runs the driver itself on the first host (launcher.py, as it runs
+  mpiexec there: the root namespace has no route into the cluster). ssh to other machines is
+  not done.
+- Lost workers: each worker sends a heartbeat every second on its event connection; one not
+  heard from for ``--heartbeat-timeout`` seconds (default 10: its host's link is down, or it
+  is frozen) is SIGKILLed, which makes it dead as below: the survivors, whose collectives with
+  it would wait on a silent peer until the collective timeout, get the notice at once.
 - Workers: at most ``--max-np``, one per free slot. A worker that exits non-zero (killed, or
   an uncaught error) is dead: the survivors of its world get a notice (their engine fails with
   RankDiedError; on this host it sees the pid gone by itself) and ``hvd.elastic.run`` brings
@@ -65,6 +71,9 @@ log = logging.getLogger("commlayer.elastic.driver")
 _POLL_S = 0.2
 _DISCOVERY_S = 1.0
 _DISCOVERY_TIMEOUT_S = 30.0
+# A worker whose heartbeats (one a second) stopped this long ago is lost: its host's link is
+# down, or it is frozen. commlayerrun --heartbeat-timeout changes it.
+HEARTBEAT_TIMEOUT_S = 10.0
 
 
 def local_names() -> set[str]:
@@ -143,6 +152,7 @@ class Driver:
         reset_limit: int | None = None,
         cooldown_s: tuple[float, float] | None = None,
         cluster: Any = None,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     ) -> None:
         if not 1 <= min_np <= np <= max_np:
             raise ValueError(f"need 1 <= --min-np ({min_np}) <= -np ({np}) <= --max-np ({max_np})")
@@ -153,6 +163,7 @@ class Driver:
             reset_limit,
             cooldown_s,
         )
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.key = secrets.token_bytes(32)
         self.refused = 0  # connections refused (tests read it)
         self._cv = threading.Condition()
@@ -161,6 +172,7 @@ class Driver:
         self._waiting: set[str] = set()
         self._replies: dict[str, dict[str, Any]] = {}
         self._events: dict[str, tuple[threading.Lock, protocol.Channel]] = {}
+        self._seen: dict[str, float] = {}  # worker -> its last heartbeat (time.monotonic())
         self._generation = 0
         self._resets = 0
         self._started = 0
@@ -209,7 +221,13 @@ class Driver:
             if hello.get("role") == "events":
                 with self._cv:
                     self._events[name] = (threading.Lock(), channel)
-                return
+                    self._seen[name] = time.monotonic()
+                try:
+                    while True:  # the worker's heartbeats (rendezvous.py's _heartbeats)
+                        channel.recv()
+                        self._seen[name] = time.monotonic()
+                finally:  # closed: the worker exited (_reap sees how), nothing to watch
+                    self._seen.pop(name, None)
             while True:
                 message = channel.recv()
                 channel.send(self._handle(name, message))
@@ -374,6 +392,25 @@ class Driver:
                 self._waiting.discard(name)
         self._cv.notify_all()
 
+    def _watch(self, now: float) -> None:
+        """Stop the workers whose heartbeats stopped (their host's link is down, or they are
+        frozen): SIGKILL to their process group; ``_reap`` then sees them dead and tells the
+        survivors, whose collectives with them would otherwise wait on a silent peer."""
+        for worker in self._live():
+            seen = self._seen.get(worker.name)
+            if seen is None or now - seen <= self.heartbeat_timeout_s:
+                continue
+            del self._seen[worker.name]
+            print(
+                f"commlayerrun: worker {worker.name} (rank {worker.rank}) sent no heartbeat for "
+                f"{now - seen:.1f} s (more than --heartbeat-timeout "
+                f"{self.heartbeat_timeout_s:g} s): host {worker.host} unreachable (link down?) "
+                "or the worker frozen; stopping it",
+                file=sys.stderr,
+                flush=True,
+            )
+            _signal_group(worker.proc, signal.SIGKILL)
+
     def _died(self, worker: Worker, now: float) -> None:
         lo, hi = self.cooldown_s or (float("inf"), float("inf"))
         back = now + random.uniform(lo, hi) if self.cooldown_s else float("inf")
@@ -478,6 +515,7 @@ class Driver:
                 else:
                     hosts = self._hosts
                 with self._cv:
+                    self._watch(now)
                     self._reap(now)
                     self._update_hosts(hosts, now)
                     self._rendezvous(now)

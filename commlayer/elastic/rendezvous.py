@@ -17,6 +17,10 @@ A second connection carries the driver's notices: hosts added or removed (``on_h
 of the registered states: ``HostsUpdatedInterrupt`` at the next commit) and workers that died
 (``torch_distributed.report_dead``: the engine fails its pending operations with RankDiedError
 at its next peer check, also for a peer on another host whose pid it cannot check).
+
+The other way, the same connection carries this worker's heartbeat, every second: the driver
+stops a worker it has not heard from for ``--heartbeat-timeout`` (its host's link is down, or
+it is frozen) and tells the others, which re-form without it.
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ class Client:
 
     def recv(self) -> Any:
         return self._channel.recv()
+
+    def send(self, message: dict[str, Any]) -> None:
+        """One message, no reply (the event connection's heartbeats; its notices are read by
+        another thread: each direction counts its own frames)."""
+        self._channel.send(message)
 
     def close(self) -> None:
         self._channel.close()
@@ -158,6 +167,9 @@ def client() -> Client:
             threading.Thread(
                 target=_notices, args=(events,), name="commlayer-elastic-notices", daemon=True
             ).start()
+            threading.Thread(
+                target=_heartbeats, args=(events,), name="commlayer-elastic-heartbeat", daemon=True
+            ).start()
         return _client
 
 
@@ -215,6 +227,21 @@ def init_process_group(timeout_s: float) -> None:
         gen,
         time.monotonic() - began,
     )
+
+
+HEARTBEAT_S = 1.0
+
+
+def _heartbeats(events: Client) -> None:
+    """Tell the driver this worker is alive, every HEARTBEAT_S: a worker it has not heard
+    from for --heartbeat-timeout (its host's link down, or frozen) is stopped and the others
+    re-form without it (driver.py). Ends when the connection does (``_notices`` then exits)."""
+    while True:
+        try:
+            events.send({"op": "alive"})
+        except (OSError, ConnectionError):
+            return
+        time.sleep(HEARTBEAT_S)
 
 
 def _notices(events: Client) -> None:

@@ -6,14 +6,17 @@ Trains a Linear(4, 1) for STEPS steps with hvd.elastic.run, committing after eac
 data depend on the step only, and gradients are averaged: the final parameters are those of
 one process doing STEPS steps, whatever the world's size was at each step, if and only if every
 step was applied exactly once from its committed state. Each worker appends JSON lines to
-OUT/<pid>.jsonl: ``start`` (rank, size, step when the function starts: after a re-formation,
-the step it resumed from), ``done`` (final step, size, parameters).
+OUT/<pid>.jsonl: ``start`` (rank, size, generation, host, time, and the step when the
+function starts: after a re-formation, the step it resumed from, and the parameters then),
+``done`` (final step, size, parameters).
 
 EVENTs, each done once in the whole job (a marker file OUT/done-I holds the step it was done
 in), in order (an event waits for the one before it), in the first step >= STEP done at world
 size SIZE:
 - ``kill:STEP:SIZE:RANK``: the rank RANK SIGKILLs itself, after its backward and before its
   allreduce (mid-step).
+- ``cut:STEP:SIZE:RANK``: the rank RANK pulls its own host's cable (scripts/cluster.sh link
+  HOST down, on the namespace cluster) mid-step, as ``kill``, and goes on into the allreduce.
 - ``fail:STEP:SIZE``: every rank exits with code 3.
 - ``hosts:STEP:SIZE:FILE:TEXT``: rank 0 writes TEXT (``;`` for newlines) into FILE, the
   discovery script's input, after the step.
@@ -26,6 +29,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +40,7 @@ from torch import nn
 
 import commlayer as hvd
 from commlayer import elastic
+from commlayer.elastic import rendezvous
 
 out, steps, events = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 log = out / f"{os.getpid()}.jsonl"
@@ -61,12 +67,12 @@ def done(i: int, step: int) -> bool:
         fd = os.open(out / f"done-{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
-    os.write(fd, str(step).encode())
+    os.write(fd, f"{step} {time.time()}".encode())
     os.close(fd)
     return True
 
 
-hvd.init()
+hvd.init(cache_capacity=512)  # a keyword setting every world keeps (runtime.restart)
 if hvd.rank() == 0:
     (out / "driver").write_text(os.environ["COMMLAYER_ELASTIC_DRIVER"])
 torch.manual_seed(0)
@@ -77,7 +83,17 @@ state = elastic.TorchState(model, optimizer, step=0)
 
 @elastic.run
 def train(state: elastic.TorchState) -> None:
-    record("start", rank=hvd.rank(), size=hvd.size(), step=state.step)
+    record(
+        "start",
+        rank=hvd.rank(),
+        size=hvd.size(),
+        generation=rendezvous.generation(),
+        host=socket.gethostname(),
+        time=time.time(),
+        step=state.step,
+        cache=hvd.runtime.config().cache_capacity,
+        params=[p.detach().reshape(-1).tolist() for p in model.parameters()],
+    )
     while True:
         pending = not all((out / f"done-{i}").exists() for i in range(len(events)))
         more = torch.tensor([float(state.step < steps or pending)])
@@ -91,6 +107,10 @@ def train(state: elastic.TorchState) -> None:
             event = due(i, step)
             if event and event[0] == "kill" and hvd.rank() == int(event[1]) and done(i, step):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if event and event[0] == "cut" and hvd.rank() == int(event[1]) and done(i, step):
+                cluster_sh = Path(__file__).resolve().parents[3] / "scripts" / "cluster.sh"
+                host = socket.gethostname()
+                subprocess.run(["bash", str(cluster_sh), "link", host, "down"], check=True)
             if event and event[0] == "fail":
                 done(i, step)
                 os._exit(3)
