@@ -26,6 +26,7 @@ object, so the store's overhead of such samples is understated by their pickle f
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import struct
 from typing import Any
@@ -178,8 +179,7 @@ def decode(data: bytes) -> Any:
         return pickle.loads(data)
     container, leaves, offset = _header(data)
     expected = offset + sum(
-        8 if dtype is None else int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        for _, dtype, shape in leaves
+        8 if dtype is None else math.prod(shape) * dtype.itemsize for _, dtype, shape in leaves
     )
     if expected != len(data):
         raise ValueError(f"a compact sample of {len(data)} bytes, its header says {expected}")
@@ -194,7 +194,7 @@ def decode(data: bytes) -> Any:
             offset += 8
         else:
             assert dtype is not None
-            count = int(np.prod(shape, dtype=np.int64))
+            count = math.prod(shape)  # np.prod: 18 us, a third of a 12 kB sample's decode
             array = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
             offset += count * dtype.itemsize
             values.append(torch.from_numpy(array) if kind == _TENSOR else array)
