@@ -30,10 +30,12 @@ written by ``from_dataset`` is cut into packs of ``max(MIN_PACK_BYTES, shard / 1
 samples in a seeded random order. Overhead: the record and codec headers and the index (about
 12 bytes per digits sample), plus the records sent away from the pack the oldest-first sending
 stopped in; ``compact`` copies the live records of packs whose live share fell below
-``REWRITE_BELOW``, then, while the files would pass ``OVERHEAD_BUDGET`` (8%) over the samples'
-own bytes, of the packs with the least live share: at Q = 0.1 that is at most one pack an epoch
-(a sixteenth of a large shard), not the shard. The shuffler runs it on its I/O thread at the
-start of each epoch, after the commit.
+``REWRITE_BELOW`` (10%), then, while the files would pass ``OVERHEAD_BUDGET`` (8%) over the
+samples' own bytes, of the packs with the least live share: at Q = 0.1 at most one pack an
+epoch (a sixteenth of a large shard), mostly none (the pack the sending stopped in is the first
+sent from next epoch), not the shard. Live bytes per pack are counted once and kept up to date
+by ``take`` and ``remove``, so deciding costs no pass over the index. The shuffler runs it on
+its I/O thread at the start of each epoch, after the commit.
 
 Reads are ``os.pread`` on descriptors kept open (they release the GIL, and several threads may
 read at once). A DataLoader worker holding an index older than the last commit rereads it when a
@@ -72,8 +74,15 @@ MAX_HEAD = 20  # the longest v2 record header: two 10-byte varints
 # A compaction keeps the store's files (packs and index) within this share over the samples'
 # own bytes where it can: ShardStore.storage() reports the whole folder, journal included.
 OVERHEAD_BUDGET = 0.08
-REWRITE_BELOW = 0.5  # a pack less than half live is rewritten whatever the budget
-MIN_PACK_BYTES = 1 << 20  # from_dataset's packs: max(this, the shard's bytes / PACKS_PER_SHARD)
+# A pack this little live is rewritten whatever the budget; above it only the budget decides:
+# the pack the oldest-first sending stopped in is the first sent from next epoch, so it mostly
+# dies whole without a copy (at 0.5, 160 kB of a 6.5 MB shard were copied every epoch, 2.3 ms of
+# the I/O thread's CPU at Q = 0.1).
+REWRITE_BELOW = 0.1
+# from_dataset's packs: max(this, the shard's bytes / PACKS_PER_SHARD). Packs of a sixteenth
+# of the shard die whole at Q >= 1/16 and leave at most 6% dead otherwise (within the budget);
+# at 1 MiB a 6.5 MB shard had 6 packs and a compaction copied a third of one every other epoch.
+MIN_PACK_BYTES = 1 << 16
 PACKS_PER_SHARD = 16
 
 
@@ -124,6 +133,8 @@ class PackSet:
         self.gen, self.next_pack = 0, 1
         self.staging: int | None = None  # the pack received samples are appended to
         self.copied = 0  # bytes compactions copied, in all (stats)
+        self._live: dict[int, int] | None = None  # pack -> bytes of its live records, or unknown
+        self._sizes: dict[int, int] = {}  # pack -> its size (a pack never changes once written)
         self._fds: dict[int, int] = {}
         self._v1: set[int] = set()  # packs in the old format (12-byte record headers)
         # The staging pack: a descriptor and a buffer of our own, written only by flush(): a
@@ -144,6 +155,7 @@ class PackSet:
         staging = state.get("staging")
         self.staging = None if staging is None else int(staging)
         self.index, self.heads = self._read_index(self.gen) if self.gen else ({}, {})
+        self._live = None
         self.order = [int(p) for p in state.get("order", ())]
         self._staged = None
 
@@ -302,7 +314,7 @@ class PackSet:
             return self._record(sample_id, *current)
 
     def _head_size(self, pack: int, sample_id: int, length: int) -> int:
-        if pack != self.staging or self._writer is None:
+        if pack not in self._fds and (pack != self.staging or self._writer is None):
             self._fd(pack)  # learns the pack's format
         if pack in self._v1:
             return RECORD_V1.size
@@ -370,6 +382,7 @@ class PackSet:
         self._close_writer()
         self.order += range(first, self.next_pack)
         self.staging = None
+        self._live = None
         self._dirty = True
 
     def _append(
@@ -413,6 +426,8 @@ class PackSet:
 
     def _close_writer(self) -> None:
         if self._writer is not None:
+            if self.staging is not None:
+                self._sizes[self.staging] = self._written
             self.flush()
             os.close(self._writer)
             self._writer = None
@@ -483,6 +498,10 @@ class PackSet:
         """Phase 2: a staged sample joins the index (idempotent)."""
         entry = self.staged().get(sample_id)
         if entry is not None:
+            if self._live is not None and sample_id not in self.index:
+                self._live[entry[0]] = self._live.get(entry[0], 0) + self._record_size(
+                    sample_id, *entry
+                )
             self.index[sample_id] = entry
             if sample_id in self._staged_heads:
                 self.heads[sample_id] = self._staged_heads[sample_id]
@@ -491,9 +510,25 @@ class PackSet:
             self._dirty = True
 
     def remove(self, sample_id: int) -> None:
-        if self.index.pop(sample_id, None) is not None:
+        entry = self.index.pop(sample_id, None)
+        if entry is not None:
+            if self._live is not None:
+                self._live[entry[0]] -= self._record_size(sample_id, *entry)
             self.heads.pop(sample_id, None)
             self._dirty = True
+
+    def _record_size(self, sample_id: int, pack: int, offset: int, length: int) -> int:
+        return self._head_size(pack, sample_id, length) + length
+
+    def _live_by_pack(self) -> dict[int, int]:
+        """The bytes of every pack's live records: counted once, then kept up to date by
+        ``take`` and ``remove`` (a compaction's scan costs no pass over the index)."""
+        if self._live is None:
+            live: dict[int, int] = {}
+            for sample_id, entry in self.index.items():
+                live[entry[0]] = live.get(entry[0], 0) + self._record_size(sample_id, *entry)
+            self._live = live
+        return {pack: size for pack, size in self._live.items() if size > 0}
 
     # -- saving ------------------------------------------------------------------------------
     def persist(self, ending: bool) -> None:
@@ -522,7 +557,7 @@ class PackSet:
         self.gen += 1
         file = self.index_file(self.gen)
         tmp = file.with_suffix(".tmp")
-        tmp.write_bytes(INDEX_MAGIC + zlib.compress(b"".join(columns), 6))
+        tmp.write_bytes(INDEX_MAGIC + zlib.compress(b"".join(columns), 1))
         os.replace(tmp, file)
         self._dirty = False
 
@@ -543,12 +578,12 @@ class PackSet:
         if self.staging is not None:
             return False
         index = self.index
-        live: dict[int, int] = {}  # pack -> bytes of its live records
-        for sample_id, (pack, _, length) in index.items():
-            live[pack] = live.get(pack, 0) + self._head_size(pack, sample_id, length) + length
-        sizes = {pack: self.pack_file(pack).stat().st_size for pack in live}
+        live = self._live_by_pack()
+        sizes = {pack: self._pack_size(pack) for pack in live}
         index_size = self.index_file(self.gen).stat().st_size if self.gen else 0
         total = sum(sizes.values()) + index_size
+        if total - len(PACK_MAGIC) * len(sizes) - index_size <= sum(live.values()):
+            return False  # no dead record anywhere
         budget = (1 + OVERHEAD_BUDGET) * self.own_bytes()
         share = {pack: live[pack] / max(1, sizes[pack] - len(PACK_MAGIC)) for pack in live}
         chosen = []
@@ -582,7 +617,17 @@ class PackSet:
         at = sum(1 for p in self.order[:oldest] if p not in rewritten)
         self.order = kept[:at] + made + kept[at:]
         self.index, self.heads, self._dirty = new_index, heads, True
+        kept_live = {p: v for p, v in live.items() if p not in rewritten}
+        for pack in made:  # every record in them is live
+            kept_live[pack] = self._pack_size(pack) - len(PACK_MAGIC)
+        self._live = kept_live
         return True
+
+    def _pack_size(self, pack: int) -> int:
+        size = self._sizes.get(pack)
+        if size is None:  # written by another process: once
+            size = self._sizes[pack] = os.stat(self.pack_file(pack)).st_size
+        return size
 
     def drop_staged(self) -> None:
         """Remove what neither the saved index nor a staging pack names: a staging pack after

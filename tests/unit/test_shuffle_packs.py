@@ -222,27 +222,33 @@ def test_packs_and_index_of_the_old_format_are_read_and_compacted_into_the_new(
 
 
 def test_packs_die_whole_oldest_first_and_compaction_copies_one_pack(tmp_path: Path) -> None:
-    # 16 packs of 10 samples: groups() gives them oldest first. The samples of the first one
+    # 4 packs of 40 samples: groups() gives them oldest first. The samples of the first one
     # and a half packs sent away (what the plan sends first): the first pack is unlinked at
-    # the save without a copy; the half-live pack is the only one a compaction copies, and its
-    # copy keeps its place in the age order.
+    # the save without a copy; the store is then past its overhead budget, and the half-live
+    # pack is the only one a compaction copies, its copy keeping its place in the age order.
     meta = tmp_path / "store.json"
     packs = PackSet(tmp_path, None, meta)
-    size = len(_sample(0)) + 2
-    packs.write_all(((i, _sample(i)) for i in range(160)), pack_bytes=10 * size)
+
+    def sample(i: int) -> bytes:
+        return bytes([i % 251]) * 100
+
+    size = 100 + 3  # the most a record takes here (its header: 2 varints)
+    # a pack closes once it holds this much: 40 records of ids 0..39 (1-byte varints) and 8
+    # bytes of magic; 40 of the later ids (1 or 2-byte varints) too
+    packs.write_all(((i, sample(i)) for i in range(160)), pack_bytes=8 + 40 * 102)
     _save(packs, meta)
     groups = packs.groups()
-    assert [len(g) for g in groups] == [10] * 16 and groups[0] == list(range(10))
-    for i in range(16):  # pack 1 all, pack 2 in part
+    assert [len(g) for g in groups] == [40] * 4 and groups[0] == list(range(40))
+    for i in range(64):  # pack 1 all, pack 2 in part
         packs.remove(i)
     _save(packs, meta)
     packs.drop_staged()  # what the commit's end does
     assert not packs.pack_file(1).exists() and packs.copied == 0
-    assert packs.compact(), "pack 2 is less than half live"
-    assert packs.copied < 5 * (size + 10), packs.copied  # its 4 live records, nothing else
+    assert packs.compact(), "24 of pack 2's 40 records dead: past the 8% budget"
+    assert 0 < packs.copied <= 16 * size, packs.copied  # its 16 live records only
     _save(packs, meta)
     packs.drop_superseded()
     groups = packs.groups()
-    assert groups[0] == list(range(16, 20)) and len(groups) == 15
-    assert all(packs.read(i) == _sample(i) for i in range(16, 160))
+    assert groups[0] == list(range(64, 80)) and len(groups) == 3
+    assert all(packs.read(i) == sample(i) for i in range(64, 160))
     assert not packs.compact(), "nothing more is due"
