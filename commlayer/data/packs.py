@@ -629,6 +629,13 @@ class PackSet:
             size = self._sizes[pack] = os.stat(self.pack_file(pack)).st_size
         return size
 
+    def forget_staged(self) -> None:
+        """The exchange ended: nothing staged any more, the descriptors of packs the index no
+        longer names closed; their files stay for ``drop_superseded``."""
+        self.end_exchange()
+        self._staged = None
+        self._close_fds(keep={pack for pack, _, _ in self.index.values()})
+
     def drop_staged(self) -> None:
         """Remove what neither the saved index nor a staging pack names: a staging pack after
         its exchange ended, packs left empty or compacted, an index replaced."""
