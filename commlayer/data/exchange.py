@@ -83,6 +83,7 @@ class Exchange:
         "vote",
         "io_s",
         "io_waited_s",
+        "compacted_bytes",
         "compaction",
         "_io",
         "_payloads",
@@ -107,6 +108,7 @@ class Exchange:
         self.vote: ops.Handle | None = None  # the vote that ends it (the shuffler's)
         self.io_s = 0.0  # the I/O thread's time on this exchange
         self.io_waited_s = 0.0  # the training thread's time blocked on the I/O thread
+        self.compacted_bytes = 0  # what the compaction at its start copied
         self._io = io
         self._payloads: list[Future[_Payload] | None] = []
         self._staging: list[Future[None]] = []
@@ -184,8 +186,10 @@ class Exchange:
     # -- on the I/O thread -------------------------------------------------------------------
     def _compact(self) -> None:
         t0 = time.perf_counter()
+        before = self.store.compacted_bytes()
         try:
             self.store.compact()
+            self.compacted_bytes = self.store.compacted_bytes() - before
         except Exception as exc:
             self._fail(exc, "compacting the store")
         finally:

@@ -26,10 +26,8 @@ after the store saved the layout's new state (``_end_exchange``), so a redo stil
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 import os
-import pickle
 import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -38,49 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from commlayer.data.codec import decode, encode, tensor
 from commlayer.data.packs import LayoutError, PackSet
 
 SUFFIX = ".pkl"
 ARRAY_SUFFIXES = (".npy", ".npz")
-
-_NUMPY_DTYPES = {
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-}  # fmt: skip
-
-
-def tensor(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
-
-
-class _SamplePickler(pickle.Pickler):
-    """Pickles a CPU tensor as its numpy array: torch's own reduction goes through torch.save,
-    1.4 ms per small tensor against 0.02 ms, and writes the whole storage of a view (a digits
-    image indexed out of the dataset's tensor: 460 kB for 256 B of pixels); numpy writes only
-    the elements viewed."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if (
-            type(obj) is torch.Tensor
-            and obj.layout == torch.strided
-            and obj.device.type == "cpu"
-            and not obj.requires_grad
-            and obj.dtype in _NUMPY_DTYPES
-        ):
-            return tensor, (obj.numpy(),)
-        return NotImplemented
-
-
-def encode(sample: Any) -> bytes:
-    # Each sample is read once per epoch: a 3x32x32 float32 sample is 12.5 kB and loads in
-    # 0.08 ms this way, 13.9 kB and 1.25 ms with torch.save/torch.load.
-    buffer = io.BytesIO()
-    _SamplePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(sample)
-    return buffer.getvalue()
-
-
-def decode(data: bytes) -> Any:
-    return pickle.loads(data)
 
 
 def read_bytes(file: Path, sample_id: int) -> bytes:
@@ -270,6 +230,9 @@ class PackFiles(_InPacks):
 
     def ids(self) -> list[int]:
         return self.packs.ids()
+
+    def groups(self) -> list[list[int]]:
+        return self.packs.groups()
 
     def load(self, sample_id: int) -> Any:
         return self._decoded(sample_id)
@@ -532,6 +495,12 @@ class ArrayFile(_InPacks):
         assert self.first_id is not None
         rows = range(self.first_id, self.first_id + self.rows)
         return [i for i in rows if i not in self.removed] + self.packs.ids()
+
+    def groups(self) -> list[list[int]]:
+        """The rows left first (the oldest), then the packs of received samples."""
+        assert self.first_id is not None
+        rows = range(self.first_id, self.first_id + self.rows)
+        return [[i for i in rows if i not in self.removed], *self.packs.groups()]
 
     def load(self, sample_id: int) -> Any:
         row = self._row(sample_id)

@@ -3,7 +3,11 @@
 Every rank computes the same plan from (seed, epoch, shard sizes) without a message:
 
 1. Rank r sends ``round(Q * size_r)`` of its samples, chosen by a generator seeded with
-   (seed, epoch, r): only r needs to know *which* samples, every rank knows *how many*.
+   (seed, epoch, r): only r needs to know *which* samples, every rank knows *how many*. Where
+   the store gives its samples in age groups (pack files: a group per pack, oldest first), the
+   oldest groups are sent first, the samples of each group in a random order: whole packs
+   leave and are unlinked without a copy (packs.py); one group is the random choice of the
+   research.
 2. The senders' slots, in rank order, are dealt to receivers by one permutation drawn from
    (seed, epoch): the destination list holds rank r exactly as often as r sends, so every
    shard keeps its size across epochs (uneven shards stay uneven, none grows past
@@ -62,13 +66,21 @@ def make_plan(
     ids: Sequence[int],
     shard_sizes: Sequence[int],
     chunks: int,
+    groups: Sequence[Sequence[int]] | None = None,
 ) -> Plan:
-    """This rank's sends and receive counts for ``epoch`` (see the module docstring)."""
+    """This rank's sends and receive counts for ``epoch`` (see the module docstring);
+    ``groups``: ``ids`` by age, oldest first (None: one group)."""
     counts = send_counts(fraction, shard_sizes)
     deal = destinations(seed, epoch, counts)
     start = sum(counts[:rank])
-    chosen = sorted(ids)
-    random.Random(f"commlayer.data.pick:{seed}:{epoch}:{rank}").shuffle(chosen)
+    pick = random.Random(f"commlayer.data.pick:{seed}:{epoch}:{rank}")
+    chosen: list[int] = []
+    for group in [ids] if groups is None else groups:
+        if len(chosen) >= counts[rank]:
+            break
+        order = sorted(group)
+        pick.shuffle(order)
+        chosen += order
     mine = list(zip(chosen[: counts[rank]], deal[start : start + counts[rank]]))
     n = len(mine)
     sends = tuple(

@@ -127,7 +127,10 @@ class PartialLocalShuffler:
 
         - ``epoch``; ``sent_samples`` / ``sent_bytes``, ``received_samples`` /
           ``received_bytes``: what this rank moved (bytes as they travel, frames included);
-        - ``io_s``: the I/O thread's time on it (reading, packing, unpacking, staging);
+        - ``compacted_bytes``: what the compaction of the store's pack files copied at the
+          exchange's start (packs.py: whole packs sent away are unlinked, not copied);
+        - ``io_s``: the I/O thread's time on it (compacting, reading, packing, unpacking,
+          staging);
         - ``hidden_s``: the part of ``io_s`` the training thread did not wait for;
         - ``waited_s``: the exchange's time on the training thread, the sum of ``busy_s``
           (starting chunks and handing them over between samples), ``wait_s`` (at the end of
@@ -167,6 +170,7 @@ class PartialLocalShuffler:
             self._ids,
             self.shard_sizes,
             self.chunks,
+            self.store.groups(),
         )
         if self._io is None:
             self._io = io_thread()
@@ -267,6 +271,7 @@ class PartialLocalShuffler:
             "sent_bytes": exchange.sent_bytes,
             "received_samples": sum(exchange.received),
             "received_bytes": exchange.received_bytes,
+            "compacted_bytes": exchange.compacted_bytes,
             "io_s": exchange.io_s,
             "hidden_s": max(0.0, exchange.io_s - exchange.io_waited_s),
             "waited_s": self._times["busy_s"] + self._times["wait_s"],

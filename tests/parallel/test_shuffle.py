@@ -520,6 +520,47 @@ def test_pack_store_stays_within_ten_percent_of_the_samples_bytes(tmp_path: Path
     assert not stray
 
 
+def test_a_digits_sized_store_stays_within_ten_percent_and_compacts_little(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Digits-sized shards (360 samples per rank of a 1 x 8 x 8 float32 image and an int label:
+    # 264 bytes of their own each) in packs of a sixteenth of the shard. After six exchanges
+    # at Q = 0.1 and the compaction the next epoch starts with, the store's files (packs,
+    # index, journal) take at most 10% more than the samples' own bytes; and since the oldest
+    # packs are sent first and die whole, no compaction copies more than a fifth of the shard
+    # (copying every pack with a hole, as before, was ~90% of it each epoch).
+    from commlayer.data import packs
+
+    monkeypatch.setattr(packs, "MIN_PACK_BYTES", 1024)
+    n = 360 * cl.size()
+    images = torch.arange(n * 64, dtype=torch.float32).reshape(n, 1, 8, 8) / n
+    data = [(images[i], i % 10) for i in range(n)]
+    store = ShardStore.from_dataset(data, path=tmp_path / "shard{rank}", partition_by="given")
+    written = store.storage()
+    shuffler = PartialLocalShuffler(store, fraction=0.1, seed=0)
+    for epoch in range(6):
+        shuffler.set_epoch(epoch)
+        list(shuffler.sampler)
+    shuffler.set_epoch(6)
+    if shuffler._exchange is not None:  # the I/O thread compacts as the next epoch starts
+        shuffler._exchange.start()
+        assert shuffler._exchange.compaction is not None
+        shuffler._exchange.compaction.result()
+    storage = store.storage()
+    own = (256 + 8) * len(store)
+    copied = [s["compacted_bytes"] for s in shuffler.stats()]
+    everyone = _everyone((written, storage, own, copied, store.stray_files()))
+
+    for rank, (written, storage, own, copied, stray) in enumerate(everyone):
+        assert storage["samples_bytes"] == own, f"rank {rank}: {storage}"
+        for measured in (written, storage):
+            assert measured["overhead"] <= 0.10, f"rank {rank}: {measured}"
+        assert max(copied, default=0) <= own / 5, f"rank {rank}: compactions copied {copied}"
+        assert not stray
+    if cl.size() > 1:
+        assert all(len(copied) == 6 for _, _, _, copied, _ in everyone)
+
+
 @pytest.mark.parametrize(
     ("damage", "what"),
     [

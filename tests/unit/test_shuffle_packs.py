@@ -182,3 +182,73 @@ def test_a_read_racing_a_compaction_finds_the_sample_in_the_new_pack(
     assert fresh.read(1) == _sample(1)
     assert raced == [1] and fresh.index[1][0] != 1, "read from the compaction's new pack"
     assert not fresh.pack_file(1).exists()
+
+
+def test_packs_and_index_of_the_old_format_are_read_and_compacted_into_the_new(
+    tmp_path: Path,
+) -> None:
+    # CLPACK1 packs (12-byte record headers) and a CLINDEX1 index, as written before the
+    # compact format: read as they are; a compaction copies their live records into a CLPACK2
+    # pack, and the next save writes a CLINDEX2 index.
+    import struct
+
+    import numpy as np
+
+    from commlayer.data.packs import ENTRY_V1, PACK_MAGIC, PACK_MAGIC_V1
+
+    (tmp_path / "packs").mkdir()
+    body, entries = bytearray(PACK_MAGIC_V1), []
+    for i in range(30):
+        entries.append((i, 1, len(body), len(_sample(i))))
+        body += struct.pack("<qI", i, len(_sample(i))) + _sample(i)
+    (tmp_path / "packs" / "1.pack").write_bytes(bytes(body))
+    index = np.array(entries, dtype=ENTRY_V1)
+    (tmp_path / "index-1.bin").write_bytes(b"CLINDEX1" + struct.pack("<Q", 30) + index.tobytes())
+    meta = tmp_path / "store.json"
+    packs = PackSet(tmp_path, {"index": 1, "next": 2, "staging": None}, meta)
+    assert all(packs.read(i) == _sample(i) for i in range(30))
+    assert packs.groups() == [list(range(30))]
+    for i in range(20):
+        packs.remove(i)
+    assert packs.compact()
+    _save(packs, meta)
+    packs.drop_superseded()
+    reopened = PackSet(tmp_path, json.loads(meta.read_text())["layout"]["packs"], meta)
+    assert sorted(reopened.ids()) == list(range(20, 30))
+    assert all(reopened.read(i) == _sample(i) for i in range(20, 30))
+    assert reopened.pack_file(2).read_bytes()[:8] == PACK_MAGIC
+    assert reopened.index_file(reopened.gen).read_bytes()[:8] == b"CLINDEX2"
+    assert not (tmp_path / "packs" / "1.pack").exists()
+
+
+def test_packs_die_whole_oldest_first_and_compaction_copies_one_pack(tmp_path: Path) -> None:
+    # 4 packs of 40 samples: groups() gives them oldest first. The samples of the first one
+    # and a half packs sent away (what the plan sends first): the first pack is unlinked at
+    # the save without a copy; the store is then past its overhead budget, and the half-live
+    # pack is the only one a compaction copies, its copy keeping its place in the age order.
+    meta = tmp_path / "store.json"
+    packs = PackSet(tmp_path, None, meta)
+
+    def sample(i: int) -> bytes:
+        return bytes([i % 251]) * 100
+
+    size = 100 + 3  # the most a record takes here (its header: 2 varints)
+    # a pack closes once it holds this much: 40 records of ids 0..39 (1-byte varints) and 8
+    # bytes of magic; 40 of the later ids (1 or 2-byte varints) too
+    packs.write_all(((i, sample(i)) for i in range(160)), pack_bytes=8 + 40 * 102)
+    _save(packs, meta)
+    groups = packs.groups()
+    assert [len(g) for g in groups] == [40] * 4 and groups[0] == list(range(40))
+    for i in range(64):  # pack 1 all, pack 2 in part
+        packs.remove(i)
+    _save(packs, meta)
+    packs.drop_staged()  # what the commit's end does
+    assert not packs.pack_file(1).exists() and packs.copied == 0
+    assert packs.compact(), "24 of pack 2's 40 records dead: past the 8% budget"
+    assert 0 < packs.copied <= 16 * size, packs.copied  # its 16 live records only
+    _save(packs, meta)
+    packs.drop_superseded()
+    groups = packs.groups()
+    assert groups[0] == list(range(64, 80)) and len(groups) == 3
+    assert all(packs.read(i) == sample(i) for i in range(64, 160))
+    assert not packs.compact(), "nothing more is due"

@@ -50,3 +50,22 @@ def test_plan_depends_on_seed_and_epoch_only() -> None:
     assert first == make_plan(1, 0, 0.5, 1, list(reversed(shards[1])), sizes, 2)
     assert first != make_plan(2, 0, 0.5, 1, shards[1], sizes, 2)
     assert first != make_plan(1, 1, 0.5, 1, shards[1], sizes, 2)
+
+
+def test_the_oldest_groups_are_sent_first_in_a_random_order_within() -> None:
+    # A pack store's samples by age (packs.py): a fraction of 0.5 of 40 samples in packs of 8
+    # sends the first two packs whole and 4 of the third, chosen at random; one group is the
+    # plan without groups.
+    sizes = [40, 40]
+    shards = _shards(sizes)
+    groups = [shards[1][k : k + 8] for k in range(0, 40, 8)]
+    slots = []
+    for epoch in range(4):
+        plan = make_plan(3, epoch, 0.5, 1, shards[1], sizes, 2, groups)
+        ungrouped = make_plan(3, epoch, 0.5, 1, shards[1], sizes, 2)
+        assert make_plan(3, epoch, 0.5, 1, shards[1], sizes, 2, [shards[1]]) == ungrouped
+        # slots dealt to rank 1 itself stay: they count among the 20 picked, not in sends
+        sent = set(plan.sent_ids)
+        assert sent <= set(groups[0] + groups[1] + groups[2])
+        slots.append(frozenset(sent & set(groups[2])))
+    assert len(set(slots)) > 1, "the samples taken from the third pack vary by epoch"
