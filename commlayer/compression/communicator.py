@@ -41,7 +41,7 @@ import torch
 from commlayer import ops, runtime
 from commlayer.algorithms.topology import Topology
 from commlayer.compression import wire
-from commlayer.compression.base import Compressed, Compressor
+from commlayer.compression.base import Compressed, Compressor, RecordError
 from commlayer.compression.factory import create
 from commlayer.compression.sparse_reduction import SparseReduction, engine_algorithm
 from commlayer.errors import PayloadError
@@ -328,12 +328,35 @@ class Communicator:
             parts = [record[start : start + count] for record in records]
             start += count
             try:
-                if not self._add_records(tensor, parts, local, compressor):
+                if not (
+                    self._sum_together(tensor, parts, local, compressor)
+                    or self._add_records(tensor, parts, local, compressor)
+                ):
                     self._sum_dense(tensor, parts, local, compressor)
             except _FromRank as exc:
                 raise self._malformed(
                     name, PayloadError(f"{compressor.name} payload from rank {exc.rank}: {exc}")
                 ) from None
+
+    def _sum_together(
+        self,
+        tensor: torch.Tensor,
+        parts: list[list[torch.Tensor]],
+        local: Compressed,
+        compressor: Compressor,
+    ) -> bool:
+        """Every record decoded and summed into ``tensor`` by the compressor's
+        ``decompress_sum_`` (QSGD: one write of the tensor, the bits of ``_sum_dense``): False
+        where it has none or the tensor is not one flat block."""
+        together = getattr(compressor, "decompress_sum_", None)
+        if together is None or not tensor.is_contiguous():
+            return False
+        divisor = float(len(parts)) if self.op == ReduceOp.Average else 1.0
+        try:
+            together([Compressed(p, local.ctx) for p in parts], tensor.view(-1), divisor)
+        except RecordError as exc:
+            raise _FromRank(exc.record, str(exc)) from None
+        return True
 
     def _add_records(
         self,
