@@ -19,6 +19,17 @@ the compressor declares (compression/base.py):
    reduced sparse through the engine instead (sparse_reduction.py), on the process set's
    topology; gtopk's dropped entries go to the compressor's error feedback.
 
+Where compression runs: a transport that has ``defer`` (:class:`EngineTransport`) gets the
+compress-and-send of CPU tensors as a task for the engine's thread (``Engine.call_soon``):
+``reduce`` returns at once, so the training thread (a gradient hook during backward, the DDP
+hook, ``step``'s last bucket) never waits for a compressor; the engine thread compresses,
+starts the collectives, and decompresses as they complete, while backward goes on (torch ops
+and the numba kernels release the GIL). One thread does all of a compressor's work, in
+submission order, so its state (residuals, warm starts, QSGD's call counter) is touched by
+one thread and its results are those of compressing on the caller's thread, bit for bit. CUDA
+tensors are compressed on the caller's thread: their kernels are queued on the caller's
+streams, which is no wait for it. An error of ``compress`` fails the future.
+
 The transport moves bytes and returns futures: :class:`EngineTransport` (commlayer's engine,
 on a process set) here, a torch.distributed one in integrations/ddp.py. Rounds chain on the
 transport's futures with no thread and no wait, except where a transport cannot take
@@ -117,6 +128,11 @@ class EngineTransport:
     def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
         return ops.allgather_async(record, name=self.prefix + name, process_set=self.process_set)
 
+    @staticmethod
+    def defer(task: Callable[[], None]) -> None:
+        """Run ``task`` (compress, then start the collectives) on the engine's thread."""
+        runtime.engine().call_soon(task)
+
     def sparse(
         self, name: str, compressed: Compressed, compressor: Compressor, op: ReduceOp
     ) -> Future | None:
@@ -208,6 +224,25 @@ class Communicator:
         if names is None:
             names = [name] if len(tensors) == 1 else [f"{name}.p{j}" for j in range(len(tensors))]
         names = list(names)
+        defer = getattr(self.transport, "defer", None)
+        if defer is None or any(t.device.type != "cpu" for t in tensors):
+            return self._compressed(tensors, names, compressor, name)
+        out = Future(name)
+
+        def task() -> None:  # on the engine thread
+            try:
+                reduced = self._compressed(tensors, names, compressor, name)
+            except BaseException as exc:  # noqa: BLE001 - the caller's future's outcome
+                out.set_exception(exc)
+            else:
+                reduced.add_done_callback(functools.partial(_forward, out))
+
+        defer(task)
+        return out
+
+    def _compressed(
+        self, tensors: list[torch.Tensor], names: list[str], compressor: Compressor, name: str
+    ) -> Future:
         compressed = [compressor.compress(t, n) for t, n in zip(tensors, names)]
         if compressor.summable:
             return self._summable(tensors, names, compressed, compressor, name)
@@ -425,6 +460,16 @@ def _decompress_into(compressor: Compressor, compressed: Compressed, tensor: tor
         into(compressed, tensor)
     else:
         _write(tensor, compressor.decompress(compressed))
+
+
+def _forward(out: Future, done: Any) -> None:
+    """``done``'s outcome (a commlayer or torch future) onto ``out``."""
+    try:
+        result = done.wait()
+    except BaseException as exc:  # noqa: BLE001 - the outcome to forward
+        out.set_exception(exc)
+    else:
+        out.set_result(result)
 
 
 def _write(tensor: torch.Tensor, value: torch.Tensor) -> None:
