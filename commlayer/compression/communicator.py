@@ -293,13 +293,19 @@ class Communicator:
             return self.transport.allreduce_(payloads, label, op, prescale, postscale)
 
         def advance(_: Any) -> FutureLike | None:
-            following = []
+            more = []
             for j, c in pending:
                 if c.final:
                     _decompress_into(compressor, c, tensors[j])
                 else:
-                    following.append((j, compressor.next_round(c, names[j])))  # type: ignore[attr-defined]
-            pending[:] = following
+                    more.append((j, c))
+            rounds = [(c, names[j]) for j, c in more]
+            together = getattr(compressor, "next_rounds", None)  # PowerSGD: one batched QR
+            if together is not None:
+                following = together(rounds)
+            else:
+                following = [compressor.next_round(c, n) for c, n in rounds]  # type: ignore[attr-defined]
+            pending[:] = [(j, nxt) for (j, _), nxt in zip(more, following)]
             if not pending:
                 return None
             round_index[0] += 1

@@ -113,6 +113,18 @@ class ErrorFeedback:
             self._remember(name, self._corrected.pop(name), following)
         return following
 
+    def next_rounds(self, rounds: list[tuple[Compressed, str]]) -> list[Compressed | None]:
+        """``next_round`` of several tensors, by the inner compressor's ``next_rounds`` where
+        it has one (PowerSGD: one batched QR)."""
+        together = getattr(self.inner, "next_rounds", None)
+        if together is None:
+            return [self.next_round(c, name) for c, name in rounds]
+        following: list[Compressed | None] = together(rounds)
+        for (_, name), nxt in zip(rounds, following):
+            if nxt is not None:
+                self._remember(name, self._corrected.pop(name), nxt)
+        return following
+
     def _remember(self, name: str, corrected: torch.Tensor, compressed: Compressed) -> None:
         if compressed.final:
             # Now, before the payload is communicated: a summable one is reduced in place. Not
