@@ -107,8 +107,8 @@ class TopKCompressor:
         positions = torch.randint(0, count, (sample,), generator=self._generator)
         positions = positions.to(x.device)
         host_work(self.name, x.device, _HOST_DRAWS)
-        values = x[positions]
-        return (values if y is None else values + y[positions]).abs()
+        values = x.index_select(0, positions)  # a third of x[positions]'s time at 6 K
+        return (values if y is None else values.add_(y.index_select(0, positions))).abs_()
 
     @staticmethod
     def _threshold(sampled: torch.Tensor, margin: float, k: int, count: int) -> float:
@@ -120,7 +120,8 @@ class TopKCompressor:
             threshold = self._threshold(sampled, margin, k, x.numel())
             candidates = kernels.threshold_select(x, threshold).long()  # compares |x|
             if candidates.numel() >= k:
-                return candidates[torch.topk(x[candidates].abs(), k, sorted=False).indices]
+                picked = torch.topk(x.index_select(0, candidates).abs_(), k, sorted=False)
+                return candidates[picked.indices]
             self.retries += 1
             margin *= 2  # the sample's estimate was high: a lower threshold, one more read
         self.fallbacks += 1
@@ -145,11 +146,13 @@ class TopKCompressor:
             threshold = self._threshold(sampled, _MARGIN, k, count)
             candidates = kernels.add_threshold_select_(x, g, threshold).long()
             if candidates.numel() >= k:
-                indices = candidates[torch.topk(x[candidates].abs(), k, sorted=False).indices]
+                picked = torch.topk(x.index_select(0, candidates).abs_(), k, sorted=False)
+                indices = candidates[picked.indices]
             else:
                 self.retries += 1
                 indices = self._pick(x, k, sampled, _MARGIN * 2)
-        return Compressed([x[indices], indices.to(torch.int32)], (tensor.shape, tensor.dtype))
+        values = x.index_select(0, indices)
+        return Compressed([values, indices.to(torch.int32)], (tensor.shape, tensor.dtype))
 
     def drop_sent_(self, corrected: torch.Tensor, compressed: Compressed) -> torch.Tensor:
         """Error feedback's new residual, in place: ``corrected`` less what was sent (the
