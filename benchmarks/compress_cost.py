@@ -14,10 +14,12 @@
    transport that completes at once: a summable payload is "reduced" as it is (one rank's sum),
    a gathered record is handed back ``--ranks`` times, so decoding and summing cost what they
    cost a rank of a ``--ranks``-rank job. Reported: ``compress`` (the ``compress`` calls alone,
-   error feedback included: what runs on the training thread today) and ``total`` (the whole
-   reduce: compress, packing, decompress, summing, writing back), each in ms and in passes,
-   median and [min-max] over ``--repeats`` (after one untimed call: numba's compile, first
-   allocations).
+   error feedback included) and ``total`` (the whole reduce: compress, packing, decompress,
+   summing, writing back), each in ms and in passes, median and [min-max] over ``--repeats``
+   (after one untimed call: numba's compile, first allocations). Each time is divided by a
+   pass timed just before it, so a machine whose load changes during the run still gives
+   in-run ratios. In training all of it runs on the engine thread, not the training thread
+   (compression/communicator.py).
 
 No communication happens: this is the CPU cost a step pays on top of the link's time.
 """
@@ -93,19 +95,19 @@ def gradients() -> list[tuple[str, torch.Tensor]]:
     return [(name, p.grad.detach().clone()) for name, p in model.named_parameters()]
 
 
-def _times(fn: Callable[[], Any], repeats: int) -> list[float]:
-    fn()  # untimed: compile, first allocations
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
+def _time(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
-def measure(spec: str, grads: list[tuple[str, torch.Tensor]], ranks: int, repeats: int
-            ) -> tuple[list[float], list[float]]:  # fmt: skip
-    """(compress seconds, total seconds) per repeat."""
+def measure(
+    spec: str, grads: list[tuple[str, torch.Tensor]], ranks: int, repeats: int,
+    one_pass: Callable[[], Any],
+) -> dict[str, list[float]]:  # fmt: skip
+    """Per repeat: seconds of the compress calls alone and of the whole reduce, and each as a
+    ratio to one pass timed just before it (an in-run ratio: the load on the machine changes
+    between repeats, much less between a pass and the call beside it)."""
     policy = Policy(spec, rank=0, seed=0)
     chosen = [(name, g, policy.choose(name, g)) for name, g in grads]
     comm = Communicator(_Loopback(ranks), ReduceOp.Average)
@@ -126,13 +128,20 @@ def measure(spec: str, grads: list[tuple[str, torch.Tensor]], ranks: int, repeat
 
     refill()
     total()  # untimed: compile, first allocations
-    totals = []
+    compress_only()
+    out: dict[str, list[float]] = {"compress": [], "total": [], "compress/pass": [],
+                                   "total/pass": []}  # fmt: skip
     for _ in range(repeats):
+        unit = _time(one_pass)
+        seconds = _time(compress_only)
+        out["compress"].append(seconds)
+        out["compress/pass"].append(seconds / unit)
         refill()
-        start = time.perf_counter()
-        total()
-        totals.append(time.perf_counter() - start)
-    return _times(compress_only, repeats), totals
+        unit = _time(one_pass)
+        seconds = _time(total)
+        out["total"].append(seconds)
+        out["total/pass"].append(seconds / unit)
+    return out
 
 
 def main() -> int:
@@ -152,11 +161,13 @@ def main() -> int:
         for d, (_, g) in zip(dst, grads):
             d.copy_(g)
 
-    passes = _times(one_pass, args.repeats)
+    one_pass()
+    passes = [_time(one_pass) for _ in range(args.repeats)]
     unit = statistics.median(passes)
     lines = [
         f"# Compressor cost on the CPU ({datetime.date.today()}, {platform.node()}, "
-        f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')})",
+        f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)",
         "",
         f"Command: `OMP_NUM_THREADS=1 python benchmarks/compress_cost.py --ranks {args.ranks} "
         f"--repeats {args.repeats}`",
@@ -164,7 +175,8 @@ def main() -> int:
         f"Gradients of train.py's MLP: {nbytes / 1e6:.1f} MB in {len(grads)} tensors. "
         f"**1 pass** = `copy_` of every gradient into a buffer (each byte read once and written "
         f"once): {unit * 1e3:.2f} ms median [{min(passes) * 1e3:.2f}-{max(passes) * 1e3:.2f}] "
-        f"= {nbytes * 2 / unit / 1e9:.1f} GB/s read+write. Gathered payloads are decoded "
+        f"= {nbytes * 2 / unit / 1e9:.1f} GB/s read+write; passes below are each call's time "
+        f"over a pass timed just before it. Gathered payloads are decoded "
         f"{args.ranks} times (a rank of a {args.ranks}-rank job). Medians [min-max] over "
         f"{args.repeats} repeats.",
         "",
@@ -173,14 +185,16 @@ def main() -> int:
     ]
     print("\n".join(lines), flush=True)
     for spec in args.specs:
-        comp, total = measure(spec, grads, args.ranks, args.repeats)
+        got = measure(spec, grads, args.ranks, args.repeats, one_pass)
 
-        def cell(ts: list[float]) -> tuple[str, str]:
-            med = statistics.median(ts)
-            ms = f"{med * 1e3:.1f} [{min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}]"
-            return ms, f"{med / unit:.2f} [{min(ts) / unit:.2f}-{max(ts) / unit:.2f}]"
+        def cell(ts: list[float], scale: float = 1.0, digits: int = 2) -> str:
+            med, low, high = statistics.median(ts), min(ts), max(ts)
+            return f"{med * scale:.{digits}f} [{low * scale:.{digits}f}-{high * scale:.{digits}f}]"
 
-        row = f"| `{spec}` | {' | '.join(cell(comp))} | {' | '.join(cell(total))} |"
+        row = (
+            f"| `{spec}` | {cell(got['compress'], 1e3, 1)} | {cell(got['compress/pass'])} | "
+            f"{cell(got['total'], 1e3, 1)} | {cell(got['total/pass'])} |"
+        )
         lines.append(row)
         print(row, flush=True)
     if args.out:

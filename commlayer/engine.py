@@ -180,6 +180,7 @@ class Engine:
         self._next_set_id = 0
         self._cv = threading.Condition()
         self._incoming: list[Operation] = []
+        self._tasks: list[Callable[[], None]] = []  # call_soon's, run at the next cycle
         self._inflight: set[tuple[int, str]] = set()
         topo = _topology(config, backend)
         auto = config.allreduce_algorithm == "auto"
@@ -256,6 +257,27 @@ class Engine:
                 self._inflight.add(key)
                 self._incoming.append(op)
             self._cv.notify()
+
+    def call_soon(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the engine thread at the start of its next cycle, before the
+        operations queued so far are negotiated (what it submits joins them): work that must
+        not delay the caller, such as compressing a gradient during backward
+        (compression/communicator.py). ``task`` must not raise: it reports its own errors
+        (its future's). Raises as ``submit`` does once the engine stopped; a task queued
+        before that runs all the same (its submissions then fail with the engine's error)."""
+        with self._cv:
+            self._raise_if_stopped("a compression task")
+            self._tasks.append(task)
+            self._cv.notify()
+
+    def _run_tasks(self) -> None:
+        with self._cv:
+            tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            try:
+                task()
+            except Exception:  # a task reports its own errors; one that did not is a bug
+                log.exception("commlayer rank %d: a task on the engine thread failed", self.rank)
 
     def join(self) -> Future:
         with self._cv:
@@ -370,7 +392,7 @@ class Engine:
         with self._cv:
             pending = any(s.negotiator.has_work() for s in self._member_sets())
             stopping = self._global.negotiator.shutting_down
-            urgent = self._incoming or stopping
+            urgent = self._incoming or self._tasks or stopping
             if self._progress:
                 self._backoff_s = _MIN_BACKOFF_S
             if urgent or (pending and self._progress):
@@ -389,6 +411,7 @@ class Engine:
 
     def _cycle_all(self) -> bool:
         """One negotiation cycle on every process set this rank belongs to; True to stop."""
+        self._run_tasks()
         with self._cv:
             incoming, self._incoming = self._incoming, []
         now = time.perf_counter()
@@ -455,6 +478,10 @@ class Engine:
                     leftovers += state.negotiator.fail_all()
             leftovers += [op for op in self._executing if not op.handle.done()]
             join, self._join_handle = self._join_handle, None
+        self._run_tasks()  # their submissions fail now, completing their futures with the error
+        with self._cv:
+            leftovers += self._incoming
+            self._incoming.clear()
         error = (
             self._error
             if isinstance(self._error, CommlayerError)

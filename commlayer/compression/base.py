@@ -168,6 +168,15 @@ def host_work(compressor: str, device: torch.device, why: str) -> None:
     _log.info("compressor %s on %s: %s", compressor, device, why)
 
 
+class RecordError(PayloadError):
+    """One of several gathered records refused by a compressor that decodes them together
+    (``decompress_sum_``): ``record`` is its index, the rank that sent it."""
+
+    def __init__(self, record: int, message: str) -> None:
+        super().__init__(message)
+        self.record = record
+
+
 def expect_numel(tensor: torch.Tensor, numel: int, what: str) -> None:
     if tensor.numel() != numel:
         raise PayloadError(f"{what} has {tensor.numel()} elements, expected {numel}")

@@ -19,6 +19,17 @@ the compressor declares (compression/base.py):
    reduced sparse through the engine instead (sparse_reduction.py), on the process set's
    topology; gtopk's dropped entries go to the compressor's error feedback.
 
+Where compression runs: a transport that has ``defer`` (:class:`EngineTransport`) gets the
+compress-and-send of CPU tensors as a task for the engine's thread (``Engine.call_soon``):
+``reduce`` returns at once, so the training thread (a gradient hook during backward, the DDP
+hook, ``step``'s last bucket) never waits for a compressor; the engine thread compresses,
+starts the collectives, and decompresses as they complete, while backward goes on (torch ops
+and the numba kernels release the GIL). One thread does all of a compressor's work, in
+submission order, so its state (residuals, warm starts, QSGD's call counter) is touched by
+one thread and its results are those of compressing on the caller's thread, bit for bit. CUDA
+tensors are compressed on the caller's thread: their kernels are queued on the caller's
+streams, which is no wait for it. An error of ``compress`` fails the future.
+
 The transport moves bytes and returns futures: :class:`EngineTransport` (commlayer's engine,
 on a process set) here, a torch.distributed one in integrations/ddp.py. Rounds chain on the
 transport's futures with no thread and no wait, except where a transport cannot take
@@ -41,7 +52,7 @@ import torch
 from commlayer import ops, runtime
 from commlayer.algorithms.topology import Topology
 from commlayer.compression import wire
-from commlayer.compression.base import Compressed, Compressor
+from commlayer.compression.base import Compressed, Compressor, RecordError
 from commlayer.compression.factory import create
 from commlayer.compression.sparse_reduction import SparseReduction, engine_algorithm
 from commlayer.errors import PayloadError
@@ -116,6 +127,11 @@ class EngineTransport:
 
     def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
         return ops.allgather_async(record, name=self.prefix + name, process_set=self.process_set)
+
+    @staticmethod
+    def defer(task: Callable[[], None]) -> None:
+        """Run ``task`` (compress, then start the collectives) on the engine's thread."""
+        runtime.engine().call_soon(task)
 
     def sparse(
         self, name: str, compressed: Compressed, compressor: Compressor, op: ReduceOp
@@ -208,6 +224,25 @@ class Communicator:
         if names is None:
             names = [name] if len(tensors) == 1 else [f"{name}.p{j}" for j in range(len(tensors))]
         names = list(names)
+        defer = getattr(self.transport, "defer", None)
+        if defer is None or any(t.device.type != "cpu" for t in tensors):
+            return self._compressed(tensors, names, compressor, name)
+        out = Future(name)
+
+        def task() -> None:  # on the engine thread
+            try:
+                reduced = self._compressed(tensors, names, compressor, name)
+            except BaseException as exc:  # noqa: BLE001 - the caller's future's outcome
+                out.set_exception(exc)
+            else:
+                reduced.add_done_callback(functools.partial(_forward, out))
+
+        defer(task)
+        return out
+
+    def _compressed(
+        self, tensors: list[torch.Tensor], names: list[str], compressor: Compressor, name: str
+    ) -> Future:
         compressed = [compressor.compress(t, n) for t, n in zip(tensors, names)]
         if compressor.summable:
             return self._summable(tensors, names, compressed, compressor, name)
@@ -258,13 +293,19 @@ class Communicator:
             return self.transport.allreduce_(payloads, label, op, prescale, postscale)
 
         def advance(_: Any) -> FutureLike | None:
-            following = []
+            more = []
             for j, c in pending:
                 if c.final:
                     _decompress_into(compressor, c, tensors[j])
                 else:
-                    following.append((j, compressor.next_round(c, names[j])))  # type: ignore[attr-defined]
-            pending[:] = following
+                    more.append((j, c))
+            rounds = [(c, names[j]) for j, c in more]
+            together = getattr(compressor, "next_rounds", None)  # PowerSGD: one batched QR
+            if together is not None:
+                following = together(rounds)
+            else:
+                following = [compressor.next_round(c, n) for c, n in rounds]  # type: ignore[attr-defined]
+            pending[:] = [(j, nxt) for (j, _), nxt in zip(more, following)]
             if not pending:
                 return None
             round_index[0] += 1
@@ -328,12 +369,35 @@ class Communicator:
             parts = [record[start : start + count] for record in records]
             start += count
             try:
-                if not self._add_records(tensor, parts, local, compressor):
+                if not (
+                    self._sum_together(tensor, parts, local, compressor)
+                    or self._add_records(tensor, parts, local, compressor)
+                ):
                     self._sum_dense(tensor, parts, local, compressor)
             except _FromRank as exc:
                 raise self._malformed(
                     name, PayloadError(f"{compressor.name} payload from rank {exc.rank}: {exc}")
                 ) from None
+
+    def _sum_together(
+        self,
+        tensor: torch.Tensor,
+        parts: list[list[torch.Tensor]],
+        local: Compressed,
+        compressor: Compressor,
+    ) -> bool:
+        """Every record decoded and summed into ``tensor`` by the compressor's
+        ``decompress_sum_`` (QSGD: one write of the tensor, the bits of ``_sum_dense``): False
+        where it has none or the tensor is not one flat block."""
+        together = getattr(compressor, "decompress_sum_", None)
+        if together is None or not tensor.is_contiguous():
+            return False
+        divisor = float(len(parts)) if self.op == ReduceOp.Average else 1.0
+        try:
+            together([Compressed(p, local.ctx) for p in parts], tensor.view(-1), divisor)
+        except RecordError as exc:
+            raise _FromRank(exc.record, str(exc)) from None
+        return True
 
     def _add_records(
         self,
@@ -402,6 +466,16 @@ def _decompress_into(compressor: Compressor, compressed: Compressed, tensor: tor
         into(compressed, tensor)
     else:
         _write(tensor, compressor.decompress(compressed))
+
+
+def _forward(out: Future, done: Any) -> None:
+    """``done``'s outcome (a commlayer or torch future) onto ``out``."""
+    try:
+        result = done.wait()
+    except BaseException as exc:  # noqa: BLE001 - the outcome to forward
+        out.set_exception(exc)
+    else:
+        out.set_result(result)
 
 
 def _write(tensor: torch.Tensor, value: torch.Tensor) -> None:

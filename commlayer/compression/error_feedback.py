@@ -15,7 +15,9 @@ Cost: the generic path builds p_t (one read of g and e, one write) and e_{t+1} (
 subtraction: two to three more passes over the tensor). A compressor that sends some entries
 exactly and drops the rest (top-k, random-k) declares ``drop_sent_(p, compressed)``: p_t is then
 built in the residual's own buffer (``e.add_(g)``) and the sent entries zeroed in it, which is
-e_{t+1}, bit for bit the generic result, in one pass instead of three to four.
+e_{t+1}, bit for bit the generic result, in one pass instead of three to four. Top-k goes one
+step further (``compress_sum_(e, g)``): the addition and its selection's read of p_t are one
+kernel.
 
 State: one residual per tensor name (the name the optimizer gives each gradient), returned by
 ``state_dict()`` so a checkpoint keeps it; residuals are per rank.
@@ -31,7 +33,9 @@ from commlayer.compression.base import Compressed, Compressor
 
 # The inner compressor's optional fast paths, used through the wrapper as they are: they
 # read or write the reduced result, never the residual.
-_FORWARDED = frozenset({"decompress_add_", "decompress_into", "check_payload", "wire_bytes"})
+_FORWARDED = frozenset(
+    {"decompress_add_", "decompress_sum_", "decompress_into", "check_payload", "wire_bytes"}
+)
 
 
 class ErrorFeedback:
@@ -87,6 +91,11 @@ class ErrorFeedback:
             and residual.dtype == tensor.dtype
             and residual.device == tensor.device
         )
+        if usable and hasattr(self.inner, "compress_sum_") and residual.is_contiguous():  # type: ignore[union-attr]
+            # top-k: the correction and the selection's read in one kernel
+            compressed = self.inner.compress_sum_(residual, tensor, name)  # type: ignore[attr-defined]
+            self.residuals[name] = drop_sent(residual, compressed)
+            return compressed
         if usable:
             assert residual is not None
             corrected = residual.add_(tensor.detach())
@@ -102,6 +111,18 @@ class ErrorFeedback:
         following: Compressed | None = self.inner.next_round(compressed, name)  # type: ignore[attr-defined]
         if following is not None:
             self._remember(name, self._corrected.pop(name), following)
+        return following
+
+    def next_rounds(self, rounds: list[tuple[Compressed, str]]) -> list[Compressed | None]:
+        """``next_round`` of several tensors, by the inner compressor's ``next_rounds`` where
+        it has one (PowerSGD: one batched QR)."""
+        together = getattr(self.inner, "next_rounds", None)
+        if together is None:
+            return [self.next_round(c, name) for c, name in rounds]
+        following: list[Compressed | None] = together(rounds)
+        for (_, name), nxt in zip(rounds, following):
+            if nxt is not None:
+                self._remember(name, self._corrected.pop(name), nxt)
         return following
 
     def _remember(self, name: str, corrected: torch.Tensor, compressed: Compressed) -> None:

@@ -26,7 +26,7 @@ Algorithm 2).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -85,8 +85,30 @@ class PowerSGDCompressor:
         """Steps 3-4: orthonormalize the reduced P; the next payload is Q = M^T P_hat."""
         if compressed.final:
             return None
+        return self._second(compressed, torch.linalg.qr(compressed.payload[0]).Q)
+
+    def next_rounds(self, rounds: list[tuple[Compressed, str]]) -> list[Compressed | None]:
+        """``next_round`` of a bucket's tensors at once: the reduced Ps of one shape are
+        orthonormalized by one batched QR (LAPACK per matrix, so the same bits as one call
+        each) instead of one call per tensor; the products M^T P_hat stay per tensor."""
+        out: list[Compressed | None] = [None] * len(rounds)
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for j, (compressed, _) in enumerate(rounds):
+            if not compressed.final:
+                p = compressed.payload[0]
+                groups.setdefault((p.shape, p.dtype, p.device), []).append(j)
+        for members in groups.values():
+            if len(members) == 1:
+                j = members[0]
+                out[j] = self.next_round(*rounds[j])
+                continue
+            stacked = torch.stack([rounds[j][0].payload[0] for j in members])
+            for p_hat, j in zip(torch.linalg.qr(stacked).Q, members):
+                out[j] = self._second(rounds[j][0], p_hat)
+        return out
+
+    def _second(self, compressed: Compressed, p_hat: torch.Tensor) -> Compressed:
         m, shape, dtype, key = compressed.ctx
-        p_hat = torch.linalg.qr(compressed.payload[0]).Q
         q = m.t() @ p_hat
         self._q[key] = q  # reduced in place by the allreduce: the next step's warm start
         return Compressed([q], (p_hat, shape, dtype))

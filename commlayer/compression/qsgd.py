@@ -21,11 +21,16 @@ reuses the allgather the engine already has. The cost grows with the ranks: each
 receives n - 1 payloads of ~1.008 bytes per element at 8 bits, against 8 (n - 1) / n bytes for
 a float32 ring allreduce, so 8-bit QSGD moves fewer bytes up to 7 ranks, 4-bit up to 15.
 
-Quantizing with packing, and unpacking with scaling, are kernels (commlayer.kernels: the torch
-reference, one fused numba pass on the CPU, the CUDA kernels on a GPU); the random numbers come
-from torch's CPU generator whichever kernel runs and whichever device the tensor is on, so the
-payload is the same bits for the same seed, rank and norms (a CUDA tensor's draws are copied
-to its device: a host-to-device copy the size of the bucketed tensor, logged once).
+Quantizing with packing, and decoding with summing, are kernels (commlayer.kernels: the torch
+reference, the CUDA kernels on a GPU, and on the CPU numba: one read of the gradient after its
+norms, the random numbers drawn inside the loop; every rank's record decoded and summed into
+the gradient in one write). The random numbers are counter-based
+(``kernels.reference.uniform_hash``): element i of a call draws a hash of (i, key), the key a
+hash of (seed, rank, the compressor's call count). Any kernel on any device draws the same
+numbers without a generator's sequence or a tensor of draws, so the payload is the same bits
+for the same seed, rank, call and norms (a CPU rank's and a CUDA rank's too). Their
+resolution is 2^-24, so the probability of rounding up is off by less than 2^-24: a bias of
+under 6e-8 of a level step, negligible against the rounding's own variance.
 """
 
 from __future__ import annotations
@@ -39,19 +44,15 @@ from commlayer import kernels
 from commlayer.compression import bitpack
 from commlayer.compression.base import (
     Compressed,
+    RecordError,
     check_positive_int,
     compute_dtype,
     expect_finite,
     expect_numel,
-    host_work,
     register,
+    stable_seed,
 )
 from commlayer.errors import PayloadError
-
-_HOST_DRAWS = (
-    "its stochastic-rounding draws are made on the CPU (the same bits as a CPU rank's) and "
-    "copied to the device, one value per element"
-)
 
 
 def _bits_for(levels: int) -> int:
@@ -80,35 +81,41 @@ class QSGDCompressor:
         self.bits = _bits_for(self.levels)
         self._seed = seed
         self.process_rank = process_rank
-        self._generator: torch.Generator | None = None
+        self._calls = 0  # the draws' counter: one key per compress call
 
-    def _rng(self) -> torch.Generator:
-        # Private, so the compressor neither consumes nor depends on the user's global RNG;
-        # seeded per rank, so the ranks' rounding noise is independent and averages out.
-        if self._generator is None:
-            rank = self.process_rank or 0
-            self._generator = torch.Generator().manual_seed(self._seed * 1_000_003 + rank)
-        return self._generator
+    def _key(self) -> int:
+        # Per rank, so the ranks' rounding noise is independent and averages out; per call, so
+        # no two calls round with the same numbers. No global RNG is read or advanced.
+        self._calls += 1
+        return stable_seed("qsgd", self._seed, self.process_rank or 0, self._calls)
+
+    def _norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """||bucket||_2 of each bucket of ``flat``, the last one short (what zeros would add
+        is nothing): no padded copy of the tensor."""
+        count = flat.numel()
+        whole = count // self.bucket
+        if whole * self.bucket == count and count:
+            return torch.linalg.vector_norm(flat.view(whole, self.bucket), dim=1)
+        norms = flat.new_empty(whole + 1)
+        torch.linalg.vector_norm(flat[: whole * self.bucket].view(whole, self.bucket), dim=1,
+                                 out=norms[:whole])  # fmt: skip
+        norms[whole] = torch.linalg.vector_norm(flat[whole * self.bucket :])
+        return norms
 
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
-        flat = tensor.detach().reshape(-1).to(compute_dtype(tensor.dtype))
+        flat = tensor.detach().reshape(-1).to(compute_dtype(tensor.dtype)).contiguous()
         count = flat.numel()
-        buckets = max(1, -(-count // self.bucket))
-        x = torch.zeros(buckets * self.bucket, dtype=flat.dtype, device=flat.device)
-        x[:count] = flat
-        x = x.view(buckets, self.bucket)
-        norms = torch.linalg.vector_norm(x, dim=1)
+        norms = self._norms(flat)
         scale = torch.where(norms > 0, self.levels / norms, torch.zeros_like(norms))
-        # Drawn on the CPU for any device, then moved: a CUDA rank rounds with the same numbers
-        # as a CPU rank of the same seed and rank (the GPU tests compare payloads bit for bit),
-        # at the price of the draw on the host and one copy of x's size to the device.
-        rand = torch.rand(x.shape, generator=self._rng(), dtype=x.dtype).to(x.device)
-        host_work(self.name, x.device, _HOST_DRAWS)
-        packed = kernels.qsgd_quantize(x, scale, rand, self.levels, self.bits)
+        packed = kernels.qsgd_quantize_hashed(
+            flat, scale, self.bucket, self.levels, self.bits, self._key()
+        )
         return Compressed([packed, norms.float()], (tensor.shape, tensor.dtype, count))
 
-    def decompress(self, compressed: Compressed) -> torch.Tensor:
-        shape, dtype, count = compressed.ctx
+    def check_payload(self, compressed: Compressed) -> tuple[torch.Tensor, torch.Tensor]:
+        """A peer's (packed levels, norms), their lengths and the norms checked against this
+        rank's ctx (the levels are checked by the decoding kernel)."""
+        _, _, count = compressed.ctx
         packed, norms = compressed.payload
         buckets = max(1, -(-count // self.bucket))
         padded = buckets * self.bucket
@@ -116,11 +123,39 @@ class QSGDCompressor:
         expect_finite(norms, "qsgd norm", nonnegative=True)
         expect = padded if self.bits == 16 else bitpack.packed_bytes(padded, self.bits)
         expect_numel(packed, expect, "qsgd levels" if self.bits == 16 else "qsgd packed levels")
+        return packed, norms
+
+    def _step(self, norms: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # A tensor divisor, not the int: torch on CUDA divides by a Python number as a product
         # with its reciprocal, one float32 unit off the CPU's division for some norms (seen on
         # an H200: float64 results 7e-8 apart); element by element both devices divide exactly.
-        step = (norms / torch.full_like(norms, self.levels)).to(compute_dtype(dtype))
-        values, top = kernels.qsgd_dequantize(packed, step, self.levels, self.bits, self.bucket)
+        return (norms / torch.full_like(norms, self.levels)).to(compute_dtype(dtype))
+
+    def decompress_sum_(self, records: list[Compressed], out: torch.Tensor, divisor: float) -> None:
+        """``out`` (flat, contiguous, the tensor's dtype) = the sum of every record decoded, over
+        ``divisor``: the bits of decoding each and summing, in one write of ``out`` with numba.
+        A malformed record raises :class:`RecordError` naming it, ``out`` untouched."""
+        checked = []
+        for index, record in enumerate(records):
+            try:
+                checked.append(self.check_payload(record))
+            except PayloadError as exc:
+                raise RecordError(index, str(exc)) from None
+        dtype = records[0].ctx[1]
+        steps = [self._step(norms, dtype) for _, norms in checked]
+        top, bad = kernels.qsgd_dequantize_sum_(
+            [packed for packed, _ in checked], steps, self.levels, self.bits, self.bucket,
+            divisor, out,
+        )  # fmt: skip
+        if bad >= 0:
+            raise RecordError(bad, f"qsgd level {top:g} exceeds levels={self.levels}")
+
+    def decompress(self, compressed: Compressed) -> torch.Tensor:
+        shape, dtype, count = compressed.ctx
+        packed, norms = self.check_payload(compressed)
+        values, top = kernels.qsgd_dequantize(
+            packed, self._step(norms, dtype), self.levels, self.bits, self.bucket
+        )
         if top > self.levels:
             raise PayloadError(f"qsgd level {top:g} exceeds levels={self.levels}")
         return values[:count].reshape(shape).to(dtype)

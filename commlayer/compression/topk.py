@@ -10,7 +10,9 @@ Selection, ``mode``:
 1. ``sampled`` (the default; DGC's sampled threshold, Lin et al. 2018, section 3 / appendix):
    take |x| at ~1% random positions, set the threshold to the sample's top 1.5 * ratio
    quantile, keep the candidates |x| >= threshold (one read of the tensor, comparing |x| as it
-   goes: no |x| temporary) and run ``torch.topk`` on the candidates only. Whenever at least
+   goes, 16 elements at a time with no branch per element: no |x| temporary) and run
+   ``torch.topk`` on the candidates only. Under error feedback (``compress_sum_``) the
+   correction e += g and this read are one kernel, the sample taken of e + g. Whenever at least
    k candidates pass, the k largest are all among them, so the result equals exact top-k;
    when too few pass (the sample overestimated the threshold: rare with the 50% margin, and
    error feedback's residuals fatten the tail) it reads again with the threshold at twice
@@ -86,29 +88,71 @@ class TopKCompressor:
 
     def select(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Indices (int64) of the k entries of ``x`` (1-D) largest in magnitude."""
-        count = x.numel()
-        sample = max(_MIN_SAMPLE, int(count * _SAMPLE_FRACTION))
+        if self._exact(x.numel(), k):
+            return torch.topk(x.abs(), k, sorted=False).indices
+        return self._pick(x, k, self._sample(x, None), _MARGIN)
+
+    def _exact(self, count: int, k: int) -> bool:
         # Exact when the sample would be a quarter of the tensor, or the candidates would:
         # the compaction then costs about what it saves.
-        if self.mode == "exact" or sample * 4 > count or _MARGIN * k * 4 > count:
-            return torch.topk(x.abs(), k, sorted=False).indices
-        # The sample positions come from the CPU generator for any device (then moved), so a
-        # CUDA rank samples where a CPU rank with this seed does: the same threshold and result.
+        sample = max(_MIN_SAMPLE, int(count * _SAMPLE_FRACTION))
+        return self.mode == "exact" or sample * 4 > count or _MARGIN * k * 4 > count
+
+    def _sample(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        """|x + y| (``y`` None: |x|) at random positions. The positions come from the CPU
+        generator for any device (then moved), so a CUDA rank samples where a CPU rank with
+        this seed does: the same threshold and result."""
+        count = x.numel()
+        sample = max(_MIN_SAMPLE, int(count * _SAMPLE_FRACTION))
         positions = torch.randint(0, count, (sample,), generator=self._generator)
         positions = positions.to(x.device)
         host_work(self.name, x.device, _HOST_DRAWS)
-        sampled = x[positions].abs()
-        margin = _MARGIN
+        values = x.index_select(0, positions)  # a third of x[positions]'s time at 6 K
+        return (values if y is None else values.add_(y.index_select(0, positions))).abs_()
+
+    @staticmethod
+    def _threshold(sampled: torch.Tensor, margin: float, k: int, count: int) -> float:
+        top_in_sample = min(sampled.numel(), int(margin * k / count * sampled.numel()) + 1)
+        return float(torch.topk(sampled, top_in_sample, sorted=False).values.min())
+
+    def _pick(self, x: torch.Tensor, k: int, sampled: torch.Tensor, margin: float) -> torch.Tensor:
         for _ in range(1 + _RETRIES):
-            top_in_sample = min(sample, int(margin * k / count * sample) + 1)
-            threshold = torch.topk(sampled, top_in_sample, sorted=False).values.min()
-            candidates = kernels.threshold_select(x, float(threshold)).long()  # compares |x|
+            threshold = self._threshold(sampled, margin, k, x.numel())
+            candidates = kernels.threshold_select(x, threshold).long()  # compares |x|
             if candidates.numel() >= k:
-                return candidates[torch.topk(x[candidates].abs(), k, sorted=False).indices]
+                picked = torch.topk(x.index_select(0, candidates).abs_(), k, sorted=False)
+                return candidates[picked.indices]
             self.retries += 1
             margin *= 2  # the sample's estimate was high: a lower threshold, one more read
         self.fallbacks += 1
         return torch.topk(x.abs(), k, sorted=False).indices
+
+    def compress_sum_(self, acc: torch.Tensor, tensor: torch.Tensor, name: str = "") -> Compressed:
+        """``compress(acc + tensor)`` with the sum left in ``acc`` (contiguous, the tensor's
+        shape, dtype and device): error feedback's correction and the candidates' read are one
+        kernel (``kernels.add_threshold_select_``), the threshold from the sum's sample. The
+        indices are those ``compress`` of the sum gives (both are exact top-k whenever enough
+        candidates pass)."""
+        x, g = acc.view(-1), tensor.detach().reshape(-1)
+        count = x.numel()
+        if count >= 2**31:
+            raise ValueError(f"topk: {count} elements do not fit int32 indices")
+        k = kept(count, self.ratio)
+        if self._exact(count, k):
+            x.add_(g)
+            indices = torch.topk(x.abs(), k, sorted=False).indices
+        else:
+            sampled = self._sample(x, g)
+            threshold = self._threshold(sampled, _MARGIN, k, count)
+            candidates = kernels.add_threshold_select_(x, g, threshold).long()
+            if candidates.numel() >= k:
+                picked = torch.topk(x.index_select(0, candidates).abs_(), k, sorted=False)
+                indices = candidates[picked.indices]
+            else:
+                self.retries += 1
+                indices = self._pick(x, k, sampled, _MARGIN * 2)
+        values = x.index_select(0, indices)
+        return Compressed([values, indices.to(torch.int32)], (tensor.shape, tensor.dtype))
 
     def drop_sent_(self, corrected: torch.Tensor, compressed: Compressed) -> torch.Tensor:
         """Error feedback's new residual, in place: ``corrected`` less what was sent (the

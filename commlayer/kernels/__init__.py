@@ -36,6 +36,7 @@ from commlayer.kernels.reference import densify, index_dtype, topk
 
 __all__ = [
     "CHOICES",
+    "add_threshold_select_",
     "available",
     "configured",
     "cuda_ptx_dir",
@@ -46,7 +47,9 @@ __all__ = [
     "merge_sum",
     "pack_signs",
     "qsgd_dequantize",
+    "qsgd_dequantize_sum_",
     "qsgd_quantize",
+    "qsgd_quantize_hashed",
     "scatter_add_",
     "threshold_select",
     "topk",
@@ -155,6 +158,15 @@ def threshold_select(x: torch.Tensor, threshold: float, choice: str | None = Non
     return impl.threshold_select(x, threshold)  # type: ignore[no-any-return]
 
 
+def add_threshold_select_(
+    e: torch.Tensor, g: torch.Tensor, threshold: float, choice: str | None = None
+) -> torch.Tensor:
+    """``e += g`` in place and the indices, ascending, where |e| >= threshold: error feedback's
+    correction and top-k's candidates in one read (numba on the CPU)."""
+    impl = implementation("add_threshold_select_", e, choice)
+    return impl.add_threshold_select_(e, g, threshold)  # type: ignore[no-any-return]
+
+
 def qsgd_quantize(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -168,6 +180,45 @@ def qsgd_quantize(
     (2, 4, 8) to a code (reference.qsgd_quantize)."""
     impl = implementation("qsgd_quantize", x, choice)
     return impl.qsgd_quantize(x, scale, rand, levels, bits)  # type: ignore[no-any-return]
+
+
+def qsgd_quantize_hashed(
+    flat: torch.Tensor,
+    scale: torch.Tensor,
+    bucket: int,
+    levels: int,
+    bits: int,
+    key: int,
+    choice: str | None = None,
+) -> torch.Tensor:
+    """:func:`qsgd_quantize` of the flat, unpadded ``flat`` (the last bucket completed with
+    zeros) with ``rand`` = ``reference.uniform_hash(key, ...)``: numba on the CPU draws each
+    number in the loop (no rand tensor: one read of ``flat``); elsewhere the padded tensor and
+    the draws are made with torch ops on the tensor's device, then :func:`qsgd_quantize`
+    (the CUDA kernels on a GPU). The same bits either way."""
+    impl = implementation("qsgd_quantize_hashed", flat, choice)
+    if impl is not reference:
+        return impl.qsgd_quantize_hashed(flat, scale, bucket, levels, bits, key)  # type: ignore[no-any-return]
+    x = torch.zeros(scale.numel() * bucket, dtype=flat.dtype, device=flat.device)
+    x[: flat.numel()] = flat
+    rand = reference.uniform_hash(key, x.numel(), x.dtype, x.device)
+    return qsgd_quantize(x.view(-1, bucket), scale, rand.view(-1, bucket), levels, bits, choice)
+
+
+def qsgd_dequantize_sum_(
+    records: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    levels: int,
+    bits: int,
+    bucket: int,
+    divisor: float,
+    out: torch.Tensor,
+    choice: str | None = None,
+) -> tuple[int, int]:
+    """Every rank's QSGD record decoded and summed into ``out`` (flat, contiguous), divided by
+    ``divisor``: reference.qsgd_dequantize_sum_ (numba: one write of ``out``)."""
+    impl = implementation("qsgd_dequantize_sum_", out, choice)
+    return impl.qsgd_dequantize_sum_(records, steps, levels, bits, bucket, divisor, out)  # type: ignore[no-any-return]
 
 
 def qsgd_dequantize(

@@ -46,6 +46,38 @@ def threshold_select(x: torch.Tensor, threshold: float) -> torch.Tensor:
     return torch.nonzero(x.abs() >= threshold).view(-1).to(index_dtype(x.numel()))
 
 
+def add_threshold_select_(e: torch.Tensor, g: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``e += g`` in place, then the indices (ascending) where |e| >= threshold."""
+    e.add_(g.view_as(e))
+    return threshold_select(e.view(-1), threshold)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(v: torch.Tensor, c: int) -> torch.Tensor:
+    """(v * c) mod 2^32 for int64 ``v`` < 2^32, c < 2^32, without int64 overflow (halves of c)."""
+    low = v * (c & 0xFFFF)
+    high = ((v * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & _M32
+
+
+def uniform_hash(
+    key: int, count: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """``count`` uniform numbers in [0, 1) of ``dtype``, element i a function of (i, key) only:
+    the lowbias32 hash (Chris Wellons' hash-prospector, bias 0.17) of ``i ^ key`` (a bijection
+    of i for one key), its top 24 bits over 2^24 (exact in float32). Counter-based: any
+    kernel, on any device, draws element i alone, and draws what this does bit for bit."""
+    v = torch.arange(count, dtype=torch.int64, device=device) ^ (key & _M32)
+    v ^= v >> 16
+    v = _mul32(v, 0x7FEB352D)
+    v ^= v >> 15
+    v = _mul32(v, 0x846CA68B)
+    v ^= v >> 16
+    return (v >> 8).to(dtype) * 2.0**-24
+
+
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k entries of largest magnitude as a sorted sparse list (ties: torch.topk's pick)."""
     k = min(k, x.numel())
@@ -143,3 +175,27 @@ def qsgd_dequantize(
         signed = unpack_bits(packed, bits, buckets * bucket).to(step.dtype).sub_(levels)
     top = int(signed.abs().max()) if signed.numel() else 0
     return signed.view(buckets, bucket).mul_(step[:, None]).view(-1), top
+
+
+def qsgd_dequantize_sum_(
+    records: list[torch.Tensor], steps: list[torch.Tensor], levels: int, bits: int, bucket: int,
+    divisor: float, out: torch.Tensor,
+) -> tuple[int, int]:  # fmt: skip
+    """Every record decoded (:func:`qsgd_dequantize`, its own ``steps``), cast to out's dtype,
+    summed in record order and divided by ``divisor``, into the flat ``out`` (its first
+    ``out.numel()`` elements of each record). Returns (largest |level|, the first record with a
+    level above ``levels`` or -1); ``out`` is untouched when there is one."""
+    parts, top = [], 0
+    for r, (packed, step) in enumerate(zip(records, steps)):
+        values, mine = qsgd_dequantize(packed, step, levels, bits, bucket)
+        top = max(top, mine)
+        if mine > levels:
+            return top, r
+        parts.append(values[: out.numel()].to(out.dtype))
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total.add_(part)
+    if divisor != 1:
+        total.div_(divisor)
+    out.view(-1).copy_(total)
+    return top, -1

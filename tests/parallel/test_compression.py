@@ -12,6 +12,7 @@ Collectives first, asserts last, as in test_optimizer.py.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Any
 
 import pytest
@@ -133,6 +134,59 @@ def test_reduced_gradient_equals_the_simulated_job(spec: str) -> None:
         assert not torch.allclose(got[0]["w"], _mean("w"), **EXACT)
     if spec not in TOLERANCE:  # below 1024 elements: sent as is (casts cast everything)
         torch.testing.assert_close(got[0]["b"], _mean("b"), **EXACT)
+
+
+_COMPRESSING_THREADS: set[str] = set()
+
+
+@register("test_thread_topk")
+class _ThreadTopK(TopKCompressor):
+    """Top-k that notes the thread that compresses (compress_sum_: under error feedback)."""
+
+    name = "test_thread_topk"
+
+    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
+        _COMPRESSING_THREADS.add(threading.current_thread().name)
+        return super().compress(tensor, name)
+
+    def compress_sum_(self, acc: torch.Tensor, tensor: torch.Tensor, name: str = "") -> Compressed:
+        _COMPRESSING_THREADS.add(threading.current_thread().name)
+        return super().compress_sum_(acc, tensor, name)
+
+
+@register("test_raising")
+class _Raising(TopKCompressor):
+    name = "test_raising"
+
+    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
+        raise ValueError(f"test_raising cannot compress {name}")
+
+
+def test_compression_runs_on_the_engine_thread_with_unchanged_results() -> None:
+    """The gradient hooks hand compression to the engine's thread (communicator.py): the
+    training thread never compresses, and the results are the simulated job's, where every
+    compress runs on this thread."""
+    _COMPRESSING_THREADS.clear()
+    got, _ = _train("test_thread_topk:ratio=0.05,mode=sampled")
+    assert _COMPRESSING_THREADS == {"commlayer-engine"}
+    want = _simulate("topk:ratio=0.05,mode=sampled")
+    for step, (g, w) in enumerate(zip(got, want)):
+        for name in SHAPES:
+            torch.testing.assert_close(g[name], w[name], msg=f"step {step} {name}", **EXACT)
+
+
+def test_an_error_of_compress_on_the_engine_thread_reaches_step() -> None:
+    model = _Params()
+    opt = cl.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        named_parameters=model.named_parameters(),
+        compression="test_raising:ef=0",
+    )
+    for name, p in model.named_parameters():
+        p.grad = _grad(name, cl.rank(), 0)
+    with pytest.raises(ValueError, match="test_raising cannot compress grad.w"):
+        opt.step()
+    cl.barrier()  # the uncompressed bias went through on every rank; nothing is left in flight
 
 
 def test_qsgd_reduced_gradient_is_the_mean_up_to_rounding() -> None:

@@ -335,6 +335,31 @@ def test_powersgd_warm_start_converges_to_the_best_rank_r_approximation() -> Non
     assert errors[-1] < errors[0] and errors[-1] <= 1.01 * best
 
 
+def test_powersgd_next_rounds_of_a_bucket_equal_one_next_round_each() -> None:
+    """The batched QR of a bucket's Ps (one shape twice, another once, a vector) gives the
+    payloads, warm starts and error-feedback residuals of one next_round per tensor."""
+    shapes = [(40, 30), (40, 30), (20, 50), (70,)]
+    grads = [_randn(shape, torch.float64, seed=j) for j, shape in enumerate(shapes)]
+    names = [f"g{j}" for j in range(len(shapes))]
+    results = []
+    for batched in (False, True):
+        compressor = compression.create("powersgd:rank=3")
+        for step in range(2):  # the second step starts from the warm starts and residuals
+            firsts = [compressor.compress(g * (step + 1), n) for g, n in zip(grads, names)]
+            rounds = list(zip(firsts, names))
+            if batched:
+                seconds = compressor.next_rounds(rounds)  # type: ignore[attr-defined]
+            else:
+                seconds = [compressor.next_round(c, n) for c, n in rounds]  # type: ignore[attr-defined]
+        results.append(([None if c is None else c.payload[0] for c in seconds],
+                        dict(compressor.residuals)))  # type: ignore[attr-defined]  # fmt: skip
+    (one, one_residuals), (batch, batch_residuals) = results
+    assert one[3] is None and batch[3] is None  # the vector travels in one round
+    assert all(torch.equal(a, b) for a, b in zip(one[:3], batch[:3]))
+    assert one_residuals.keys() == batch_residuals.keys()
+    assert all(torch.equal(one_residuals[n], batch_residuals[n]) for n in one_residuals)
+
+
 def test_powersgd_sends_vectors_and_small_matrices_as_they_are() -> None:
     compressor = PowerSGDCompressor(rank=4)
     for shape in [(100,), (3, 5)]:

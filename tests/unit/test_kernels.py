@@ -81,6 +81,75 @@ def test_threshold_select(choice: str, dtype: torch.dtype, n: int) -> None:
         assert torch.equal(got.long(), expect)
 
 
+@pytest.mark.parametrize("choice", CPU_CHOICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", SIZES)
+def test_add_threshold_select_adds_then_selects(choice: str, dtype: torch.dtype, n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    e, grad = torch.randn(n, generator=g, dtype=dtype), torch.randn(n, generator=g, dtype=dtype)
+    for threshold in (0.0, 1.0 / 3.0, 2.5, 100.0):
+        acc = e.clone()
+        got = kernels.add_threshold_select_(acc, grad, threshold, choice=choice)
+        assert torch.equal(acc, e + grad)
+        assert torch.equal(got, kernels.threshold_select(e + grad, threshold, choice="torch"))
+
+
+def test_uniform_hash_is_uniform_counter_based_and_keyed() -> None:
+    u = reference.uniform_hash(7, 1 << 16, torch.float32, "cpu")
+    assert u.dtype == torch.float32 and 0 <= float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    assert torch.equal(reference.uniform_hash(7, 10, torch.float32, "cpu"), u[:10])  # by index
+    assert not torch.equal(reference.uniform_hash(8, 10, torch.float32, "cpu"), u[:10])
+    assert torch.equal(reference.uniform_hash(7, 10, torch.float64, "cpu"), u[:10].double())
+
+
+@pytest.mark.parametrize("choice", CPU_CHOICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("levels", "bits"), [(1, 2), (7, 4), (127, 8), (1000, 16)])
+def test_qsgd_hashed_quantize_and_sum_match_the_reference(
+    choice: str, dtype: torch.dtype, levels: int, bits: int
+) -> None:
+    """The fused kernels (draws in the loop, unpadded input; every record decoded and summed
+    in one write) against the reference: padded input, uniform_hash draws, then sum of the
+    decoded records over the divisor, bit for bit."""
+    for n, bucket in ((1, 1), (1001, 3), (1001, 512), (65537, 512)):
+        g = torch.Generator().manual_seed(n + bits)
+        flats = [torch.randn(n, generator=g, dtype=dtype) for _ in range(3)]
+        packed, steps = [], []
+        for r, flat in enumerate(flats):
+            buckets = -(-n // bucket)
+            x = torch.zeros(buckets * bucket, dtype=dtype)
+            x[:n] = flat
+            norms = torch.linalg.vector_norm(x.view(buckets, bucket), dim=1)
+            scale = torch.where(norms > 0, levels / norms, torch.zeros_like(norms))
+            got = kernels.qsgd_quantize_hashed(flat, scale, bucket, levels, bits, r, choice)
+            rand = reference.uniform_hash(r, x.numel(), dtype, "cpu").view(buckets, bucket)
+            expect = reference.qsgd_quantize(x.view(buckets, bucket), scale, rand, levels, bits)
+            assert torch.equal(got, expect), (n, bucket, r)
+            packed.append(got)
+            steps.append(norms / levels)
+        for divisor in (1.0, 3.0):
+            out = torch.full((n,), float("nan"), dtype=dtype)
+            top, bad = kernels.qsgd_dequantize_sum_(
+                packed, steps, levels, bits, bucket, divisor, out, choice
+            )
+            parts = [reference.qsgd_dequantize(p, s, levels, bits, bucket)[0][:n]
+                     for p, s in zip(packed, steps)]  # fmt: skip
+            expect = (parts[0] + parts[1] + parts[2]) / divisor
+            assert bad == -1 and top <= levels and torch.equal(out, expect), (n, bucket)
+
+
+@pytest.mark.parametrize("choice", CPU_CHOICES)
+def test_qsgd_dequantize_sum_names_the_bad_record_and_writes_nothing(choice: str) -> None:
+    good = torch.full((4,), 127, dtype=torch.uint8)
+    bad = torch.tensor([127, 255, 0, 0], dtype=torch.uint8)  # level 128 > 127
+    out = torch.zeros(4)
+    top, record = kernels.qsgd_dequantize_sum_(
+        [good, bad], [torch.ones(1)] * 2, 127, 8, 4, 2.0, out, choice
+    )
+    assert (top, record) == (128, 1) and torch.equal(out, torch.zeros(4))
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_densify_puts_each_value_at_its_index(n: int) -> None:
     idx, val = sorted_list(n, n // 3 + 1, n, torch.float32)
