@@ -71,6 +71,7 @@ def main() -> None:
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     print(f"rank {rank} of {size}: {args.compression} hook, parameter checksum {checksum:.10f}",
           flush=True)  # fmt: skip
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
 
 
