@@ -115,13 +115,18 @@ class TopKCompressor:
         top_in_sample = min(sampled.numel(), int(margin * k / count * sampled.numel()) + 1)
         return float(torch.topk(sampled, top_in_sample, sorted=False).values.min())
 
+    @staticmethod
+    def _largest(x: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+        """The k of ``candidates`` (indices into ``x``, at least k) largest in magnitude."""
+        picked = torch.topk(x.index_select(0, candidates).abs_(), k, sorted=False)
+        return candidates[picked.indices]
+
     def _pick(self, x: torch.Tensor, k: int, sampled: torch.Tensor, margin: float) -> torch.Tensor:
         for _ in range(1 + _RETRIES):
             threshold = self._threshold(sampled, margin, k, x.numel())
             candidates = kernels.threshold_select(x, threshold).long()  # compares |x|
             if candidates.numel() >= k:
-                picked = torch.topk(x.index_select(0, candidates).abs_(), k, sorted=False)
-                return candidates[picked.indices]
+                return self._largest(x, candidates, k)
             self.retries += 1
             margin *= 2  # the sample's estimate was high: a lower threshold, one more read
         self.fallbacks += 1
@@ -146,8 +151,7 @@ class TopKCompressor:
             threshold = self._threshold(sampled, _MARGIN, k, count)
             candidates = kernels.add_threshold_select_(x, g, threshold).long()
             if candidates.numel() >= k:
-                picked = torch.topk(x.index_select(0, candidates).abs_(), k, sorted=False)
-                indices = candidates[picked.indices]
+                indices = self._largest(x, candidates, k)
             else:
                 self.retries += 1
                 indices = self._pick(x, k, sampled, _MARGIN * 2)
