@@ -51,11 +51,12 @@ from pathlib import Path
 
 import torch
 
-from commlayer import algorithms, config, costmodel
-from commlayer.algorithms import autotune, topology
+from commlayer import algorithms, costmodel
+from commlayer.algorithms import autotune
 from commlayer.algorithms.executor import Allreducer
 from commlayer.backends.mpi import MPI, MPIBackend, library_version
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core import config, topology
+from commlayer.core.reduce_ops import ReduceOp
 
 
 def parse_bytes(text: str) -> int:

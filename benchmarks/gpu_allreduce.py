@@ -14,7 +14,7 @@ One process (``python``, or ``mpiexec -n 1``):
 1. ``torch.distributed.init_process_group("nccl")`` at world size 1 (a file:// rendezvous),
    then ``commlayer.init()``: over an initialized torch.distributed commlayer's ``auto`` backend
    is its torch one (a gloo group of its own). With a GPU per rank that backend also makes an
-   NCCL group and takes CUDA tensors directly (commlayer/device.py); ``COMMLAYER_NCCL=0``
+   NCCL group and takes CUDA tensors directly (commlayer/core/device.py); ``COMMLAYER_NCCL=0``
    stages them through pinned host memory as before (the header names the path).
 2. Per size, each call followed by ``torch.cuda.synchronize()``: NCCL's ``all_reduce``,
    commlayer's ``allreduce_``, ``allreduce_async_`` + ``synchronize``, and the pinned
@@ -257,7 +257,7 @@ def multi_rank_rows(systems: dict[str, System], n: int) -> tuple[list[str], Call
 
 def _staged(bench: Bench) -> bool:
     """Whether commlayer stages this run's tensors through the host (device.py decides)."""
-    from commlayer import device, runtime
+    from commlayer.core import device, runtime
 
     backend = runtime.engine().backend(0)
     return bench.device.type != "cuda" or device.path(backend, bench.device, torch.float32) is None

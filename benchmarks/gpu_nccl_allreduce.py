@@ -6,7 +6,7 @@ bus bandwidth >= 0.95 of NCCL's from 1 MiB), same run, one GPU per rank, under t
     [--device cpu] [--min-size 1MiB] [--max-size 256MiB] [--reps 5] [--target-s 0.2]
 
 commlayer runs over its torch backend with ``COMMLAYER_NCCL=1``: CUDA tensors go to its NCCL
-group as they are (commlayer/device.py, the direct path: no host staging; the engine thread's
+group as they are (commlayer/core/device.py, the direct path: no host staging; the engine thread's
 stream waits on the caller's event, the future completes after an event recorded after the
 NCCL work). The baseline is ``torch.distributed.all_reduce`` on the default NCCL group, on the
 same tensor, called from the main thread. Both are timed per call with the device synchronized
@@ -107,8 +107,8 @@ def main() -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     world = World(device)
     cl.init()  # over the initialized torch.distributed: commlayer's torch backend
-    from commlayer import device as seam
-    from commlayer import runtime
+    from commlayer.core import device as seam
+    from commlayer.core import runtime
 
     route = seam.path(runtime.engine().backend(0), device, torch.float32)
     if cuda and route is None:

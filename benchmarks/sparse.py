@@ -37,9 +37,9 @@ from commlayer.algorithms import sparse
 from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.sparse import cost
 from commlayer.algorithms.sparse.executor import sparse_allreduce
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.mpi import MPI, MPIBackend, library_version
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.topology import Topology
 
 
 def wait(request: object) -> None:

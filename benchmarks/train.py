@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commlayer import fusion, malloc
+from commlayer.core import fusion, malloc
 
 SYSTEMS = ("commlayer", "ddp", "horovod")
 # commlayer launched by torchrun (its engine over torch.distributed's gloo) instead of mpiexec
@@ -362,7 +362,7 @@ def paired_worker(args: argparse.Namespace) -> None:
             d / g for d, g in zip(ddp_t, direct_t, strict=True)
         )
     import commlayer as cl
-    from commlayer import runtime
+    from commlayer.core import runtime
 
     result["wait"] = "passive" if runtime.engine().passive else "active"
 
@@ -378,7 +378,7 @@ def one_rank_worker(args: argparse.Namespace) -> None:
     """The three of ``ONE_RANK`` in one process, a step of each in turn (module docstring, 4.):
     the engine runs for all three (its idle heartbeat is charged to every one's steps)."""
     import commlayer as cl
-    from commlayer import config
+    from commlayer.core import config
 
     cl.init()
     build, input_shape, classes = MODELS[args.model]
@@ -523,7 +523,7 @@ def _horovod_importable() -> bool:
     return subprocess.run(probe, capture_output=True, timeout=120).returncode == 0
 
 
-# commlayer.init() sets these glibc thresholds in its process (commlayer/malloc.py); a DDP or
+# commlayer.init() sets these glibc thresholds in its process (commlayer/core/malloc.py); a DDP or
 # Horovod run labelled "+malloc" gets them through glibc's own variables, so the table shows how
 # much of a lead over them is the allocator's and how much the communication's.
 MALLOC_CONTROL = "+malloc"

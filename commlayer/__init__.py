@@ -3,14 +3,16 @@
 ``import commlayer as hvd`` works for horovod.torch users: same names, arguments and semantics.
 """
 
+import sys as _sys
 from importlib.util import find_spec as _find_spec
 
 import torch as _torch
 
-from commlayer import compression, config, elastic
-from commlayer import runtime as _runtime
+from commlayer import compression, elastic
 from commlayer.compression import Compression
-from commlayer.errors import (
+from commlayer.core import config
+from commlayer.core import runtime as _runtime
+from commlayer.core.errors import (
     CollectiveTimeoutError,
     CommlayerError,
     ConfigError,
@@ -24,6 +26,23 @@ from commlayer.errors import (
     TensorMismatchError,
     UnsupportedOpError,
 )
+from commlayer.core.future import Future, Handle
+from commlayer.core.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from commlayer.core.runtime import (
+    backend_name,
+    communication_stats,
+    cross_rank,
+    cross_size,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+    startup_summary,
+)
 from commlayer.functions import (
     allgather,
     allreduce,
@@ -35,7 +54,6 @@ from commlayer.functions import (
     grouped_reducescatter,
     reducescatter,
 )
-from commlayer.future import Future, Handle
 from commlayer.ops import (
     add_process_set,
     allgather_async,
@@ -63,22 +81,6 @@ from commlayer.ops import (
 )
 from commlayer.optimizer import DistributedOptimizer
 from commlayer.process_sets import ProcessSet, global_process_set
-from commlayer.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from commlayer.runtime import (
-    backend_name,
-    communication_stats,
-    cross_rank,
-    cross_size,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-    startup_summary,
-)
 from commlayer.state_sync import (
     allgather_object,
     broadcast_object,
@@ -88,6 +90,17 @@ from commlayer.state_sync import (
 from commlayer.sync_batch_norm import SyncBatchNorm
 
 __version__ = "0.1.0"
+
+# Paths that README and scripts written before the core/ folder existed import
+# (``commlayer.config.describe``, ``from commlayer.errors import ...``): the same module objects.
+from commlayer.core import errors as _errors  # noqa: E402
+from commlayer.core import future as _future  # noqa: E402
+from commlayer.core import reduce_ops as _reduce_ops  # noqa: E402
+
+for _module in (config, _errors, _future, _reduce_ops, _runtime):
+    _name = _module.__name__.rpartition(".")[2]
+    _sys.modules.setdefault(f"commlayer.{_name}", _module)
+    globals().setdefault(_name, _module)
 
 
 def mpi_built() -> bool:

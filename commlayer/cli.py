@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from commlayer import costmodel
-from commlayer.config import parse_variable
+from commlayer.core.config import parse_variable
 
 
 def _bytes(text: str) -> int:
@@ -76,10 +76,9 @@ def _engine_op_latency_s(cal: costmodel.Calibration, quick: bool) -> float:
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    from commlayer import config
-    from commlayer.algorithms import topology
     from commlayer.backends.mpi import MPIBackend
-    from commlayer.registries import REGISTRIES
+    from commlayer.core import config, topology
+    from commlayer.core.registries import REGISTRIES
 
     backend = MPIBackend()
     # COMMLAYER_TOPOLOGY: one machine measured as several nodes

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from commlayer import compression as compression_
-from commlayer import ops, runtime
+from commlayer import ops
 from commlayer.compression import Compressed, Compression, Compressor
 from commlayer.compression.cast import CastCompressor
 from commlayer.compression.none import NoneCompressor
+from commlayer.core import runtime
+from commlayer.core.reduce_ops import ReduceOp
 from commlayer.process_sets import ProcessSet, global_process_set
-from commlayer.reduce_ops import ReduceOp
 
 
 class _Allreduce(torch.autograd.Function):

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from commlayer import config
-from commlayer.registries import REGISTRIES
+from commlayer.core import config
+from commlayer.core.registries import REGISTRIES
 
 # Written by scripts/cluster.sh up, removed by its down.
 CLUSTER_DIR = Path("/run/commlayer-cluster")

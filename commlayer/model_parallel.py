@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commlayer import functions, ops, runtime
+from commlayer import functions, ops
+from commlayer.core import runtime
+from commlayer.core.reduce_ops import ReduceOp
 from commlayer.process_sets import ProcessSet, global_process_set
-from commlayer.reduce_ops import ReduceOp
 
 
 def shard(n: int, rank: int, size: int) -> tuple[int, int]:

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from commlayer import adasum, device, runtime
-from commlayer.algorithms.topology import Topology
-from commlayer.engine import Operation
-from commlayer.errors import UnsupportedOpError
-from commlayer.future import Future, Handle, combined
-from commlayer.negotiation import (
+from commlayer.algorithms import adasum
+from commlayer.core import device, runtime
+from commlayer.core.engine import Operation
+from commlayer.core.errors import UnsupportedOpError
+from commlayer.core.future import Future, Handle, combined
+from commlayer.core.negotiation import (
     ALLGATHER,
     ALLREDUCE,
     ALLTOALL,
@@ -34,8 +34,9 @@ from commlayer.negotiation import (
     dtype_name,
     shapes_of,
 )
+from commlayer.core.reduce_ops import SUPPORTED_OPS, ReduceOp
+from commlayer.core.topology import Topology
 from commlayer.process_sets import ProcessSet, check_ranks, global_process_set
-from commlayer.reduce_ops import SUPPORTED_OPS, ReduceOp
 
 ALLREDUCE_OPS = (*SUPPORTED_OPS, ReduceOp.Adasum)  # Adasum: allreduce only (adasum.py)
 SUPPORTED_DTYPES = (
@@ -730,7 +731,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     CYCLE_START instant on a "cycles" row at each negotiation cycle. Not collective."""
     if not isinstance(file_path, str) or not file_path:
         raise _input_error(f"start_timeline: file_path must be a non-empty str, got {file_path!r}")
-    from commlayer.timeline import open_timeline
+    from commlayer.core.timeline import open_timeline
 
     engine = runtime.engine()
     with _timeline_lock:
@@ -741,7 +742,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 def stop_timeline() -> None:
     """Stop the timeline (started here or by COMMLAYER_TIMELINE) and close its file, which is
     then valid JSON. Does nothing when no timeline runs."""
-    from commlayer.timeline import NullTimeline
+    from commlayer.core.timeline import NullTimeline
 
     engine = runtime.engine()
     with _timeline_lock:

@@ -56,15 +56,16 @@ from typing import Any
 
 import torch
 
-from commlayer import ops, runtime
+from commlayer import ops
+from commlayer.comm.communicator import Communicator, EngineTransport, measure_cpu
 from commlayer.compression import Compressor, Policy, create
 from commlayer.compression import auto as auto_compression
 from commlayer.compression.auto import AutoCompressor, Link
-from commlayer.compression.communicator import Communicator, EngineTransport, measure_cpu
-from commlayer.errors import CommlayerError, TensorMismatchError
-from commlayer.future import Future
+from commlayer.core import runtime
+from commlayer.core.errors import CommlayerError, TensorMismatchError
+from commlayer.core.future import Future
+from commlayer.core.reduce_ops import ReduceOp
 from commlayer.process_sets import ProcessSet, global_process_set
-from commlayer.reduce_ops import ReduceOp
 
 _log = logging.getLogger("commlayer")
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state

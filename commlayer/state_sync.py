@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from commlayer import ops, runtime
+from commlayer import ops
+from commlayer.core import runtime
 from commlayer.process_sets import ProcessSet, global_process_set
 
 

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from commlayer import ops, runtime
-from commlayer.reduce_ops import ReduceOp
+from commlayer import ops
+from commlayer.core import runtime
+from commlayer.core.reduce_ops import ReduceOp
 
 
 class SyncBatchNorm(_BatchNorm):

@@ -1,7 +1,7 @@
 """MkDocs hooks (mkdocs.yml ``hooks:``): the pages that are generated from the code when the site
 is built, so that they cannot drift from it.
 
-- ``reference/configuration.md``: every COMMLAYER_* variable from ``commlayer.config.describe()``
+- ``reference/configuration.md``: every COMMLAYER_* variable from ``config.describe()``
   (name, init() keyword, default, unit, what is allowed, meaning);
 - ``reference/cli.md``: ``--help`` of ``commlayer`` and each of its commands, and of
   ``commlayerrun``, from their argparse parsers;
@@ -28,8 +28,8 @@ def _cell(text: str) -> str:
 
 
 def configuration_page() -> str:
-    from commlayer import config
-    from commlayer.registries import REGISTRIES
+    from commlayer.core import config
+    from commlayer.core.registries import REGISTRIES
 
     lines = [
         "# Configuration",

@@ -18,11 +18,11 @@ from commlayer import algorithms
 from commlayer.algorithms import autotune, hierarchical
 from commlayer.algorithms.run import ScheduleRequest, Scratch
 from commlayer.algorithms.schedule import Schedule
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import COMPLETED, Backend, Request
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.topology import Topology
 from commlayer.costmodel import model as costmodel
 from commlayer.costmodel.calibration import Calibration
-from commlayer.reduce_ops import ReduceOp
 
 __all__ = ["Allreducer", "ScheduleRequest", "Scratch"]
 

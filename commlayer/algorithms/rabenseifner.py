@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Fold, Schedule, halving_doubling
-from commlayer.algorithms.topology import Topology
+from commlayer.core.topology import Topology
 
 
 @register("rabenseifner")

@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core.reduce_ops import ReduceOp
 
 
 @runtime_checkable

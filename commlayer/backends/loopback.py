@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from commlayer.backends.peers import indices
-from commlayer.errors import CommlayerError, ShutdownError
-from commlayer.reduce_ops import SUPPORTED_OPS, ReduceOp, reduce_into
+from commlayer.core.errors import CommlayerError, ShutdownError
+from commlayer.core.reduce_ops import SUPPORTED_OPS, ReduceOp, reduce_into
 
 if TYPE_CHECKING:
     from commlayer.backends.base import Backend

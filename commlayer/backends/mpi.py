@@ -32,13 +32,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from commlayer import config, device  # noqa: E402
-from commlayer.algorithms.topology import Topology  # noqa: E402
 from commlayer.backends import cuda_aware  # noqa: E402
 from commlayer.backends.base import COMPLETED, Request  # noqa: E402
 from commlayer.backends.peers import indices, machine_id, process_alive  # noqa: E402
-from commlayer.errors import CommlayerError  # noqa: E402
-from commlayer.reduce_ops import ReduceOp  # noqa: E402
+from commlayer.core import config, device  # noqa: E402
+from commlayer.core.errors import CommlayerError  # noqa: E402
+from commlayer.core.reduce_ops import ReduceOp  # noqa: E402
+from commlayer.core.topology import Topology  # noqa: E402
 
 if TYPE_CHECKING:
     from commlayer.backends.shm import SharedMemoryAllreduce
@@ -69,7 +69,7 @@ _BUILTIN_OPS = {
 
 
 def _make_half_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
-    from commlayer.reduce_ops import reduce_into
+    from commlayer.core.reduce_ops import reduce_into
 
     def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
         reduce_into(
@@ -113,7 +113,7 @@ def _spec(tensor: torch.Tensor, count: int | None = None) -> list[Any]:
             raise ValueError(
                 f"the MPI backend moves host memory here (not CUDA-aware: "
                 f"COMMLAYER_CUDA_AWARE_MPI); got a tensor on {tensor.device} (collectives stage "
-                "CUDA tensors through the host: commlayer/device.py)"
+                "CUDA tensors through the host: commlayer/core/device.py)"
             )
         device.sync_before_host_call(tensor)  # the engine's packs and reductions are done
         raw = tensor.reshape(-1).view(torch.uint8)  # any dtype: MPI reads the bytes

@@ -70,12 +70,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from commlayer import device
 from commlayer.backends.base import COMPLETED, Request
 from commlayer.backends.peers import addresses, indices, machine_id, process_alive
 from commlayer.backends.shm import CHUNK_BYTES, FileWindow, SharedMemoryAllreduce
-from commlayer.errors import CommlayerError
-from commlayer.reduce_ops import ReduceOp, scale_into
+from commlayer.core import device
+from commlayer.core.errors import CommlayerError
+from commlayer.core.reduce_ops import ReduceOp, scale_into
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated there); torch 2.1-2.12 have only it.
 log = logging.getLogger("commlayer")

@@ -15,7 +15,7 @@ move the payload:
 2. ``summable=False`` (qsgd, topk, efsignsgd, onebit): every rank's payload is gathered and
    each is decompressed with the *local* ``ctx``, so ``ctx`` may depend only on the tensor's
    shape and dtype, never on its values. ``decompress`` must check a peer's payload (lengths,
-   index range, finite scales) and raise :class:`~commlayer.errors.PayloadError`.
+   index range, finite scales) and raise :class:`~commlayer.core.errors.PayloadError`.
 
 Optional attributes: ``biased`` (True: ``factory.create`` wraps the compressor in ErrorFeedback
 unless the spec says ``ef=0``), ``compresses_small_tensors`` (True for casts, which cost nothing per
@@ -37,7 +37,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from commlayer.errors import PayloadError
+from commlayer.core.errors import PayloadError
 
 ENTRY_POINT_GROUP = "commlayer.compressors"
 _log = logging.getLogger("commlayer")

@@ -71,7 +71,7 @@ def create(
 
 
 def check_spec(text: str) -> str:
-    """COMMLAYER_COMPRESSION's validator (commlayer.registries): the spec, stripped, when
+    """COMMLAYER_COMPRESSION's validator (commlayer.core.registries): the spec, stripped, when
     ``create`` accepts it; ValueError otherwise."""
     spec = text.strip()
     create(spec)

@@ -26,7 +26,7 @@ from commlayer.compression.base import (
     expect_numel,
     register,
 )
-from commlayer.errors import PayloadError
+from commlayer.core.errors import PayloadError
 
 
 @register("onebit")

@@ -52,7 +52,7 @@ from commlayer.compression.base import (
     register,
     stable_seed,
 )
-from commlayer.errors import PayloadError
+from commlayer.core.errors import PayloadError
 
 
 def _bits_for(levels: int) -> int:

@@ -47,7 +47,7 @@ from commlayer.compression.base import (
     kept,
     register,
 )
-from commlayer.errors import PayloadError
+from commlayer.core.errors import PayloadError
 
 MODES = ("exact", "sampled")
 _SAMPLE_FRACTION = 0.01  # DGC samples 0.1-1% of the gradient

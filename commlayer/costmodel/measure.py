@@ -30,10 +30,10 @@ import torch
 
 from commlayer.algorithms.run import ScheduleRequest, Scratch
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
-from commlayer.algorithms.topology import Topology
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.topology import Topology
 from commlayer.costmodel.calibration import Calibration
 from commlayer.costmodel.model import local_curve_time
-from commlayer.reduce_ops import ReduceOp
 
 NATIVE_SIZES = tuple(1 << k for k in range(10, 27, 2))  # 1 KiB .. 64 MiB
 # run_local_collective times loops of ~10 ms: the skew of ranks leaving its barrier is spread

@@ -28,9 +28,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from commlayer import ops
+from commlayer.core.errors import ShardStoreError
 from commlayer.data.plan import Plan
 from commlayer.data.store import ShardStore
-from commlayer.errors import ShardStoreError
 
 _DATA, _ERROR = b"D", b"E"
 _RECORD = struct.Struct("<qq")  # sample id, length in bytes

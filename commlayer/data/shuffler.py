@@ -34,12 +34,13 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from commlayer import ops, runtime, state_sync
+from commlayer import ops, state_sync
+from commlayer.core import runtime
+from commlayer.core.errors import ShardStoreError, ShuffleMismatchError
+from commlayer.core.reduce_ops import Sum
 from commlayer.data.exchange import Exchange, io_thread
 from commlayer.data.plan import Plan, local_order, make_plan
 from commlayer.data.store import ShardStore
-from commlayer.errors import ShardStoreError, ShuffleMismatchError
-from commlayer.reduce_ops import Sum
 
 _instances = itertools.count()  # every rank builds its shufflers in the same order
 

@@ -34,7 +34,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from commlayer import runtime, state_sync
+from commlayer import state_sync
+from commlayer.core import runtime
+from commlayer.core.errors import ShardStoreError, ShuffleMismatchError
 from commlayer.data import packs as packs_mod
 from commlayer.data.layouts import (
     ARRAY_SUFFIXES,
@@ -48,7 +50,6 @@ from commlayer.data.layouts import (
     encode,
 )
 from commlayer.data.packs import PackSet
-from commlayer.errors import ShardStoreError, ShuffleMismatchError
 
 log = logging.getLogger("commlayer")
 

@@ -53,10 +53,10 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from commlayer import config, runtime
+from commlayer.core import config, runtime
+from commlayer.core.errors import HorovodInternalError, HostsUpdatedInterrupt, ShutdownError
 from commlayer.elastic.sampler import ElasticSampler
 from commlayer.elastic.state import ObjectState, State, TorchState
-from commlayer.errors import HorovodInternalError, HostsUpdatedInterrupt, ShutdownError
 
 log = logging.getLogger("commlayer")
 

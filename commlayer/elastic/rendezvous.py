@@ -37,10 +37,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from commlayer import config
 from commlayer.backends import torch_distributed
+from commlayer.core import config
+from commlayer.core.errors import CommlayerError
 from commlayer.elastic import protocol
-from commlayer.errors import CommlayerError
 
 log = logging.getLogger("commlayer")
 

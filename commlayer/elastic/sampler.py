@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.utils.data
 
-from commlayer import runtime
+from commlayer.core import runtime
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):

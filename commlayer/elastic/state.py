@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from commlayer import config, ops, runtime, state_sync
+from commlayer import ops, state_sync
+from commlayer.core import config, runtime
+from commlayer.core.errors import HostsUpdatedInterrupt
+from commlayer.core.reduce_ops import Max
 from commlayer.elastic.sampler import ElasticSampler
-from commlayer.errors import HostsUpdatedInterrupt
-from commlayer.reduce_ops import Max
 
 
 class State:

@@ -30,7 +30,7 @@ The GradBucket contract (torch ``ddp_comm_hooks``): the hook gets a bucket whose
    collective per round.
 4. Return the communicator's future chained to the buffer: no thread, no wait for the last
    round. On a GPU it is a torch Future that declares the device, completed with events
-   recorded after the work queued for the buffer (commlayer/device.py, **Order**: the cast
+   recorded after the work queued for the buffer (commlayer/core/device.py, **Order**: the cast
    back and the copy into it, on whichever stream the collective's callback ran), so DDP's
    stream waits for them before it reads the buffer.
 
@@ -65,11 +65,12 @@ import torch
 import torch.distributed as dist
 
 import commlayer
-from commlayer import algorithms, config, device, runtime
+from commlayer import algorithms
+from commlayer.comm.communicator import Communicator, EngineTransport
 from commlayer.compression import Compressed, Compressor, create
-from commlayer.compression.communicator import Communicator, EngineTransport
 from commlayer.compression.none import NoneCompressor
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core import config, device, runtime
+from commlayer.core.reduce_ops import ReduceOp
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 _state_ids = itertools.count()

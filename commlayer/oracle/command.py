@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from commlayer import oracle
-from commlayer.errors import SpecError
+from commlayer.core.errors import SpecError
 from commlayer.oracle import report
 
 

@@ -31,7 +31,7 @@ import functools
 import math
 
 from commlayer import algorithms, costmodel
-from commlayer.algorithms.topology import Topology
+from commlayer.core.topology import Topology
 from commlayer.costmodel import Calibration
 from commlayer.oracle.spec import Platform
 

@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from commlayer.errors import SpecError
+from commlayer.core.errors import SpecError
 
 # Layer types, matched as substrings of the name in this order (ParaDL's order: "CONV" wins).
 LAYER_TYPES = ("CONV", "MPOOL", "APOOL", "RELU", "FC", "BNORM", "ADD", "DROPOUT")

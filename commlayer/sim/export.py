@@ -40,7 +40,7 @@ from pathlib import Path
 
 from commlayer import algorithms
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
-from commlayer.algorithms.topology import Topology
+from commlayer.core.topology import Topology
 
 VERSION = 1
 

@@ -13,7 +13,7 @@ import sys
 import torch
 
 import commlayer as cl
-from commlayer import device, runtime
+from commlayer.core import device, runtime
 
 
 def main() -> None:
@@ -111,9 +111,7 @@ def main() -> None:
             torch.nn.functional.cross_entropy(model(x.to(where)), y.to(where)).backward()
             opt.step()
         params.append([p.detach().cpu() for p in model.parameters()])
-    checks["optimizer"] = all(
-        torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(*params)
-    )
+    checks["optimizer"] = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(*params))
     failed = [name for name, ok in checks.items() if not ok]
     print(f"rank {me} of {size} over {runtime.backend_name()} {route}: "
           f"{'FAILED ' + ', '.join(failed) if failed else 'DIRECT OK'}", flush=True)  # fmt: skip

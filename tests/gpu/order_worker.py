@@ -12,7 +12,7 @@ import torch
 from slow_cast import SlowZeroingFP16, fp16_exact
 
 import commlayer as cl
-from commlayer import device, runtime
+from commlayer.core import device, runtime
 
 
 def main() -> None:

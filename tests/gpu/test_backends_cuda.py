@@ -1,6 +1,6 @@
 """The MPI backend refuses device memory where its MPI is not CUDA-aware (issue 25): a CUDA
 tensor's address handed to such an MPI would be read as host memory. Collectives never hand it
-one (they stage CUDA tensors through the host, commlayer/device.py); a direct backend call is
+one (they stage CUDA tensors through the host, commlayer/core/device.py); a direct backend call is
 refused, named."""
 
 from __future__ import annotations

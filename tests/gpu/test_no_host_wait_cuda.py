@@ -1,4 +1,4 @@
-"""No host wait on the GPU paths (issue 35; commlayer/device.py, **Direct** and **Staged**), on
+"""No host wait on the GPU paths (issue 35; commlayer/core/device.py, **Direct** and **Staged**), on
 CUDA: the same checks tests/parallel/test_stream_order.py makes on the CPU with fake streams.
 
 A long device sleep (``torch.cuda._sleep``, ~1 s, queued before the work that matters) makes a
@@ -29,8 +29,8 @@ if not torch.cuda.is_available():
 
 from slow_cast import SLEEP_CYCLES  # noqa: E402
 
-from commlayer import device  # noqa: E402
-from commlayer.future import Future  # noqa: E402
+from commlayer.core import device  # noqa: E402
+from commlayer.core.future import Future  # noqa: E402
 
 LONG_SLEEP = 10 * SLEEP_CYCLES  # ~1 s: far longer than the host steps between call and check
 

@@ -28,8 +28,8 @@ if not torch.cuda.is_available():
 
 from slow_cast import SLEEP_CYCLES  # noqa: E402
 
-from commlayer import device  # noqa: E402
-from commlayer.future import Future  # noqa: E402
+from commlayer.core import device  # noqa: E402
+from commlayer.core.future import Future  # noqa: E402
 
 WORKER = Path(__file__).with_name("order_worker.py")
 ROOT = Path(__file__).resolve().parents[2]

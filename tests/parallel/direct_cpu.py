@@ -1,11 +1,11 @@
-"""CPU tensors forced through the direct path (commlayer/device.py, **Direct**), for tests."""
+"""CPU tensors forced through the direct path (commlayer/core/device.py, **Direct**), for tests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from commlayer import device, runtime
+from commlayer.core import device, runtime
 
 
 def force_direct(monkeypatch: pytest.MonkeyPatch) -> tuple[device.Path, list[object]]:

@@ -1,6 +1,6 @@
 """Fake device streams and events for CPU tensors: a model of what CUDA orders after what.
 
-``FakeDevice.install(monkeypatch)`` replaces commlayer/device.py's device-dependent functions
+``FakeDevice.install(monkeypatch)`` replaces commlayer/core/device.py's device-dependent functions
 (the streams, the current stream of a thread, events, ``record_stream``) with these fakes, so the
 direct and staged paths run on CPU tensors with their stream logic intact: the engine thread
 makes the work stream its current one, the caller's stream records the producer event, and so
@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from commlayer import device
+from commlayer.core import device
 
 Clock = dict[str, int]
 
@@ -142,7 +142,7 @@ class FakeDevice:
                 found += [(w, later) for w in earlier if not w.before(later)]
         return found
 
-    # -- commlayer/device.py's seams -----------------------------------------------------------
+    # -- commlayer/core/device.py's seams ---------------------------------------------------
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Replace device.py's device-dependent functions with this model's, for the test."""
 

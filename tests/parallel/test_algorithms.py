@@ -26,12 +26,13 @@ from launch import own_backend
 from waiting import wait_until
 
 import commlayer as cl
-from commlayer import algorithms, runtime
+from commlayer import algorithms
 from commlayer.algorithms import autotune
 from commlayer.algorithms.executor import Allreducer
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import Backend
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core import runtime
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.topology import Topology
 
 NAMES = [n for n in algorithms.available() if n != algorithms.AUTO]
 OPS = (cl.Sum, cl.Min, cl.Max, cl.Product)
@@ -76,9 +77,7 @@ def _dtype_op_params() -> Iterator[object]:
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize(("dtype", "op"), list(_dtype_op_params()))
-def test_every_dtype_and_op(
-    backend: Backend, name: str, dtype: torch.dtype, op: ReduceOp
-) -> None:
+def test_every_dtype_and_op(backend: Backend, name: str, dtype: torch.dtype, op: ReduceOp) -> None:
     inputs = every_rank_small_ints(
         seed_of(f"{name}.{dtype}.{op.name}"), (257,), dtype, nonzero=True
     )

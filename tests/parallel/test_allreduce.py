@@ -335,8 +335,8 @@ def test_average_of_bool_is_refused(call: Any) -> None:
 @pytest.mark.parametrize("form", ["out_of_place", "in_place", "grouped"])
 def test_adasum_combines_every_rank_in_horovods_tree(form: str) -> None:
     """allreduce(op=Adasum) on every rank equals the Adasum tree of all ranks' tensors computed
-    locally (commlayer/adasum.py): the same bits everywhere."""
-    from commlayer import adasum
+    locally (commlayer/algorithms/adasum.py): the same bits everywhere."""
+    from commlayer.algorithms import adasum
 
     every = [
         torch.randn(6, 5, generator=torch.Generator().manual_seed(40 + r)) for r in range(cl.size())

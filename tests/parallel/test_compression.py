@@ -30,7 +30,7 @@ from commlayer.compression import (
     TopKCompressor,
     register,
 )
-from commlayer.errors import PayloadError
+from commlayer.core.errors import PayloadError
 
 F64 = torch.float64
 SHAPES = {"w": (48, 50), "v": (1500,), "b": (30,)}  # b: below the 1024-element threshold

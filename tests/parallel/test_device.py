@@ -1,6 +1,6 @@
 """Device tensors through the collectives and DistributedOptimizer (issue 25): every collective
 on CUDA tensors, and the same cases on CPU tensors forced through the staging seam
-(commlayer/device.py), which is how CI, without a GPU, checks the seam's logic: host
+(commlayer/core/device.py), which is how CI, without a GPU, checks the seam's logic: host
 stand-ins, copies in and out, results written into the caller's tensors or made on the
 device, alltoall's splits on the CPU.
 
@@ -22,7 +22,7 @@ from collective_reference import seed_of, small_ints
 from direct_cpu import force_direct
 
 import commlayer as cl
-from commlayer import device
+from commlayer.core import device
 
 DEVICES = ["staged-cpu", "cuda"]
 
@@ -56,7 +56,7 @@ def _counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def _staged(dev: str) -> bool:
     """Whether this job's CUDA float tensors are staged (else the backend takes them directly:
     a CUDA-aware MPI, the torch backend's NCCL group; device.path decides)."""
-    from commlayer import runtime
+    from commlayer.core import runtime
 
     if dev != "cuda":
         return True
@@ -249,7 +249,7 @@ def test_direct_allreduce_forms(direct: tuple[str, list, list]) -> None:
 
 
 def runtime_backend() -> Any:
-    from commlayer import runtime
+    from commlayer.core import runtime
 
     return runtime.engine()._global.backend
 

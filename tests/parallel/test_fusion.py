@@ -21,7 +21,7 @@ import torch
 from collective_reference import ALL_DTYPES, OPS, assert_reduced, seed_of, small_ints
 
 import commlayer as cl
-from commlayer import runtime
+from commlayer.core import runtime
 
 SHAPES = ((), (0,), (1,), (7,), (3, 5), (2, 0, 3), (13,), (1, 1, 1))
 BURST = 40  # 10 dtypes x 8 shapes x 5 ops cycle together: 40 distinct combinations

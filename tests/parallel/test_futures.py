@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import commlayer as cl
+from commlayer.comm.communicator import Communicator, EngineTransport
 from commlayer.compression import create
-from commlayer.compression.communicator import Communicator, EngineTransport
 
 
 def test_allreduce_future_then_chains() -> None:

@@ -30,12 +30,12 @@ from restart import reinit
 from waiting import wait_until
 
 import commlayer as cl
-from commlayer import runtime
 from commlayer.algorithms.executor import Allreducer
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.mpi import MPIBackend
 from commlayer.backends.shm import CHUNK_BYTES
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core import runtime
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.topology import Topology
 
 pytestmark = mpi_only
 

@@ -194,7 +194,7 @@ def test_small_gradients_travel_as_one_bucket_from_the_first_step() -> None:
     optimizer's bucketer keeps them until the step's last one is ready, then hands them to the
     engine together (one fused collective, during backward); after it they are one planned
     bucket. With min_bucket_bytes 0 each would go alone, as backward produces it."""
-    from commlayer import runtime as engine_runtime
+    from commlayer.core import runtime as engine_runtime
 
     model = _mlp()
     opt = cl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

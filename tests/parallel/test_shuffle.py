@@ -25,9 +25,9 @@ import pytest
 import torch
 
 import commlayer as cl
+from commlayer.core.errors import ShardStoreError, ShuffleMismatchError
 from commlayer.data import PartialLocalShuffler, ShardStore
 from commlayer.data.exchange import Exchange
-from commlayer.errors import ShardStoreError, ShuffleMismatchError
 
 EPOCHS = 3
 

@@ -18,8 +18,8 @@ from waiting import wait_until
 import commlayer as cl
 from commlayer.algorithms import sparse
 from commlayer.algorithms.sparse.executor import SparseResult, sparse_allreduce
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import Backend
+from commlayer.core.topology import Topology
 
 N = 1001
 KINDS = ("disjoint", "identical", "overlapping", "empty_on_some", "k_equals_n")
@@ -139,9 +139,9 @@ def test_distributed_optimizer_reduces_topk_sparse(
     schedules) give what the allgather path gives: the simulated job of test_compression."""
     from test_compression import EXACT, SHAPES, _simulate, _train
 
-    from commlayer import config
-    from commlayer.compression import communicator
-    from commlayer.compression.sparse_reduction import SparseReduction
+    from commlayer.comm import communicator
+    from commlayer.comm.sparse_reduction import SparseReduction
+    from commlayer.core import config
 
     made: list[str] = []
 
@@ -173,8 +173,8 @@ def test_topo_sparse_from_the_optimizer_runs_on_the_jobs_topology(
     from restart import reinit
     from test_compression import EXACT, SHAPES, _simulate, _train
 
-    from commlayer.compression import communicator
-    from commlayer.compression.sparse_reduction import SparseReduction
+    from commlayer.comm import communicator
+    from commlayer.comm.sparse_reduction import SparseReduction
 
     seen: list[tuple[int, ...]] = []
 
@@ -201,7 +201,8 @@ def test_distributed_optimizer_gtopk_keeps_dropped_mass_in_the_residual() -> Non
     step, sum over ranks of (gradient + residual before) = result + sum over ranks of the
     residual after, where the residual holds what top-k and gtopk's re-selection dropped; the
     result keeps at most k entries."""
-    from commlayer import compression, config
+    from commlayer import compression
+    from commlayer.core import config
 
     numel, ratio = 1500, 0.02
     k = compression.base.kept(numel, ratio)

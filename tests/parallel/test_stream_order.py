@@ -7,7 +7,7 @@ callbacks, on the engine thread, queue the cast back and the copy into the gradi
 engine thread's current stream (the work stream). ``step()`` waited on the host for the chained
 future and queued the optimizer on its own stream, which nothing ordered after that copy: the
 optimizer could read the gradient before the reduced value was written (silently the local
-gradient). The fix (commlayer/device.py **Order**, commlayer/future.py): a future is completed
+gradient). The fix (core/device.py **Order**, core/future.py): a future is completed
 with events recorded on the completing thread's current streams after that work, and whoever
 waits on it, or runs a callback on it, makes its current streams wait on them.
 
@@ -33,9 +33,9 @@ from direct_cpu import force_direct
 from fake_streams import FakeDevice
 
 import commlayer as cl
-from commlayer import device, fusion
-from commlayer.compression import communicator
-from commlayer.future import Future, combined
+from commlayer.comm import communicator
+from commlayer.core import device, fusion
+from commlayer.core.future import Future, combined
 
 CPU = torch.device("cpu")
 _runs = itertools.count()  # operation names differ between cases (the same on every rank)

@@ -13,8 +13,8 @@ import socket
 from conftest import _world
 
 import commlayer as cl
-from commlayer import runtime
 from commlayer.backends import peers
+from commlayer.core import runtime
 
 
 def test_topology_is_consistent_on_every_rank() -> None:

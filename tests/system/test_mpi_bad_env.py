@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from commlayer import ConfigError, config
+from commlayer import ConfigError
+from commlayer.core import config
 
 if TYPE_CHECKING:
     from conftest import RunMPI

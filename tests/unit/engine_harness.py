@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from commlayer import config
 from commlayer.backends.loopback import LoopbackBackend, LoopbackRequest, run_ranks
-from commlayer.engine import Engine, Operation
-from commlayer.future import Handle
-from commlayer.negotiation import (
+from commlayer.core import config
+from commlayer.core.engine import Engine, Operation
+from commlayer.core.future import Handle
+from commlayer.core.negotiation import (
     ALLGATHER,
     ALLREDUCE,
     ALLTOALL,
@@ -35,7 +35,7 @@ from commlayer.negotiation import (
     dtype_name,
     shapes_of,
 )
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core.reduce_ops import ReduceOp
 
 T = TypeVar("T")
 WAIT_S = 10.0  # per handle: far above any healthy run (ms), far below the pytest timeout

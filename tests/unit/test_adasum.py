@@ -1,11 +1,11 @@
-"""Adasum's combination (commlayer/adasum.py): orthogonal gradients add, equal ones average,
+"""Adasum's combination (algorithms/adasum.py): orthogonal gradients add, equal ones average,
 a zero one leaves the other, and ranks pair in Horovod's tree."""
 
 from __future__ import annotations
 
 import torch
 
-from commlayer import adasum
+from commlayer.algorithms import adasum
 
 
 def test_pair_adds_orthogonal_and_averages_equal_vectors() -> None:

@@ -14,15 +14,16 @@ import torch
 from engine_harness import allreduce, run_engines, wait
 from waiting import Deadline, wait_until
 
-from commlayer import algorithms, config
-from commlayer.algorithms import topology as topology_module
+from commlayer import algorithms
 from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.schedule import Step, Transfer, blocks, simulate, traffic
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
-from commlayer.engine import Engine
-from commlayer.errors import ConfigError
-from commlayer.reduce_ops import ReduceOp, reduce_into
+from commlayer.core import config
+from commlayer.core import topology as topology_module
+from commlayer.core.engine import Engine
+from commlayer.core.errors import ConfigError
+from commlayer.core.reduce_ops import ReduceOp, reduce_into
+from commlayer.core.topology import Topology
 
 # the module (``algorithms.schedule`` is the function of the same name)
 schedule_module = importlib.import_module("commlayer.algorithms.schedule")

@@ -14,10 +14,10 @@ from waiting import wait_until
 from commlayer.algorithms import autotune
 from commlayer.algorithms.autotune import SAMPLES, Tuner
 from commlayer.algorithms.executor import Allreducer
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import COMPLETED, Backend, Request
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.topology import Topology
 
 FIRST = autotune.CALLS_PER_RUN * SAMPLES  # calls before the first new round, 1 MiB and more
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from commlayer import config, runtime
-from commlayer.errors import ConfigError
+from commlayer.core import config, runtime
+from commlayer.core.errors import ConfigError
 
 TORCHRUN = {
     "RANK": "1",

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from commlayer import compression
+from commlayer.comm.communicator import Communicator, Loopback, measure_cpu
 from commlayer.compression import auto
 from commlayer.compression.auto import AutoCompressor, Link, choose, decide, plan
-from commlayer.compression.communicator import Communicator, Loopback, measure_cpu
 
 MLP_LAYER = [torch.zeros(768, 768), torch.zeros(768)]  # 2.36 MB: one of train.py's buckets
 # CPU seconds of each candidate on that bucket, of the order compress_cost.py measures

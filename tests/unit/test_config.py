@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from commlayer import config
-from commlayer.config import Config
-from commlayer.errors import ConfigError
+from commlayer.core import config
+from commlayer.core.config import Config
+from commlayer.core.errors import ConfigError
 
 SIM_TABLE = Path(__file__).with_name("sim_table_one_node.jsonl")
 DEFAULTS = {

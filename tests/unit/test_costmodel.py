@@ -12,10 +12,10 @@ import pytest
 
 from commlayer import algorithms, cli, costmodel
 from commlayer.algorithms.executor import Allreducer
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
+from commlayer.core.engine import agreed_calibrations
+from commlayer.core.topology import Topology
 from commlayer.costmodel import Calibration
-from commlayer.engine import agreed_calibrations
 
 CAL = Calibration(
     size=4,

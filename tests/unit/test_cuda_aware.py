@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from commlayer import config, device
 from commlayer.backends import cuda_aware
 from commlayer.backends.torch_distributed import nccl_wanted
-from commlayer.errors import CommlayerError
+from commlayer.core import config, device
+from commlayer.core.errors import CommlayerError
 
 
 def _says(answer: bool | None, name: str = "q"):  # type: ignore[no-untyped-def]

@@ -1,5 +1,5 @@
 """The documentation's generated pages (scripts/docs_hooks.py): the configuration reference
-lists every variable with its default and unit from commlayer.config, the CLI page every
+lists every variable with its default and unit from commlayer.core.config, the CLI page every
 command's --help, the examples page every example. (scripts/docs.sh builds the whole site with
 warnings as errors; scripts/test.sh runs it.)"""
 
@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from commlayer import config
+from commlayer.core import config
 
 REPO = Path(__file__).resolve().parents[2]
 

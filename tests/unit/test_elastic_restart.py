@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import commlayer
-from commlayer import elastic, kernels, runtime
+from commlayer import elastic, kernels
+from commlayer.core import runtime
 from commlayer.elastic import rendezvous
 
 

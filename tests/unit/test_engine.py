@@ -19,18 +19,18 @@ from engine_harness import (
 )
 from waiting import wait_until
 
-from commlayer import engine as engine_module
 from commlayer.backends.loopback import LoopbackBackend, LoopbackWorld
-from commlayer.engine import Engine
-from commlayer.errors import (
+from commlayer.core import engine as engine_module
+from commlayer.core.engine import Engine
+from commlayer.core.errors import (
     CollectiveTimeoutError,
     CommlayerError,
     DuplicateNameError,
     RankDiedError,
     ShutdownError,
 )
-from commlayer.future import Handle
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core.future import Handle
+from commlayer.core.reduce_ops import ReduceOp
 
 FUSED = {"fusion_threshold_bytes": 1 << 20}
 UNFUSED = {"fusion_threshold_bytes": 0}

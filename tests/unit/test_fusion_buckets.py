@@ -9,10 +9,10 @@ import pytest
 import torch
 from engine_harness import allreduce, grouped_allreduce, run_engines, wait
 
-from commlayer import fusion
-from commlayer.engine import Engine
-from commlayer.fusion import BufferPool, Entry, pack, plan_buckets, unpack
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core import fusion
+from commlayer.core.engine import Engine
+from commlayer.core.fusion import BufferPool, Entry, pack, plan_buckets, unpack
+from commlayer.core.reduce_ops import ReduceOp
 
 DTYPES = [
     torch.float32,

@@ -1,4 +1,4 @@
-"""commlayer.future.Future: torch's Future interface, errors keeping their type through chains,
+"""commlayer.core.future.Future: torch's Future interface, errors keeping their type through chains,
 callbacks on the completing thread, and the refusal of a wait that would deadlock the engine."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from commlayer import future as future_module
-from commlayer.errors import TensorMismatchError
-from commlayer.future import Future, Handle
+from commlayer.core import future as future_module
+from commlayer.core.errors import TensorMismatchError
+from commlayer.core.future import Future, Handle
 
 
 def test_torch_interface_and_horovod_name() -> None:

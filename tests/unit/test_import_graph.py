@@ -13,15 +13,15 @@ ROOT = Path(__file__).resolve().parents[2] / "commlayer"
 # The API layer: what users call, and the modules that move bytes through it.
 API = (
     "commlayer.ops",
-    "commlayer.runtime",
+    "commlayer.core.runtime",
     "commlayer.functions",
     "commlayer.optimizer",
     "commlayer.state_sync",
     "commlayer.sync_batch_norm",
     "commlayer.integrations",
     "commlayer.elastic",
-    "commlayer.compression.communicator",
-    "commlayer.compression.sparse_reduction",
+    "commlayer.comm.communicator",
+    "commlayer.comm.sparse_reduction",
 )
 LOWER = ("commlayer.algorithms", "commlayer.backends", "commlayer.kernels", "commlayer.costmodel")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commlayer import config, kernels
+from commlayer import kernels
+from commlayer.core import config
 from commlayer.kernels import reference
 
 SIZES = (0, 1, 7, 1001, 65537)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 import commlayer
-from commlayer import config, launcher
+from commlayer import launcher
+from commlayer.core import config
 
 OPEN_MPI_VERSION = (
     "mpirun (Open MPI) 4.1.2\n\nReport bugs to http://www.open-mpi.org/community/help/"

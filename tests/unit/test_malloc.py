@@ -1,4 +1,4 @@
-"""Allocator tuning (commlayer/malloc.py): that it removes the page faults of a step that frees
+"""Allocator tuning (commlayer/core/malloc.py): that it removes the page faults of a step that frees
 and allocates again the same blocks, that it leaves malloc alone when told to or when the user
 chose glibc settings, and how config finds those settings. Each tuning runs in a fresh
 interpreter: mallopt is process-wide and cannot be undone."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from commlayer import config, malloc
+from commlayer.core import config, malloc
 
 # 22 training steps of an MLP like benchmarks/train.py's (10 x Linear(768, 768), 24 MB of
 # gradients freed by zero_grad and allocated again by backward every step); prints the minor
@@ -19,7 +19,7 @@ from commlayer import config, malloc
 _STEPS = """
 import json, resource, sys
 import torch
-from commlayer import malloc
+from commlayer.core import malloc
 status = malloc.tune(sys.argv[1], json.loads(sys.argv[2]))
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(768, 768) for _ in range(10)])

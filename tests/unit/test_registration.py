@@ -15,10 +15,10 @@ from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.schedule import Schedule, compact, simulate, step
 from commlayer.algorithms.sparse import cost
 from commlayer.algorithms.sparse.executor import sparse_allreduce
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.topology import Topology
 from commlayer.costmodel import Calibration
-from commlayer.reduce_ops import ReduceOp
 
 TOY = "toy_direct"
 

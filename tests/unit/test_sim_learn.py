@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from commlayer import cli, config, costmodel
-from commlayer.errors import ConfigError
-from commlayer.registries import REGISTRIES
+from commlayer import cli, costmodel
+from commlayer.core import config
+from commlayer.core.errors import ConfigError
+from commlayer.core.registries import REGISTRIES
 from commlayer.sim import learn
 
 MiB = 1 << 20
@@ -213,7 +214,7 @@ def test_cli_bad_table_line_is_one_line(capsys: pytest.CaptureFixture[str], tmp_
 def test_the_engine_hands_auto_the_agreed_table() -> None:
     from types import SimpleNamespace
 
-    from commlayer import engine
+    from commlayer.core import engine
 
     alone = SimpleNamespace(size=1, rank=0)
     assert engine.agreed_sim_table(alone, "") is None  # type: ignore[arg-type]

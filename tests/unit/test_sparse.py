@@ -15,9 +15,9 @@ from waiting import wait_until
 from commlayer.algorithms import sparse
 from commlayer.algorithms.sparse import cost
 from commlayer.algorithms.sparse.executor import SparseResult, prepare, sparse_allreduce
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
-from commlayer.errors import CommlayerError
+from commlayer.core.errors import CommlayerError
+from commlayer.core.topology import Topology
 
 N = 97
 EXACT = sparse.exact()
@@ -293,7 +293,7 @@ def test_irecv_any_receives_any_length_in_order() -> None:
 def test_sparse_schedules_are_valid_dense_schedules(size: int) -> None:
     """The schedules are data: run densely by simulate() (no communication), each one sums."""
     from commlayer.algorithms.schedule import simulate
-    from commlayer.reduce_ops import ReduceOp
+    from commlayer.core.reduce_ops import ReduceOp
 
     g = torch.Generator().manual_seed(size)
     dense = [torch.randint(-9, 10, (N,), generator=g).float() for _ in range(size)]
@@ -311,7 +311,7 @@ def test_rounds_pair_every_stream_with_its_receive(size: int) -> None:
     from collections import defaultdict
 
     from commlayer.algorithms.sparse.executor import with_residual_step
-    from commlayer.compression.sparse_reduction import rounds
+    from commlayer.comm.sparse_reduction import rounds
 
     for name in ("ssar_recursive_doubling", "gtopk", "topo_sparse"):
         at = rounds(name, size, N)

@@ -8,9 +8,10 @@ import logging
 import pytest
 
 import commlayer
-from commlayer import kernels, runtime
-from commlayer.config import Config
-from commlayer.errors import NotInitializedError
+from commlayer import kernels
+from commlayer.core import runtime
+from commlayer.core.config import Config
+from commlayer.core.errors import NotInitializedError
 
 
 def test_one_node() -> None:

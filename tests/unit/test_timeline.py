@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from waiting import wait_until
 
-from commlayer import timeline as timeline_module
-from commlayer.timeline import NullTimeline, Timeline, open_timeline
+from commlayer.core import timeline as timeline_module
+from commlayer.core.timeline import NullTimeline, Timeline, open_timeline
 
 
 def _load(path: Path) -> list[dict[str, Any]]:

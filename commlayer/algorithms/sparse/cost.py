@@ -44,10 +44,11 @@ from pathlib import Path
 
 import torch
 
-from commlayer import config, kernels
+from commlayer import kernels
 from commlayer.algorithms import sparse
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
-from commlayer.algorithms.topology import Topology
+from commlayer.core import config
+from commlayer.core.topology import Topology
 from commlayer.costmodel import Calibration, load
 
 

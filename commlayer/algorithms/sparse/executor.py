@@ -34,10 +34,10 @@ from commlayer import kernels
 from commlayer.algorithms import sparse
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
 from commlayer.algorithms.sparse import cost
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import Backend, Request, SizedRequest
-from commlayer.errors import CommlayerError
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core.errors import CommlayerError
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.topology import Topology
 
 
 @dataclass(slots=True)

@@ -96,7 +96,7 @@ def engine_stopped(why: str) -> None:
     shut down or died); a collective submitted afterwards must fail at its submission."""
     from waiting import wait_until
 
-    from commlayer import runtime
+    from commlayer.core import runtime
 
     engine = runtime.engine()
     wait_until(lambda: not engine.running, WAIT_S, f"rank {RANK}: never noticed {why}", 0.01)

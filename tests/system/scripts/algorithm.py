@@ -8,7 +8,7 @@ import _worker
 import torch
 
 import commlayer as cl
-from commlayer import runtime
+from commlayer.core import runtime
 
 _worker.start()
 cl.init()

@@ -32,7 +32,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import commlayer as cl
-from commlayer import algorithms, runtime
+from commlayer import algorithms
+from commlayer.core import runtime
 
 BIG_NUMEL = 4 << 20  # float32: 16 MiB
 HOSTS, PER_HOST = 2, 2

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from commlayer.errors import PayloadError
+from commlayer.core.errors import PayloadError
 
 _ALIGN = 8
 

@@ -30,7 +30,7 @@ compressor's allgather; ``auto`` runs whichever exact algorithm the cost model p
 fastest for k.
 
 The local work (sorting, merging, densifying, decoding) runs on the payload's device, where
-the collectives return their results (commlayer/device.py brings staged CUDA results back);
+the collectives return their results (commlayer/core/device.py brings staged CUDA results back);
 only the splits and cuts read with ``tolist`` live on the host.
 """
 
@@ -54,12 +54,12 @@ from commlayer.algorithms.sparse.executor import (
     prepare,
     with_residual_step,
 )
-from commlayer.algorithms.topology import Topology
-from commlayer.compression import wire
-from commlayer.errors import PayloadError
-from commlayer.future import Handle
+from commlayer.comm import wire
+from commlayer.core.errors import PayloadError
+from commlayer.core.future import Handle
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.topology import Topology
 from commlayer.process_sets import ProcessSet
-from commlayer.reduce_ops import ReduceOp
 
 ENGINE_ALGORITHMS = ("ssar_split_allgather", "dsar")  # the two-collective ones
 

@@ -12,7 +12,7 @@ Every ``*_async`` call returns one. It answers ``wait()``, ``value()``, ``done()
    which counts at 100s of operations per step.
 
 Device order, as torch's CUDA futures: in a process that queues device work for its operations
-(commlayer/device.py, **Order**), a future is completed with ``marks``, events recorded on the
+(commlayer/core/device.py, **Order**), a future is completed with ``marks``, events recorded on the
 completing thread's current streams after the work queued for its value (the engine's finish,
 the callbacks that completed it: a compressor's decompress, the copy into a gradient). ``wait()``
 and ``value()`` make the caller's current streams wait on them (no host wait), and so does
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from commlayer import device
+from commlayer.core import device
 
 log = logging.getLogger("commlayer")
 

@@ -58,13 +58,12 @@ from typing import Any
 
 import torch
 
-from commlayer import costmodel, device, fusion
-from commlayer.algorithms import topology
+from commlayer import costmodel
 from commlayer.algorithms.executor import Allreducer
-from commlayer.algorithms.topology import Topology
 from commlayer.backends.base import Backend, Request
-from commlayer.config import Config
-from commlayer.errors import (
+from commlayer.core import device, fusion, topology
+from commlayer.core.config import Config
+from commlayer.core.errors import (
     CollectiveTimeoutError,
     CommlayerError,
     ConfigError,
@@ -74,8 +73,8 @@ from commlayer.errors import (
     StallError,
     TensorMismatchError,
 )
-from commlayer.future import Future, mark_engine_thread
-from commlayer.negotiation import (
+from commlayer.core.future import Future, mark_engine_thread
+from commlayer.core.negotiation import (
     ALLGATHER,
     ALLREDUCE,
     ALLTOALL,
@@ -89,9 +88,10 @@ from commlayer.negotiation import (
     Response,
     joined_error,
 )
-from commlayer.reduce_ops import ReduceOp
-from commlayer.runners import allgather, allreduce, alltoall, broadcast, reducescatter
-from commlayer.timeline import NullTimeline, Timeline, open_timeline
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.runners import allgather, allreduce, alltoall, broadcast, reducescatter
+from commlayer.core.timeline import NullTimeline, Timeline, open_timeline
+from commlayer.core.topology import Topology
 
 log = logging.getLogger("commlayer")
 

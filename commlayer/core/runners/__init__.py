@@ -11,8 +11,8 @@ from typing import Protocol
 
 import torch
 
-from commlayer import device
-from commlayer.negotiation import Response
+from commlayer.core import device
+from commlayer.core.negotiation import Response
 
 
 class Submitted(Protocol):

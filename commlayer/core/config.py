@@ -2,10 +2,10 @@
 
 Each knob is declared once in ``_VARIABLES`` (environment name, field, Validator, help);
 ``load()`` parses the environment into a frozen :class:`Config`; a bad value raises
-:class:`~commlayer.errors.ConfigError` naming the variable, the value and what is allowed.
+:class:`~commlayer.core.errors.ConfigError` naming the variable, the value and what is allowed.
 Settings that name something another module owns (an algorithm, a compressor, the kernels, a
 topology) are checked by the :class:`Validator` that module supplies, passed in as
-``registries`` (commlayer.registries): config imports no commlayer module but errors, and holds
+``registries`` (commlayer.core.registries): config imports no commlayer module but errors, and holds
 strings and numbers only. ``init()`` resolves the Config once (``runtime.config()``).
 Explicit arguments win over the environment: ``load(fusion_threshold_bytes=0)``; tests use
 ``with override(cycle_time_ms=0.5): ...``.
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from commlayer.errors import ConfigError
+from commlayer.core.errors import ConfigError
 
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 WAIT_POLICIES = ("auto", "active", "passive")
@@ -376,7 +376,7 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
 )
 
 _FIELDS = {field.name for field in dataclasses.fields(Config)}
-# The fields that need a Validator passed in (commlayer.registries.REGISTRIES has one each).
+# The fields that need a Validator passed in (commlayer.core.registries.REGISTRIES has one each).
 REGISTERED_FIELDS = tuple(field for _, field, found, _ in _VARIABLES if found is _REGISTERED)
 _override_lock = threading.Lock()
 _overrides: list[dict[str, Any]] = []
@@ -484,7 +484,7 @@ def slurm_allocation(environ: Mapping[str, str] | None = None) -> SlurmAllocatio
 
 
 # glibc's own malloc settings (environment variables and tunables): a user who set one has
-# chosen, and commlayer's tuning (commlayer/malloc.py) leaves malloc alone.
+# chosen, and commlayer's tuning (commlayer/core/malloc.py) leaves malloc alone.
 _GLIBC_MALLOC_VARIABLES = (
     "MALLOC_MMAP_THRESHOLD_",
     "MALLOC_TRIM_THRESHOLD_",
@@ -570,7 +570,7 @@ def show_default(variable: Variable) -> str:
 
 def install_registries(registries: Registries) -> None:
     """The registries used when a caller passes none (``load()``, ``override()``,
-    ``parse_variable()``); commlayer.runtime installs commlayer.registries.REGISTRIES on import."""
+    ``parse_variable()``); core/runtime.py installs core/registries.py's REGISTRIES on import."""
     global _installed
     _installed = dict(registries)
 
@@ -582,7 +582,7 @@ def _validator(field: str, declared: Validator | None, registries: Registries | 
     if found is None:
         raise ConfigError(
             f"setting {field} names something config does not know: pass its registry "
-            f"(config.load(registries=commlayer.registries.REGISTRIES))"
+            f"(config.load(registries=commlayer.core.registries.REGISTRIES))"
         )
     return found
 

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from commlayer.backends.base import Backend, Request
-from commlayer.negotiation import Response
-from commlayer.runners import Submitted, place
+from commlayer.core.negotiation import Response
+from commlayer.core.runners import Submitted, place
 
 
 def run(

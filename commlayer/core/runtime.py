@@ -21,14 +21,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from commlayer import config as config_module
-from commlayer import kernels, malloc
+from commlayer import kernels
 from commlayer import process_sets as process_sets_module
-from commlayer.config import Config
-from commlayer.engine import Engine
-from commlayer.errors import ConfigError, NotInitializedError
+from commlayer.core import config as config_module
+from commlayer.core import malloc
+from commlayer.core.config import Config
+from commlayer.core.engine import Engine
+from commlayer.core.errors import ConfigError, NotInitializedError
+from commlayer.core.registries import REGISTRIES
 from commlayer.process_sets import ProcessSet, check_ranks, global_process_set
-from commlayer.registries import REGISTRIES
 
 # config.load() and config.override() called without registries (tests, tools) check names
 # against the same registries as init().

@@ -33,11 +33,11 @@ from typing import Any, Protocol
 
 import torch
 
-from commlayer import fusion
 from commlayer.algorithms.executor import Allreducer
 from commlayer.backends.base import Backend, Request
-from commlayer.negotiation import Response
-from commlayer.reduce_ops import ReduceOp
+from commlayer.core import fusion
+from commlayer.core.negotiation import Response
+from commlayer.core.reduce_ops import ReduceOp
 
 
 class Host(Protocol):

@@ -3,7 +3,7 @@
 config.py checks a setting that names an algorithm, a sparse algorithm, a kernel
 implementation, a compressor, a topology or the malloc tuning against the :class:`Validator`
 given here, and imports none of those modules (they sit above it). ``REGISTRIES`` goes to
-``config.load(registries=...)`` from ``init()``, the launcher and the CLI; commlayer.runtime also
+``config.load(registries=...)`` from ``init()``, the launcher and the CLI; core/runtime.py also
 installs it as config's default, for ``config.load()`` and ``config.override()`` called bare.
 Names are asked for at each check, so an algorithm or compressor registered later is accepted.
 """
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from commlayer import algorithms, compression, kernels, malloc
-from commlayer.algorithms import sparse, topology
-from commlayer.config import InvalidValue, Registries, Validator, one_of
+from commlayer import algorithms, compression, kernels
+from commlayer.algorithms import sparse
+from commlayer.core import malloc, topology
+from commlayer.core.config import InvalidValue, Registries, Validator, one_of
 
 
 def _names(choices: Callable[[], Sequence[str]]) -> Validator:

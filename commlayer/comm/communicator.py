@@ -49,16 +49,17 @@ from typing import Any, Protocol
 
 import torch
 
-from commlayer import ops, runtime
-from commlayer.algorithms.topology import Topology
-from commlayer.compression import wire
+from commlayer import ops
+from commlayer.comm import wire
+from commlayer.comm.sparse_reduction import SparseReduction, engine_algorithm
 from commlayer.compression.base import Compressed, Compressor, RecordError
 from commlayer.compression.factory import create
-from commlayer.compression.sparse_reduction import SparseReduction, engine_algorithm
-from commlayer.errors import PayloadError
-from commlayer.future import Future, combined
+from commlayer.core import runtime
+from commlayer.core.errors import PayloadError
+from commlayer.core.future import Future, combined
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.topology import Topology
 from commlayer.process_sets import ProcessSet, global_process_set
-from commlayer.reduce_ops import ReduceOp
 
 
 class FutureLike(Protocol):

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from commlayer import fusion
 from commlayer.backends.base import Backend, Request
-from commlayer.negotiation import Response
-from commlayer.reduce_ops import ReduceOp
-from commlayer.runners import Submitted, place, row_numel
+from commlayer.core import fusion
+from commlayer.core.negotiation import Response
+from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.runners import Submitted, place, row_numel
 
 
 def reducescatter_rows(dim0: int, size: int) -> list[int]:
