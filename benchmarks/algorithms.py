@@ -57,6 +57,7 @@ from commlayer.algorithms.executor import Allreducer
 from commlayer.backends.mpi import MPI, MPIBackend, library_version
 from commlayer.core import config, topology
 from commlayer.core.reduce_ops import ReduceOp
+from commlayer.costmodel import measure as costmodel_measure
 
 
 def parse_bytes(text: str) -> int:
@@ -194,7 +195,7 @@ def main() -> int:
 
     world = MPI.COMM_WORLD
     backend = MPIBackend()
-    cal = costmodel.calibrate(backend)
+    cal = costmodel_measure.calibrate(backend)
     target = args.calibration or (
         str(Path(args.out).with_suffix(".calibration.json")) if args.out else None
     )

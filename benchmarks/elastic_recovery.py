@@ -67,7 +67,7 @@ def worker(mode: str, out: Path) -> None:
 
     profile = _Profile(out, mode)
     if mode == "elastic":
-        from commlayer.elastic import rendezvous
+        from commlayer.core import rendezvous
 
         state = elastic.TorchState(model, optimizer, step=0)
 

@@ -27,6 +27,7 @@ from commlayer.core.errors import (
     UnsupportedOpError,
 )
 from commlayer.core.future import Future, Handle
+from commlayer.core.process_sets import ProcessSet, global_process_set
 from commlayer.core.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from commlayer.core.runtime import (
     backend_name,
@@ -80,7 +81,6 @@ from commlayer.ops import (
     synchronize,
 )
 from commlayer.optimizer import DistributedOptimizer
-from commlayer.process_sets import ProcessSet, global_process_set
 from commlayer.state_sync import (
     allgather_object,
     broadcast_object,
@@ -95,9 +95,10 @@ __version__ = "0.1.0"
 # (``commlayer.config.describe``, ``from commlayer.errors import ...``): the same module objects.
 from commlayer.core import errors as _errors  # noqa: E402
 from commlayer.core import future as _future  # noqa: E402
+from commlayer.core import process_sets as _process_sets  # noqa: E402
 from commlayer.core import reduce_ops as _reduce_ops  # noqa: E402
 
-for _module in (config, _errors, _future, _reduce_ops, _runtime):
+for _module in (config, _errors, _future, _process_sets, _reduce_ops, _runtime):
     _name = _module.__name__.rpartition(".")[2]
     _sys.modules.setdefault(f"commlayer.{_name}", _module)
     globals().setdefault(_name, _module)

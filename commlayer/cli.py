@@ -21,6 +21,7 @@ from pathlib import Path
 
 from commlayer import costmodel
 from commlayer.core.config import parse_variable
+from commlayer.costmodel import measure
 
 
 def _bytes(text: str) -> int:
@@ -89,7 +90,7 @@ def calibrate(args: argparse.Namespace) -> int:
         print(f"rank {backend.rank}: COMMLAYER_TOPOLOGY={override!r}: {exc}", file=sys.stderr)
         backend.close()
         return 2
-    cal = costmodel.calibrate(backend, quick=args.quick, topology=topo)
+    cal = measure.calibrate(backend, quick=args.quick, topology=topo)
     backend.close()
     cal = dataclasses.replace(cal, op_latency_s=_engine_op_latency_s(cal, args.quick))
     if backend.rank == 0:

@@ -17,8 +17,8 @@ from commlayer.compression import Compressed, Compression, Compressor
 from commlayer.compression.cast import CastCompressor
 from commlayer.compression.none import NoneCompressor
 from commlayer.core import runtime
+from commlayer.core.process_sets import ProcessSet, global_process_set
 from commlayer.core.reduce_ops import ReduceOp
-from commlayer.process_sets import ProcessSet, global_process_set
 
 
 class _Allreduce(torch.autograd.Function):

@@ -40,8 +40,8 @@ from torch import nn
 
 from commlayer import functions, ops
 from commlayer.core import runtime
+from commlayer.core.process_sets import ProcessSet, global_process_set
 from commlayer.core.reduce_ops import ReduceOp
-from commlayer.process_sets import ProcessSet, global_process_set
 
 
 def shard(n: int, rank: int, size: int) -> tuple[int, int]:

@@ -34,9 +34,9 @@ from commlayer.core.negotiation import (
     dtype_name,
     shapes_of,
 )
+from commlayer.core.process_sets import ProcessSet, check_ranks, global_process_set
 from commlayer.core.reduce_ops import SUPPORTED_OPS, ReduceOp
 from commlayer.core.topology import Topology
-from commlayer.process_sets import ProcessSet, check_ranks, global_process_set
 
 ALLREDUCE_OPS = (*SUPPORTED_OPS, ReduceOp.Adasum)  # Adasum: allreduce only (adasum.py)
 SUPPORTED_DTYPES = (

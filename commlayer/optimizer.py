@@ -64,8 +64,8 @@ from commlayer.compression.auto import AutoCompressor, Link
 from commlayer.core import runtime
 from commlayer.core.errors import CommlayerError, TensorMismatchError
 from commlayer.core.future import Future
+from commlayer.core.process_sets import ProcessSet, global_process_set
 from commlayer.core.reduce_ops import ReduceOp
-from commlayer.process_sets import ProcessSet, global_process_set
 
 _log = logging.getLogger("commlayer")
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state

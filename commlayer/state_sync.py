@@ -12,7 +12,7 @@ import torch
 
 from commlayer import ops
 from commlayer.core import runtime
-from commlayer.process_sets import ProcessSet, global_process_set
+from commlayer.core.process_sets import ProcessSet, global_process_set
 
 
 def broadcast_parameters(

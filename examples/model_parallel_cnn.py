@@ -44,7 +44,7 @@ from torch import nn
 
 import commlayer as cl
 from commlayer import model_parallel as mp
-from commlayer.process_sets import ProcessSet, global_process_set
+from commlayer.core.process_sets import ProcessSet, global_process_set
 
 
 class CNN(nn.Module):

@@ -57,9 +57,9 @@ from commlayer.compression.factory import create
 from commlayer.core import runtime
 from commlayer.core.errors import PayloadError
 from commlayer.core.future import Future, combined
+from commlayer.core.process_sets import ProcessSet, global_process_set
 from commlayer.core.reduce_ops import ReduceOp
 from commlayer.core.topology import Topology
-from commlayer.process_sets import ProcessSet, global_process_set
 
 
 class FutureLike(Protocol):

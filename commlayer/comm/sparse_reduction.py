@@ -57,9 +57,9 @@ from commlayer.algorithms.sparse.executor import (
 from commlayer.comm import wire
 from commlayer.core.errors import PayloadError
 from commlayer.core.future import Handle
+from commlayer.core.process_sets import ProcessSet
 from commlayer.core.reduce_ops import ReduceOp
 from commlayer.core.topology import Topology
-from commlayer.process_sets import ProcessSet
 
 ENGINE_ALGORITHMS = ("ssar_split_allgather", "dsar")  # the two-collective ones
 

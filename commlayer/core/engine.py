@@ -92,6 +92,7 @@ from commlayer.core.reduce_ops import ReduceOp
 from commlayer.core.runners import allgather, allreduce, alltoall, broadcast, reducescatter
 from commlayer.core.timeline import NullTimeline, Timeline, open_timeline
 from commlayer.core.topology import Topology
+from commlayer.costmodel import simulated
 
 log = logging.getLogger("commlayer")
 
@@ -755,10 +756,8 @@ def agreed_sim_table(backend: Backend, text: str) -> costmodel.Simulated | None:
     rank 0's cannot be read (they were checked at init(): changed since)."""
     if not text:
         return None
-    from commlayer.sim import learn  # SimGrid's side: imported only when a table is given
-
     try:
-        mine = learn.to_bytes(learn.load(text))
+        mine = simulated.to_bytes(simulated.load(text))
     except ValueError:
         mine = b""  # rank 0's decides, below; no rank leaves the collective early
     payload = _rank0s(
@@ -772,7 +771,7 @@ def agreed_sim_table(backend: Backend, text: str) -> costmodel.Simulated | None:
             f"rank {backend.rank}: COMMLAYER_SIM_TABLE={text!r}: rank 0 could not read it "
             "(changed since init() checked it?)"
         )
-    return learn.from_bytes(payload)
+    return simulated.from_bytes(payload)
 
 
 def _rank0s(backend: Backend, mine: bytes, differ: str) -> bytes:

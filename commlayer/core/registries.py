@@ -16,6 +16,7 @@ from commlayer import algorithms, compression, kernels
 from commlayer.algorithms import sparse
 from commlayer.core import malloc, topology
 from commlayer.core.config import InvalidValue, Registries, Validator, one_of
+from commlayer.costmodel import simulated
 
 
 def _names(choices: Callable[[], Sequence[str]]) -> Validator:
@@ -31,14 +32,12 @@ def _topology(text: str) -> str:
 
 
 def _sim_table(text: str) -> str:
-    """COMMLAYER_SIM_TABLE: its files read and checked now (sim/learn.py), so a missing or
-    malformed one is named at init(), not at the first allreduce."""
+    """COMMLAYER_SIM_TABLE: its files read and checked now (costmodel/simulated.py), so a
+    missing or malformed one is named at init(), not at the first allreduce."""
     text = text.strip()
     if text:
-        from commlayer.sim import learn  # SimGrid's side: imported only when a table is given
-
         try:
-            learn.load(text)
+            simulated.load(text)
         except ValueError as exc:
             raise InvalidValue(str(exc)) from None
     return text

@@ -22,14 +22,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from commlayer import kernels
-from commlayer import process_sets as process_sets_module
 from commlayer.core import config as config_module
 from commlayer.core import malloc
+from commlayer.core import process_sets as process_sets_module
 from commlayer.core.config import Config
 from commlayer.core.engine import Engine
 from commlayer.core.errors import ConfigError, NotInitializedError
+from commlayer.core.process_sets import ProcessSet, check_ranks, global_process_set
 from commlayer.core.registries import REGISTRIES
-from commlayer.process_sets import ProcessSet, check_ranks, global_process_set
 
 # config.load() and config.override() called without registries (tests, tools) check names
 # against the same registries as init().
@@ -219,7 +219,7 @@ def _start_backend(comm: Any, cfg: Config) -> Any:
                 "MPI cannot re-form its world when ranks come and go; elastic training runs on "
                 "the torch backend (COMMLAYER_BACKEND=torch or auto)"
             )
-        from commlayer.elastic import rendezvous
+        from commlayer.core import rendezvous
 
         rendezvous.init_process_group(cfg.init_timeout_s)  # this generation's world
         kind = "torch"

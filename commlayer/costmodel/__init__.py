@@ -1,11 +1,12 @@
 """Cost model of the allreduce algorithms, calibrated on this machine; it decides ``auto``.
 
-Three parts: model.py, the alpha-beta-gamma sums of a schedule (pure: every registered schedule
+Four parts: model.py, the alpha-beta-gamma sums of a schedule (pure: every registered schedule
 algorithm is costed from its steps, so a new one needs no table); calibration.py, the stored
-``Calibration``; measure.py, ``calibrate`` and the timing behind it (needs a backend and the
-executor). ``commlayer calibrate`` (under mpiexec) measures and saves; ``commlayer algorithms
---size 64MiB`` prints the predicted table. The names below are re-exported from the three, so
-``costmodel.X`` works for each.
+``Calibration``; simulated.py, COMMLAYER_SIM_TABLE as ``auto`` reads it; measure.py,
+``calibrate`` and the timing behind it (needs a backend and the executor: a side system, which
+the runtime never imports; ``from commlayer.costmodel import measure``). ``commlayer calibrate``
+(under mpiexec) measures and saves; ``commlayer algorithms --size 64MiB`` prints the predicted
+table. The names below are re-exported from model.py and calibration.py.
 """
 
 from __future__ import annotations
@@ -19,12 +20,6 @@ from commlayer.costmodel.calibration import (
     save,
     to_bytes,
 )
-from commlayer.costmodel.measure import (
-    NATIVE_SIZES,
-    calibrate,
-    run_local_collective,
-)
-from commlayer.costmodel.measure import _fit as _fit  # private, read by the unit tests
 from commlayer.costmodel.model import (
     HEURISTIC_SHM_BYTES,
     SCHEDULE_MARGIN,
@@ -45,12 +40,10 @@ from commlayer.costmodel.model import _link_sharing as _link_sharing  # read by 
 
 __all__ = [
     "HEURISTIC_SHM_BYTES",
-    "NATIVE_SIZES",
     "SCHEDULE_MARGIN",
     "Calibration",
     "Sharing",
     "Simulated",
-    "calibrate",
     "candidates",
     "choose",
     "default_path",
@@ -62,7 +55,6 @@ __all__ = [
     "node_major",
     "predict",
     "ranked",
-    "run_local_collective",
     "save",
     "schedule_time",
     "step_time",

@@ -84,7 +84,7 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
             )
         elastic = config.elastic_worker() is not None
         if elastic:
-            from commlayer.elastic import rendezvous
+            from commlayer.core import rendezvous
 
             rendezvous.register_state(state)
             state.joined_world(rendezvous.formed())
@@ -133,7 +133,7 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
 def _reform(state: State) -> None:
     """Leave this world (the engine stops without waiting on dead peers: its thread has
     already stopped on their death) and join the driver's next one."""
-    from commlayer.elastic import rendezvous
+    from commlayer.core import rendezvous
 
     added = runtime.added_process_sets()
     runtime.shutdown()
@@ -150,7 +150,7 @@ def _add_again(added: list[Any]) -> None:
     (collective) where every rank of the new one had them, that is no worker joined and each
     set's ranks exist; else dropped (unregistered: using one is a clear error), saying so."""
     from commlayer import ops
-    from commlayer.elastic import rendezvous
+    from commlayer.core import rendezvous
 
     size, fits = runtime.size(), [ps for ps in added if max(ps.ranks) < runtime.size()]
     kept = fits if not rendezvous.joined() else []

@@ -64,7 +64,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from commlayer.elastic import protocol
+from commlayer.core import elastic_protocol as protocol
 
 log = logging.getLogger("commlayer.elastic.driver")
 

@@ -37,11 +37,11 @@ import dataclasses
 import functools
 import json
 import math
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from commlayer import algorithms
+from commlayer.costmodel import simulated
 from commlayer.sim import platforms, simulate
 from commlayer.sim.platforms import Platform
 
@@ -56,7 +56,6 @@ _SHAPE = {
     "dln": {"shape", "switches"},
 }
 _REBUILT = {"flat": "nodes", "fat-tree": "nodes", "dln": "switches"}  # kinds sized by ranks
-_REQUIRED = ("algorithm", "platform", "ranks", "size_bytes", "simulated_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,63 +115,28 @@ def machine(spec: str) -> str:
     return _join(kind, {k: v for k, v in fields.items() if k not in shape}).rstrip(":")
 
 
-def _gpus(spec: str, raw: dict[str, object]) -> int:
-    """GPUs per node of a row: its field (simulate writes it), else the spec's, else 1."""
-    value = raw.get("gpus_per_node")
-    if not value and not spec.endswith(".xml"):
-        value = platforms.parse_spec(spec)[1].get("gpus-per-node")
-    return int(value or 1)  # type: ignore[call-overload]
+def _row(raw: simulated.Row, where: str) -> Row:
+    """The runtime reader's row (costmodel/simulated.py reads the fields) with its platform
+    normalized: ValueError naming ``where`` for a spec the platform generator refuses."""
+    try:
+        spec, gpus = raw.platform, raw.gpus_per_node
+        return Row(raw.algorithm, canonical(spec, gpus), family(spec, gpus), gpus, raw.ranks,
+                   raw.size_bytes, raw.simulated_s, where)  # fmt: skip
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def parse_line(line: str, where: str) -> Row | None:
     """A row from one JSON line (None for a sparse row, a blank line or SMPI's own
     algorithm); ValueError naming ``where`` and what is wrong."""
-    if not line.strip():
-        return None
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not JSON ({exc.msg}); expected a line of `commlayer "
-                         "simulate --format json`") from None  # fmt: skip
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(raw).__name__}")
-    missing = [k for k in _REQUIRED if k not in raw]
-    if missing:
-        raise ValueError(f"{where}: no {', '.join(missing)} (a row of `commlayer simulate "
-                         "--format json` has them)")  # fmt: skip
-    if raw.get("density") is not None or str(raw["algorithm"]).startswith(simulate.SMPI_PREFIX):
-        return None  # sparse, or SMPI's own: nothing auto or the dense model can use
-    try:
-        spec, ranks, size = str(raw["platform"]), int(raw["ranks"]), int(raw["size_bytes"])
-        seconds, gpus = float(raw["simulated_s"]), _gpus(spec, raw)
-        if min(ranks, size, gpus) < 1 or not 0 < seconds < math.inf:
-            raise ValueError("ranks, size_bytes, gpus_per_node and simulated_s must be > 0")
-        name = str(raw["algorithm"]).removeprefix("auto=")
-        return Row(name, canonical(spec, gpus), family(spec, gpus), gpus, ranks, size,
-                   seconds, where)  # fmt: skip
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
+    raw = simulated.parse_line(line, where)
+    return None if raw is None else _row(raw, where)
 
 
 def read(paths: Sequence[Path | str]) -> list[Row]:
     """Every dense row of the files (JSON lines of ``commlayer simulate --format json``);
     ValueError naming the file (and line) that cannot be read or parsed, or holds no row."""
-    rows: list[Row] = []
-    for path in map(Path, paths):
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from None
-        found = [parse_line(line, f"{path}:{i}") for i, line in enumerate(text.splitlines(), 1)]
-        if not any(found):
-            raise ValueError(f"{path}: no dense row of `commlayer simulate --format json`")
-        rows.extend(r for r in found if r is not None)
-    return rows
-
-
-def split_paths(text: str) -> list[str]:
-    """The files of COMMLAYER_SIM_TABLE: one path, or several separated by ``os.pathsep``."""
-    return [p.strip() for p in text.split(os.pathsep) if p.strip()]
+    return [_row(raw, where) for raw, where in simulated.read(paths)]
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float, reach: bool) -> float:
@@ -360,7 +324,7 @@ class Job:
 
 def load(text: str) -> Job:
     """COMMLAYER_SIM_TABLE's files as ``auto`` reads them; ValueError naming the file."""
-    paths = split_paths(text)
+    paths = simulated.split_paths(text)
     if not paths:
         raise ValueError("no file given")
     return Table(read(paths)).job()

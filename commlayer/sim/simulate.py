@@ -34,12 +34,12 @@ from commlayer.algorithms import hierarchical, sparse
 from commlayer.algorithms.schedule import Schedule
 from commlayer.algorithms.sparse import cost as sparse_cost
 from commlayer.core.topology import Topology
+from commlayer.costmodel.simulated import SMPI_PREFIX
 from commlayer.sim import export, smpi
 from commlayer.sim.platforms import Platform
 
 ELEMENT_SIZE = 4  # float32, as the research's runs
 INDEX_SIZE = 4  # int32 indices of a sparse stream, as the executor's
-SMPI_PREFIX = "smpi:"
 # The cost model reads messages off a curve, log-log between its points: alpha + beta n on
 # points 2^(1/8) apart is read within 0.2% (0.6% at 2^(1/4): 16 ranks, 1 MiB ring on flat).
 _CURVE = sorted({int(round(2 ** (k / 8))) for k in range(0, 8 * 34)})

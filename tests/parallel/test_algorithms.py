@@ -146,10 +146,10 @@ def test_auto_with_a_simulated_table_takes_its_pick(backend: Backend) -> None:
     # tree fastest at 1 MiB): auto runs the table's pick where the model's rule would say shm.
     from pathlib import Path
 
-    from commlayer.sim import learn
+    from commlayer.costmodel import simulated
 
     table = Path(__file__).parents[1] / "unit" / "sim_table_one_node.jsonl"
-    allreducer = Allreducer(algorithms.AUTO, simulated=learn.load(str(table)))
+    allreducer = Allreducer(algorithms.AUTO, simulated=simulated.load(str(table)))
     numel = (1 << 20) // 4
     inputs = every_rank_small_ints(seed_of("sim_table"), (numel,), torch.int32)
     result = run_with(backend, allreducer, inputs[cl.rank()], cl.Sum)

@@ -29,7 +29,7 @@ import torch
 from conftest import SCRIPTS, run_limited, worker_env
 from torch import nn
 
-from commlayer.elastic import protocol
+from commlayer.core import elastic_protocol as protocol
 
 pytestmark = pytest.mark.timeout(240) if hasattr(pytest.mark, "timeout") else []
 

@@ -116,7 +116,8 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_config_imports_no_commlayer_module_but_errors() -> None:
-    ours = {name for name in _imports(PACKAGE / "core" / "config.py") if name.startswith("commlayer")}
+    imported = _imports(PACKAGE / "core" / "config.py")
+    ours = {name for name in imported if name.startswith("commlayer")}
     assert ours <= {"commlayer.core.errors", "commlayer.core.errors.ConfigError"}, ours
 
 

@@ -15,7 +15,7 @@ from commlayer.algorithms.executor import Allreducer
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.core.engine import agreed_calibrations
 from commlayer.core.topology import Topology
-from commlayer.costmodel import Calibration
+from commlayer.costmodel import Calibration, measure
 
 CAL = Calibration(
     size=4,
@@ -153,7 +153,7 @@ def test_every_rank_uses_rank_0s_calibrations(caplog: pytest.LogCaptureFixture) 
 
 def test_fit_recovers_alpha_and_beta() -> None:
     points = [(n, 20e-6 + n * 0.25e-9) for n in (8.0, 4096.0, 65536.0, 1048576.0, 4194304.0)]
-    alpha, beta = costmodel._fit(points)
+    alpha, beta = measure._fit(points)
     assert alpha == pytest.approx(20e-6, rel=1e-6) and beta == pytest.approx(0.25e-9, rel=1e-6)
 
 

@@ -1,4 +1,4 @@
-"""The elastic driver's control channel (commlayer/elastic/protocol.py): message signing, and a
+"""The elastic driver's control channel (commlayer/core/elastic_protocol.py): message signing, and a
 driver in this process that refuses what does not carry the job key, replays included, without
 a silent client holding up the job's workers (issue 38)."""
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from commlayer.core import elastic_protocol as protocol
 from commlayer.elastic import driver as driver_module
-from commlayer.elastic import protocol
 
 KEY = b"k" * 32
 NONCE = b"n" * protocol.NONCE_BYTES

@@ -15,8 +15,7 @@ import torch
 
 import commlayer
 from commlayer import elastic, kernels
-from commlayer.core import runtime
-from commlayer.elastic import rendezvous
+from commlayer.core import rendezvous, runtime
 
 
 @pytest.fixture

@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from commlayer.backends import torch_distributed
 from commlayer.core import config
+from commlayer.core import elastic_protocol as protocol
 from commlayer.core.errors import CommlayerError
-from commlayer.elastic import protocol
 
 log = logging.getLogger("commlayer")
 
