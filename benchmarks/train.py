@@ -17,7 +17,7 @@
    paired job also trains a copy with nothing communicated (plain SGD on each rank's batch):
    its ratio to DDP is the bound, the most any data-parallel library could gain over DDP on
    this machine (a ratio target above it cannot be met by communication alone).
-2. Models with many mid-sized gradient tensors, as in shared/ANCHORS.md: ``mlp`` is
+2. Models with many mid-sized gradient tensors, as in benchmarks/README.md's yardsticks: ``mlp`` is
    10 x [Linear(768, 768), LayerNorm(768), GELU()] + Linear(768, 1000) (6.69 M parameters in
    62 tensors), ``resnet`` a small CIFAR-style ResNet (3 stages of 2 basic blocks).
 3. Every system trains the same model from the same seed with SGD momentum 0.9 on random

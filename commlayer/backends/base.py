@@ -2,8 +2,9 @@
 
 Every data call takes contiguous CPU torch tensors and returns a :class:`Request` at once; the
 engine decides how to wait (``Request.test()`` in a loop that yields the CPU rather than
-busy-polling: on 2 cores a busy-polling progress loop halves training throughput, see
-shared/ANCHORS.md). Counts are in elements, never bytes. Only the engine thread calls a backend.
+busy-polling: on 2 cores a busy-polling progress loop halves training throughput,
+benchmarks/README.md, Yardsticks). Counts are in elements, never bytes. Only the engine thread
+calls a backend.
 
 Reductions receive ``ReduceOp.Sum/Min/Max/Product``; Average is Sum plus a scale the engine
 applies. Results must be bitwise identical on every rank.

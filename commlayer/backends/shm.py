@@ -1,7 +1,8 @@
 """Intra-node allreduce through a shared-memory window.
 
 Between ranks of one node MPI's allreduce moves data through its own queues at ~1-4 GB/s busbw
-(shared/ANCHORS.md), and gloo's through TCP over loopback, while one core copies 24-30 GB/s.
+(benchmarks/README.md, Yardsticks), and gloo's through TCP over loopback, while one core copies
+24-30 GB/s.
 Here every rank of the node maps the same window (the MPI backend: an MPI-3 window,
 ``MPI.Win.Allocate_shared``; the torch backend, under torchrun: ``FileWindow``, files in
 /dev/shm that every rank maps) and an allreduce of a buffer is, per chunk:

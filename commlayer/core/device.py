@@ -399,11 +399,6 @@ def channel_device(channel: str) -> torch.device:
 _CPU = torch.device("cpu")
 
 
-def buffer_device(tensors: Sequence[torch.Tensor], channel: str) -> torch.device:
-    """The device of an operation's buffers: its tensors' (the first), else the channel's."""
-    return tensors[0].device if tensors else channel_device(channel)
-
-
 class _Produced:
     """The engine's wait for the producer's event before a direct operation's collective
     (module docstring, **Direct**): a Request the engine polls like a staged one."""

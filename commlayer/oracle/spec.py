@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from pathlib import Path
 
 from commlayer.core.errors import SpecError
@@ -310,8 +309,3 @@ def full_mask(net: Net) -> tuple[bool, ...]:
     """Every layer split (ParaDL's default without ``--lc``)."""
     return tuple(True for _ in net.layers)
 
-
-def check_mask(mask: Sequence[bool], net: Net) -> tuple[bool, ...]:
-    if len(mask) != len(net.layers):
-        raise SpecError(f"layer mask has {len(mask)} entries for {len(net.layers)} layers")
-    return tuple(bool(m) for m in mask)
