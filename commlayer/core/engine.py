@@ -18,11 +18,11 @@ The constraints it answers, and how:
 4. On a small or oversubscribed machine a busy-polling progress loop halves training throughput
    (benchmarks/README.md, Yardsticks: Horovod 0.55x DDP busy-polling, 1.35x yielding). -> The
    engine waits on collectives with Test + sched_yield (a yield keeps MPI progressing at full
-   speed: 1 MiB allreduce 572 us vs 554 us blocking, where sleeping between tests took 4,577
-   us), sleeps with backoff when waiting on a negotiation a peer has not joined yet, and when
-   idle sleeps on a condition variable with a heartbeat of ``idle_cycle_time_ms``. Where a node runs more ranks
-   than it has cores, a yielding thread still takes its share of them from the peers' forward
-   and backward (it is rescheduled at once), so there the wait on a collective is passive
+   speed: 1 MiB allreduce 572 us vs 554 us blocking, where sleeping between tests took 4,577 us),
+   sleeps with backoff when waiting on a negotiation a peer has not joined yet, and when idle
+   sleeps on a condition variable with a heartbeat of ``idle_cycle_time_ms``. Where a node runs
+   more ranks than it has cores, a yielding thread still takes its share of them from the peers'
+   forward and backward (it is rescheduled at once), so there the wait on a collective is passive
    (``wait_policy``): yield for ``_PASSIVE_SPIN_S``, then sleep with backoff. Measured with
    benchmarks/train.py, 4 ranks on 2 cores: the MLP at 0.80-1.02 of DDP's throughput active,
    1.02-1.28 passive; ResNet 0.87-0.90 active, 0.94-0.95 passive. Alone on the cores (the
