@@ -126,10 +126,31 @@ def _at(points: Sequence[tuple[int, float]], nbytes: int) -> tuple[float, str]:
     return math.exp(math.log(y0) + frac * (math.log(y1) - math.log(y0))), source
 
 
-class Table:
-    """A one-machine table as ``auto`` reads it (costmodel.model.Simulated)."""
+class Times:
+    """What ``auto`` reads of a table (costmodel.model.Simulated): ``_times`` of a subclass,
+    answered once per job and size."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, int, int], list[tuple[str, float, str]] | None] = {}
+
+    def times(self, ranks: int, nodes: int, nbytes: int) -> list[tuple[str, float, str]] | None:
+        """(algorithm, seconds, source) fastest first for one allreduce of ``nbytes`` on
+        ``ranks`` ranks over ``nodes`` equal nodes; None when the table has nothing of that
+        job."""
+        key = (ranks, nodes, nbytes)
+        if key not in self._cache:
+            self._cache[key] = self._times(ranks, nodes, nbytes)
+        return self._cache[key]
+
+    def _times(self, ranks: int, nodes: int, nbytes: int) -> list[tuple[str, float, str]] | None:
+        raise NotImplementedError
+
+
+class Table(Times):
+    """A one-machine table as ``auto`` reads it (module docstring)."""
 
     def __init__(self, rows: Iterable[Row]) -> None:
+        super().__init__()
         self.rows = list(rows)
         kinds = sorted({r.platform.partition(":")[0] for r in self.rows})
         if len(kinds) > 1:
@@ -138,16 +159,6 @@ class Table:
                 'the machine the job runs on (keep its rows: grep \'"platform": "KIND\' FILE '
                 "> machine.jsonl)"
             )
-        self._cache: dict[tuple[int, int, int], list[tuple[str, float, str]] | None] = {}
-
-    def times(self, ranks: int, nodes: int, nbytes: int) -> list[tuple[str, float, str]] | None:
-        """(algorithm, seconds, source) fastest first for one allreduce of ``nbytes`` on
-        ``ranks`` ranks over ``nodes`` equal nodes; None when the table has no row of that
-        job (module docstring, 3)."""
-        key = (ranks, nodes, nbytes)
-        if key not in self._cache:
-            self._cache[key] = self._times(ranks, nodes, nbytes)
-        return self._cache[key]
 
     def _times(self, ranks: int, nodes: int, nbytes: int) -> list[tuple[str, float, str]] | None:
         if nodes < 1 or ranks % nodes:

@@ -269,14 +269,16 @@ def _model_time(
     return None if platform is None else _model_cached(platform, algorithm, size)
 
 
-class Job:
-    """A one-machine table as ``auto`` reads it: the predicted time of every algorithm the
-    table simulated for the job's ranks and GPUs per node (costmodel.Simulated)."""
+class Job(simulated.Times):
+    """A one-machine table as ``auto`` would read it with the simulator's learned corrections:
+    the predicted time of every algorithm the table simulated for the job's ranks and GPUs per
+    node (None: the table is not of this job: its GPUs per node, or its ranks on a kind that
+    cannot be resized)."""
 
     def __init__(self, table: Table) -> None:
+        super().__init__()
         self.table = table
         self._names = sorted({r.algorithm for r in table.rows} & set(algorithms.schedules()))
-        self._cache: dict[tuple[int, int, int], list[tuple[str, float, str]] | None] = {}
 
     def spec(self, ranks: int, gpus_per_node: int) -> str | None:
         """The platform of the job: the spec of the table's rows at its ranks and GPUs per node
@@ -298,15 +300,6 @@ class Job:
         if kind == "dln" and nodes & (nodes - 1):
             return None
         return canonical(f"{kind}:{rest},{_REBUILT[kind]}={nodes}", gpus_per_node)
-
-    def times(self, ranks: int, nodes: int, nbytes: int) -> list[tuple[str, float, str]] | None:
-        """(algorithm, seconds, source) fastest first for one allreduce of ``nbytes`` on
-        ``ranks`` ranks over ``nodes`` equal nodes; None when the table is not of this job
-        (its GPUs per node, or its ranks on a kind that cannot be resized)."""
-        key = (ranks, nodes, nbytes)
-        if key not in self._cache:
-            self._cache[key] = self._times(ranks, nodes, nbytes)
-        return self._cache[key]
 
     def _times(self, ranks: int, nodes: int, nbytes: int) -> list[tuple[str, float, str]] | None:
         if nodes < 1 or ranks % nodes:

@@ -15,6 +15,7 @@ from commlayer import cli, costmodel
 from commlayer.core import config
 from commlayer.core.errors import ConfigError
 from commlayer.core.registries import REGISTRIES
+from commlayer.costmodel import simulated
 from commlayer.sim import learn
 
 MiB = 1 << 20
@@ -220,3 +221,38 @@ def test_the_engine_hands_auto_the_agreed_table() -> None:
     assert engine.agreed_sim_table(alone, "") is None  # type: ignore[arg-type]
     job = engine.agreed_sim_table(alone, str(ONE_NODE))  # type: ignore[arg-type]
     assert job is not None and job.times(4, 1, MiB)[0][0] == "tree"  # type: ignore[index]
+
+
+# -- the runtime's own reader (costmodel/simulated.py): what auto reads of COMMLAYER_SIM_TABLE --
+def _reader(rows: list[str], tmp_path: Path) -> simulated.Table:
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return simulated.load(str(path))
+
+
+def test_the_runtime_reader_interpolates_in_log_size_at_the_jobs_rank_count(
+    tmp_path: Path,
+) -> None:
+    rows = [_row("ring", "flat:nodes=2", 4, MiB, 1e-3, gpus=2),
+            _row("ring", "flat:nodes=2", 4, 4 * MiB, 4e-3, gpus=2),
+            _row("tree", "flat:nodes=2", 4, MiB, 2e-3, gpus=2),
+            _row("tree", "flat:nodes=2", 8, MiB, 1e-4, gpus=4)]  # fmt: skip
+    table = _reader(rows, tmp_path)
+    assert table.times(4, 2, MiB) == [("ring", 1e-3, "simulated"), ("tree", 2e-3, "simulated")]
+    (ring, seconds, source), tree = table.times(4, 2, 2 * MiB) or []
+    assert (ring, source) == ("ring", "interpolated") and math.isclose(seconds, 2e-3)
+    assert tree == ("tree", 4e-3, "scaled")  # one size simulated: proportional
+    name, seconds, source = (table.times(4, 2, 16 * MiB) or [])[0]
+    assert (name, source) == ("ring", "extrapolated") and math.isclose(seconds, 16e-3)
+    assert table.times(4, 1, MiB) is None  # 4 GPUs per node at 4 ranks: not simulated
+    assert table.times(6, 2, MiB) is None  # no row at 6 ranks: auto uses the model
+    same = simulated.from_bytes(simulated.to_bytes(table))
+    assert same.times(4, 2, 2 * MiB) == table.times(4, 2, 2 * MiB)
+
+
+def test_the_runtime_reader_refuses_two_machines_and_names_a_bad_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"rows of 2 machines \(dln, torus\)"):
+        _reader([_row("ring", "torus:4x4", 16, MiB, 1.0), _row("ring", "dln:16", 16, MiB, 1.0)],
+                tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match=r"r.jsonl:2: not JSON"):
+        _reader([_row("ring", "torus:4x4", 16, MiB, 1.0), "{oops"], tmp_path)
