@@ -15,9 +15,12 @@ the compressor declares (compression/base.py):
    the local context and summed; ``Average`` divides by the records received (a joined rank
    sends none). A peer's malformed payload is a PayloadError naming this rank, the tensor and
    the peer.
-3. Top-k payloads under a sparse algorithm (``sparse_algorithm`` other than allgather) are
-   reduced sparse through the engine instead (sparse_reduction.py), on the process set's
-   topology; gtopk's dropped entries go to the compressor's error feedback.
+3. ``sparse`` payloads (top-k's values and int32 indices) under a sparse algorithm
+   (``sparse_algorithm`` other than allgather) are reduced sparse through the engine instead
+   (sparse_reduction.py), on the process set's topology; gtopk's dropped entries go to the
+   compressor's error feedback.
+The payload of an ``identity`` compressor (none; auto before it decides) is the tensors
+themselves: they are reduced where they lie, with no compress, decompress or callback.
 
 Where compression runs: a transport that has ``defer`` (:class:`EngineTransport`) gets the
 compress-and-send of CPU tensors as a task for the engine's thread (``Engine.call_soon``):
@@ -93,7 +96,8 @@ class Transport(Protocol):
     def sparse(
         self, name: str, compressed: Compressed, compressor: Compressor, op: ReduceOp
     ) -> FutureLike | None:
-        """A top-k payload reduced sparse (future of the dense result), or None: gather it."""
+        """A ``sparse`` compressor's payload (values, int32 indices) reduced sparse (future of
+        the dense result), or None: gather it."""
         ...
 
 
@@ -137,7 +141,7 @@ class EngineTransport:
     def sparse(
         self, name: str, compressed: Compressed, compressor: Compressor, op: ReduceOp
     ) -> Future | None:
-        if self.sparse_algorithm == "allgather" or compressor.name != "topk":
+        if self.sparse_algorithm == "allgather":
             return None
         values, indices = compressed.payload
         shape = compressed.ctx[0]
@@ -220,7 +224,7 @@ class Communicator:
         tensors = list(tensors)
         # The payload is the tensors: reduce them where they lie ("auto" before or without a
         # decision sends them as they are: compression/auto.py).
-        if compressor.name in ("none", "auto"):
+        if getattr(compressor, "identity", False):
             return self._identity(tensors, name)
         if names is None:
             names = [name] if len(tensors) == 1 else [f"{name}.p{j}" for j in range(len(tensors))]
@@ -332,8 +336,11 @@ class Communicator:
     ) -> Future:
         parts: list[FutureLike] = []
         rest = []  # tensors not reduced sparse: gathered together
+        declared_sparse = getattr(compressor, "sparse", False)
         for j, tensor in enumerate(tensors):
-            sparse = self.transport.sparse(names[j], compressed[j], compressor, self.op)
+            sparse = None
+            if declared_sparse:
+                sparse = self.transport.sparse(names[j], compressed[j], compressor, self.op)
             if sparse is None:
                 rest.append(j)
             else:

@@ -1,9 +1,13 @@
 """Gradient compression: the Compressor contract, a registry, and the built-in compressors.
 
 ``create("topk:ratio=0.01", rank=..., seed=...)`` (or ``COMMLAYER_COMPRESSION``, or
-``DistributedOptimizer(compression=...)``) picks one by name; see ``base.py`` for the contract,
-``factory.py`` for specs, and each compressor's module for its math and paper.
+``DistributedOptimizer(compression=...)``) picks one by name; see ``base.py`` for the contract
+(what a compressor declares), ``factory.py`` for specs, and each compressor's module for its
+math and paper. A built-in compressor is its module, imported here and listed once in
+``BUILTINS``, which registers it: nothing else in commlayer names it.
 """
+
+from typing import Any
 
 from commlayer.compression.auto import AutoCompressor
 from commlayer.compression.base import (
@@ -12,11 +16,13 @@ from commlayer.compression.base import (
     Compressor,
     available,
     register,
+    registered,
+    unregister,
 )
 from commlayer.compression.bf16 import BF16Compressor
 from commlayer.compression.efsignsgd import EFSignSGDCompressor
 from commlayer.compression.error_feedback import ErrorFeedback
-from commlayer.compression.factory import SPEC_HELP, check_spec, create
+from commlayer.compression.factory import check_spec, create, spec_help
 from commlayer.compression.fp16 import FP16Compressor
 from commlayer.compression.none import NoneCompressor
 from commlayer.compression.onebit import OneBitCompressor
@@ -25,6 +31,23 @@ from commlayer.compression.powersgd import PowerSGDCompressor
 from commlayer.compression.qsgd import QSGDCompressor
 from commlayer.compression.randomk import RandomKCompressor
 from commlayer.compression.topk import TopKCompressor
+
+# The built-in compressors, one line each, registered under their ``name`` (the name of their
+# module) in this order, the order error messages list them in.
+BUILTINS: tuple[type[Any], ...] = (
+    NoneCompressor,
+    FP16Compressor,
+    BF16Compressor,
+    QSGDCompressor,
+    TopKCompressor,
+    RandomKCompressor,
+    EFSignSGDCompressor,
+    OneBitCompressor,
+    PowerSGDCompressor,
+    AutoCompressor,
+)
+for _builtin in BUILTINS:
+    register(_builtin.name)(_builtin)
 
 
 class Compression:
@@ -37,9 +60,9 @@ class Compression:
 
 __all__ = [
     "AutoCompressor",
+    "BUILTINS",
     "DEFAULT_MIN_NUMEL",
     "ENTRY_POINT_GROUP",
-    "SPEC_HELP",
     "BF16Compressor",
     "Compressed",
     "Compression",
@@ -58,4 +81,7 @@ __all__ = [
     "check_spec",
     "create",
     "register",
+    "registered",
+    "spec_help",
+    "unregister",
 ]

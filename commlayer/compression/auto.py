@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from commlayer.compression.base import Compressed, Compressor, horovod_args, register
+from commlayer.compression.base import Compressed, Compressor, horovod_args, payload_bytes
 from commlayer.compression.factory import create
 
 _log = logging.getLogger("commlayer")
@@ -136,32 +136,19 @@ class Decision:
 
 
 def payload_time(spec: str, tensors: Sequence[torch.Tensor], link: Link) -> float:
-    """Link seconds of ``spec``'s payload for these tensors (module docstring, 3.)."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    name = spec.partition(":")[0]
-    if name == "none":
-        return link.allreduce_s(nbytes)
-    if name in CASTS:
-        return link.allreduce_s(sum(t.numel() * 2 for t in tensors))
+    """Link seconds of ``spec``'s payload for these tensors (module docstring, 3.), from what
+    its compressor declares: each round's bytes (``base.payload_bytes``), summed over the
+    tensors, allreduced round by round when ``summable``, else gathered."""
     compressor = create(spec)
-    inner: Any = getattr(compressor, "inner", compressor)
-    if name == "powersgd":
-        first = second = 0
-        for t in tensors:
-            rank = inner._matrix_rank(t.shape)
-            if rank == 0:
-                first += t.numel() * t.element_size()
-            else:
-                first += t.shape[0] * rank * 4
-                second += (t.numel() // t.shape[0]) * rank * 4
-        return link.allreduce_s(first) + link.allreduce_s(second)
-    wire_bytes = getattr(inner, "wire_bytes", None)
-    if wire_bytes is None:
-        raise ValueError(f"compression auto cannot cost {spec!r}: it declares no wire_bytes")
-    sent = sum(wire_bytes(t.numel()) for t in tensors)
-    if inner.summable:
-        return link.allreduce_s(sent)
-    return link.allgather_s(sent)
+    rounds: list[int] = []
+    for t in tensors:
+        for i, nbytes in enumerate(payload_bytes(compressor, t.shape, t.element_size())):
+            if i == len(rounds):
+                rounds.append(0)
+            rounds[i] += nbytes
+    if compressor.summable:
+        return sum(link.allreduce_s(nbytes) for nbytes in rounds)
+    return link.allgather_s(sum(rounds))
 
 
 def choose(
@@ -206,13 +193,13 @@ def decide(
     )
 
 
-@register("auto")
 class AutoCompressor:
     """Placeholder DistributedOptimizer resolves per bucket (module docstring); until then, and
     anywhere nothing resolves it, it sends tensors as they are."""
 
     name: ClassVar[str] = "auto"
     summable: ClassVar[bool] = True
+    identity: ClassVar[bool] = True  # until resolved: the tensors as they are
 
     def __init__(self, lossy: int = 0, link: str = "measure", margin: float = MARGIN) -> None:
         if lossy not in (0, 1) or isinstance(lossy, bool):

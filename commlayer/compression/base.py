@@ -4,8 +4,9 @@ Building one from a spec (parameters, rank and seed, error feedback) is factory.
 imports no compressor and no wrapper, so every compressor can import it.
 
 ``Compressor.compress(tensor, name) -> Compressed(payload, ctx)`` and
-``decompress(Compressed) -> tensor``. The attribute ``summable`` tells the communicator how to
-move the payload:
+``decompress(Compressed) -> tensor``. A compressor declares what it is in class attributes; the
+code that moves, chooses and costs payloads (the communicator, the factory, the policy,
+``auto``, the oracle) reads these declarations and never a compressor's name:
 
 1. ``summable=True`` (none, fp16, bf16, randomk, powersgd): the payload is one tensor whose sum
    over ranks is the payload of the sum; it is allreduced **in place**, then decompressed.
@@ -17,16 +18,36 @@ move the payload:
    shape and dtype, never on its values. ``decompress`` must check a peer's payload (lengths,
    index range, finite scales) and raise :class:`~commlayer.core.errors.PayloadError`.
 
-Optional attributes: ``biased`` (True: ``factory.create`` wraps the compressor in ErrorFeedback
-unless the spec says ``ef=0``), ``compresses_small_tensors`` (True for casts, which cost nothing per
-tensor; others skip tensors below the policy's threshold), ``state_dict``/``load_state_dict``.
+Optional declarations (absent: the default in brackets):
 
-Users add their own with ``@commlayer.compression.register("name")``, or from another package
-with an entry point in the group ``commlayer.compressors`` (``name = "module:factory"``).
+- ``sparse`` [False]: the payload is ``[values, int32 flat indices]`` of distinct positions
+  (topk), so a sparse allreduce algorithm (``COMMLAYER_SPARSE_ALGORITHM``) may reduce it
+  instead of the gather.
+- ``identity`` [False]: the payload is the tensor itself (none; auto before it decides): the
+  tensors are reduced where they lie, with no compress, decompress or callback.
+- ``biased`` [False]: ``factory.create`` wraps the compressor in ErrorFeedback unless the spec
+  says ``ef=0``.
+- ``compresses_small_tensors`` [False]: True for casts, which cost nothing per tensor; others
+  skip tensors below the policy's threshold.
+- ``wire_dtype`` [None: the tensor's]: the dtype a summable payload is reduced in (casts).
+- ``wire_parameters`` [()]: the spec parameters the payload's size depends on and that a cost
+  prediction (the oracle) must be given rather than assume (topk's and randomk's ``ratio``).
+- ``wire_bytes(numel, element_bytes=4)``: bytes of one rank's payload for a tensor of ``numel``
+  elements of ``element_bytes`` each, or ``round_bytes(shape, element_bytes=4)``, a list with
+  each round's bytes, where they depend on the tensor's shape (PowerSGD). ``auto`` and the
+  oracle cost payloads with them; a compressor declaring neither is not costed.
+- ``state_dict``/``load_state_dict``: state saved with the optimizer.
+
+A built-in compressor is one file (its ``name`` the file's) and one line of ``BUILTINS`` in
+``commlayer/compression/__init__.py``, which registers it. Users add their own with
+``@commlayer.compression.register("name")`` (``registered(name, factory)`` for a block), or from
+another package with an entry point in the group ``commlayer.compressors``
+(``name = "module:factory"``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import logging
@@ -85,7 +106,8 @@ C = TypeVar("C", bound=Callable[..., Any])
 
 
 def register(name: str) -> Callable[[C], C]:
-    """Class decorator: make a compressor available as ``name`` (and in COMMLAYER_COMPRESSION)."""
+    """Class decorator: make a compressor available as ``name`` (and in COMMLAYER_COMPRESSION);
+    ``register(name)(factory)`` for a factory that is not a class."""
 
     def decorate(factory: C) -> C:
         if name in _REGISTRY and _REGISTRY[name] is not factory:
@@ -94,6 +116,22 @@ def register(name: str) -> Callable[[C], C]:
         return factory
 
     return decorate
+
+
+def unregister(name: str) -> None:
+    """Remove compressor ``name`` (ValueError if it is not registered)."""
+    if _REGISTRY.pop(name, None) is None:
+        raise ValueError(f"{name!r} is not a registered compressor")
+
+
+@contextlib.contextmanager
+def registered(name: str, factory: Callable[..., Compressor]) -> Iterator[None]:
+    """``factory`` registered as ``name`` inside the block, removed after it (tests)."""
+    register(name)(factory)
+    try:
+        yield
+    finally:
+        unregister(name)
 
 
 def _load_entry_points() -> None:
@@ -110,9 +148,10 @@ def _load_entry_points() -> None:
 
 
 def available() -> list[str]:
-    """Names ``create`` accepts: built-in, registered and entry-point compressors."""
+    """Names ``create`` accepts, in registration order: the built-in compressors (as
+    ``BUILTINS`` lists them), then those registered or declared by entry points."""
     _load_entry_points()
-    return sorted(_REGISTRY)
+    return list(_REGISTRY)
 
 
 def lookup(name: str) -> Callable[..., Compressor]:
@@ -123,6 +162,21 @@ def lookup(name: str) -> Callable[..., Compressor]:
     if factory is None:
         raise ValueError(f"unknown compressor {name!r}; available: {', '.join(available())}")
     return factory
+
+
+def payload_bytes(compressor: Compressor, shape: torch.Size, element_bytes: int) -> list[int]:
+    """Bytes of each round's payload one rank sends for a tensor of ``shape`` with
+    ``element_bytes`` an element, as ``compressor`` (an ErrorFeedback's inner one) declares
+    them: ``round_bytes``, else ``wire_bytes`` (one round); ValueError where it declares
+    neither."""
+    target: Any = getattr(compressor, "inner", compressor)
+    rounds = getattr(target, "round_bytes", None)
+    if rounds is not None:
+        return list(rounds(shape, element_bytes))
+    wire_bytes = getattr(target, "wire_bytes", None)
+    if wire_bytes is None:
+        raise ValueError(f"compressor {target.name!r} declares no wire_bytes: its cost is unknown")
+    return [wire_bytes(shape.numel(), element_bytes)]
 
 
 # -- helpers the compressors share ---------------------------------------------------------------

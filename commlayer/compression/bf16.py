@@ -6,11 +6,9 @@ from typing import ClassVar
 
 import torch
 
-from commlayer.compression.base import register
 from commlayer.compression.cast import CastCompressor
 
 
-@register("bf16")
 class BF16Compressor(CastCompressor):
     """Floating-point tensors travel as bfloat16 (float32's range, 8-bit mantissa)."""
 

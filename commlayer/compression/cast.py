@@ -40,3 +40,7 @@ class CastCompressor:
         payload = compressed.payload[0]
         if payload is not out:
             out.copy_(payload.view(out.shape))
+
+    def wire_bytes(self, numel: int, element_bytes: int = 4) -> int:
+        """A floating-point tensor's bytes as ``wire_dtype``."""
+        return numel * self.wire_dtype.itemsize

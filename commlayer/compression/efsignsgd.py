@@ -24,11 +24,9 @@ from commlayer.compression.base import (
     compute_dtype,
     expect_finite,
     expect_numel,
-    register,
 )
 
 
-@register("efsignsgd")
 class EFSignSGDCompressor:
     """sign(x) scaled by mean |x|."""
 
@@ -51,5 +49,5 @@ class EFSignSGDCompressor:
         value = scale[0].to(dtype)
         return kernels.decode_signs(words, count, value, -value).view(shape)
 
-    def wire_bytes(self, numel: int) -> int:
+    def wire_bytes(self, numel: int, element_bytes: int = 4) -> int:
         return 4 * bitpack.sign_words(numel) + 4

@@ -31,10 +31,19 @@ import torch
 
 from commlayer.compression.base import Compressed, Compressor
 
-# The inner compressor's optional fast paths, used through the wrapper as they are: they
-# read or write the reduced result, never the residual.
+# The inner compressor's optional fast paths, used through the wrapper as they are (they
+# read or write the reduced result, never the residual), and its payload's declarations.
 _FORWARDED = frozenset(
-    {"decompress_add_", "decompress_sum_", "decompress_into", "check_payload", "wire_bytes"}
+    {
+        "decompress_add_",
+        "decompress_sum_",
+        "decompress_into",
+        "check_payload",
+        "wire_bytes",
+        "round_bytes",
+        "wire_dtype",
+        "wire_parameters",
+    }
 )
 
 
@@ -62,6 +71,15 @@ class ErrorFeedback:
     @property
     def summable(self) -> bool:
         return self.inner.summable
+
+    @property
+    def sparse(self) -> bool:
+        return getattr(self.inner, "sparse", False)
+
+    @property
+    def identity(self) -> bool:
+        """The inner compressor's: error feedback around the identity keeps nothing."""
+        return getattr(self.inner, "identity", False)
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.inner!r})"

@@ -21,16 +21,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from commlayer.compression.base import Compressor, lookup
+from commlayer.compression.base import Compressor, available, lookup
 from commlayer.compression.error_feedback import ErrorFeedback
 
 # Constructor keywords create() fills itself; a spec may not set them.
 _PASSED_IN = ("process_rank",)
-SPEC_HELP = (
-    "a compressor 'name' or 'name:key=value,...' with a valid name (none, fp16, bf16, qsgd, "
-    "topk, randomk, efsignsgd, onebit, powersgd, auto, or one registered) and valid parameters, "
-    "e.g. 'topk:ratio=0.01' or 'auto:lossy=1'"
-)
 
 
 def create(
@@ -46,10 +41,8 @@ def create(
         if rank is not None:
             _bind_rank(spec, rank)
         return spec
-    name, _, params = spec.partition(":")
-    name = name.strip()
+    name, kwargs = split_spec(spec)
     factory = lookup(name)
-    kwargs = _parse_params(params, spec)
     error_feedback = kwargs.pop("ef", None)
     allowed = _parameters(factory)
     unknown = sorted(set(kwargs) - set(allowed)) if allowed is not None else []
@@ -70,6 +63,14 @@ def create(
     return compressor
 
 
+def spec_help() -> str:
+    """What COMMLAYER_COMPRESSION allows (commlayer.core.registries): the registered names now."""
+    return (
+        f"a compressor 'name' or 'name:key=value,...' with a valid name ({', '.join(available())})"
+        " and valid parameters, e.g. 'topk:ratio=0.01' or 'auto:lossy=1'"
+    )
+
+
 def check_spec(text: str) -> str:
     """COMMLAYER_COMPRESSION's validator (commlayer.core.registries): the spec, stripped, when
     ``create`` accepts it; ValueError otherwise."""
@@ -78,14 +79,16 @@ def check_spec(text: str) -> str:
     return spec
 
 
-def _parse_params(params: str, spec: str) -> dict[str, Any]:
+def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"name:key=value,..."`` as (name, {key: value}), numbers as int or float."""
+    name, _, params = spec.partition(":")
     kwargs: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in params.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"compressor parameter {item!r} in {spec!r} must be key=value")
         kwargs[key.strip()] = _number(value.strip())
-    return kwargs
+    return name.strip(), kwargs
 
 
 def _pass_in(kwargs: dict[str, Any], factory: Callable[..., Any], **given: int | None) -> None:

@@ -6,11 +6,9 @@ from typing import ClassVar
 
 import torch
 
-from commlayer.compression.base import register
 from commlayer.compression.cast import CastCompressor
 
 
-@register("fp16")
 class FP16Compressor(CastCompressor):
     """Floating-point tensors travel as float16 (Horovod: Compression.fp16)."""
 

@@ -6,15 +6,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from commlayer.compression.base import Compressed, horovod_args, register
+from commlayer.compression.base import Compressed, horovod_args
 
 
-@register("none")
 class NoneCompressor:
     """No compression (Horovod: Compression.none)."""
 
     name: ClassVar[str] = "none"
     summable: ClassVar[bool] = True
+    identity: ClassVar[bool] = True
     compresses_small_tensors: ClassVar[bool] = True
 
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
@@ -23,3 +23,6 @@ class NoneCompressor:
     def decompress(self, compressed: Compressed | torch.Tensor, ctx: Any = None) -> torch.Tensor:
         """``decompress(compressed)``, or horovod.torch's ``decompress(tensor, ctx)``."""
         return horovod_args(compressed, ctx).payload[0]
+
+    def wire_bytes(self, numel: int, element_bytes: int = 4) -> int:
+        return numel * element_bytes

@@ -24,12 +24,10 @@ from commlayer.compression.base import (
     compute_dtype,
     expect_finite,
     expect_numel,
-    register,
 )
 from commlayer.core.errors import PayloadError
 
 
-@register("onebit")
 class OneBitCompressor:
     """One bit per element; mean of the non-negative and of the negative elements."""
 
@@ -61,5 +59,5 @@ class OneBitCompressor:
         decoded = kernels.decode_signs(words, count, means[0].to(dtype), means[1].to(dtype))
         return decoded.view(shape)
 
-    def wire_bytes(self, numel: int) -> int:
+    def wire_bytes(self, numel: int, element_bytes: int = 4) -> int:
         return 4 * bitpack.sign_words(numel) + 8

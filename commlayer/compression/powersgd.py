@@ -35,7 +35,6 @@ from commlayer.compression.base import (
     check_positive_int,
     compute_dtype,
     host_work,
-    register,
     stable_seed,
 )
 
@@ -45,7 +44,6 @@ _HOST_DRAWS = (
 )
 
 
-@register("powersgd")
 class PowerSGDCompressor:
     """Rank-``rank`` approximation of matrix gradients in two allreduce rounds."""
 
@@ -144,8 +142,11 @@ class PowerSGDCompressor:
             return corrected.detach() - local
         return torch.addmm(m, p_hat, compressed.payload[0].t(), alpha=-1).view(shape)
 
-    def wire_bytes(self, shape: torch.Size, element_bytes: int = 4) -> int:
+    def round_bytes(self, shape: torch.Size, element_bytes: int = 4) -> list[int]:
+        """Bytes of each round's payload: the tensor as it is, or P (n x r) then Q (m x r) in
+        the compute dtype (float64 for float64, else float32)."""
         rank = self._matrix_rank(shape)
         if rank == 0:
-            return shape.numel() * element_bytes
-        return (shape[0] + shape.numel() // shape[0]) * rank * element_bytes
+            return [shape.numel() * element_bytes]
+        computed = 8 if element_bytes == 8 else 4
+        return [shape[0] * rank * computed, shape.numel() // shape[0] * rank * computed]

@@ -49,7 +49,6 @@ from commlayer.compression.base import (
     compute_dtype,
     expect_finite,
     expect_numel,
-    register,
     stable_seed,
 )
 from commlayer.core.errors import PayloadError
@@ -61,7 +60,6 @@ def _bits_for(levels: int) -> int:
     return next(b for b in (2, 4, 8, 16) if b >= needed)
 
 
-@register("qsgd")
 class QSGDCompressor:
     """Unbiased stochastic quantization to ``levels`` levels per ``bucket`` elements."""
 
@@ -160,6 +158,6 @@ class QSGDCompressor:
             raise PayloadError(f"qsgd level {top:g} exceeds levels={self.levels}")
         return values[:count].reshape(shape).to(dtype)
 
-    def wire_bytes(self, numel: int) -> int:
+    def wire_bytes(self, numel: int, element_bytes: int = 4) -> int:
         buckets = max(1, -(-numel // self.bucket))
         return bitpack.packed_bytes(buckets * self.bucket, self.bits) + 4 * buckets

@@ -24,7 +24,6 @@ from commlayer.compression.base import (
     check_ratio,
     host_work,
     kept,
-    register,
     stable_seed,
 )
 
@@ -34,13 +33,13 @@ _HOST_DRAWS = (
 )
 
 
-@register("randomk")
 class RandomKCompressor:
     """``ratio`` of the elements at positions every rank draws alike."""
 
     name: ClassVar[str] = "randomk"
     summable: ClassVar[bool] = True
     biased: ClassVar[bool] = True
+    wire_parameters: ClassVar[tuple[str, ...]] = ("ratio",)
 
     def __init__(self, ratio: float = 0.01, seed: int = 0) -> None:
         self.ratio = check_ratio(ratio)

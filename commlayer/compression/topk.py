@@ -45,7 +45,6 @@ from commlayer.compression.base import (
     expect_numel,
     host_work,
     kept,
-    register,
 )
 from commlayer.core.errors import PayloadError
 
@@ -60,13 +59,14 @@ _HOST_DRAWS = (
 )
 
 
-@register("topk")
 class TopKCompressor:
     """The ``ratio`` fraction of elements largest in magnitude, with int32 indices."""
 
     name: ClassVar[str] = "topk"
     summable: ClassVar[bool] = False
+    sparse: ClassVar[bool] = True  # [values, int32 indices]: a sparse algorithm may reduce it
     biased: ClassVar[bool] = True
+    wire_parameters: ClassVar[tuple[str, ...]] = ("ratio",)
 
     def __init__(self, ratio: float = 0.01, mode: str = "sampled", seed: int = 0) -> None:
         self.ratio = check_ratio(ratio)

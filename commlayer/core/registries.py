@@ -48,7 +48,7 @@ REGISTRIES: Registries = {
     "allreduce_algorithm": _names(algorithms.available),
     "sparse_algorithm": _names(sparse.available),
     "kernels": _names(lambda: kernels.CHOICES),
-    "compression": Validator(compression.check_spec, lambda: compression.SPEC_HELP),
+    "compression": Validator(compression.check_spec, compression.spec_help),
     "topology": Validator(
         _topology,
         lambda: "comma-separated nodes=N, local=L, torus=RxC (e.g. nodes=2,local=2)",

@@ -51,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     scan.add_argument("--max-batch", type=float, help="largest global batch (ParaDL's --cmaxB)")
     scan.add_argument("--algorithm", default="auto", help="allreduce algorithm, or auto")
-    scan.add_argument("--compression", help="none, fp16, bf16, topk:ratio=R, randomk:ratio=R")
+    scan.add_argument(
+        "--compression",
+        help="a compressor spec that declares its payload's size: fp16, topk:ratio=R, ...",
+    )
     scan.add_argument(
         "--no-overlap",
         action="store_true",

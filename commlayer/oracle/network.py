@@ -14,8 +14,10 @@ node's link included. The curves it reads come from
 
 ``algorithm``: a registered schedule (ring, tree, hierarchical, rabenseifner, ...) or ``auto``,
 the lowest predicted time as ``auto`` picks (``costmodel.choose``, native algorithms only where
-measured). Compression changes the bytes on the wire: fp16 and bf16 halve an allreduce;
-top-k and random-k allgather k (value, int32 index) pairs per rank (compression/topk.py).
+measured). Compression changes the bytes on the wire, as the compressor declares them
+(compression/base.py): a summable payload (fp16 and bf16: half the bytes; random-k: k values)
+is allreduced, any other (top-k: k (value, int32 index) pairs; QSGD; signs) allgathered from
+every rank.
 Allgather and point-to-point transfers (halo, pipeline stages) read the same curves: an
 allgather is a ring's p - 1 steps of n / p bytes, across nodes as soon as p GPUs span several.
 Each collective call also costs ``op_latency(p)``, the engine's own work per operation
@@ -29,8 +31,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
-from commlayer import algorithms, costmodel
+from commlayer import algorithms, compression, costmodel
+from commlayer.compression.base import lookup
+from commlayer.compression.factory import split_spec
 from commlayer.core.topology import Topology
 from commlayer.costmodel import Calibration
 from commlayer.oracle.spec import Platform
@@ -38,8 +44,6 @@ from commlayer.oracle.spec import Platform
 # Affine curves as costmodel reads them: one point per power of two up to 64 GiB, so its
 # log-log interpolation of alpha + n beta stays within 0.4% of the line.
 _CURVE_SIZES = [2**i for i in range(0, 37)]
-_PAIR_BYTES = 8  # a top-k / random-k entry: float32 value and int32 index
-_COMPRESSION_NAMES = ("none", "fp16", "bf16", "topk", "randomk")
 
 
 def _affine(alpha_s: float, beta_s_per_byte: float) -> list[tuple[int, float]]:
@@ -48,43 +52,57 @@ def _affine(alpha_s: float, beta_s_per_byte: float) -> list[tuple[int, float]]:
 
 @dataclasses.dataclass(frozen=True)
 class Compression:
-    """What a compressor puts on the wire, per float32 gradient element."""
+    """What a compressor puts on the wire for float32 gradients, as it declares
+    (compression/base.py): read once by ``parse``, from the compressor ``create`` makes."""
 
-    name: str = "none"
-    ratio: float = 1.0
+    spec: str = "none"
+    summable: bool = True
+    element_bytes: int = 4  # of a summable payload: what its allreduce reduces
+    # bytes one rank sends for (numel, element bytes); None: the gradient as it is
+    wire_bytes: Callable[[int, int], int] | None = None
 
     @classmethod
     def parse(cls, text: str | None) -> Compression:
-        """``none``, ``fp16``, ``bf16``, ``topk:ratio=0.01``, ``randomk:ratio=0.01``."""
+        """A compressor spec (``fp16``, ``topk:ratio=0.01``, ...) whose compressor declares
+        ``wire_bytes`` and is given its ``wire_parameters`` (no ratio assumed)."""
         if not text:
             return cls()
-        name, _, params = text.partition(":")
-        if name not in _COMPRESSION_NAMES:
+        spec = text.strip()
+        try:
+            name, params = split_spec(spec)
+            compressor: Any = compression.create(spec)
+        except ValueError as exc:
+            raise ValueError(f"compression {text!r}: {exc}") from None
+        target = getattr(compressor, "inner", compressor)
+        if getattr(target, "identity", False):
+            return cls(spec)
+        wire_bytes = getattr(target, "wire_bytes", None)
+        if wire_bytes is None:
+            modelled = [n for n in compression.available() if _costed(n)]
             raise ValueError(
-                f"compression {text!r}: the oracle models {', '.join(_COMPRESSION_NAMES)}"
+                f"compression {text!r}: the oracle models compressors whose payload's size "
+                f"follows from the element count (wire_bytes): {', '.join(modelled)}"
             )
-        ratio = 1.0
-        for part in filter(None, params.split(",")):
-            key, _, value = part.partition("=")
-            if key.strip() != "ratio" or name not in ("topk", "randomk"):
-                raise ValueError(f"compression {text!r}: unknown parameter {key.strip()!r}")
-            try:
-                ratio = float(value)
-            except ValueError:
-                raise ValueError(f"compression {text!r}: ratio {value!r} is not a number") from None
-            if not 0 < ratio <= 1:
-                raise ValueError(f"compression {text!r}: ratio must be in (0, 1]")
-        if name in ("topk", "randomk") and ratio == 1.0 and "ratio" not in params:
-            raise ValueError(f"compression {text!r}: give its ratio, e.g. {name}:ratio=0.01")
-        return cls(name, ratio)
+        for key in getattr(target, "wire_parameters", ()):
+            if key not in params:
+                example = f"{name}:{key}={getattr(target, key)}"
+                raise ValueError(f"compression {text!r}: give its {key}, e.g. {example}")
+        wire_dtype = getattr(target, "wire_dtype", None)
+        element_bytes = wire_dtype.itemsize if wire_dtype is not None else 4
+        return cls(spec, compressor.summable, element_bytes, wire_bytes)
 
-    @property
-    def sparse(self) -> bool:
-        return self.name in ("topk", "randomk")
+    def sent_bytes(self, nbytes: int) -> int:
+        """Bytes one rank sends for ``nbytes`` of float32 gradients."""
+        if self.wire_bytes is None:
+            return nbytes
+        return self.wire_bytes(nbytes // 4, 4)
 
-    @property
-    def element_bytes(self) -> int:
-        return 2 if self.name in ("fp16", "bf16") else 4
+
+def _costed(name: str) -> bool:
+    """Whether the compressor registered as ``name`` declares its payload's size (or is the
+    identity)."""
+    factory = lookup(name)
+    return hasattr(factory, "wire_bytes") or getattr(factory, "identity", False)
 
 
 class Network:
@@ -183,11 +201,10 @@ class Network:
         if p <= 1 or nbytes <= 0:
             return 0.0
         comp = self.compression
-        if comp.sparse:
-            kept = max(1, math.ceil(comp.ratio * nbytes / 4))
-            return self.allgather_s(p * kept * _PAIR_BYTES, p, nodes)
-        scaled = nbytes * comp.element_bytes // 4
-        return self.allreduce_s(scaled, p, nodes, comp.element_bytes)
+        sent = comp.sent_bytes(nbytes)
+        if comp.summable:
+            return self.allreduce_s(sent, p, nodes, comp.element_bytes)
+        return self.allgather_s(p * sent, p, nodes)
 
     def message_s(self, nbytes: float, p: int, inter: bool) -> float:
         """One message each way between partners (every rank at once)."""
@@ -215,7 +232,6 @@ class Network:
             )
         )
         return (
-            f"allreduce {self.algorithm}, compression {self.compression.name}"
-            + (f" ratio {self.compression.ratio:g}" if self.compression.sparse else "")
-            + f", network from {source}"
+            f"allreduce {self.algorithm}, compression {self.compression.spec}"
+            f", network from {source}"
         )
