@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from commlayer.algorithms import adasum
+from commlayer.comm import wire
 from commlayer.core import device, runtime
 from commlayer.core.engine import Operation
 from commlayer.core.errors import UnsupportedOpError
@@ -682,7 +683,12 @@ def sparse_allreduce_async(
     """Sum or average a sparse COO tensor over the ranks, as Horovod does: allgather every
     rank's indices and values (nnz may differ per rank); synchronize() returns the coalesced
     sparse sum (entries at one index added), divided by the set's size for Average (integer
-    values truncated toward zero, as the dense Average)."""
+    values truncated toward zero, as the dense Average).
+
+    The entries travel as rows of index and value bytes (comm/wire.py ``pack_rows``, as the
+    sparse reduction of top-k payloads moves them) in one allgather named ``name``: one
+    operation of that name, so a rank that submits another kind under it (a dense gradient
+    where the others have a sparse one) is a mismatch negotiation reports."""
     if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.sparse_coo:
         raise _input_error(
             "sparse_allreduce_async expects a sparse COO tensor (torch.sparse_coo), got "
@@ -695,16 +701,16 @@ def sparse_allreduce_async(
         )
     base = _auto_name("sparse_allreduce", name, _set_id(process_set))
     source = tensor.detach()
-    indices = source._indices().t().contiguous()  # (nnz, sparse_dim): dim 0 concatenates
-    values = source._values().contiguous()
-    handles = [
-        allgather_async(indices, f"{base}.indices", process_set),
-        allgather_async(values, f"{base}.values", process_set),
-    ]
+    values = source._values()  # (nnz, *dense dims)
+    index_shape, value_shape = (source.sparse_dim(),), tuple(values.shape[1:])
+    rows = wire.pack_rows(source._indices().t(), values)  # dim 0 (entries) concatenates
+    handle = allgather_async(rows, base, process_set)
     divisor = process_set.size() if resolved == ReduceOp.Average else 1
 
     def combine(results: list[Any]) -> torch.Tensor:
-        all_indices, all_values = results
+        all_indices, all_values = wire.split_rows(
+            results[0], torch.int64, index_shape, source.dtype, value_shape
+        )
         summed = torch.sparse_coo_tensor(
             all_indices.t(), all_values, source.shape, dtype=source.dtype
         ).coalesce()
@@ -717,7 +723,7 @@ def sparse_allreduce_async(
         )
         return torch.sparse_coo_tensor(summed.indices(), divided, source.shape).coalesce()
 
-    return combined(base, handles, combine)
+    return combined(base, [handle], combine)
 
 
 # -- timeline --------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ every sparse algorithm is cast as a sequence of them:
 
 1. ``dsar`` and ``ssar_split_allgather``, two collectives:
    a. alltoall: this rank's (index, value) pairs of block q (the index space cut in p blocks)
-      go to rank q, as rows of index and value bytes; rank q merges the p sorted lists it
+      go to rank q, as rows of index and value bytes (wire.pack_rows, as
+      ``ops.sparse_allreduce_async`` gathers COO entries); rank q merges the p sorted lists it
       receives, in rank order (kernels.merge_sum);
    b. allgather: each owner's merged block, as one record (wire.pack: indices, values, dense):
       sparse, or dense once nnz x (index + value bytes) >= block length x value bytes
@@ -199,13 +200,6 @@ class _Rounds:
         return streams
 
 
-def _rows(idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
-    """One row of index bytes then value bytes per entry (the alltoall moves rows)."""
-    nnz, vb = idx.numel(), val.element_size()
-    as_bytes = [idx.view(torch.uint8).reshape(nnz, 4), val.view(torch.uint8).reshape(nnz, vb)]
-    return torch.cat(as_bytes, 1)
-
-
 class SparseReduction:
     """One top-k gradient's reduction: ``handle`` is the collective in flight; ``advance``
     takes its result and returns the next one's handle, or None once ``value`` (the reduced
@@ -246,7 +240,10 @@ class SparseReduction:
         cuts = torch.searchsorted(idx, edges).tolist()
         splits = [cuts[q + 1] - cuts[q] for q in range(size)]
         self.handle = ops.alltoall_async(
-            _rows(idx, val), splits=splits, name=f"{name}.sparse", process_set=process_set
+            wire.pack_rows(idx, val),
+            splits=splits,
+            name=f"{name}.sparse",
+            process_set=process_set,
         )
 
     def advance(self, result: object) -> Handle | None:
@@ -286,8 +283,7 @@ class SparseReduction:
     def _merge(self, rows: torch.Tensor, received: list[int]) -> torch.Tensor:
         """This rank's block, summed over ranks, as a record."""
         start, stop = self.blocks[self.process_set.rank()]
-        idx_all = rows[:, :4].contiguous().view(torch.int32).view(-1)
-        val_all = rows[:, 4:].contiguous().view(self.dtype).view(-1)
+        idx_all, val_all = wire.split_rows(rows, torch.int32, (), self.dtype, ())
         if idx_all.numel() and (int(idx_all.min()) < start or int(idx_all.max()) >= stop):
             raise PayloadError(f"{self.name}: a peer sent indices outside block [{start}, {stop})")
         idx, val = idx_all[:0], val_all[:0]

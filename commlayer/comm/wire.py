@@ -1,4 +1,4 @@
-"""Gathered payloads on the wire: one self-delimiting byte record per rank.
+"""Payloads on the wire: one self-delimiting byte record per rank, and sparse entries as rows.
 
 Non-summable compressors (QSGD, top-k, signs) allgather their payload tensors. They travel as
 one uint8 record per rank, so a tensor costs one allgather, however many payload tensors:
@@ -13,9 +13,18 @@ wrong length is an error naming that rank instead of a misread of everyone after
 A record lives on its payload's device (a CUDA gradient's record is built on the GPU and handed
 to the collective there); only the header is made on the CPU, where its numbers are, and copied
 in; ``split`` reads the headers back to the host (``tolist``: control data, 8 bytes a part).
+
+Sparse entries (an index and its value) travel as rows (``pack_rows``): one uint8 row per
+entry, its index bytes then its value bytes, so that a collective moving whole rows (an
+allgather concatenating every rank's, an alltoall sending each peer a slice) keeps every index
+with its value in one tensor and one operation. ``ops.sparse_allreduce_async`` (COO tensors:
+int64 index tuples, value slices) and the sparse reduction of top-k payloads
+(comm/sparse_reduction.py: int32 flat indices, scalar values) both use them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -73,3 +82,32 @@ def split(gathered: torch.Tensor, dtypes: list[torch.dtype]) -> list[list[torch.
         records.append(parts)
         offset += total
     return records
+
+
+def pack_rows(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Entries as a (nnz, index bytes + value bytes) uint8 tensor: row i holds ``indices[i]``
+    (nnz indices, or nnz tuples of them) then ``values[i]`` (a scalar or a slice)."""
+    nnz = values.shape[0]
+    return torch.cat([_byte_rows(indices, nnz), _byte_rows(values, nnz)], dim=1)
+
+
+def split_rows(
+    rows: torch.Tensor,
+    index_dtype: torch.dtype,
+    index_shape: tuple[int, ...],
+    value_dtype: torch.dtype,
+    value_shape: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_rows``' inverse: (indices of shape (nnz, *index_shape), values of shape
+    (nnz, *value_shape)), copies out of ``rows``."""
+    nnz = rows.shape[0]
+    split = index_dtype.itemsize * math.prod(index_shape)
+    indices = rows[:, :split].contiguous().view(index_dtype).reshape(nnz, *index_shape)
+    values = rows[:, split:].contiguous().view(value_dtype).reshape(nnz, *value_shape)
+    return indices, values
+
+
+def _byte_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` (first dimension ``rows``) as a (rows, bytes per row) uint8 tensor."""
+    width = tensor.element_size() * math.prod(tensor.shape[1:])
+    return tensor.contiguous().reshape(-1).view(torch.uint8).reshape(rows, width)

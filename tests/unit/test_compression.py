@@ -527,6 +527,35 @@ def test_wire_records_round_trip_and_name_the_bad_rank() -> None:
         wire.split(torch.cat([wire.pack(payloads[0]), bad[:8]]), [torch.float32, torch.int32])
 
 
+@pytest.mark.parametrize(
+    ("index_dtype", "index_shape", "value_dtype", "value_shape"),
+    [
+        (torch.int32, (), torch.float32, ()),  # top-k entries (the sparse reduction's)
+        (torch.int64, (2,), torch.float16, (3, 4)),  # a hybrid COO tensor's (ops')
+    ],
+)
+def test_wire_rows_round_trip_and_concatenate_by_entry(
+    index_dtype: torch.dtype,
+    index_shape: tuple[int, ...],
+    value_dtype: torch.dtype,
+    value_shape: tuple[int, ...],
+) -> None:
+    entries = []
+    for nnz in (4, 0, 3):  # three ranks' entries
+        indices = torch.randint(0, 1000, (nnz, *index_shape), dtype=index_dtype)
+        entries.append((indices, _randn((nnz, *value_shape), value_dtype, seed=nnz)))
+    rows = [wire.pack_rows(i, v) for i, v in entries]
+    index_bytes = index_dtype.itemsize * math.prod(index_shape)
+    value_bytes = value_dtype.itemsize * math.prod(value_shape)
+    assert all(r.dtype == torch.uint8 and r.shape[1] == index_bytes + value_bytes for r in rows)
+    # an allgather concatenates rows: the entries come back in rank order, each index with its value
+    indices, values = wire.split_rows(
+        torch.cat(rows), index_dtype, index_shape, value_dtype, value_shape
+    )
+    assert torch.equal(indices, torch.cat([i for i, _ in entries]))
+    assert torch.equal(values, torch.cat([v for _, v in entries]))
+
+
 def test_host_work_is_logged_once_per_reason_and_never_for_cpu_tensors(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
