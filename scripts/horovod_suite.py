@@ -170,8 +170,15 @@ def main() -> int:
     parser.add_argument("-k", help="pytest -k expression selecting tests")
     parser.add_argument("--timeout", type=float, default=180.0,
                         help="seconds a test may take (default 180)")  # fmt: skip
+    parser.add_argument(
+        "--sync-timeout", type=float,
+        help="--one-job: seconds a rank that left a test waits for the others before the test "
+        "counts as leaving the ranks out of step (default: --timeout)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="keep the per-rank reports and logs here")
     args = parser.parse_args()
+    if args.sync_timeout is not None and args.sync_timeout <= 0:
+        parser.error("--sync-timeout must be positive")
     if args.torchrun and args.horovod:
         parser.error("--torchrun runs commlayer (Horovod's own needs horovodrun or mpiexec)")
     file = args.checkout.resolve() / "test" / "parallel" / "test_torch.py"
@@ -193,7 +200,8 @@ def main() -> int:
         start = time.monotonic()
         restarts: list[str] = []
         if args.one_job:
-            env |= {"HVD_SUITE_SYNC_S": str(args.timeout),
+            sync_s = args.timeout if args.sync_timeout is None else args.sync_timeout
+            env |= {"HVD_SUITE_SYNC_S": str(sync_s),
                     "HVD_SUITE_TEST_TIMEOUT_S": str(args.timeout)}  # fmt: skip
             remaining = tests
             while remaining:

@@ -113,14 +113,22 @@ def test_the_backend_refuses_unequal_nodes_on_every_rank(backend: MPIBackend) ->
 
 @pytest.mark.parametrize("dtype", EXACT_DTYPES, ids=dtype_id)
 def test_every_length(backend: MPIBackend, dtype: torch.dtype) -> None:
+    # One draw of every rank's inputs per length, reduced under every layout: the sums are exact
+    # (small integers, in any of these dtypes), so each layout's result must equal the first
+    # one's bit for bit, and that one the reference (drawing and summing every rank's inputs
+    # again for each of up to 5 layouts was most of this test's time).
     runs = []
     size = cl.size()
-    for node_of in layouts(UNIFORM + UNEVEN):
-        for numel in (0, 1, max(size - 1, 1), 1000, (1 << 20) + 3, several_chunks(dtype)):
-            inputs = every_rank_small_ints(seed_of(f"{node_of}.{numel}"), (numel,), dtype)
-            runs.append((run(backend, node_of, inputs[cl.rank()], cl.Sum), inputs))
-    for result, inputs in runs:
-        assert_reduced(result, inputs, cl.Sum)  # exact: small integers, in any of these dtypes
+    for numel in (0, 1, max(size - 1, 1), 1000, (1 << 20) + 3, several_chunks(dtype)):
+        inputs = every_rank_small_ints(seed_of(f"{numel}"), (numel,), dtype)
+        for node_of in layouts(UNIFORM + UNEVEN):
+            runs.append((run(backend, node_of, inputs[cl.rank()], cl.Sum), inputs, node_of))
+    checked: dict[int, torch.Tensor] = {}  # id(inputs) -> the result checked against them
+    for result, inputs, node_of in runs:
+        if id(inputs) not in checked:
+            assert_reduced(result, inputs, cl.Sum)
+            checked[id(inputs)] = result
+        assert result.dtype == dtype and torch.equal(result, checked[id(inputs)]), node_of
 
 
 def _dtype_op_params() -> Iterator[Any]:
