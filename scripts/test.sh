@@ -60,8 +60,27 @@ stage_done() {
     echo "---- $STAGE: $result"
 }
 
+# MPICH's shared-memory files of ranks this run killed (the fault tests SIGKILL ranks): MPICH
+# unlinks them in MPI_Finalize, which a killed rank never reaches, and they would fill /dev/shm
+# run after run. Those made since the run began and mapped by no process are removed at the end.
+SHM_MARK="$(mktemp)"
+clean_shm() {
+    local mapped removed=0 f
+    mapped="$(cat /proc/[0-9]*/maps 2>/dev/null | grep -o '/dev/shm/mpich_shm_[^ ]*' | sort -u || true)"
+    while IFS= read -r f; do
+        [[ -n "$f" ]] || continue
+        if grep -qxF "$f" <<<"$mapped"; then
+            continue
+        fi
+        rm -f "$f" && removed=$((removed + 1))
+    done < <(find /dev/shm -maxdepth 1 -name 'mpich_shm_*' -newer "$SHM_MARK" 2>/dev/null)
+    rm -f "$SHM_MARK"
+    [[ $removed -eq 0 ]] || echo "removed $removed MPICH shared-memory file(s) left by killed ranks"
+}
+
 summary() {
     local rc=$?
+    clean_shm
     local elapsed_s=$((SECONDS - START_S))
     printf '\n==================== summary ====================\n'
     local line
