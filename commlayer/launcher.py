@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from commlayer import backends
 from commlayer.core import config
 from commlayer.core.registries import REGISTRIES
 
@@ -397,9 +398,12 @@ def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[st
 
     try:
         environ = config.launcher_environ(REGISTRIES)
-        if config.load(environ=environ).backend == "mpi":
+        chosen = config.load(environ=environ).backend
+        if chosen != backends.AUTO and not backends.registration(chosen).elastic:
+            elastic = [r.name for r in backends.registrations() if r.elastic]
             raise ValueError(
-                "COMMLAYER_BACKEND=mpi: elastic training runs on the torch backend (gloo); MPI "
+                f"COMMLAYER_BACKEND={chosen}: elastic training runs on the "
+                f"{' or '.join(elastic)} backend; {backends.registration(chosen).title} "
                 "cannot re-form its world when ranks come and go"
             )
         if args.hostfile:

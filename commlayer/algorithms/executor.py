@@ -10,7 +10,7 @@ peer noticed): the backend's own for ``mpi`` and ``shm``, else the algorithm's s
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -18,7 +18,15 @@ from commlayer import algorithms
 from commlayer.algorithms import autotune, hierarchical
 from commlayer.algorithms.run import ScheduleRequest, Scratch
 from commlayer.algorithms.schedule import Schedule
-from commlayer.backends.base import COMPLETED, Backend, Request
+from commlayer.backends.base import (
+    COMPLETED,
+    SHARED_MEMORY,
+    TWO_LEVEL,
+    Backend,
+    Request,
+    SharedMemory,
+    TwoLevel,
+)
 from commlayer.core.reduce_ops import ReduceOp
 from commlayer.core.topology import Topology
 from commlayer.costmodel import model as costmodel
@@ -163,7 +171,7 @@ class Allreducer:
             before_alone()
         topology, _, two_level = self._backend_facts(backend)
         if name == "hierarchical" and two_level:
-            request = backend.shm_hierarchical_iallreduce(  # type: ignore[attr-defined]
+            request = cast(TwoLevel, backend).shm_hierarchical_iallreduce(
                 send, buf, op, topology.node_of, lambda cross, part: self._inter(cross, part, op)
             )
         else:
@@ -191,7 +199,8 @@ class Allreducer:
             return None
         if before_alone is not None:
             before_alone()
-        request = backend.shm_iallreduce_pieces(sources, outputs, scales, op)  # type: ignore[attr-defined]
+        window = cast(SharedMemory, backend)  # "shm" is picked only where it is capable
+        request = window.shm_iallreduce_pieces(sources, outputs, scales, op)
         return request if key is None else self._tuner.start(key, name, backend, request)
 
     def windowed(self, backend: Backend, numel: int, element_size: int) -> bool:
@@ -217,7 +226,7 @@ class Allreducer:
         if name == "mpi" or backend.size == 1:
             return backend.iallreduce(send, buf, op)
         if name == "shm":
-            return backend.shm_iallreduce(send, buf, op)  # type: ignore[attr-defined]
+            return cast(SharedMemory, backend).shm_iallreduce(send, buf, op)
         if send is not None:
             buf.copy_(send)
         key = (name, backend.rank, backend.size, buf.numel(), topology)
@@ -244,15 +253,11 @@ class Allreducer:
             else:
                 topology = Topology(detected)
             # shm needs real shared memory: the detected nodes, not an override
-            capable = (
-                hasattr(backend, "shm_iallreduce")
-                and len(set(detected)) == 1
-                and getattr(backend, "window_capable", True)
-            )
+            capable = SHARED_MEMORY in backend.capabilities and len(set(detected)) == 1
             # hierarchical's window per node: more than one node (on one, the schedule the cost
             # model predicts), and a window per node fits (Topology.windows_fit)
             two_level = (
-                hasattr(backend, "shm_hierarchical_iallreduce")
+                TWO_LEVEL in backend.capabilities
                 and topology.nodes > 1
                 and topology.windows_fit(detected)
             )

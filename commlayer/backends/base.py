@@ -8,12 +8,25 @@ calls a backend.
 
 Reductions receive ``ReduceOp.Sum/Min/Max/Product``; Average is Sum plus a scale the engine
 applies. Results must be bitwise identical on every rank.
+
+:class:`Backend` is what every backend does. What only some do is declared, not probed: a
+backend's ``capabilities`` (a frozenset, fixed when the backend is made) names the optional
+protocols below that it implements, and a caller checks membership once (cached where the
+answer is asked per operation) before it casts to that protocol:
+
+- ``SHARED_MEMORY`` (:class:`SharedMemory`): allreduces through a shared-memory window over the
+  ranks of one machine (backends/shm.py); declared only where every rank can map one;
+- ``TWO_LEVEL`` (:class:`TwoLevel`): hierarchical's window per node plus a leg across nodes;
+- ``DIRECT_PATHS`` (:class:`DirectPaths`): takes some device tensors as they are (core/device.py);
+- ``PROGRESS_THREADS`` (:class:`ProgressThreads`): transfers progress on threads of its own
+  (gloo's), which need cores too (the engine's wait policy, runners/allreduce.py's split).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -30,18 +43,10 @@ class Request(Protocol):
         ...
 
 
-@runtime_checkable
-class SizedRequest(Protocol):
-    """A receive of unknown length in flight: ``tensor`` is the message once ``test()`` is
-    True (a new 1-D tensor of the requested dtype)."""
-
-    tensor: torch.Tensor | None
-
-    def test(self) -> bool: ...
-
-
 class Backend(Protocol):
     """Transport for one group of ranks (a communicator)."""
+
+    capabilities: frozenset[str]  # the optional protocols it implements (module docstring)
 
     @property
     def rank(self) -> int:
@@ -88,18 +93,6 @@ class Backend(Protocol):
 
     def irecv(self, buf: torch.Tensor, peer: int) -> Request:
         """Receive the next message from ``peer`` into buf (same number of elements)."""
-        ...
-
-    def isend_any(self, buf: torch.Tensor, peer: int) -> Request:
-        """Send buf to ``peer``, which receives it with ``irecv_any`` (not knowing its length):
-        MPI's receiver probes for the length, a backend without a probe sends it first."""
-        ...
-
-    def irecv_any(self, dtype: torch.dtype, peer: int) -> SizedRequest:
-        """Receive the next ``isend_any`` message from ``peer``, whatever its length (the sparse
-        allreduce's data-dependent streams); the request's ``tensor`` holds it once complete.
-        Ordered with ``irecv`` as MPI orders receives; don't mix the two for one peer at the
-        same time."""
         ...
 
     def ibarrier(self) -> Request:
@@ -167,6 +160,77 @@ class CompletedRequest:
 COMPLETED = CompletedRequest()
 
 
-def bytes_of(tensor: torch.Tensor) -> int:
-    """Bytes of a tensor's storage span (tensor must be contiguous)."""
-    return tensor.numel() * tensor.element_size()
+SHARED_MEMORY = "shared_memory"
+TWO_LEVEL = "two_level"
+DIRECT_PATHS = "direct_paths"
+PROGRESS_THREADS = "progress_threads"
+
+
+class SharedMemory(Backend, Protocol):
+    """``SHARED_MEMORY``: allreduces through a window every rank of this group maps (one
+    machine; backends/shm.py). The window is made at the first call, which every rank reaches
+    together."""
+
+    def shm_iallreduce(
+        self, send: torch.Tensor | None, recv: torch.Tensor, op: ReduceOp
+    ) -> Request: ...
+
+    def shm_iallreduce_pieces(
+        self,
+        sources: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        scales: list[float],
+        op: ReduceOp,
+    ) -> Request:
+        """shm_iallreduce of the concatenation of ``sources`` into ``outputs``, output i
+        scaled by ``scales[i]`` (size >= 2)."""
+        ...
+
+
+class TwoLevel(Backend, Protocol):
+    """``TWO_LEVEL``: the two-level allreduce of algorithms/hierarchical.py, a window over each
+    node of ``node_of`` and between nodes ``inter(cross, part)`` (MPI's allreduce when None)."""
+
+    def shm_hierarchical_iallreduce(
+        self,
+        send: torch.Tensor | None,
+        recv: torch.Tensor,
+        op: ReduceOp,
+        node_of: Sequence[int],
+        inter: Callable[[Any, torch.Tensor], Request] | None = None,
+    ) -> Request: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """How a backend takes a device's tensors directly (core/device.py's **Direct**)."""
+
+    wait: str  # "stream": the backend queues after the engine's stream (NCCL); "host": MPI
+    channel: str = ""  # negotiated: what every rank of an operation must use ("": nothing)
+
+
+class DirectPaths(Backend, Protocol):
+    """``DIRECT_PATHS``: device tensors this backend takes as they are."""
+
+    def direct_path(self, where: torch.device, dtype: torch.dtype) -> Path | None:
+        """How it takes ``where``'s tensors of ``dtype`` directly; None: stage them."""
+        ...
+
+
+class ProgressThreads(Backend, Protocol):
+    """``PROGRESS_THREADS``: transfers progress on threads of the backend's own, not on the
+    engine's tests."""
+
+    progress_threads: int  # threads per rank that need a core while transfers run
+
+    def oversubscribed(self) -> bool:
+        """Whether some machine runs more of this group's ranks than it has cores (the same
+        answer on every rank)."""
+        ...
+
+
+def sync_before_host_call(tensor: torch.Tensor) -> None:
+    """Before a stream-unaware backend (MPI) touches ``tensor``'s device memory: wait, host-side,
+    for the work the engine thread queued on its current stream (packs, reductions)."""
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()

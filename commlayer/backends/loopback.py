@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from commlayer.backends.peers import indices
+from commlayer.core.config import Config, Launch
 from commlayer.core.errors import CommlayerError, ShutdownError
 from commlayer.core.reduce_ops import SUPPORTED_OPS, ReduceOp, reduce_into
 
@@ -38,14 +39,13 @@ _Failure = tuple[type[CommlayerError], str]
 class LoopbackRequest:
     """A loopback operation in flight; ``wait`` blocks on the world's condition (tests only)."""
 
-    __slots__ = ("_cond", "done", "failure", "result", "tensor")
+    __slots__ = ("_cond", "done", "failure", "result")
 
     def __init__(self, cond: threading.Condition) -> None:
         self._cond = cond
         self.done = False
         self.failure: _Failure | None = None
         self.result: Any = None
-        self.tensor: torch.Tensor | None = None  # an irecv_any's message
 
     def _check(self) -> bool:
         if self.failure is not None:
@@ -88,28 +88,16 @@ class _Slot:
 
 @dataclass(slots=True)
 class _Receive:
-    """A posted receive waiting for its message (``buf`` None: any length, ``irecv_any``)."""
+    """A posted receive waiting for its message."""
 
     request: LoopbackRequest
-    buf: torch.Tensor | None
+    buf: torch.Tensor
     rank: int
     peer: int
-    dtype: torch.dtype | None = None
 
 
 def _deliver(receive: _Receive, data: torch.Tensor) -> None:
     """Copy a message into a waiting receive (caller holds the world's lock)."""
-    if receive.buf is None:
-        if data.dtype != receive.dtype:
-            receive.request.failure = (
-                CommlayerError,
-                f"rank {receive.rank}: receive of {receive.dtype} from rank {receive.peer} "
-                f"got {data.dtype}",
-            )
-            return
-        receive.request.tensor = data  # the sender's copy, made when it was sent
-        receive.request.done = True
-        return
     if data.numel() != receive.buf.numel() or data.dtype != receive.buf.dtype:
         receive.request.failure = (
             CommlayerError,
@@ -303,6 +291,8 @@ class LoopbackBackend:
 
     __slots__ = ("_group", "_rank", "_closed")
 
+    capabilities: frozenset[str] = frozenset()  # nothing optional (backends/base.py)
+
     def __init__(self, group: _Group, rank: int) -> None:
         self._group, self._rank, self._closed = group, rank, False
 
@@ -467,27 +457,12 @@ class LoopbackBackend:
             req.done = True
             return req
 
-    def isend_any(self, buf: torch.Tensor, peer: int) -> LoopbackRequest:
-        return self.isend(buf, peer)  # a message carries its length
-
     def irecv(self, buf: torch.Tensor, peer: int) -> LoopbackRequest:
         world = self._group.world
         with world.cond:
             messages, waiting = self._mailbox(peer, self._rank)
             req = LoopbackRequest(world.cond)
             receive = _Receive(req, buf, self._rank, peer)
-            if messages and not waiting:
-                _deliver(receive, messages.popleft())
-            else:
-                waiting.append(receive)
-            return req
-
-    def irecv_any(self, dtype: torch.dtype, peer: int) -> LoopbackRequest:
-        world = self._group.world
-        with world.cond:
-            messages, waiting = self._mailbox(peer, self._rank)
-            req = LoopbackRequest(world.cond)
-            receive = _Receive(req, None, self._rank, peer, dtype)
             if messages and not waiting:
                 _deliver(receive, messages.popleft())
             else:
@@ -542,6 +517,23 @@ class LoopbackBackend:
 
 if TYPE_CHECKING:  # mypy proves LoopbackBackend conforms to the Backend protocol
     _conforms: type[Backend] = LoopbackBackend
+
+
+def start(comm: Any, settings: Config, launch: Launch, join: Any = None) -> LoopbackBackend:
+    """init()'s backend (registry.Lifecycle): a world of one rank, this process (tests run
+    more as threads: ``run_ranks``)."""
+    if comm is not None:
+        raise ValueError(f"init(comm={comm!r}): the loopback backend runs one rank, no comm")
+    return LoopbackWorld(1).backend(0)
+
+
+def end_job(what: str, exc: BaseException) -> bool:
+    """Nothing to end beyond this process (registry.Lifecycle)."""
+    return False
+
+
+def finish(stopped: bool, peer_died: bool) -> None:
+    """Nothing to release (registry.Lifecycle)."""
 
 
 def run_ranks(

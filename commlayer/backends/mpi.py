@@ -15,11 +15,8 @@ Elsewhere CUDA tensors are staged through pinned host buffers (device.py).
 from __future__ import annotations
 
 import atexit
-import os
-import socket
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +30,17 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from commlayer.backends import cuda_aware  # noqa: E402
-from commlayer.backends.base import COMPLETED, Request  # noqa: E402
-from commlayer.backends.peers import indices, machine_id, process_alive  # noqa: E402
-from commlayer.core import config, device  # noqa: E402
+from commlayer.backends.base import (  # noqa: E402
+    COMPLETED,
+    DIRECT_PATHS,
+    SHARED_MEMORY,
+    TWO_LEVEL,
+    Path,
+    Request,
+    sync_before_host_call,
+)
+from commlayer.backends.peers import PeerTable, me  # noqa: E402
+from commlayer.core import config  # noqa: E402
 from commlayer.core.errors import CommlayerError  # noqa: E402
 from commlayer.core.reduce_ops import ReduceOp  # noqa: E402
 from commlayer.core.topology import Topology  # noqa: E402
@@ -96,7 +101,7 @@ def _mpi_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
 # Whether this process's MPI takes CUDA buffers: decided once, by the first backend
 # (cuda_aware.decide); None until then.
 _cuda_aware: bool | None = None
-_DIRECT = device.Path("host", "cuda-mpi")
+_DIRECT = Path("host", "cuda-mpi")
 _STAGED_DTYPES = (torch.float16, torch.bfloat16)  # reduced by user ops on host memory
 
 
@@ -115,7 +120,7 @@ def _spec(tensor: torch.Tensor, count: int | None = None) -> list[Any]:
                 f"COMMLAYER_CUDA_AWARE_MPI); got a tensor on {tensor.device} (collectives stage "
                 "CUDA tensors through the host: commlayer/core/device.py)"
             )
-        device.sync_before_host_call(tensor)  # the engine's packs and reductions are done
+        sync_before_host_call(tensor)  # the engine's packs and reductions are done
         raw = tensor.reshape(-1).view(torch.uint8)  # any dtype: MPI reads the bytes
         return [raw, tensor.numel() if count is None else count, _DTYPES[tensor.dtype]]
     nbytes = tensor.numel() * tensor.element_size()
@@ -138,36 +143,6 @@ class _MPIRequest:
 
     def test(self) -> bool:
         return bool(self._req.Test())
-
-
-class _ProbeRecvRequest:
-    """A receive of unknown length: a nonblocking matched probe (MPI_Improbe) sizes the buffer
-    from the message's status, then MPI_Imrecv receives exactly that message. Matched probes
-    match in the order they are made, not created, so the requests for one peer wait in a
-    queue and only its head probes: messages land in the order the receives were posted, as
-    with Irecv."""
-
-    __slots__ = ("_comm", "_dtype", "_peer", "_queue", "_req", "tensor")
-
-    def __init__(self, comm: MPI.Comm, dtype: torch.dtype, peer: int, queue: deque[Any]) -> None:
-        self._comm, self._dtype, self._peer, self._queue = comm, dtype, peer, queue
-        self._req: MPI.Request | None = None
-        self.tensor: torch.Tensor | None = None
-        queue.append(self)
-
-    def _match(self) -> bool:
-        status = MPI.Status()
-        message = self._comm.Improbe(source=self._peer, tag=_P2P_TAG, status=status)
-        if message is None:
-            return False
-        self.tensor = torch.empty(status.Get_count(_DTYPES[self._dtype]), dtype=self._dtype)
-        self._req = message.Irecv(_spec(self.tensor))
-        return True
-
-    def test(self) -> bool:
-        while self._req is None and self._queue[0]._match():
-            self._queue.popleft()
-        return self._req is not None and bool(self._req.Test())
 
 
 class _GatherBytesRequest:
@@ -228,6 +203,9 @@ class MPIWindow:
 class MPIBackend:
     """Backend over one MPI communicator."""
 
+    # the window needs every rank on one node (the engine checks ``nodes()``)
+    capabilities = frozenset({SHARED_MEMORY, TWO_LEVEL, DIRECT_PATHS})
+
     def __init__(
         self, comm: MPI.Comm | None = None, timeout_s: float = 60.0, cuda_aware: str = "auto"
     ) -> None:
@@ -241,14 +219,10 @@ class MPIBackend:
             self.cuda_aware_reason = "decided by the first MPI backend of this process"
         self._rank = self._comm.rank
         self._size = self._comm.size
-        me = (socket.gethostname(), os.getpid(), machine_id())
-        gathered: list[tuple[str, int, str]] = self._comm.allgather(me)
-        self._peers: list[tuple[str, int]] = [(host, pid) for host, pid, _ in gathered]
-        self._machines = indices([machine for _, _, machine in gathered])
+        self._peers = PeerTable(self._rank, self._comm.allgather(me()))
         self._shm: SharedMemoryAllreduce | None = None
         # per node layout (shm_hierarchical_iallreduce): the backends of my node and across
         self._levels: dict[tuple[int, ...], tuple[MPIBackend, MPIBackend]] = {}
-        self._probes: dict[int, deque[_ProbeRecvRequest]] = {}  # irecv_any's, per peer, in order
         shared = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         leaders = self._comm.allgather(shared.allreduce(self._rank, op=MPI.MIN))
         shared.Free()
@@ -267,7 +241,7 @@ class MPIBackend:
     def comm(self) -> MPI.Comm:
         return self._comm
 
-    def direct_path(self, where: torch.device, dtype: torch.dtype) -> device.Path | None:
+    def direct_path(self, where: torch.device, dtype: torch.dtype) -> Path | None:
         """device.py's decision: CUDA tensors go to a CUDA-aware MPI as they are."""
         if where.type == "cuda" and _cuda_aware and dtype not in _STAGED_DTYPES:
             return _DIRECT
@@ -397,12 +371,6 @@ class MPIBackend:
     def irecv(self, buf: torch.Tensor, peer: int) -> Request:
         return _MPIRequest(self._comm.Irecv(_spec(buf), source=peer, tag=_P2P_TAG), buf)
 
-    def isend_any(self, buf: torch.Tensor, peer: int) -> Request:
-        return self.isend(buf, peer)  # the receiver probes for the length
-
-    def irecv_any(self, dtype: torch.dtype, peer: int) -> _ProbeRecvRequest:
-        return _ProbeRecvRequest(self._comm, dtype, peer, self._probes.setdefault(peer, deque()))
-
     def ibarrier(self) -> Request:
         return _MPIRequest(self._comm.Ibarrier())
 
@@ -429,18 +397,13 @@ class MPIBackend:
         return list(self._nodes)
 
     def hosts(self) -> list[str]:
-        return [host for host, _ in self._peers]
+        return list(self._peers.hosts)
 
     def machines(self) -> list[int]:
-        return list(self._machines)
+        return list(self._peers.machines)
 
     def dead_peers(self) -> list[int]:
-        host = socket.gethostname()
-        return [
-            rank
-            for rank, (peer_host, pid) in enumerate(self._peers)
-            if rank != self._rank and peer_host == host and not process_alive(pid)
-        ]
+        return self._peers.dead()
 
     def lost_peers(self, error: BaseException) -> tuple[str, list[int]] | None:
         return None  # MPI errors name no peer: a death elsewhere ends the job through mpiexec
@@ -459,6 +422,37 @@ class MPIBackend:
         self._levels.clear()
         if self._comm != MPI.COMM_WORLD and self._comm != MPI.COMM_NULL:
             self._comm.Free()
+
+
+def start(
+    comm: Any, settings: config.Config, launch: config.Launch, join: Any = None
+) -> MPIBackend:
+    """init()'s backend (registry.Lifecycle): over ``comm``, a communicator or a list of
+    COMM_WORLD's ranks (None: all of them)."""
+    if isinstance(comm, (list, tuple)):
+        ranks = list(comm)
+        comm = world_subset(ranks)
+        if comm is None:
+            raise ValueError(
+                f"init(comm={ranks!r}): this process (world rank "
+                f"{world_rank()}) is not among those ranks"
+            )
+    return MPIBackend(comm, settings.init_timeout_s, cuda_aware=settings.cuda_aware_mpi)
+
+
+def end_job(what: str, exc: BaseException) -> bool:
+    """An uncaught exception on this rank aborts the job at exit (registry.Lifecycle)."""
+    sys.stderr.write(f"commlayer: {what}; the whole job ends, so that no rank waits for it\n")
+    abort_at_exit(what, 130 if isinstance(exc, KeyboardInterrupt) else 1)
+    return True
+
+
+def finish(stopped: bool, peer_died: bool) -> None:
+    """After the engine's shutdown (registry.Lifecycle): MPI_Finalize would wait for a dead or
+    stuck peer; exiting without it ends the job (mpiexec stops every rank when one exits
+    without finalizing)."""
+    if peer_died or not stopped:
+        skip_finalize()
 
 
 def finalize() -> None:

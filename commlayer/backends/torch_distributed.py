@@ -13,18 +13,11 @@ The engine, its negotiation and every schedule run unchanged over this backend; 
    ``is_completed()`` (only ``wait()`` finishes them), so each backend keeps waiter threads
    that call ``wait()`` on them in the order they were posted (``wait`` releases the GIL) and
    mark each done, one thread per lane: sends, receives, collectives. A send completes only
-   once its receiver has posted the receive, and some receives are posted only when an
-   earlier one is seen complete (a sized message's body, the sparse streams' values): a
-   receive waited for behind a send could hold back the very post that send waits for, on
-   two ranks at once. Every send of a step is posted when the step starts, so a receive
-   needs nothing from its own rank and the receive lane always moves. ``test()`` reads the
-   mark: the engine still never blocks on a transfer.
-3. torch.distributed has no probe, so a message of unknown length (``irecv_any``, the sparse
-   schedules' streams) is sent by ``isend_any`` as a header (length, and whether the body
-   travels over the CUDA data group, so the receiver makes it there) followed by the
-   data; the receives for one peer run one at a time, in the order posted, as MPI's matched
-   probes do.
-4. CUDA tensors over NCCL (``COMMLAYER_NCCL``): ``start`` makes an NCCL group over the same
+   once its receiver has posted the receive: a receive waited for behind a send could hold
+   back the very post that send waits for, on two ranks at once. Every send of a step is
+   posted when the step starts, so a receive needs nothing from its own rank and the receive
+   lane always moves. ``test()`` reads the mark: the engine still never blocks on a transfer.
+3. CUDA tensors over NCCL (``COMMLAYER_NCCL``): ``start`` makes an NCCL group over the same
    ranks as the gloo one, and every data call goes over the group of its tensor's device type
    (``_data``), the negotiation (``icontrol``, ``iallgather_bytes``, ``ibarrier``) always over
    gloo. ``direct_path`` tells device.py that CUDA tensors come as they are (``"stream"``: NCCL
@@ -32,16 +25,16 @@ The engine, its negotiation and every schedule run unchanged over this backend; 
    wait on the producer's event, no host wait). NCCL's Works report completion to
    ``is_completed()`` (its kernels' events), so they are polled like the collectives, no
    waiter thread. bool and int16 CUDA tensors stay staged (no NCCL reduction for them).
-5. Ranks are this group's ranks; torch.distributed calls take the group rank through
+4. Ranks are this group's ranks; torch.distributed calls take the group rank through
    ``group_src``/``group_dst``. ``nodes()`` groups ranks by host name; ``dead_peers()`` checks
    the pids of peers on this host, as the MPI backend does, and ``lost_peers(error)`` names the
    host and ranks whose address a transport error gives (gloo's "Connection closed by peer
    [addr]:port", the only word of a death on another host). ``abort()`` ends this process with
    exit code 70 (the MPI backend's MPI_Abort code): torchrun's agent then stops every other
    rank and reports the failure.
-6. Under torchrun, init() starts torch.distributed in a namespace of torchrun's store of its
+5. Under torchrun, init() starts torch.distributed in a namespace of torchrun's store of its
    own (``start``): the store outlives shutdown() and the workers torchrun restarts.
-7. Where every rank is on one machine (``window_capable``, the same on every rank: from the
+6. Where every rank is on one machine (``window_capable``, the same on every rank: from the
    start-up gather), allreduces that the engine runs as ``shm`` go through a shared-memory
    window (backends/shm.py's FileWindow: files in /dev/shm, unlinked once mapped) as over MPI,
    not through gloo's TCP over loopback: the MLP of benchmarks/train.py paired with DDP under
@@ -56,12 +49,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
 import secrets
-import socket
 import sys
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -70,10 +60,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from commlayer.backends.base import COMPLETED, Request
-from commlayer.backends.peers import addresses, indices, machine_id, process_alive
+from commlayer.backends.base import (
+    COMPLETED,
+    DIRECT_PATHS,
+    PROGRESS_THREADS,
+    SHARED_MEMORY,
+    Path,
+    Request,
+)
+from commlayer.backends.peers import PeerTable, addresses, indices, me
 from commlayer.backends.shm import CHUNK_BYTES, FileWindow, SharedMemoryAllreduce
-from commlayer.core import device
+from commlayer.core.config import Config, Launch
 from commlayer.core.errors import CommlayerError
 from commlayer.core.reduce_ops import ReduceOp, scale_into
 
@@ -94,7 +91,7 @@ _OPS = {
 }
 # dtypes gloo cannot reduce, and the dtype they travel as for a reduction
 _WIDENED = {torch.int16: torch.int32}
-_NCCL = device.Path("stream", "nccl")
+_NCCL = Path("stream", "nccl")
 _NOT_NCCL = (torch.bool, torch.int16)  # staged over gloo: NCCL has no reduction for them
 
 
@@ -179,44 +176,6 @@ class _Waiter:
         self._queue.put(None)
 
 
-class _SizedRecv:
-    """``irecv_any``: the length header, then the message; one at a time per peer."""
-
-    __slots__ = ("_backend", "_dtype", "_peer", "_queue", "_header", "_head", "_body", "tensor")
-
-    def __init__(
-        self, backend: TorchBackend, dtype: torch.dtype, peer: int, waiting: deque[_SizedRecv]
-    ) -> None:
-        self._backend, self._dtype, self._peer, self._queue = backend, dtype, peer, waiting
-        self._header = torch.empty(2, dtype=torch.int64)  # (length, on the CUDA data group)
-        self._head: Request | None = None
-        self._body: Request | None = None
-        self.tensor: torch.Tensor | None = None
-        waiting.append(self)
-        if waiting[0] is self:
-            self._start()
-
-    def _start(self) -> None:
-        self._head = self._backend._p2p(dist.irecv, self._header, self._peer)
-
-    def test(self) -> bool:
-        if self._head is None or not self._head.test():
-            return False
-        if self._body is None:
-            length, cuda = self._header.tolist()
-            where = torch.device("cuda", torch.cuda.current_device()) if cuda else None
-            self.tensor = torch.empty(length, dtype=self._dtype, device=where)
-            self._body = (
-                self._backend.irecv(self.tensor, self._peer) if self.tensor.numel() else COMPLETED
-            )
-            # the next receive from this peer may post its header now: messages between two
-            # ranks on one tag arrive in the order sent, and this body's receive is posted
-            self._queue.popleft()
-            if self._queue:
-                self._queue[0]._start()
-        return self._body.test()
-
-
 class _GatherBytesRequest:
     """Allgather of variable-length byte strings: the lengths, then the padded payloads."""
 
@@ -263,6 +222,9 @@ class _Peer(NamedTuple):
     window: bool  # FileWindow.usable(): this rank can map a shared-memory window
 
 
+_CAPABILITIES = frozenset({DIRECT_PATHS, PROGRESS_THREADS})
+
+
 class TorchBackend:
     """Backend over one torch.distributed process group (gloo)."""
 
@@ -273,7 +235,7 @@ class TorchBackend:
     def __init__(self, group: Any = None, data: dict[str, Any] | None = None) -> None:
         """Over ``group`` (default: the default process group, which must be initialized);
         ``data``: the groups that move the tensors of a device type instead ("cuda": an NCCL
-        group over the same ranks; module docstring, 4.)."""
+        group over the same ranks; module docstring, 3.)."""
         if not dist.is_initialized():
             raise CommlayerError(
                 "the torch backend needs torch.distributed initialized "
@@ -290,25 +252,20 @@ class TorchBackend:
         self._size = dist.get_world_size(self._group)
         gathered: list[Any] = [None] * self._size
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        me = _Peer(
-            socket.gethostname(),
-            os.getpid(),
-            machine_id(),
-            gpus,
-            addresses(),
-            os.cpu_count() or 1,
-            FileWindow.usable(),
-        )
-        dist.all_gather_object(gathered, tuple(me), group=self._group)
+        mine = _Peer(*me(), gpus, addresses(), os.cpu_count() or 1, FileWindow.usable())
+        dist.all_gather_object(gathered, tuple(mine), group=self._group)
         peers = [_Peer(*fields) for fields in gathered]
-        self._peers: list[tuple[str, int]] = [(peer.host, peer.pid) for peer in peers]
-        self._machines = indices([peer.machine for peer in peers])
+        self._peers = PeerTable(
+            self._rank,
+            [(peer.host, peer.pid, peer.machine) for peer in peers],
+            [peer.addresses for peer in peers],
+        )
+        self._machines = self._peers.machines
         self._gpus = {peer.host: peer.gpus for peer in peers}
         # some machine runs more of this group's ranks than it has cores (every rank alike)
         ranks_on = [self._machines.count(m) for m in self._machines]
         self._oversubscribed = any(n > peer.cpus for n, peer in zip(ranks_on, peers))
-        self._addresses = [set(peer.addresses) for peer in peers]
-        self._nodes = indices(host for host, _ in self._peers)
+        self._nodes = indices(self._peers.hosts)
         # the shared-memory window (backends/shm.py) where every rank is on one machine and can
         # map one; made at the first call that uses it (every rank alike), None until then
         self.window_capable = (
@@ -316,14 +273,17 @@ class TorchBackend:
             and len(set(self._machines)) == 1
             and all(peer.window for peer in peers)
         )
+        # SHARED_MEMORY where the window can be made (its making may still fail: then
+        # shm_iallreduce runs over gloo)
+        self.capabilities = _CAPABILITIES | (
+            {SHARED_MEMORY} if self.window_capable else frozenset()
+        )
         self._shm: SharedMemoryAllreduce | None = None
-        # one waiter per lane (module docstring, 2.): a send waits for its receiver to post,
-        # and a receive that completes lets the engine post the next (a sized message's body):
+        # one waiter per lane (module docstring, 2.): a send waits for its receiver to post:
         # in one lane a send waited for first would hold back that receive, on both ranks
         self._waiters = {
             lane: _Waiter(f"commlayer-{lane}-{self._rank}") for lane in ("send", "recv", "coll")
         }
-        self._sized: dict[int, deque[_SizedRecv]] = {}
         self._data: dict[str, Any] = {}
         self._polled: set[int] = set()  # ids of data groups whose Works report completion
         for kind, data_group in (data or {}).items():
@@ -336,7 +296,7 @@ class TorchBackend:
         if dist.get_backend(group) == "nccl":
             self._polled.add(id(group))
 
-    def direct_path(self, where: torch.device, dtype: torch.dtype) -> device.Path | None:
+    def direct_path(self, where: torch.device, dtype: torch.dtype) -> Path | None:
         """device.py's decision: CUDA tensors go to the NCCL group as they are."""
         if where.type == "cuda" and "cuda" in self._data and dtype not in _NOT_NCCL:
             return _NCCL
@@ -551,7 +511,7 @@ class TorchBackend:
         window = self._window() if self.window_capable else None
         if window is not None:
             # the window has no bitwise AND: one byte per bit, and the minimum of 0/1 bytes
-            # is their AND (304 B of words: 2,432 B; module docstring, 7.)
+            # is their AND (304 B of words: 2,432 B; module docstring, 6.)
             bits = torch.from_numpy(np.unpackbits(words.view(np.uint8)))
 
             def pack() -> None:
@@ -590,15 +550,6 @@ class TorchBackend:
             return COMPLETED
         return self._p2p(dist.irecv, buf, peer)
 
-    def isend_any(self, buf: torch.Tensor, peer: int) -> Request:
-        cuda = int(buf.is_cuda and "cuda" in self._data)
-        header = self._p2p(dist.isend, torch.tensor([buf.numel(), cuda], dtype=torch.int64), peer)
-        body = self.isend(buf, peer)
-        return _Both(header, body)
-
-    def irecv_any(self, dtype: torch.dtype, peer: int) -> _SizedRecv:
-        return _SizedRecv(self, dtype, peer, self._sized.setdefault(peer, deque()))
-
     # -- groups and the job -------------------------------------------------------------------
     def split(self, ranks: Sequence[int]) -> TorchBackend | None:
         members = [dist.get_global_rank(self._group, r) for r in ranks]
@@ -635,31 +586,19 @@ class TorchBackend:
         ]
 
     def hosts(self) -> list[str]:
-        return [host for host, _ in self._peers]
+        return list(self._peers.hosts)
 
     def machines(self) -> list[int]:
         return list(self._machines)
 
     def dead_peers(self) -> list[int]:
-        host = socket.gethostname()
-        return [
-            rank
-            for rank, (peer_host, pid) in enumerate(self._peers)
-            if rank != self._rank
-            and ((peer_host == host and not process_alive(pid)) or rank in _reported_dead)
-        ]
+        return self._peers.dead(_reported_dead)
 
     def lost_peers(self, error: BaseException) -> tuple[str, list[int]] | None:
         """(host, its ranks) when ``error`` is a transport error naming a peer's address (gloo:
         "Connection closed by peer [10.213.0.2]:59012", as soon as a process there exits, on
         whatever host); None when it names none. The engine's error then says who."""
-        for address in re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", str(error)):
-            ranks = [
-                r for r, found in enumerate(self._addresses) if address in found and r != self._rank
-            ]
-            if ranks:
-                return self._peers[ranks[0]][0], ranks
-        return None
+        return self._peers.lost(error)
 
     def abort(self, reason: str) -> None:
         sys.stderr.write(f"commlayer: aborting the job (rank {self._rank}): {reason}\n")
@@ -696,18 +635,6 @@ class _Then:
         return True
 
 
-class _Both:
-    """Two requests that complete together."""
-
-    __slots__ = ("_a", "_b")
-
-    def __init__(self, a: Request, b: Request) -> None:
-        self._a, self._b = a, b
-
-    def test(self) -> bool:
-        return self._a.test() and self._b.test()
-
-
 def nccl_wanted(setting: str, cuda: bool, nccl: bool, crowded: list[str]) -> bool:
     """Whether the torch backend moves CUDA tensors over an NCCL group (``COMMLAYER_NCCL``):
     "auto" when torch has CUDA and NCCL and no host runs more ranks than it has GPUs
@@ -735,6 +662,7 @@ def nccl_wanted(setting: str, cuda: bool, nccl: bool, crowded: list[str]) -> boo
 
 
 _starts = 0  # torch.distributed started by init() in this process (every rank counts the same)
+_owns_default_group = False  # init() initialized torch.distributed (finish() destroys it)
 
 
 # Ranks of the current world that commlayer's elastic driver reported dead (report_dead):
@@ -750,62 +678,26 @@ def report_dead(ranks: Sequence[int]) -> None:
 
 
 def start(
-    comm: Any, timeout_s: float, launch: Any, nccl: str = "auto"
-) -> tuple[TorchBackend, bool]:
-    """(the backend init() runs on, whether it initialized torch.distributed itself).
+    comm: Any,
+    settings: Config,
+    launch: Launch,
+    join: Callable[[float], None] | None = None,
+) -> TorchBackend:
+    """The backend init() runs on (registry.Lifecycle); ``join``: the elastic driver's
+    rendezvous, which starts torch.distributed over this generation's world.
 
     Under torchrun, torch.distributed is initialized here from torchrun's variables (gloo,
     the rendezvous waiting ``timeout_s`` for every rank); a plain process with no launcher is a
     one-rank job (an in-memory store). An already initialized torch.distributed is used as it
     is. The engine runs on a gloo group of its own over the same ranks (``comm``: None), over
     the ranks of a list of global ranks, or over a process group passed in."""
-    global _starts
-    owns = False
+    global _owns_default_group
+    timeout_s = settings.init_timeout_s
+    if join is not None:
+        join(timeout_s)
+    _owns_default_group = join is not None or not dist.is_initialized()
     if not dist.is_initialized():
-        if launch.launcher == "torchrun":
-            _starts += 1
-            rank = -1
-            try:
-                store, rank, world = next(
-                    dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s))
-                )
-                # Every init() a namespace of its own in torchrun's store, which outlives it and
-                # the workers (restarted by --max-restarts, they find the same store): the keys
-                # of the last one (each rank's gloo address) are still there, and a rank that
-                # read one connected to a port closed since ("Connection refused", or a hang;
-                # plain init_process_group fails so on torchrun's restarts too).
-                dist.init_process_group(
-                    "gloo",
-                    store=dist.PrefixStore(f"commlayer/{launch.attempt}/{_starts}/", store),
-                    rank=rank,
-                    world_size=world,
-                    timeout=timedelta(seconds=timeout_s),
-                )
-            except Exception as error:  # torch's own types vary (DistStoreError, RuntimeError)
-                if isinstance(error, dist.DistStoreError) and rank >= 0:
-                    # in torchrun's store, waiting for the others' keys: they never came
-                    raise CommlayerError(
-                        f"rank {rank}: init() waited {timeout_s:g} s for the other "
-                        f"{launch.world_size - 1} rank(s) to call init() too; init() is "
-                        "collective: every rank calls it, also after shutdown() "
-                        f"(COMMLAYER_INIT_TIMEOUT_SECONDS sets the wait; torch.distributed: "
-                        f"{error})"
-                    ) from error
-                raise CommlayerError(
-                    f"init(): torch.distributed could not start (torchrun, WORLD_SIZE="
-                    f"{launch.world_size}, waited up to {timeout_s:g} s: "
-                    f"COMMLAYER_INIT_TIMEOUT_SECONDS): {error}"
-                ) from error
-        elif launch.launcher == "mpi":
-            raise CommlayerError(
-                "COMMLAYER_BACKEND=torch, but this process was started by mpiexec and "
-                "torch.distributed is not initialized: launch with torchrun, call "
-                "torch.distributed.init_process_group() before commlayer.init(), or use "
-                "COMMLAYER_BACKEND=mpi (or auto)"
-            )
-        else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        owns = True
+        _start_default_group(timeout_s, launch)
     group = comm
     if isinstance(comm, (list, tuple)):
         ranks = list(comm)
@@ -823,17 +715,77 @@ def start(
         group = dist.new_group(backend="gloo")
     backend = TorchBackend(group)
     cuda = torch.cuda.is_available()
-    if nccl_wanted(nccl, cuda, cuda and dist.is_nccl_available(), backend.crowded_hosts()):
-        # CUDA tensors over NCCL (module docstring, 4.), over the gloo group's ranks
+    if nccl_wanted(settings.nccl, cuda, cuda and dist.is_nccl_available(), backend.crowded_hosts()):
+        # CUDA tensors over NCCL (module docstring, 3.), over the gloo group's ranks
         ranks = dist.get_process_group_ranks(backend.group)
         every = len(ranks) == dist.get_world_size()
         nccl_group = dist.new_group(ranks, backend="nccl", use_local_synchronization=not every)
         backend.add_data_group("cuda", nccl_group)
-    return backend, owns
+    return backend
 
 
-def finish(owns_default_group: bool) -> None:
-    """After the engine stopped: destroy the default group if init() made it (so that init()
-    can start again), else leave torch.distributed to its owner."""
-    if owns_default_group and dist.is_initialized():
+def _start_default_group(timeout_s: float, launch: Launch) -> None:
+    """torch.distributed's default group, started by init(): from torchrun's variables, or
+    alone in a plain process (start's docstring)."""
+    global _starts
+    if launch.launcher == "torchrun":
+        _starts += 1
+        rank = -1
+        try:
+            store, rank, world = next(
+                dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s))
+            )
+            # Every init() a namespace of its own in torchrun's store, which outlives it and
+            # the workers (restarted by --max-restarts, they find the same store): the keys
+            # of the last one (each rank's gloo address) are still there, and a rank that
+            # read one connected to a port closed since ("Connection refused", or a hang;
+            # plain init_process_group fails so on torchrun's restarts too).
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore(f"commlayer/{launch.attempt}/{_starts}/", store),
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except Exception as error:  # torch's own types vary (DistStoreError, RuntimeError)
+            if isinstance(error, dist.DistStoreError) and rank >= 0:
+                # in torchrun's store, waiting for the others' keys: they never came
+                raise CommlayerError(
+                    f"rank {rank}: init() waited {timeout_s:g} s for the other "
+                    f"{launch.world_size - 1} rank(s) to call init() too; init() is "
+                    "collective: every rank calls it, also after shutdown() "
+                    f"(COMMLAYER_INIT_TIMEOUT_SECONDS sets the wait; torch.distributed: "
+                    f"{error})"
+                ) from error
+            raise CommlayerError(
+                f"init(): torch.distributed could not start (torchrun, WORLD_SIZE="
+                f"{launch.world_size}, waited up to {timeout_s:g} s: "
+                f"COMMLAYER_INIT_TIMEOUT_SECONDS): {error}"
+            ) from error
+    elif launch.launcher == "mpi":
+        raise CommlayerError(
+            "COMMLAYER_BACKEND=torch, but this process was started by mpiexec and "
+            "torch.distributed is not initialized: launch with torchrun, call "
+            "torch.distributed.init_process_group() before commlayer.init(), or use "
+            "COMMLAYER_BACKEND=mpi (or auto)"
+        )
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def end_job(what: str, exc: BaseException) -> bool:
+    """An uncaught exception on this rank (registry.Lifecycle): it exits at once, its peers
+    in collectives get an error naming it, and torchrun's agent stops them."""
+    sys.stderr.write(
+        f"commlayer: {what}; this rank exits without waiting for its peers (torchrun's "
+        "agent then stops them)\n"
+    )
+    return False
+
+
+def finish(stopped: bool, peer_died: bool) -> None:
+    """After the engine's shutdown (registry.Lifecycle): destroy the default group if init()
+    made it (so that init() can start again), else leave torch.distributed to its owner; not
+    while the engine thread is still inside a gloo call (not ``stopped``)."""
+    if stopped and _owns_default_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -29,7 +29,6 @@ _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 WAIT_POLICIES = ("auto", "active", "passive")
 JOIN_MODES = ("horovod", "active")
 ON_OFF = ("on", "off")
-BACKENDS = ("auto", "mpi", "torch")
 AUTO_OFF_ON = ("auto", "0", "1")
 OFF_ON = ("0", "1")
 
@@ -161,7 +160,6 @@ _LOG_LEVEL = _fixed(_parse_log_level, f"one of {', '.join(_LOG_LEVELS)}")
 _WAIT_POLICY = _fixed(one_of(lambda: WAIT_POLICIES), f"one of {', '.join(WAIT_POLICIES)}")
 _JOIN_MODE = _fixed(one_of(lambda: JOIN_MODES), f"one of {', '.join(JOIN_MODES)}")
 _ON_OFF = _fixed(one_of(lambda: ON_OFF), f"one of {', '.join(ON_OFF)}")
-_BACKEND = _fixed(one_of(lambda: BACKENDS), f"one of {', '.join(BACKENDS)}")
 _AUTO_OFF_ON = _fixed(one_of(lambda: AUTO_OFF_ON), f"one of {', '.join(AUTO_OFF_ON)}")
 _OFF_ON = _fixed(one_of(lambda: OFF_ON), f"one of {', '.join(OFF_ON)}")
 _PATH = _fixed(str, "a path")
@@ -332,10 +330,11 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
     (
         "COMMLAYER_BACKEND",
         "backend",
-        _BACKEND,
+        _REGISTERED,
         "what carries the engine's messages: mpi (mpi4py), torch (torch.distributed over gloo), "
-        "or auto (default): mpi under mpiexec/commlayerrun, torch under torchrun or (no "
-        "launcher) when torch.distributed is already initialized, else mpi",
+        "loopback (one rank, no library), or auto (default): mpi under mpiexec/commlayerrun, "
+        "torch under torchrun or (no launcher) when torch.distributed is already initialized, "
+        "else mpi",
     ),
     (
         "COMMLAYER_CUDA_AWARE_MPI",

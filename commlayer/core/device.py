@@ -83,26 +83,25 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from commlayer.backends.base import COMPLETED, Request
+from commlayer.backends.base import (  # noqa: F401  (Path, sync_before_host_call: re-exported)
+    COMPLETED,
+    DIRECT_PATHS,
+    Backend,
+    DirectPaths,
+    Path,
+    Request,
+    sync_before_host_call,
+)
 
 # CUDA tensors are staged through host memory; tests set this to stage CPU tensors the same way.
 STAGE_CPU = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Path:
-    """How a backend takes a device's tensors directly (module docstring, **Direct**)."""
-
-    wait: str  # "stream": the backend queues after the engine's stream (NCCL); "host": MPI
-    channel: str = ""  # negotiated: what every rank of an operation must use ("": nothing)
 
 
 # Tests: CPU tensors through the direct path with this Path (None: CPU tensors are plain).
@@ -363,13 +362,14 @@ class Staged:
         return lambda raw: finish(self.unstage(raw))
 
 
-def path(backend: Any, device: torch.device, dtype: torch.dtype) -> Path | None:
+def path(backend: Backend, device: torch.device, dtype: torch.dtype) -> Path | None:
     """The one decision: does ``backend`` take ``device``'s tensors of ``dtype`` as they are
     (how, when it does)? None: stage them (CUDA) or nothing to decide (CPU)."""
     if device.type == "cpu":
         return DIRECT_CPU
-    query = getattr(backend, "direct_path", None)
-    return None if query is None else query(device, dtype)
+    if DIRECT_PATHS not in backend.capabilities:
+        return None
+    return cast(DirectPaths, backend).direct_path(device, dtype)
 
 
 @functools.cache
@@ -468,13 +468,6 @@ def _tensors(raw: Any) -> Iterator[torch.Tensor]:
     elif isinstance(raw, (list, tuple)):
         for item in raw:
             yield from _tensors(item)
-
-
-def sync_before_host_call(tensor: torch.Tensor) -> None:
-    """Before a stream-unaware backend (MPI) touches ``tensor``'s device memory: wait, host-side,
-    for the work the engine thread queued on its current stream (packs, reductions)."""
-    if tensor.is_cuda:
-        torch.cuda.current_stream(tensor.device).synchronize()
 
 
 def _staged(tensor: torch.Tensor) -> bool:

@@ -54,13 +54,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from commlayer import costmodel
 from commlayer.algorithms.executor import Allreducer
-from commlayer.backends.base import Backend, Request
+from commlayer.backends.base import PROGRESS_THREADS, Backend, ProgressThreads, Request
 from commlayer.core import device, fusion, topology
 from commlayer.core.config import Config
 from commlayer.core.errors import (
@@ -813,7 +813,12 @@ def _passive(policy: str, backend: Backend) -> bool:
         return policy == "passive"
     machines = backend.machines()
     here = machines.count(machines[backend.rank])
-    return here * (1 + getattr(backend, "progress_threads", 0)) > (os.cpu_count() or 1)
+    threads = (
+        cast(ProgressThreads, backend).progress_threads
+        if PROGRESS_THREADS in backend.capabilities
+        else 0
+    )
+    return here * (1 + threads) > (os.cpu_count() or 1)
 
 
 def _topology(config: Config, backend: Backend) -> Topology | None:

@@ -1,6 +1,6 @@
 """Registries: the names each setting may take, collected from the modules that own them.
 
-config.py checks a setting that names an algorithm, a sparse algorithm, a kernel
+config.py checks a setting that names an algorithm, a sparse algorithm, a backend, a kernel
 implementation, a compressor, a topology or the malloc tuning against the :class:`Validator`
 given here, and imports none of those modules (they sit above it). ``REGISTRIES`` goes to
 ``config.load(registries=...)`` from ``init()``, the launcher and the CLI; core/runtime.py also
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from commlayer import algorithms, compression, kernels
+from commlayer import algorithms, backends, compression, kernels
 from commlayer.algorithms import sparse
 from commlayer.core import malloc, topology
 from commlayer.core.config import InvalidValue, Registries, Validator, one_of
@@ -47,6 +47,7 @@ def _sim_table(text: str) -> str:
 REGISTRIES: Registries = {
     "allreduce_algorithm": _names(algorithms.available),
     "sparse_algorithm": _names(sparse.available),
+    "backend": _names(backends.available),
     "kernels": _names(lambda: kernels.CHOICES),
     "compression": Validator(compression.check_spec, compression.spec_help),
     "topology": Validator(

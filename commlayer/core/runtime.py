@@ -21,13 +21,14 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from commlayer import kernels
+from commlayer import backends, kernels
+from commlayer.backends.base import Backend
 from commlayer.core import config as config_module
 from commlayer.core import malloc
 from commlayer.core import process_sets as process_sets_module
 from commlayer.core.config import Config
 from commlayer.core.engine import Engine
-from commlayer.core.errors import ConfigError, NotInitializedError
+from commlayer.core.errors import NotInitializedError
 from commlayer.core.process_sets import ProcessSet, check_ranks, global_process_set
 from commlayer.core.registries import REGISTRIES
 
@@ -39,8 +40,9 @@ log = logging.getLogger("commlayer")
 
 _lock = threading.Lock()
 _engine: Engine | None = None
-_backend_name = ""  # "mpi" or "torch": what the running engine's messages travel over
-_owns_torch_group = False  # init() initialized torch.distributed (shutdown() destroys it)
+_backend_name = ""  # the registered backend the running engine's messages travel over
+_backend_module: backends.Lifecycle | None = None  # its module: end_job, finish
+_aborts_at_exit = False  # its end_job: the job aborts at this process's exit
 _config: Config | None = None  # what init() resolved: every consumer reads this one
 _topology: dict[str, int] = {}
 _summary = ""  # startup_summary(): what init() started, one line
@@ -172,85 +174,32 @@ def _install_excepthook() -> None:
 def _end_job(exc: BaseException) -> None:
     """This rank raised ``exc`` and nobody caught it: make it end the whole job, saying so
     (module docstring). Also after shutdown(): MPI_Finalize would still wait for the peers."""
-    global _failing
-    if _topology.get("size", 1) < 2:
+    global _failing, _aborts_at_exit
+    if _topology.get("size", 1) < 2 or _backend_module is None:
         return
     _failing = True
     what = f"rank {_topology['rank']} raised an uncaught {type(exc).__name__}: {exc}"
-    if _backend_name == "mpi":
-        from commlayer.backends import mpi
-
-        sys.stderr.write(f"commlayer: {what}; the whole job ends, so that no rank waits for it\n")
-        mpi.abort_at_exit(what, 130 if isinstance(exc, KeyboardInterrupt) else 1)
-    else:
-        sys.stderr.write(
-            f"commlayer: {what}; this rank exits without waiting for its peers (torchrun's "
-            "agent then stops them)\n"
-        )
+    _aborts_at_exit = _backend_module.end_job(what, exc)
     sys.stderr.flush()
 
 
-def auto_backend(launcher: str, torch_ready: bool) -> str:
-    """COMMLAYER_BACKEND=auto: mpi under mpiexec/commlayerrun (even where the script also
-    started torch.distributed, say for a DDP hook: the launcher made one MPI job), torch under
-    torchrun, and for a process no launcher started, torch if torch.distributed is initialized,
-    else mpi."""
-    if launcher == "torchrun" or (launcher != "mpi" and torch_ready):
-        return "torch"
-    return "mpi"
-
-
-def _start_backend(comm: Any, cfg: Config) -> Any:
-    """The backend ``cfg.backend`` names (auto: ``auto_backend``), over ``comm`` (a
-    communicator or process group, or a list of global ranks)."""
-    global _backend_name, _owns_torch_group
-    import torch.distributed as dist
-
+def _start_backend(comm: Any, cfg: Config) -> Backend:
+    """The backend ``cfg.backend`` names (auto: backends.auto), over ``comm`` (a communicator
+    or process group, or a list of global ranks); ConfigError before its library starts where
+    it cannot run (backends.choose)."""
+    global _backend_name, _backend_module
     launch = config_module.launch()
-    torch_ready = dist.is_available() and dist.is_initialized()
-    kind = cfg.backend
-    if kind == "auto":
-        kind = auto_backend(launch.launcher, torch_ready)
-    elastic = config_module.elastic_worker() is not None and not torch_ready
+    elastic = config_module.elastic_worker() is not None and not backends.registry.ready()
+    chosen = backends.choose(cfg.backend, launch, elastic)
+    join = None
     if elastic:
-        if cfg.backend == "mpi":
-            raise ConfigError(
-                "COMMLAYER_BACKEND=mpi, but commlayerrun's elastic driver started this worker: "
-                "MPI cannot re-form its world when ranks come and go; elastic training runs on "
-                "the torch backend (COMMLAYER_BACKEND=torch or auto)"
-            )
         from commlayer.core import rendezvous
 
-        rendezvous.init_process_group(cfg.init_timeout_s)  # this generation's world
-        kind = "torch"
-    if kind == "torch":
-        from commlayer.backends import torch_distributed
-
-        backend, _owns_torch_group = torch_distributed.start(
-            comm, cfg.init_timeout_s, launch, cfg.nccl
-        )
-        _owns_torch_group = _owns_torch_group or elastic
-        _backend_name = "torch"
-        return backend
-    if launch.launcher == "torchrun" and launch.world_size > 1:
-        raise ConfigError(
-            f"COMMLAYER_BACKEND=mpi, but torchrun started this process as one of "
-            f"WORLD_SIZE={launch.world_size}: MPI would make each process a job of its own "
-            "(size() 1 everywhere, training apart). Under torchrun use COMMLAYER_BACKEND=torch "
-            "(or auto); for MPI launch with commlayerrun or mpiexec"
-        )
-    from commlayer.backends.mpi import MPIBackend, world_rank, world_subset
-
-    if isinstance(comm, (list, tuple)):
-        ranks = list(comm)
-        comm = world_subset(ranks)
-        if comm is None:
-            raise ValueError(
-                f"init(comm={ranks!r}): this process (world rank "
-                f"{world_rank()}) is not among those ranks"
-            )
-    _backend_name = "mpi"
-    return MPIBackend(comm, cfg.init_timeout_s, cuda_aware=cfg.cuda_aware_mpi)
+        join = rendezvous.init_process_group  # this generation's world
+    module = chosen.load()
+    backend = module.start(comm, cfg, launch, join)
+    _backend_name, _backend_module = chosen.name, module
+    return backend
 
 
 def _ranges(ranks: Sequence[int]) -> str:
@@ -304,8 +253,8 @@ def startup_summary() -> str:
 
 
 def backend_name() -> str:
-    """What the running engine's messages travel over: "mpi" or "torch" (torch.distributed);
-    "" before init()."""
+    """What the running engine's messages travel over: the registered backend's name ("mpi",
+    "torch" for torch.distributed, "loopback"); "" before init()."""
     return _backend_name if _engine is not None else ""
 
 
@@ -354,21 +303,11 @@ def shutdown() -> None:
         process_sets_module.bind(None)
     if engine is None:
         return
-    if _failing and _backend_name == "mpi":
+    if _failing and _aborts_at_exit:
         return  # no goodbye: the job aborts at exit (_end_job)
     stopped = engine.shutdown(_goodbye_wait_s(engine.config))
-    if _backend_name == "torch":
-        from commlayer.backends import torch_distributed
-
-        if stopped:  # else the engine thread is still inside a gloo call
-            torch_distributed.finish(owns_default_group=_owns_torch_group)
-        return
-    from commlayer.backends import mpi
-
-    if engine.peer_died or not stopped:
-        # MPI_Finalize would wait for the dead or stuck peer; exiting without it ends the job
-        # (mpiexec stops every rank when one exits without finalizing)
-        mpi.skip_finalize()
+    if _backend_module is not None:
+        _backend_module.finish(stopped, engine.peer_died)
 
 
 def _goodbye_wait_s(cfg: Config) -> float:

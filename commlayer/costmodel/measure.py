@@ -30,6 +30,7 @@ import torch
 
 from commlayer.algorithms.run import ScheduleRequest, Scratch
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
+from commlayer.backends.base import SHARED_MEMORY
 from commlayer.core.reduce_ops import ReduceOp
 from commlayer.core.topology import Topology
 from commlayer.costmodel.calibration import Calibration
@@ -162,9 +163,8 @@ def _natives(backend: Any, nodes: int) -> dict[str, _Start]:
         return {"mpi": mpi}
     capable = (
         backend.size > 1
-        and hasattr(backend, "shm_iallreduce")
+        and SHARED_MEMORY in backend.capabilities
         and len(set(backend.nodes())) == 1
-        and getattr(backend, "window_capable", True)
     )
     return {"mpi": mpi, "shm": shm if capable else mpi}
 

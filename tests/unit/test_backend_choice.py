@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from commlayer import backends
 from commlayer.core import config, runtime
 from commlayer.core.errors import ConfigError
 
@@ -70,4 +71,37 @@ def test_mpi_under_torchrun_is_refused_before_mpi_starts(
     ],
 )
 def test_auto_backend(launcher: str, torch_ready: bool, expected: str) -> None:
-    assert runtime.auto_backend(launcher, torch_ready) == expected
+    assert backends.auto(launcher, ["torch"] if torch_ready else []) == expected
+
+
+def test_backends_are_registered_once_each_and_config_accepts_their_names() -> None:
+    assert backends.available() == ["auto", "mpi", "torch", "loopback"]
+    for name in ("mpi", "torch", "loopback"):
+        assert config.load({"COMMLAYER_BACKEND": name}).backend == name
+    with pytest.raises(ValueError, match="'mpi' is already registered"):
+        backends.register(backends.registration("mpi"))
+    with pytest.raises(ValueError, match="'nccl' is not a registered backend"):
+        backends.unregister("nccl")
+
+
+def test_a_new_backend_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plug-in registered here is accepted by config and started by init()'s choice, without
+    any other module naming it."""
+    monkeypatch.setattr(config, "launch", lambda: config.Launch(""))
+    backends.register(backends.Registration("toy", "commlayer.backends.loopback", "toy"))
+    try:
+        assert "toy" in backends.available()
+        cfg = config.load({"COMMLAYER_BACKEND": "toy"})
+        backend = runtime._start_backend(None, cfg)
+        assert (backend.rank, backend.size, runtime._backend_name) == (0, 1, "toy")
+    finally:
+        backends.unregister("toy")
+    with pytest.raises(ConfigError, match="COMMLAYER_BACKEND='toy'"):
+        config.load({"COMMLAYER_BACKEND": "toy"})
+
+
+def test_an_elastic_worker_needs_a_backend_that_re_forms_its_world() -> None:
+    launch = config.Launch("")
+    assert backends.choose("auto", launch, elastic_worker=True).name == "torch"
+    with pytest.raises(ConfigError, match="COMMLAYER_BACKEND=mpi.*MPI cannot re-form.*torch"):
+        backends.choose("mpi", launch, elastic_worker=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from commlayer.backends import cuda_aware
+from commlayer.backends.base import DIRECT_PATHS
 from commlayer.backends.torch_distributed import nccl_wanted
 from commlayer.core import config, device
 from commlayer.core.errors import CommlayerError
@@ -127,9 +128,10 @@ def test_nccl_forced_where_it_cannot_run(
 
 
 class _Backend:
-    def __init__(self, route: device.Path | None) -> None:
+    def __init__(self, route: device.Path | None, direct: bool = True) -> None:
         self.route = route
         self.asked: list = []
+        self.capabilities = frozenset({DIRECT_PATHS} if direct else ())
 
     def direct_path(self, where: torch.device, dtype: torch.dtype) -> device.Path | None:
         self.asked.append((where.type, dtype))
@@ -142,7 +144,9 @@ def test_path_asks_the_backend_for_device_tensors_only(monkeypatch: pytest.Monke
     assert device.path(backend, torch.device("cuda", 0), torch.float32) is route
     assert backend.asked == [("cuda", torch.float32)]
     assert device.path(backend, torch.device("cpu"), torch.float32) is None  # CPU: plain
-    assert device.path(object(), torch.device("cuda", 0), torch.float32) is None  # no answer
+    silent = _Backend(route, direct=False)  # declares no direct paths: not asked
+    assert device.path(silent, torch.device("cuda", 0), torch.float32) is None  # no answer
+    assert silent.asked == []
     forced = device.Path("host", "t")
     monkeypatch.setattr(device, "DIRECT_CPU", forced)
     assert device.path(backend, torch.device("cpu"), torch.float32) is forced

@@ -19,6 +19,7 @@ from engine_harness import (
 )
 from waiting import wait_until
 
+from commlayer.backends.base import PROGRESS_THREADS
 from commlayer.backends.loopback import LoopbackBackend, LoopbackWorld
 from commlayer.core import engine as engine_module
 from commlayer.core.engine import Engine
@@ -386,6 +387,7 @@ class _Machines:
     def __init__(self, rank: int, machines: list[int], progress_threads: int = 0) -> None:
         self.rank, self._machines = rank, machines
         self.progress_threads = progress_threads
+        self.capabilities = frozenset({PROGRESS_THREADS} if progress_threads else ())
 
     def machines(self) -> list[int]:
         return self._machines

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from sparse_harness import allreduce_in_rounds
 from waiting import wait_until
 
 from commlayer import algorithms, costmodel
@@ -14,8 +15,8 @@ from commlayer.algorithms import sparse
 from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.schedule import Schedule, compact, simulate, step
 from commlayer.algorithms.sparse import cost
-from commlayer.algorithms.sparse.executor import sparse_allreduce
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
+from commlayer.comm.sparse_reduction import engine_algorithm
 from commlayer.core.reduce_ops import ReduceOp
 from commlayer.core.topology import Topology
 from commlayer.costmodel import Calibration
@@ -128,15 +129,11 @@ def test_sparse_auto_runs_the_registered_algorithm(monkeypatch: pytest.MonkeyPat
     for idx, val in inputs:
         expected.index_add_(0, idx, val)
 
-    def rank(backend: LoopbackBackend) -> tuple[str, torch.Tensor]:
-        request = sparse_allreduce(backend, *inputs[backend.rank], n, sparse.AUTO)
-        wait_until(request.test, 10.0, f"rank {backend.rank}: {SPARSE_TOY} did not complete")
-        assert request.result is not None
-        return getattr(request, "algorithm", ""), request.result.dense()
-
-    for name, result in run_ranks(4, rank):
-        assert name == SPARSE_TOY
-        assert torch.equal(result, expected)
+    # DistributedOptimizer's pick for auto (k = the largest nnz), then the rounds it runs
+    name = engine_algorithm(sparse.AUTO, 4, n, max(idx.numel() for idx, _ in inputs))
+    assert name == SPARSE_TOY
+    for result, _, _ in allreduce_in_rounds(inputs, n, name):
+        assert torch.equal(result.dense(), expected)
 
 
 def test_unknown_sparse_names_still_have_no_cost_model() -> None:

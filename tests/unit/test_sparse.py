@@ -1,26 +1,22 @@
-"""Sparse allreduce algorithms over the loopback backend at 1..8 ranks: exact ones against the
-dense sum of the densified inputs (disjoint, identical, overlapping supports, empty on some
-ranks, k = n), the same bits on every rank, the dense switch, gtopk against its definition,
-auto, the cost model, input checks; and the backend's irecv_any."""
+"""Sparse allreduce algorithms at 1..8 ranks, their schedules run round by round as the engine
+runs them (sparse_harness.py): exact ones against the dense sum of the densified inputs
+(disjoint, identical, overlapping supports, empty on some ranks, k = n), the same bits on every
+rank, the dense switch, gtopk against its definition, the cost model, input checks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
-from waiting import wait_until
+from sparse_harness import allreduce_in_rounds
 
 from commlayer.algorithms import sparse
 from commlayer.algorithms.sparse import cost
-from commlayer.algorithms.sparse.executor import SparseResult, prepare, sparse_allreduce
-from commlayer.backends.loopback import LoopbackBackend, run_ranks
-from commlayer.core.errors import CommlayerError
+from commlayer.algorithms.sparse.executor import SparseResult, prepare
 from commlayer.core.topology import Topology
 
 N = 97
 EXACT = sparse.exact()
+SCHEDULED = [name for name in EXACT if name not in sparse.NATIVE]  # allgather: the communicator
 Inputs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -58,22 +54,17 @@ def dense_sum(inputs: Inputs, n: int) -> torch.Tensor:
 
 
 def run(
-    size: int, inputs: Inputs, n: int, name: str, k: int = 0, **kwargs: object
-) -> list[tuple[SparseResult, SparseResult | None, str]]:
-    def rank(b: LoopbackBackend) -> tuple[SparseResult, SparseResult | None, str]:
-        req = sparse_allreduce(b, *inputs[b.rank], n, name, k=k, **kwargs)  # type: ignore[arg-type]
-        wait_until(req.test, 20.0, f"rank {b.rank}: {name} did not complete")
-        assert req.result is not None
-        return req.result, req.dropped, getattr(req, "algorithm", name)
-
-    return run_ranks(size, rank)
+    size: int, inputs: Inputs, n: int, name: str, k: int = 0, topology: Topology | None = None
+) -> list[tuple[SparseResult, SparseResult | None, int]]:
+    """Every rank's (result, dropped, bytes sent)."""
+    return allreduce_in_rounds(inputs, n, name, k=k, topology=topology)
 
 
 def node_layout(size: int) -> Topology | None:
     return Topology(tuple(r // 2 for r in range(size))) if size % 2 == 0 and size > 2 else None
 
 
-@pytest.mark.parametrize("name", [*EXACT, "auto"])
+@pytest.mark.parametrize("name", SCHEDULED)
 @pytest.mark.parametrize("size", range(1, 9))
 def test_exact_algorithms_equal_the_dense_sum(name: str, size: int) -> None:
     for kind in KINDS:
@@ -86,7 +77,7 @@ def test_exact_algorithms_equal_the_dense_sum(name: str, size: int) -> None:
                 assert bool((result.indices[1:] > result.indices[:-1]).all())
 
 
-@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("name", SCHEDULED)
 @pytest.mark.parametrize("size", (3, 4, 6))
 def test_every_rank_gets_the_same_bits(name: str, size: int) -> None:
     g = torch.Generator().manual_seed(size)
@@ -124,12 +115,7 @@ def test_dense_switch_at_fill_in() -> None:
         assert all((res.indices is None) == dense for res, _, _ in results), name
 
     def bytes_of(name: str) -> int:
-        def rank(b: LoopbackBackend) -> int:
-            req = sparse_allreduce(b, *inputs[b.rank], N, name)
-            wait_until(req.test, 20.0, f"rank {b.rank}: {name} did not complete")
-            return req.bytes_sent
-
-        return max(run_ranks(4, rank))
+        return max(sent for _, _, sent in run(4, inputs, N, name))
 
     sent = {name: bytes_of(name) for name in ("dsar", "ssar_split_allgather")}
     assert sent["dsar"] < sent["ssar_split_allgather"]
@@ -187,7 +173,7 @@ def test_gtopk_follows_its_definition(size: int) -> None:
         assert dict(zip(dropped.indices.tolist(), dropped.values.tolist())) == expect_dropped[r]
 
 
-@pytest.mark.parametrize("size", range(1, 9))
+@pytest.mark.parametrize("size", range(2, 9))  # one rank: nothing reduced, nothing selected
 def test_gtopk_result_plus_dropped_is_the_sum(size: int) -> None:
     for kind in KINDS:
         inputs = supports(kind, size, N, seed=3 * size)
@@ -200,12 +186,6 @@ def test_gtopk_result_plus_dropped_is_the_sum(size: int) -> None:
             assert dropped is not None
             total += dropped.dense()
         assert torch.equal(total, dense_sum(inputs, N)), kind
-
-
-def test_auto_picks_one_algorithm_on_every_rank() -> None:
-    inputs = supports("empty_on_some", 4, N, seed=2)  # nnz differs by rank: max decides
-    picked = {name for _, _, name in run(4, inputs, N, "auto")}
-    assert len(picked) == 1 and picked <= set(EXACT)
 
 
 def test_cost_model_sees_fill_in() -> None:
@@ -254,39 +234,8 @@ def test_prepare_sorts_and_sums_repeats() -> None:
 
 
 def test_bad_arguments() -> None:
-    def call(b: LoopbackBackend, name: str, k: int = 0) -> Callable[[], object]:
-        return lambda: sparse_allreduce(b, torch.tensor([0]), torch.tensor([1.0]), 4, name, k=k)
-
-    b = run_ranks(1, lambda b: b)[0]
     with pytest.raises(ValueError, match="unknown sparse allreduce algorithm 'ring'"):
-        call(b, "ring")()
-    with pytest.raises(ValueError, match="gtopk needs k >= 1"):
-        call(b, "gtopk")()
-
-
-def test_irecv_any_receives_any_length_in_order() -> None:
-    def rank(b: LoopbackBackend) -> list[list[float]]:
-        if b.rank == 0:
-            for n in (3, 0, 5):
-                b.isend(torch.arange(float(n)), 1)
-            return []
-        reqs = [b.irecv_any(torch.float32, 0) for _ in range(3)]
-        for req in reqs:
-            assert req.wait(5.0)
-        return [req.tensor.tolist() for req in reqs]  # type: ignore[union-attr]
-
-    assert run_ranks(2, rank)[1] == [[0.0, 1.0, 2.0], [], [0.0, 1.0, 2.0, 3.0, 4.0]]
-
-    def wrong(b: LoopbackBackend) -> None:
-        if b.rank == 0:
-            b.isend(torch.zeros(2, dtype=torch.int32), 1)
-        else:
-            b.irecv_any(torch.float32, 0).wait(5.0)
-
-    with pytest.raises(
-        CommlayerError, match="receive of torch.float32 from rank 0 got torch.int32"
-    ):
-        run_ranks(2, wrong)
+        sparse.check_name("ring")
 
 
 @pytest.mark.parametrize("size", range(1, 9))
@@ -341,31 +290,3 @@ def test_add_dropped_goes_into_the_residual() -> None:
     assert torch.equal(ef.residuals["g"], before + torch.tensor([[4.0, 0.0], [0.0, 2.0]]))
     with pytest.raises(ValueError, match="add_dropped\\('h'\\): nothing was compressed"):
         ef.add_dropped("h", torch.tensor([0]), torch.tensor([1.0]))
-
-
-def test_topo_sparse_defaults_to_the_backends_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The direct API without a topology runs topo_sparse on the backend's nodes (here 2 nodes
-    of 2 loopback ranks), not flat: the schedule it builds is the one for that layout."""
-    from commlayer.algorithms.sparse import executor
-
-    seen: list[tuple[int, ...]] = []
-    original = executor.sparse.schedule
-
-    def spy(name: str, rank: int, size: int, numel: int, topology: Topology | None = None) -> Any:
-        assert topology is not None
-        seen.append(topology.node_of)
-        return original(name, rank, size, numel, topology)
-
-    monkeypatch.setattr(executor.sparse, "schedule", spy)
-    n = 64
-    inputs = supports("overlapping", 4, n, seed=5)
-
-    def rank(b: LoopbackBackend) -> SparseResult:
-        req = sparse_allreduce(b, *inputs[b.rank], n, "topo_sparse")
-        wait_until(req.test, 20.0, f"rank {b.rank}: topo_sparse did not complete")
-        assert req.result is not None
-        return req.result
-
-    for result in run_ranks(4, rank, nodes=[0, 0, 1, 1]):
-        assert torch.equal(result.dense(), dense_sum(inputs, n))
-    assert seen and set(seen) == {(0, 0, 1, 1)}

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from commlayer.backends.peers import PeerTable
 from commlayer.backends.torch_distributed import TorchBackend
 
 # 2 hosts x 2 ranks, as the namespace cluster's: node2's ranks resolve to 10.213.0.2
 _JOB = SimpleNamespace(
-    _rank=0,
-    _peers=[("node1", 11), ("node1", 12), ("node2", 21), ("node2", 22)],
-    _addresses=[{"10.213.0.1"}, {"10.213.0.1"}, {"10.213.0.2"}, {"10.213.0.2"}],
+    _peers=PeerTable(
+        0,
+        [("node1", 11, "m"), ("node1", 12, "m"), ("node2", 21, "m"), ("node2", 22, "m")],
+        [{"10.213.0.1"}, {"10.213.0.1"}, {"10.213.0.2"}, {"10.213.0.2"}],
+    )
 )
 _CLOSED = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "

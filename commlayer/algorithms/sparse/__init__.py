@@ -2,8 +2,9 @@
 
 Each rank holds a sparse vector of ``numel`` elements, (indices, values); the result is the sum
 over ranks, as a sparse list or, when that is smaller, dense. Like the dense algorithms these are
-schedules (schedule.py: the dense ``Step`` lists, reused, run by a sparse executor whose
-transfers carry (index, value) streams of data-dependent length) plus one policy per algorithm:
+schedules (schedule.py: the dense ``Step`` lists, reused, whose steps executor.py applies to
+(index, value) streams of data-dependent length, moved through the engine by
+comm/sparse_reduction.py) plus one policy per algorithm:
 whether a stream turns dense once that is smaller, and whether each step re-selects the top k.
 
 | name | schedule | dense switch | result |

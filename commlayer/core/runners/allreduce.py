@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from commlayer.algorithms.executor import Allreducer
-from commlayer.backends.base import Backend, Request
+from commlayer.backends.base import PROGRESS_THREADS, Backend, ProgressThreads, Request
 from commlayer.core import fusion
 from commlayer.core.negotiation import Response
 from commlayer.core.reduce_ops import ReduceOp
@@ -199,9 +199,9 @@ class FusedAllreduce:
         collectives are posted."""
         known = self._split_of.get(backend)
         if known is None:
-            threads = getattr(backend, "progress_threads", 0) > 0
-            crowded = getattr(backend, "oversubscribed", None)
-            known = threads and crowded is not None and not crowded()
+            known = PROGRESS_THREADS in backend.capabilities and not (
+                cast(ProgressThreads, backend).oversubscribed()
+            )
             self._split_of[backend] = known
         return known
 

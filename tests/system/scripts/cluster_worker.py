@@ -125,10 +125,10 @@ def windows() -> dict[str, object]:
         return {"global_window": None, "levels": None}
     levels = [
         {
-            "node_hosts": sorted({host for host, _ in node._peers}),
+            "node_hosts": sorted(set(node.hosts())),
             "node_window": node._shm is not None,
             "node_size": node.size,
-            "cross_hosts": sorted({host for host, _ in cross._peers}),
+            "cross_hosts": sorted(set(cross.hosts())),
             "cross_window": cross._shm is not None,
         }
         for node, cross in backend._levels.values()
