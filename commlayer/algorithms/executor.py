@@ -10,7 +10,7 @@ peer noticed): the backend's own for ``mpi`` and ``shm``, else the algorithm's s
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -171,7 +171,8 @@ class Allreducer:
             before_alone()
         topology, _, two_level = self._backend_facts(backend)
         if name == "hierarchical" and two_level:
-            request = cast(TwoLevel, backend).shm_hierarchical_iallreduce(
+            levels: TwoLevel = backend  # type: ignore[assignment]  # two_level: TWO_LEVEL
+            request = levels.shm_hierarchical_iallreduce(
                 send, buf, op, topology.node_of, lambda cross, part: self._inter(cross, part, op)
             )
         else:
@@ -199,7 +200,7 @@ class Allreducer:
             return None
         if before_alone is not None:
             before_alone()
-        window = cast(SharedMemory, backend)  # "shm" is picked only where it is capable
+        window: SharedMemory = backend  # type: ignore[assignment]  # "shm": only where capable
         request = window.shm_iallreduce_pieces(sources, outputs, scales, op)
         return request if key is None else self._tuner.start(key, name, backend, request)
 
@@ -226,7 +227,8 @@ class Allreducer:
         if name == "mpi" or backend.size == 1:
             return backend.iallreduce(send, buf, op)
         if name == "shm":
-            return cast(SharedMemory, backend).shm_iallreduce(send, buf, op)
+            window: SharedMemory = backend  # type: ignore[assignment]  # no cast() call per op
+            return window.shm_iallreduce(send, buf, op)
         if send is not None:
             buf.copy_(send)
         key = (name, backend.rank, backend.size, buf.numel(), topology)
