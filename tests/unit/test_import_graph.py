@@ -169,15 +169,8 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
     return sorted(found)
 
 
-# Being moved down (device.Path and the host-call sync into backends/base.py): to be emptied.
-_MOVING = {
-    "commlayer.backends.mpi (backends) -> commlayer.core.device (core)",
-    "commlayer.backends.torch_distributed (backends) -> commlayer.core.device (core)",
-}
-
-
 def test_no_import_points_up_a_layer_or_into_a_side_system() -> None:
-    upward = [edge for edge in _upward(_graph()) if edge not in _MOVING]
+    upward = _upward(_graph())
     assert not upward, "imports that point up a layer (DESIGN.md):\n" + "\n".join(upward)
 
 
