@@ -53,7 +53,7 @@ import torch
 
 from commlayer import algorithms, costmodel
 from commlayer.algorithms import autotune
-from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.mpi import MPI, MPIBackend, library_version
 from commlayer.core import config, topology
 from commlayer.core.reduce_ops import ReduceOp

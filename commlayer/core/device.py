@@ -23,8 +23,9 @@ Once the collective and the unpack are queued, ``Direct.done`` hands the result 
 the engine thread does not wait for its device work. That work is queued on the work stream,
 the engine thread's current stream, so the future's marks (**Order** below), recorded there when
 it completes, order whoever reads the result after it, with no host wait. The fusion buffers
-(fusion.BufferPool) are only touched on the work stream (packs, unpacks, and the collective,
-which NCCL orders after it and it after NCCL; MPI after ``sync_before_host_call``), so a buffer
+(a BufferPool, algorithms/executor.py) are only touched on the work stream (packs, unpacks, and
+the collective, which NCCL orders after it and it after NCCL; MPI after
+``sync_before_host_call``), so a buffer
 the next bucket packs into while the previous bucket's unpack is still queued is written after
 that unpack. A tensor the engine makes for a result (allgather's...) is allocated on the work
 stream and read on the caller's: it is kept (``record_stream``) for the caller's stream at

@@ -59,7 +59,7 @@ from typing import Any, cast
 import torch
 
 from commlayer import costmodel
-from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.base import PROGRESS_THREADS, Backend, ProgressThreads, Request
 from commlayer.core import device, fusion, topology
 from commlayer.core.config import Config

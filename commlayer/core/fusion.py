@@ -62,27 +62,6 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
         tensor.copy_(tensor.double().mul_(factor).trunc_())
 
 
-_CPU = torch.device("cpu")
-
-
-class BufferPool:
-    """One growing flat buffer per dtype and device, reused across cycles (never freed while
-    running): direct CUDA operations fuse on their device (device.py)."""
-
-    __slots__ = ("_buffers",)
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-    def get(self, dtype: torch.dtype, numel: int, device: torch.device = _CPU) -> torch.Tensor:
-        key = (dtype, device)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = buf
-        return buf[:numel]
-
-
 def _flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors as 1-D (a view costs ~1 us each, so only when one is not 1-D already)."""
     if all(t.dim() == 1 for t in tensors):

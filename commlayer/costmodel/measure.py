@@ -2,7 +2,7 @@
 native allreduces over a backend (collective: every rank calls it together).
 
 The exchange curve is measured with every rank exchanging with a partner at once through the real
-executor (algorithms/run.py), so Python's per-step overhead and the contention of ranks sharing
+executor (algorithms/executor.py), so Python's per-step overhead and the contention of ranks sharing
 one memory bus are in it; the executor's copy of the received bytes over the buffer is taken out
 of it (the model adds the step's own copy or reduction; counting it twice overpredicted every
 large step). Several nodes: ``exchange_inter``, between partners on different nodes, every pair
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from commlayer.algorithms.run import ScheduleRequest, Scratch
+from commlayer.algorithms.executor import BufferPool, ScheduleRequest
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
 from commlayer.backends.base import SHARED_MEMORY
 from commlayer.core.reduce_ops import ReduceOp
@@ -81,7 +81,7 @@ def calibrate(
     # algorithms' times. This machine's speed drifts by up to 2x within a minute: every size is
     # taken in turn (its exchanges and natives at one moment, as auto compares them), in rounds
     # over all sizes, and each point is the median of its rounds.
-    scratch = Scratch()
+    scratch = BufferPool()
     partners = {"exchange": _partner(topology, rank, False)}
     if nodes > 1:
         partners["exchange_inter"] = _partner(topology, rank, True)

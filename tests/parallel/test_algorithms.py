@@ -28,7 +28,7 @@ from waiting import wait_until
 import commlayer as cl
 from commlayer import algorithms
 from commlayer.algorithms import autotune
-from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.base import Backend
 from commlayer.core import runtime
 from commlayer.core.reduce_ops import ReduceOp

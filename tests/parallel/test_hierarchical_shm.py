@@ -30,7 +30,7 @@ from restart import reinit
 from waiting import wait_until
 
 import commlayer as cl
-from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.mpi import MPIBackend
 from commlayer.backends.shm import CHUNK_BYTES
 from commlayer.core import runtime

@@ -15,8 +15,8 @@ from engine_harness import allreduce, run_engines, wait
 from waiting import Deadline, wait_until
 
 from commlayer import algorithms
-from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.schedule import Step, Transfer, blocks, simulate, traffic
+from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.core import config
 from commlayer.core import topology as topology_module
@@ -332,14 +332,14 @@ class _HoldingBackend:
 def test_executor_reduces_the_first_piece_before_the_others_arrive(small_chunks: int) -> None:
     """Rank 0's receives are held back except the first: after test() the first piece of the
     step is already reduced into the buffer while the step is still in flight."""
-    from commlayer.algorithms.executor import ScheduleRequest, Scratch
+    from commlayer.algorithms.executor import BufferPool, ScheduleRequest
 
     def main(backend: LoopbackBackend) -> tuple[bool, bool, torch.Tensor]:
         buf = torch.full((28,), float(backend.rank + 1))
         schedule = algorithms.schedule("ring", backend.rank, 2, 28)  # 2 pieces of 7 per step
         gate = [backend.rank != 0]
         held = _HoldingBackend(backend, gate)
-        request = ScheduleRequest(held, schedule, buf, ReduceOp.Sum, Scratch())  # type: ignore[arg-type]
+        request = ScheduleRequest(held, schedule, buf, ReduceOp.Sum, BufferPool())  # type: ignore[arg-type]
         start, stop = schedule[0].recvs[0].start, schedule[0].recvs[0].stop
         # past 5 s the gate opens anyway: a first piece never seen fails the check, not a hang
         give_up = Deadline(5.0)
@@ -364,14 +364,14 @@ def test_executor_reduces_the_first_piece_before_the_others_arrive(small_chunks:
 def test_executor_waits_for_the_sends_of_a_step_that_overlap_its_receives() -> None:
     """Recursive doubling sends and receives the whole buffer in one step: a receive that
     arrived is not applied while the send reading the same range is still in flight."""
-    from commlayer.algorithms.executor import ScheduleRequest, Scratch
+    from commlayer.algorithms.executor import BufferPool, ScheduleRequest
 
     def main(backend: LoopbackBackend) -> torch.Tensor:
         buf = torch.full((8,), float(backend.rank + 1))
         schedule = algorithms.schedule("recursive_doubling", backend.rank, 2, 8)
         gate = [backend.rank != 0]
         held = _HoldingBackend(backend, gate, sends=True)
-        request = ScheduleRequest(held, schedule, buf, ReduceOp.Sum, Scratch())  # type: ignore[arg-type]
+        request = ScheduleRequest(held, schedule, buf, ReduceOp.Sum, BufferPool())  # type: ignore[arg-type]
         for _ in range(50):
             assert not request.test() or backend.rank != 0
             if backend.rank == 0:

@@ -13,7 +13,7 @@ from waiting import wait_until
 
 from commlayer.algorithms import autotune
 from commlayer.algorithms.autotune import SAMPLES, Tuner
-from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.base import COMPLETED, Backend, Request
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.core.reduce_ops import ReduceOp

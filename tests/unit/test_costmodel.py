@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from commlayer import algorithms, cli, costmodel
-from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.core.engine import agreed_calibrations
 from commlayer.core.topology import Topology

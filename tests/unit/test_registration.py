@@ -12,8 +12,8 @@ from waiting import wait_until
 
 from commlayer import algorithms, costmodel
 from commlayer.algorithms import sparse
-from commlayer.algorithms.executor import Allreducer
 from commlayer.algorithms.schedule import Schedule, compact, simulate, step
+from commlayer.algorithms.selection import Allreducer
 from commlayer.algorithms.sparse import cost
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.comm.sparse_reduction import engine_algorithm

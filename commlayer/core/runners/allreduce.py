@@ -33,7 +33,8 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from commlayer.algorithms.executor import Allreducer
+from commlayer.algorithms.executor import BufferPool
+from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.base import PROGRESS_THREADS, Backend, ProgressThreads, Request
 from commlayer.core import fusion
 from commlayer.core.negotiation import Response
@@ -126,7 +127,7 @@ class FusedAllreduce:
         self._allreduce = allreducer
         self._threshold_bytes = fusion_threshold_bytes
         self._host = host
-        self._pool = fusion.BufferPool()
+        self._pool = BufferPool()
         self._split_of: dict[Backend, bool] = {}  # per backend object: _splits
 
     def run(
