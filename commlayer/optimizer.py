@@ -2,17 +2,15 @@
 
 1. A hook per parameter (``register_post_accumulate_grad_hook``) counts the gradient ready the
    moment backward has finished accumulating it, so communication of the last layers overlaps
-   the backward pass of the first ones. The bucketer here is commlayer's one batching policy
-   (the engine executes what it is given, engine.py constraint 3): in the first step, ready
-   gradients wait until ``min_bucket_bytes`` (COMMLAYER_MIN_BUCKET_BYTES, 1 MiB) of them are
-   ready or the step's last one is, then go together (``ops.batch``: negotiated and fused in
-   one cycle). That step records the order in which backward made them ready; at its end rank
-   0's order is broadcast, and from then on gradients travel in fixed buckets, as DDP's do:
-   ``min_bucket_bytes`` of gradients of one dtype and one compressor, in that order, reduced
-   together by the compression communicator as soon as the bucket's last gradient is ready. A
-   hook is then a counter: on the ResNet of benchmarks/train.py the 47 per-gradient
-   submissions cost ~110 us each during backward (12 us alone: backward leaves Python's caches
-   cold), 5 ms a step. Sparse gradients and parameters added later go one by one.
+   the backward pass of the first ones. Which gradients then travel together is the Bucketer's
+   decision (comm/bucketer.py, commlayer's one bucket policy; the engine executes what it is
+   given, engine.py constraint 3): in the first step, ready gradients go together once
+   ``min_bucket_bytes`` (COMMLAYER_MIN_BUCKET_BYTES, 1 MiB) of them are ready or the step's
+   last one is (``ops.batch``: negotiated and fused in one cycle); at that step's end rank 0's
+   ready order is broadcast, and from then on gradients travel in fixed buckets, as DDP's do,
+   reduced together by the compression communicator as soon as a bucket's last gradient is
+   ready. ``groups=`` (Horovod's) fixes buckets from the start. Sparse gradients go one by
+   one, through ``ops.sparse_allreduce_async`` (every rank's entries gathered, summed).
 2. ``step()`` waits only for what is still in flight (``synchronize``), then runs the wrapped
    optimizer's own step. Reading ``param_groups`` while reductions are in flight synchronizes
    first, so ``torch.amp.GradScaler`` (whose ``unscale_`` and inf check read every gradient
@@ -51,12 +49,13 @@ import math
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from commlayer import ops
+from commlayer.comm.bucketer import Bucket, Bucketer, Part, cut, split_groups
 from commlayer.comm.communicator import Communicator, EngineTransport, measure_cpu
 from commlayer.compression import Compressor, Policy, create
 from commlayer.compression import auto as auto_compression
@@ -70,333 +69,365 @@ from commlayer.core.reduce_ops import ReduceOp
 _log = logging.getLogger("commlayer")
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
 
-
-class _Bucket:
-    """Gradients reduced as one grouped allreduce once the last of them is ready."""
-
-    __slots__ = ("params", "name", "compressor", "ready", "handle")
-
-    def __init__(self, params: list[torch.nn.Parameter], name: str, compressor: Compressor) -> None:
-        self.params = params
-        self.name = name
-        self.compressor = compressor  # the policy's choice for every member
-        self.ready = 0  # parameters whose gradient is final this step
-        self.handle: Future | None = None  # while its reduction is in flight
+Param = torch.nn.Parameter
+Groups = int | Sequence[Sequence[torch.Tensor]] | None
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
-    """Methods mixed into the dynamic subclass (see ``DistributedOptimizer``)."""
+class _Reducer:
+    """What a DistributedOptimizer keeps and does besides the wrapped optimizer's own work, as
+    torch DDP's Reducer and PowerSGD's ``PowerSGDState`` keep it: settings, the reductions in
+    flight, the Bucketer. The optimizer holds it in one attribute (``_commlayer``); its own
+    methods (``step``, ``synchronize``, ...) call it."""
 
-    # In flight since the last synchronize: a parameter's future, and whether its gradient
-    # is sparse (rows to sum into p.grad); dense ones are reduced in p.grad itself.
-    _cl_handles: dict[torch.nn.Parameter, tuple[Future, bool]]
+    __slots__ = (
+        "owner", "named", "names", "policy", "comm", "passes_per_step", "op", "sparse_as_dense",
+        "process_set", "reduces", "handles", "passes", "ready", "bucketer", "sparse_dims",
+        "resparsify", "hooks", "synchronized", "user_synchronized", "should_synchronize",
+        "wait_s",
+    )  # fmt: skip
 
-    def _cl_setup(
+    def __init__(
         self,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
-        compression: Policy,
+        owner: dict[str, Any],
+        named: dict[Param, str] | None,
+        policy: Policy,
         backward_passes_per_step: int,
         op: ReduceOp,
         gradient_predivide_factor: float,
         sparse_as_dense: bool,
         process_set: ProcessSet,
     ) -> None:
-        if backward_passes_per_step < 1:
-            raise ValueError(
-                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
-            )
-        if gradient_predivide_factor <= 0:
-            raise ValueError(
-                f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}"
-            )
-        if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
-            raise ValueError("gradient_predivide_factor needs op=Average")
-        # Over one rank the wrapper is the identity (module docstring, 6.), whatever the op
-        # (Horovod's too: at size 1 it wraps even op=Adasum in its plain optimizer).
-        alone = process_set.size() == 1 and runtime.config().force_full_path != "1"
-        if op == ReduceOp.Adasum and not alone:
-            raise ValueError(
-                f"rank {runtime.rank()}: DistributedOptimizer(op=Adasum) is not supported: "
-                "Horovod applies Adasum to each "
-                "step's parameter change in an optimizer of its own; use op=Average or op=Sum, "
-                "or commlayer.allreduce(tensor, op=Adasum) on what you want combined"
-            )
-        self._cl_named = _name_map(named_parameters)
-        params = [p for group in self.param_groups for p in group["params"]]
-        self._cl_names = _parameter_names(params, self._cl_named)
-        self._cl_policy = _checked_policy(compression, op, self._cl_names, self._cl_named)
-        self._cl_comm = Communicator(
+        self.owner = owner  # the optimizer's __dict__: its param_groups, read without syncing
+        self.named = named
+        self.names = _parameter_names(self.params(), named)
+        self.policy = _checked_policy(policy, op, self.names, named)
+        self.comm = Communicator(
             EngineTransport(process_set, runtime.config().sparse_algorithm),
             op,
             gradient_predivide_factor,
             what="gradient",
         )
-        self._cl_passes_per_step = backward_passes_per_step
-        self._cl_op = op
-        self._cl_sparse_as_dense = sparse_as_dense
-        self._cl_process_set = process_set
-        self._cl_handles = {}
-        self._cl_passes: dict[torch.nn.Parameter, int] = {}
-        self._cl_ready = 0  # parameters whose gradient is final since the last synchronize
-        self._cl_bucket_bytes = runtime.config().min_bucket_bytes
-        self._cl_buckets: list[_Bucket] = []
-        self._cl_bucket_of: dict[torch.nn.Parameter, _Bucket] = {}
-        # Gradients ready but not in a bucket (the first step, sparse ones, parameters added
-        # later), sent together once they hold min_bucket_bytes, or at the step's last one.
-        self._cl_unsent: list[torch.nn.Parameter] = []
-        self._cl_unsent_bytes = 0
-        # Ready order of this step's gradients, recorded until the buckets are planned.
-        self._cl_order: list[torch.nn.Parameter] | None = []
+        self.passes_per_step = backward_passes_per_step
+        self.op = op
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self.reduces = self.reduces_here()
+        # In flight since the last synchronize, outside buckets: a parameter's future, and
+        # whether its gradient is sparse (the sum replaces p.grad); dense ones are reduced in
+        # p.grad itself.
+        self.handles: dict[Param, tuple[Future, bool]] = {}
+        self.passes: dict[Param, int] = {}
+        self.ready = 0  # parameters whose gradient is final since the last synchronize
+        self.bucketer = Bucketer(runtime.config().min_bucket_bytes)
         # sparse_dim of parameters seen with a sparse gradient: when such a parameter has no
-        # gradient on this rank, it joins the others' allgather with zero rows.
-        self._cl_sparse_dims: dict[torch.nn.Parameter, int] = {}
-        self._cl_synchronized = False
-        self._cl_user_synchronized = False  # synchronize() called by the user since the step
-        self._cl_should_synchronize = True
+        # gradient on this rank, it joins the others' sparse allreduce with no rows.
+        self.sparse_dims: dict[Param, int] = {}
         # Gradients that were sparse and were reduced dense (sparse_as_dense, or dense in the
         # step that planned the buckets): given back sparse, as backward made them.
-        self._cl_resparsify: set[torch.nn.Parameter] = set()
-        # Whether this rank reduces at all (module docstring, 6.): as in Horovod, ranks outside
-        # the optimizer's process set do not (their gradients stay local), nor does a set of one
-        # rank, unless COMMLAYER_FORCE_FULL_PATH says to; synchronize() then returns at once.
-        self._cl_reduces = process_set.included() and not alone
+        self.resparsify: set[Param] = set()
+        self.hooks: list[Any] = []
+        self.synchronized = False
+        self.user_synchronized = False  # synchronize() called by the user since the step
+        self.should_synchronize = True
         # Seconds step()/synchronize() spent blocked on reductions: the collective time that
-        # passed meanwhile (communication_stats()["collective_now_s"] before and after: what
-        # backward did not hide) plus the wait outside collectives (negotiation, queueing).
-        self.synchronize_wait_s = 0.0
-        self._cl_hooks: list[Any] = []
-        self._cl_hook(params)
+        # passed meanwhile (what backward did not hide) plus the wait outside collectives
+        # (negotiation, queueing). The optimizer's synchronize_wait_s.
+        self.wait_s = 0.0
 
-    @property
-    def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
-        """{parameter: name} (horovod.torch's attribute): the names of named_parameters, else
-        'grad.<position>' names, the same on every rank."""
-        return {p: name.removeprefix("grad.") for p, name in self._cl_names.items()}
+    def params(self) -> list[Param]:
+        return [p for group in self.owner["param_groups"] for p in group["params"]]
 
-    def _cl_hook(self, params: list[torch.nn.Parameter]) -> None:
-        """Submit each parameter's gradient as soon as backward has accumulated it."""
-        if not self._cl_reduces:
+    def reduces_here(self) -> bool:
+        """Whether this rank reduces at all (module docstring, 6.): as in Horovod, ranks outside
+        the process set do not (their gradients stay local), nor does a set of one rank, unless
+        COMMLAYER_FORCE_FULL_PATH says to; synchronize() then returns at once."""
+        alone = self.process_set.size() == 1 and runtime.config().force_full_path != "1"
+        return self.process_set.included() and not alone
+
+    # -- groups= ---------------------------------------------------------------------------------
+    def set_groups(self, groups: Groups) -> None:
+        """Horovod's ``groups``: buckets fixed from the start (comm/bucketer.py, 3.), of the
+        parameters that require grad. An int splits them, in rank 0's order of the optimizer's
+        parameters (a collective, as Horovod's), into that many consecutive groups; lists name
+        each group's parameters."""
+        if groups is None:
             return
-        self._cl_hooks += [
-            p.register_post_accumulate_grad_hook(self._cl_on_grad_ready)
+        if isinstance(groups, bool) or not isinstance(groups, (int, list, tuple)):
+            raise ValueError(
+                f"groups must be a positive int or a list of lists of parameters, got {groups!r}"
+            )
+        if isinstance(groups, int):
+            if groups < 1:
+                raise ValueError(
+                    f"groups must be a positive int (how many groups to split the parameters "
+                    f"into) or a list of lists of parameters, got {groups}"
+                )
+            lists = split_groups(self.root_order(), groups)
+        else:
+            lists = [[p for p in group if p.requires_grad] for group in self.checked_groups(groups)]
+        compressor_of = {p: self.choose(p) for members in lists for p in members}
+        self.bucketer = Bucketer(
+            self.bucketer.bucket_bytes,
+            [self.bucket(members, compressor_of) for members in lists if members],
+        )
+
+    def root_order(self) -> list[Param]:
+        """The parameters that require grad, in the order of the optimizer's on the process
+        set's first rank (every rank alike: a collective where this rank reduces)."""
+        hooked = [p for p in self.params() if p.requires_grad]
+        if not self.reduces or not hooked:
+            return hooked
+        from commlayer import state_sync  # imports the ops layer, as this module does
+
+        order = state_sync.broadcast_object(
+            [self.names[p] for p in hooked],
+            min(self.process_set.ranks or [0]),
+            name=f"{next(iter(self.names.values()))}.groups",
+            process_set=self.process_set,
+        )
+        position = {name: i for i, name in enumerate(order)}
+        differ = [self.names[p] for p in hooked if self.names[p] not in position]
+        if differ or len(order) != len(hooked):
+            raise ValueError(
+                f"rank {runtime.rank()}: groups=int: the parameters that require grad differ "
+                f"from the first rank's (here, not there: {differ[:10]}); every rank must wrap "
+                "the same parameters"
+            )
+        return sorted(hooked, key=lambda p: position[self.names[p]])
+
+    def checked_groups(self, groups: Sequence[Sequence[torch.Tensor]]) -> list[list[Param]]:
+        """The groups as lists, each parameter the optimizer's and in one group only."""
+        grouped: dict[int, int] = {}  # id of a parameter: its group
+        lists = []
+        for index, members in enumerate(groups):
+            if not isinstance(members, (list, tuple)) or not all(
+                isinstance(p, torch.Tensor) for p in members
+            ):
+                raise ValueError(
+                    f"groups[{index}] must be a list of parameters (tensors), got {members!r}"
+                )
+            for position, p in enumerate(members):
+                if p not in self.names:
+                    raise ValueError(
+                        f"groups[{index}][{position}] (shape {tuple(p.shape)}) is not a "
+                        "parameter of the optimizer; a group lists parameters of its "
+                        "param_groups"
+                    )
+                first = grouped.setdefault(id(p), index)
+                if first != index or sum(q is p for q in members) > 1:
+                    raise ValueError(
+                        f"groups: {self.names[p].removeprefix('grad.')!r} is in groups[{first}] "
+                        f"and groups[{index}]; a parameter may be in one group only, once"
+                    )
+            lists.append(list(members))
+        return lists
+
+    def choose(self, p: Param) -> Compressor:
+        return self.policy.choose(self.names[p].removeprefix("grad."), p)
+
+    def bucket(self, params: list[Param], compressor_of: dict[Param, Compressor]) -> Bucket:
+        """``params`` as one bucket, a part (one collective) per dtype and compressor, each
+        named ``grad.bucket[first..last]`` after its first and last gradients."""
+        parts = []
+        for members in cut(params, math.inf, compressor_of):
+            first, last = (self.names[p].removeprefix("grad.") for p in (members[0], members[-1]))
+            parts.append(Part(members, f"grad.bucket[{first}..{last}]", compressor_of[members[0]]))
+        return Bucket(parts)
+
+    # -- backward side ---------------------------------------------------------------------------
+    def hook(self, params: list[Param]) -> None:
+        """Submit each parameter's gradient as soon as backward has accumulated it."""
+        if not self.reduces:
+            return
+        self.hooks += [
+            p.register_post_accumulate_grad_hook(self.on_grad_ready)
             for p in params
             if p.requires_grad
         ]
 
-    # -- backward side ---------------------------------------------------------------------------
-    def _cl_on_grad_ready(self, p: torch.nn.Parameter) -> None:
-        passes = self._cl_passes.get(p, 0) + 1
-        if passes > self._cl_passes_per_step:
+    def on_grad_ready(self, p: Param) -> None:
+        passes = self.passes.get(p, 0) + 1
+        if passes > self.passes_per_step:
             raise RuntimeError(
-                f"gradient of {self._cl_names[p]!r} was computed again before step(): call "
+                f"gradient of {self.names[p]!r} was computed again before step(): call "
                 "optimizer.step() (or synchronize()) after every backward pass, or set "
                 "backward_passes_per_step"
             )
-        self._cl_synchronized = self._cl_user_synchronized = False
-        self._cl_passes[p] = passes
-        if passes < self._cl_passes_per_step:
+        self.synchronized = self.user_synchronized = False
+        self.passes[p] = passes
+        if passes < self.passes_per_step:
             return
-        self._cl_ready += 1
-        bucket = self._cl_bucket_of.get(p)
-        if bucket is not None:
-            bucket.ready += 1
-            if bucket.ready == len(bucket.params):
-                self._cl_send_bucket(bucket)
-        else:
-            if self._cl_order is not None:
-                self._cl_order.append(p)
-            self._cl_unsent.append(p)
-            self._cl_unsent_bytes += p.numel() * p.element_size()
-            if self._cl_unsent_bytes >= self._cl_bucket_bytes:
-                self._cl_send_unsent()
-        if self._cl_ready == len(self._cl_hooks):
+        self.ready += 1
+        send = self.bucketer.ready(p)
+        if isinstance(send, Bucket):
+            self.send_bucket(send)
+        elif send:
+            self.send(send)
+        if self.ready == len(self.hooks):
             # the step's last gradient: no company is coming, send now rather than at
             # step() (one negotiation round later, ~5% of an MLP step at 4 ranks)
-            self._cl_send_unsent()
+            self.send(self.bucketer.take_unsent())
 
-    def _cl_send_unsent(self) -> None:
-        """Submit the gradients waiting outside buckets, together (the engine negotiates and
-        fuses what arrives together), instead of one collective per small gradient."""
-        unsent, self._cl_unsent, self._cl_unsent_bytes = self._cl_unsent, [], 0
+    def send(self, params: list[Param]) -> None:
+        """Submit gradients outside buckets together (the engine negotiates and fuses what
+        arrives together), instead of one collective per small gradient."""
+        if not params:
+            return
         with ops.batch():
-            for p in unsent:
-                self._cl_submit(p)
+            for p in params:
+                self.submit(p)
 
-    def _cl_submit(self, p: torch.nn.Parameter) -> None:
+    def submit(self, p: Param) -> None:
         grad = p.grad
         if grad is None:
-            grad = p.grad = self._cl_empty_grad(p)
+            grad = p.grad = self.empty_grad(p)
         if grad.is_sparse:
-            if not self._cl_sparse_as_dense:
-                self._cl_handles[p] = (self._cl_sparse_submit(p, grad), True)
+            if not self.sparse_as_dense:
+                # One operation under the gradient's own name: a rank that has no gradient and
+                # never saw it sparse submits a dense allreduce of that name, which negotiation
+                # reports as a mismatch on every rank instead of a hang.
+                self.sparse_dims[p] = grad.sparse_dim()
+                handle = ops.sparse_allreduce_async(
+                    grad, name=self.names[p], op=self.op, process_set=self.process_set
+                )
+                self.handles[p] = (handle, True)
                 return
             grad = p.grad = grad.to_dense()
-            self._cl_resparsify.add(p)
-        name = self._cl_names[p]
-        compressor = self._cl_policy.choose(name.removeprefix("grad."), grad)
-        self._cl_handles[p] = (self._cl_comm.reduce([grad], compressor, name), False)
+            self.resparsify.add(p)
+        self.handles[p] = (self.comm.reduce([grad], self.choose(p), self.names[p]), False)
 
-    def _cl_send_bucket(self, bucket: _Bucket) -> None:
-        """The bucket's gradients reduced together (the communicator: one grouped allreduce
-        uncompressed, one collective a round compressed), in place. At synchronize a member
-        whose gradient backward did not produce contributes its ``grad`` (``_cl_empty_grad``
-        if None, as ``_cl_submit`` does: zeros, a bucketed gradient is never known-sparse), or,
-        if it no longer requires grad, zeros that go nowhere: every rank sends the same
-        bucket."""
-        grads = []
+    def send_bucket(self, bucket: Bucket) -> None:
+        """The bucket's gradients reduced together (the communicator: one grouped allreduce a
+        part uncompressed, one collective a round compressed), in place. At synchronize a
+        member whose gradient backward did not produce contributes its ``grad``
+        (``empty_grad`` if None, as ``submit`` does: zeros, a bucketed gradient is never
+        known-sparse), or, if it no longer requires grad, zeros that go nowhere: every rank
+        sends the same bucket."""
+        grads = {}
         for p in bucket.params:
             grad = p.grad
             if grad is None or not p.requires_grad:
-                grad = self._cl_empty_grad(p)
+                grad = self.empty_grad(p)
                 if p.requires_grad:
                     p.grad = grad
             elif grad.is_sparse:  # sparse now, dense in the recorded step: reduce it dense
                 grad = p.grad = grad.to_dense()
-                self._cl_resparsify.add(p)
-            grads.append(grad)
-        names = [self._cl_names[p] for p in bucket.params]
-        bucket.handle = self._cl_comm.reduce(grads, bucket.compressor, bucket.name, names)
+                self.resparsify.add(p)
+            grads[p] = grad
+        with ops.batch():  # a group's parts: submitted together
+            bucket.handles = [
+                self.comm.reduce(
+                    [grads[p] for p in part.params],
+                    part.compressor,
+                    part.name,
+                    [self.names[p] for p in part.params],
+                )
+                for part in bucket.parts
+            ]
 
-    def _cl_empty_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+    def empty_grad(self, p: Param) -> torch.Tensor:
         """What a rank without a gradient for ``p`` contributes: no rows of a known-sparse
         gradient, else zeros."""
-        sparse_dim = self._cl_sparse_dims.get(p)
-        if sparse_dim is None or self._cl_sparse_as_dense:
+        sparse_dim = self.sparse_dims.get(p)
+        if sparse_dim is None or self.sparse_as_dense:
             return torch.zeros_like(p)
         indices = torch.empty((sparse_dim, 0), dtype=torch.int64)
         values = torch.empty((0, *p.shape[sparse_dim:]), dtype=p.dtype)
         return torch.sparse_coo_tensor(indices, values, p.shape)
 
-    def _cl_sparse_submit(self, p: torch.nn.Parameter, grad: torch.Tensor) -> Future:
-        """Sparse gradients: one allgather of every rank's rows (index, value) packed as bytes;
-        the sum of the gathered sparse tensor reduces duplicates. One operation with the
-        parameter's own name: a rank that has no gradient and has never seen this parameter's
-        gradient sparse submits a dense allreduce of that name, which negotiation reports as a
-        mismatch on every rank (TensorMismatchError) instead of a hang."""
-        grad = grad.coalesce()
-        self._cl_sparse_dims[p] = grad.sparse_dim()
-        nnz = grad.values().shape[0]
-        index_rows = _byte_rows(grad.indices().t(), nnz)
-        rows = torch.cat([index_rows, _byte_rows(grad.values(), nnz)], dim=1)
-        return ops.allgather_async(rows, name=self._cl_names[p], process_set=self._cl_process_set)
-
     # -- step side ---------------------------------------------------------------------------------
-    def _cl_new_world(self) -> None:
+    def new_world(self) -> None:
         """Elastic training re-formed the world (commlayer/elastic): what was in flight is
         gone, the buckets are planned again from the next step's order (as a new worker plans
         its own: every rank alike), and whether this rank reduces follows the new size."""
-        alone = self._cl_process_set.size() == 1 and runtime.config().force_full_path != "1"
-        self._cl_reduces = self._cl_process_set.included() and not alone
-        self._cl_handles.clear()
-        self._cl_passes.clear()
-        self._cl_ready = 0
-        self._cl_buckets, self._cl_bucket_of = [], {}
-        self._cl_unsent, self._cl_unsent_bytes = [], 0
-        self._cl_order = []
-        self._cl_resparsify.clear()
+        self.reduces = self.reduces_here()
+        self.handles.clear()
+        self.passes.clear()
+        self.ready = 0
+        self.bucketer.restart()
+        self.resparsify.clear()
 
     def synchronize(self) -> None:
-        """Wait for every gradient's reduction and write the results into ``p.grad``. Then
-        call ``step()`` inside ``skip_synchronize()`` (as in Horovod; without it, step()
-        warns)."""
-        self._cl_synchronize()
-        self._cl_user_synchronized = True
-
-    def _cl_synchronize(self) -> None:
-        if not self._cl_reduces:
-            self._cl_synchronized = True
+        if not self.reduces:
+            self.synchronized = True
             return
-        self._cl_send_unsent()
+        self.send(self.bucketer.take_unsent())
         late = []  # gradients backward did not produce: submitted now, zeros if None
         with ops.batch():
-            for group in self.__dict__["param_groups"]:  # not the property: it synchronizes
-                for p in group["params"]:
-                    if (
-                        p.requires_grad
-                        and p not in self._cl_handles
-                        and p not in self._cl_bucket_of
-                    ):
-                        self._cl_submit(p)
-                        late.append(p)
-            for bucket in self._cl_buckets:
+            for p in self.params():
+                if p.requires_grad and p not in self.handles and p not in self.bucketer.bucket_of:
+                    self.submit(p)
+                    late.append(p)
+            for bucket in self.bucketer.buckets:
                 # A bucket of parameters that all stopped requiring grad stays home, as a
                 # frozen parameter does on the path one by one.
-                if bucket.handle is None and any(p.requires_grad for p in bucket.params):
-                    self._cl_send_bucket(bucket)
+                if not bucket.handles and any(p.requires_grad for p in bucket.params):
+                    self.send_bucket(bucket)
         start = time.perf_counter()
-        failure = self._cl_wait_buckets()
-        # Every future is waited for even after one failed, so that none is left in flight
-        # (its name would be a duplicate at the next step) and the error is raised once.
-        for p, (future, sparse) in self._cl_handles.items():
+        failure = self.wait()
+        self.wait_s += time.perf_counter() - start
+        for p in self.resparsify:
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse()
+        self.resparsify.clear()
+        self.handles.clear()
+        self.passes.clear()
+        self.ready = 0
+        order = self.bucketer.step_done(failed=failure is not None)
+        if failure is not None:
+            raise failure
+        if order is not None:
+            self.plan_buckets(order, late)
+        self.synchronized = True
+
+    def wait(self) -> CommlayerError | None:
+        """Wait for every reduction in flight (dense results are written in place, sparse sums
+        replace ``p.grad``); returns the first error. Every future is waited for even after one
+        failed, so that none is left in flight (its name would be a duplicate at the next step)
+        and the error is raised once. A bucket's operation name (``grad.bucket[first..last]``)
+        names its first and last gradients."""
+        failure = None
+        for bucket in self.bucketer.buckets:
+            for handle in bucket.handles:
+                try:
+                    handle.wait()
+                except CommlayerError as exc:
+                    failure = failure or exc
+        for p, (future, sparse) in self.handles.items():
             try:
                 result = future.wait()
                 if sparse:
-                    p.grad = self._cl_sparse_result(p, result)
+                    p.grad = result
             except CommlayerError as exc:
-                failure = failure or _with_hint(exc, self._cl_names[p])
-        self.synchronize_wait_s += time.perf_counter() - start
-        for p in self._cl_resparsify:
-            if p.grad is not None and not p.grad.is_sparse:
-                p.grad = p.grad.to_sparse()
-        self._cl_resparsify.clear()
-        self._cl_handles.clear()
-        self._cl_passes.clear()
-        self._cl_ready = 0
-        if failure is not None:
-            if self._cl_order is not None:
-                self._cl_order = []  # record the next step's order instead
-            raise failure
-        if self._cl_order is not None:
-            self._cl_plan_buckets(self._cl_order, late)
-        self._cl_synchronized = True
-
-    def _cl_wait_buckets(self) -> CommlayerError | None:
-        """Wait for every bucket in flight (the results are written in place); returns the
-        first error, whose operation name (``grad.bucket[first..last]``) names the bucket's
-        first and last gradients."""
-        failure = None
-        for bucket in self._cl_buckets:
-            handle, bucket.handle, bucket.ready = bucket.handle, None, 0
-            if handle is None:
-                continue
-            try:
-                handle.wait()
-            except CommlayerError as exc:
-                failure = failure or exc
+                failure = failure or _with_hint(exc, self.names[p])
         return failure
 
-    def _cl_plan_buckets(
-        self, ready: list[torch.nn.Parameter], late: list[torch.nn.Parameter]
-    ) -> None:
+    def plan_buckets(self, ready: list[Param], late: list[Param]) -> None:
         """After the first complete step (on every rank alike: a collective): buckets in rank
         0's ready order. Sparse gradients stay on their own path; parameters that got no
         gradient come last, in buckets of their own."""
-        self._cl_order = None
-        names = [self._cl_names[p] for p in ready + late if p not in self._cl_sparse_dims]
-        split = sum(1 for p in ready if p not in self._cl_sparse_dims)
+        names = [self.names[p] for p in ready + late if p not in self.sparse_dims]
+        split = sum(1 for p in ready if p not in self.sparse_dims)
         from commlayer import state_sync  # imports the ops layer, as this module does
 
-        root = min(self._cl_process_set.ranks or [0])  # the set's first rank (a global rank)
-        by_name = {name: p for p, name in self._cl_names.items()}
-        compressor_of = {
-            p: self._cl_policy.choose(name.removeprefix("grad."), p)
-            for p, name in self._cl_names.items()
-        }
-        autos = [c for c in self._cl_policy.compressors().values() if isinstance(c, AutoCompressor)]
+        root = min(self.process_set.ranks or [0])  # the set's first rank (a global rank)
+        by_name = {name: p for p, name in self.names.items()}
+        compressor_of = {p: self.choose(p) for p in self.names}
+        autos = [c for c in self.policy.compressors().values() if isinstance(c, AutoCompressor)]
         # compression="auto": every rank times the link now (a collective), rank 0 decides
         # each bucket's compressor and its decisions travel with the plan (compression/auto.py).
-        link = self._cl_measure_link() if autos else None
+        link = self.measure_link() if autos else None
         decisions = None
         if link is not None and runtime.rank() == root:
-            decisions = self._cl_decide(self._cl_plan(names, split, by_name, compressor_of), link)
+            decisions = self.decide(self.plan(names, split, by_name, compressor_of), link)
         names, split, decisions = state_sync.broadcast_object(
             (names, split, decisions),
             root,
-            name=f"{next(iter(self._cl_names.values()))}.bucket_plan",
-            process_set=self._cl_process_set,
+            name=f"{next(iter(self.names.values()))}.bucket_plan",
+            process_set=self.process_set,
         )
-        for index, params in enumerate(self._cl_plan(names, split, by_name, compressor_of)):
-            first, last = (self._cl_names[p].removeprefix("grad.") for p in (params[0], params[-1]))
+        planned = []
+        for index, params in enumerate(self.plan(names, split, by_name, compressor_of)):
             compressor = compressor_of[params[0]]
             if isinstance(compressor, AutoCompressor):
                 spec = decisions[index] if decisions is not None else None
@@ -406,28 +437,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         f"decision for bucket {index}: every rank must pass the same compression"
                     )
                 compressor = compressor.compressor(spec, runtime.rank())
-            name = f"grad.bucket[{first}..{last}]"
-            self._cl_buckets.append(_Bucket(params, name, compressor))
-        self._cl_bucket_of = {p: b for b in self._cl_buckets for p in b.params}
+            planned.append(self.bucket(params, dict.fromkeys(params, compressor)))
+        self.bucketer.install(planned)
 
-    def _cl_plan(
+    def plan(
         self,
         names: list[str],
         split: int,
-        by_name: dict[str, torch.nn.Parameter],
-        compressor_of: dict[torch.nn.Parameter, Compressor],
-    ) -> list[list[torch.nn.Parameter]]:
+        by_name: dict[str, Param],
+        compressor_of: dict[Param, Compressor],
+    ) -> list[list[Param]]:
         """The buckets of a plan: the gradients backward made ready, then the late ones."""
-        buckets: list[list[torch.nn.Parameter]] = []
+        buckets: list[list[Param]] = []
         for part in (names[:split], names[split:]):
             members = [by_name[name] for name in part]
-            buckets += _bucket_plan(members, self._cl_bucket_bytes, compressor_of)
+            buckets += cut(members, self.bucketer.bucket_bytes, compressor_of)
         return buckets
 
-    def _cl_measure_link(self) -> Link:
+    def measure_link(self) -> Link:
         """The engine's allreduce time over this process set, ``alpha + beta B``, from the
         fastest of a few blocking allreduces at two sizes (every rank: a collective)."""
-        prefix = f"{next(iter(self._cl_names.values()))}.auto_link"
+        prefix = f"{next(iter(self.names.values()))}.auto_link"
         points = []
         for nbytes in auto_compression.LINK_SIZES:
             buffer = torch.zeros(nbytes // 4)
@@ -436,31 +466,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 start = time.perf_counter()
                 ops.allreduce_(
                     buffer, name=f"{prefix}.{nbytes}.{repeat}", op=ReduceOp.Sum,
-                    process_set=self._cl_process_set,
+                    process_set=self.process_set,
                 )  # fmt: skip
                 best = min(best, time.perf_counter() - start)
             points.append((nbytes, best))
-        return Link.fit(points, self._cl_process_set.size())
+        return Link.fit(points, self.process_set.size())
 
-    def _cl_decide(self, buckets: list[list[torch.nn.Parameter]], link: Link) -> list[str | None]:
+    def decide(self, buckets: list[list[Param]], link: Link) -> list[str | None]:
         """Rank 0: each bucket's spec where the policy said auto (None elsewhere)."""
-        size = self._cl_process_set.size()
+        size = self.process_set.size()
         out: list[str | None] = [None] * len(buckets)
         by_auto: dict[int, list[int]] = {}
         for index, params in enumerate(buckets):
-            chosen = self._cl_policy.choose(
-                self._cl_names[params[0]].removeprefix("grad."), params[0]
-            )
+            chosen = self.choose(params[0])
             if isinstance(chosen, AutoCompressor):
                 by_auto.setdefault(id(chosen), []).append(index)
         autos = {
-            id(c): c
-            for c in self._cl_policy.compressors().values()
-            if isinstance(c, AutoCompressor)
+            id(c): c for c in self.policy.compressors().values() if isinstance(c, AutoCompressor)
         }
         for key, indices in by_auto.items():
             auto = autos[key]
-            used = self._cl_calibrated_link(link) if auto.link == "calibration" else link
+            used = self.calibrated_link(link) if auto.link == "calibration" else link
             grads = [
                 [p.grad if p.grad is not None and not p.grad.is_sparse else torch.zeros_like(p)
                  for p in buckets[i]]
@@ -472,21 +498,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 out[i] = spec
         return out
 
-    def _cl_calibrated_link(self, measured: Link) -> Link:
+    def calibrated_link(self, measured: Link) -> Link:
         """``auto:link=calibration``: the stored calibration for these ranks and nodes, else
         the measured link (logged)."""
         from commlayer import costmodel
 
-        nodes = ops.topology(self._cl_process_set).nodes
-        cal = costmodel.load(self._cl_process_set.size(), nodes)
+        nodes = ops.topology(self.process_set).nodes
+        cal = costmodel.load(self.process_set.size(), nodes)
         if cal is None or (nodes > 1 and not cal.has_inter):
             _log.info(
                 "commlayer: compression auto:link=calibration: no calibration for %d ranks on "
                 "%d node(s) (run `commlayer calibrate`); using the link measured now",
-                self._cl_process_set.size(), nodes,
+                self.process_set.size(), nodes,
             )  # fmt: skip
             return measured
         return Link.from_calibration(cal)
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into the dynamic subclass (see ``DistributedOptimizer``): Horovod's
+    (``step``, ``synchronize``, ``skip_synchronize``, ``zero_grad``, ``state_dict``, ...);
+    everything else is the ``_Reducer`` in ``self._commlayer``."""
+
+    _commlayer: _Reducer
+
+    @property
+    def _parameter_names(self) -> dict[Param, str]:
+        """{parameter: name} (horovod.torch's attribute): the names of named_parameters, else
+        'grad.<position>' names, the same on every rank."""
+        return {p: name.removeprefix("grad.") for p, name in self._commlayer.names.items()}
+
+    @property
+    def synchronize_wait_s(self) -> float:
+        """Seconds step()/synchronize() spent blocked on reductions (settable: a benchmark
+        sets 0.0 after its warm-up)."""
+        return self._commlayer.wait_s
+
+    @synchronize_wait_s.setter
+    def synchronize_wait_s(self, seconds: float) -> None:
+        self._commlayer.wait_s = seconds
 
     def compression_decisions(self) -> list[dict[str, Any]]:
         """What ``compression="auto"`` chose, one entry per bucket class (rank 0's decisions,
@@ -495,35 +545,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         candidate, and the link it was decided for."""
         return [
             d
-            for c in self._cl_policy.compressors().values()
+            for c in self._commlayer.policy.compressors().values()
             if isinstance(c, AutoCompressor)
             for d in c.decisions
         ]
 
-    def _cl_sparse_result(self, p: torch.nn.Parameter, rows: torch.Tensor) -> torch.Tensor:
-        """Unpack the gathered (index, value) rows and sum duplicates."""
-        sparse_dim = self._cl_sparse_dims[p]
-        divisor = self._cl_process_set.size() if self._cl_op == ReduceOp.Average else 1
-        split = 8 * sparse_dim  # int64 index bytes per row
-        indices = rows[:, :split].contiguous().view(torch.int64)
-        values = rows[:, split:].contiguous().view(p.dtype).reshape(-1, *p.shape[sparse_dim:])
-        summed = torch.sparse_coo_tensor(
-            indices.t(), values / divisor, p.shape, check_invariants=False
-        )
-        return summed.coalesce()
+    def synchronize(self) -> None:
+        """Wait for every gradient's reduction and write the results into ``p.grad``. Then
+        call ``step()`` inside ``skip_synchronize()`` (as in Horovod; without it, step()
+        warns)."""
+        self._commlayer.synchronize()
+        self._commlayer.user_synchronized = True
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """``with opt.skip_synchronize(): opt.step()`` after an explicit ``synchronize()``."""
-        self._cl_should_synchronize = False
+        self._commlayer.should_synchronize = False
         try:
             yield
         finally:
-            self._cl_should_synchronize = True
+            self._commlayer.should_synchronize = True
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
-        if self._cl_should_synchronize:
-            if self._cl_user_synchronized:
+        reducer = self._commlayer
+        if reducer.should_synchronize:
+            if reducer.user_synchronized:
                 warnings.warn(
                     "optimizer.step() called without optimizer.skip_synchronize() context after "
                     "optimizer.synchronize(): use `with optimizer.skip_synchronize(): "
@@ -531,43 +577,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     "reduce twice, Horovod would)",
                     stacklevel=2,
                 )
-            if not self._cl_synchronized:
-                self._cl_synchronize()
-        self._cl_synchronized = self._cl_user_synchronized = False
+            if not reducer.synchronized:
+                reducer.synchronize()
+        reducer.synchronized = reducer.user_synchronized = False
         self._opt_called = True  # what an LR scheduler's patch of step notes (DistributedOptimizer)
         # super(self.__class__, ...): these methods are copied onto a class made with type(), so
         # zero-argument super() would name _DistributedOptimizer, which self is not.
         parent: Any = super(self.__class__, self)
         return parent.step(closure, **kwargs) if closure is not None or kwargs else parent.step()
 
-    def _cl_param_groups(self) -> list[dict[str, Any]]:
+    def _commlayer_param_groups(self) -> list[dict[str, Any]]:
         # Whoever reads the gradients through the optimizer (GradScaler.unscale_ and its inf
         # check, clipping helpers) must see reduced ones: finish the reductions first.
-        if self.__dict__.get("_cl_ready"):
-            self._cl_synchronize()
+        reducer = self.__dict__.get("_commlayer")
+        if reducer is not None and reducer.ready:
+            reducer.synchronize()
         return self.__dict__["param_groups"]  # type: ignore[no-any-return]
 
-    def _cl_set_param_groups(self, groups: list[dict[str, Any]]) -> None:
+    def _commlayer_set_param_groups(self, groups: list[dict[str, Any]]) -> None:
         self.__dict__["param_groups"] = groups
 
-    param_groups = property(_cl_param_groups, _cl_set_param_groups)  # type: ignore[assignment]
+    param_groups = property(_commlayer_param_groups, _commlayer_set_param_groups)  # type: ignore[assignment]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """A group added after wrapping (a layer unfrozen for fine-tuning) is named and hooked
         like the others; without a name its gradient could not be reduced."""
+        reducer = self._commlayer
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        names = _parameter_names(params, self._cl_named, first_index=len(self._cl_names))
+        names = _parameter_names(params, reducer.named, first_index=len(reducer.names))
         param_group["params"] = params
         super(self.__class__, self).add_param_group(param_group)
-        self._cl_names.update(names)
-        self._cl_hook(params)
+        reducer.names.update(names)
+        reducer.hook(params)
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state, plus this rank's compressor state (error-feedback
         residuals differ per rank: each rank saves its own to restart exactly)."""
         state: dict[str, Any] = super(self.__class__, self).state_dict()
-        compression = self._cl_policy.state_dict()
+        compression = self._commlayer.policy.state_dict()
         if compression:
             rank = runtime.rank() if runtime.is_initialized() else 0
             state[_COMPRESSION_STATE] = {"rank": rank, "compressors": compression}
@@ -581,10 +629,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         rank = runtime.rank() if runtime.is_initialized() else 0
         if saved is not None and saved["rank"] == rank:
-            self._cl_policy.load_state_dict(saved["compressors"])
+            self._commlayer.policy.load_state_dict(saved["compressors"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._cl_ready:
+        if self._commlayer.ready:
             raise RuntimeError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(): the reductions in flight would be "
@@ -598,26 +646,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 # wrapped class's own step already runs the hooks around the real step, so mark ours: otherwise
 # every step pre/post hook ran twice per step after load_state_dict.
 _DistributedOptimizer.step.hooked = True  # type: ignore[attr-defined]
-
-
-def _bucket_plan(
-    params: list[torch.nn.Parameter],
-    bucket_bytes: int,
-    compressor_of: dict[torch.nn.Parameter, Compressor] | None = None,
-) -> list[list[torch.nn.Parameter]]:
-    """``params`` in order, per dtype and compressor, cut into buckets of at least
-    ``bucket_bytes`` (the last of each kind may be smaller; 0: one parameter a bucket)."""
-    buckets: list[list[torch.nn.Parameter]] = []
-    filling: dict[tuple[torch.dtype, int], list[torch.nn.Parameter]] = {}
-    filled: dict[tuple[torch.dtype, int], int] = {}
-    for p in params:
-        key = (p.dtype, id(compressor_of[p]) if compressor_of else 0)
-        filling.setdefault(key, []).append(p)
-        filled[key] = filled.get(key, 0) + p.numel() * p.element_size()
-        if filled[key] >= bucket_bytes:
-            buckets.append(filling.pop(key))
-            del filled[key]
-    return buckets + list(filling.values())
 
 
 def _name_map(
@@ -663,17 +691,22 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
     backward_passes_per_step: int = 1,
     op: ReduceOp = ReduceOp.Average,
     gradient_predivide_factor: float = 1.0,
-    groups: Any = None,
+    groups: Groups = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` applies gradients averaged (``op``) across ranks.
 
-    ``groups`` is accepted for Horovod compatibility; the engine fuses gradients as they become
-    ready, which subsumes explicit grouping. ``compression``: ``Compression.fp16``, a spec
-    (``"topk:ratio=0.01"``), a ``compression.Policy`` for per-parameter choices, or None for
-    ``COMMLAYER_COMPRESSION`` (default ``none``).
+    ``groups`` (Horovod's): an int splits the parameters that require grad, in the optimizer's
+    order, into that many consecutive groups; a list of lists of parameters names them. Each
+    group's gradients are reduced together, one grouped allreduce per dtype, once all of them
+    are ready (parameters in no group are bucketed as usual: comm/bucketer.py).
+    ``compression``: ``Compression.fp16``, a spec (``"topk:ratio=0.01"``), a
+    ``compression.Policy`` for per-parameter choices, or None for ``COMMLAYER_COMPRESSION``
+    (default ``none``).
     """
+    op = ReduceOp(op)
+    _check_arguments(backward_passes_per_step, gradient_predivide_factor, op, process_set)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "DistributedOptimizer does not support LBFGS: its step() re-evaluates the closure "
@@ -703,16 +736,44 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
         # the same kind of patch around the wrapper's step (which notes the call itself), so
         # ``step()`` on either object reduces and the scheduler still sees its patch.
         optimizer.__dict__["step"] = _noted_step(wrapped)
-    wrapped._cl_setup(
-        named_parameters,
+    reducer = _Reducer(
+        wrapped.__dict__,
+        _name_map(named_parameters),
         _policy(compression),
         backward_passes_per_step,
-        ReduceOp(op),
+        op,
         gradient_predivide_factor,
         sparse_as_dense,
         process_set,
     )
+    reducer.set_groups(groups)
+    wrapped.__dict__["_commlayer"] = reducer
+    reducer.hook(reducer.params())
     return wrapped  # type: ignore[no-any-return]
+
+
+def _check_arguments(
+    backward_passes_per_step: int,
+    gradient_predivide_factor: float,
+    op: ReduceOp,
+    process_set: ProcessSet,
+) -> None:
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.Average:
+        raise ValueError("gradient_predivide_factor needs op=Average")
+    # Over one rank the wrapper is the identity (module docstring, 6.), whatever the op
+    # (Horovod's too: at size 1 it wraps even op=Adasum in its plain optimizer).
+    alone = process_set.size() == 1 and runtime.config().force_full_path != "1"
+    if op == ReduceOp.Adasum and not alone:
+        raise ValueError(
+            f"rank {runtime.rank()}: DistributedOptimizer(op=Adasum) is not supported: "
+            "Horovod applies Adasum to each "
+            "step's parameter change in an optimizer of its own; use op=Average or op=Sum, "
+            "or commlayer.allreduce(tensor, op=Adasum) on what you want combined"
+        )
 
 
 def _noted_step(wrapped: Any) -> Any:
@@ -777,9 +838,3 @@ def _with_hint(exc: CommlayerError, name: str) -> CommlayerError:
             "make every rank use the embedding in the first step"
         )
     return exc
-
-
-def _byte_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """``tensor`` (first dimension ``rows``) as a (rows, bytes per row) uint8 tensor."""
-    width = tensor.element_size() * math.prod(tensor.shape[1:])
-    return tensor.contiguous().reshape(-1).view(torch.uint8).reshape(rows, width)

@@ -75,7 +75,7 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
             if p.requires_grad:
                 zeros = torch.zeros_like(p)
                 p.grad = zeros.to_sparse() if sparse else zeros
-    if hasattr(type(optimizer), "_cl_synchronize"):  # a DistributedOptimizer: no reduction
+    if hasattr(type(optimizer), "skip_synchronize"):  # a DistributedOptimizer: no reduction
         parent: Any = super(type(optimizer), optimizer)
         parent.step()
     else:

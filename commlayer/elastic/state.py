@@ -250,9 +250,9 @@ class TorchState(ObjectState):
         """Elastic driver: the world was re-formed; DistributedOptimizers start over with what
         they learned of the old one (buckets, operations in flight)."""
         for handler in self._handlers.values():
-            renew = getattr(handler.value, "_cl_new_world", None)
-            if renew is not None:
-                renew()
+            reducer = getattr(handler.value, "_commlayer", None)  # a DistributedOptimizer's
+            if reducer is not None:
+                reducer.new_world()
 
     def on_reset(self) -> None:
         # the world may have another size now: samplers repartition what is left of the epoch

@@ -239,9 +239,9 @@ def test_compression_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
         reinit()
     want = _simulate("topk:ratio=0.05", steps=1)
 
-    assert isinstance(opt._cl_policy.default, ErrorFeedback)  # type: ignore[attr-defined]
+    assert isinstance(opt._commlayer.policy.default, ErrorFeedback)  # type: ignore[attr-defined]
     torch.testing.assert_close(got[0]["w"], want[0]["w"], **EXACT)
-    assert isinstance(later._cl_policy.default, ErrorFeedback)  # type: ignore[attr-defined]
+    assert isinstance(later._commlayer.policy.default, ErrorFeedback)  # type: ignore[attr-defined]
 
 
 def test_init_keywords_reach_the_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,8 +270,8 @@ def test_init_keywords_reach_the_optimizer(monkeypatch: pytest.MonkeyPatch) -> N
         moved = cl.communication_stats()["payload_bytes"] - before
     finally:
         reinit()
-    assert opt._cl_policy.default.name == "fp16"  # type: ignore[attr-defined]
-    assert opt._cl_comm.transport.sparse_algorithm == "dsar"  # type: ignore[attr-defined]
+    assert opt._commlayer.policy.default.name == "fp16"  # type: ignore[attr-defined]
+    assert opt._commlayer.comm.transport.sparse_algorithm == "dsar"  # type: ignore[attr-defined]
     elements = sum(p.numel() for p in model.parameters())
     assert moved == 2 * elements, f"{moved} bytes moved for {elements} gradient elements"
 
@@ -315,9 +315,9 @@ def test_residuals_survive_state_dict_round_trip() -> None:
 
     residuals = saved["commlayer_compression"]["compressors"]["default"]["residuals"]
     assert set(residuals) == {"grad.w", "grad.v"} and residuals["grad.w"].abs().sum() > 0
-    loaded = resumed._cl_policy.default.residuals  # type: ignore[attr-defined]
+    loaded = resumed._commlayer.policy.default.residuals  # type: ignore[attr-defined]
     assert all(torch.equal(loaded[n], r) for n, r in residuals.items())
-    assert other._cl_policy.default.residuals == {}  # type: ignore[attr-defined]
+    assert other._commlayer.policy.default.residuals == {}  # type: ignore[attr-defined]
 
 
 # -- malformed payloads from a peer --------------------------------------------------------------

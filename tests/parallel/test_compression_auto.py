@@ -42,7 +42,7 @@ def _train(spec: str) -> tuple[nn.Linear, torch.optim.Optimizer, float]:
 
 
 def _used(opt: torch.optim.Optimizer) -> list[str]:
-    return [b.compressor.name for b in opt._cl_buckets]  # type: ignore[attr-defined]
+    return [c.name for b in opt._commlayer.bucketer.buckets for c in b.compressors]  # type: ignore[attr-defined]
 
 
 def test_auto_trains_as_uncompressed_and_every_rank_decides_alike() -> None:

@@ -103,7 +103,7 @@ def test_training_is_plain_pytorch_bit_for_bit(alone: cl.ProcessSet, option: str
     got = _loop(model, opt, passes, sparse)
     sent = cl.communication_stats()["operations"] - before
     want = _loop(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), passes, sparse)
-    assert opt._cl_hooks == [] and sent == 0
+    assert opt._commlayer.hooks == [] and sent == 0
     for step_got, step_want in zip(got, want):
         assert [g.is_sparse for g in step_got] == [g.is_sparse for g in step_want]
         assert all(torch.equal(_dense(a), _dense(b)) for a, b in zip(step_got, step_want))
@@ -148,7 +148,7 @@ def test_the_switch_takes_the_full_path(alone: cl.ProcessSet) -> None:
     _loop(model, opt, 1, False)
     sent = cl.communication_stats()["operations"] - before
     _loop(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), 1, False)
-    assert len(opt._cl_hooks) == 4 and sent > 0
+    assert len(opt._commlayer.hooks) == 4 and sent > 0
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
 

@@ -634,6 +634,103 @@ def test_process_set_trains_its_members_only() -> None:
         _assert_close_models(mine, ref, **EXACT)
 
 
+# -- groups= (Horovod's) --------------------------------------------------------------------------
+def _grouped_submissions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of tensors of each grouped allreduce the optimizer submits, in order."""
+    from commlayer import ops
+
+    sizes: list[int] = []
+    original = ops.grouped_allreduce_async_
+
+    def spy(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(len(tensors))
+        return original(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "grouped_allreduce_async_", spy)
+    return sizes
+
+
+GROUPS: dict[str, tuple[Callable[[nn.Module], Any], list[int]]] = {
+    # name: (groups for the model's [w0, b0, w1, b1], tensors of each group's reduction)
+    "int_1": (lambda m: 1, [4]),
+    "int_2": (lambda m: 2, [2, 2]),
+    "int_3": (lambda m: 3, [2, 1, 1]),
+    "int_9": (lambda m: 9, [1, 1, 1, 1]),  # more groups than parameters: one each
+    # b0 in no group: bucketed as usual (alone here, as the step's last gradient)
+    "lists": (lambda m: [[m[0].weight, m[2].bias], [m[2].weight]], [1, 2, 1]),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUPS))
+def test_groups_train_as_the_ungrouped_optimizer(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each group is reduced as one grouped allreduce once all of its gradients are ready (in
+    backward, from the first step on), and training equals the ungrouped optimizer's and the
+    single-process reference."""
+    make_groups, want = GROUPS[case]
+    plain_model, plain_opt, ref, ref_opt = _pair(OPTIMIZERS["adam"])
+    model = _mlp()  # the same initial weights
+    opt = cl.DistributedOptimizer(
+        OPTIMIZERS["adam"](model.parameters()),
+        named_parameters=model.named_parameters(),
+        groups=make_groups(model),
+    )
+    sizes = _grouped_submissions(monkeypatch)
+    for step in range(STEPS):
+        x, y = _global_batch(step)
+        F.mse_loss(model(_shard(x)), _shard(y)).backward()
+        if step == 0:
+            buckets = opt._commlayer.bucketer.buckets  # type: ignore[attr-defined]
+            in_flight = [len(b.handles) for b in buckets]
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            first_step = list(sizes)
+    last_step, submissions = sizes[-len(want) :], len(sizes)
+    gathered = _params_on_all_ranks(model)
+    _train(plain_model, plain_opt, distributed=True)
+    _train(ref, ref_opt, distributed=False)
+
+    _assert_same_on_all_ranks(gathered)
+    _assert_close_models(model, plain_model, **EXACT)
+    _assert_close_models(model, ref, **EXACT)
+    if cl.size() > 1:
+        groups = len(want) - (case == "lists")
+        assert in_flight[:groups] == [1] * groups, f"groups in flight after backward: {in_flight}"
+        assert sorted(first_step) == sorted(want), f"first step: {first_step}, want {want}"
+        assert sorted(last_step) == sorted(want), f"last step: {sizes}, want {want}"
+        assert submissions == STEPS * len(want), f"{sizes}: {len(want)} a step expected"
+
+
+def test_bad_groups_raise_value_error() -> None:
+    model = _mlp()
+    other = nn.Linear(2, 2)
+    w0, b0, w1, _ = model.parameters()
+
+    def wrap(groups: Any) -> None:
+        cl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=groups)
+
+    for negative in (-1, 0):
+        with pytest.raises(ValueError, match=f"positive int .*got {negative}"):
+            wrap(negative)
+    with pytest.raises(ValueError, match=r"'0.weight' is in groups\[0\] and groups\[1\]"):
+        cl.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            groups=[[w0, b0], [w1, w0]],
+        )
+    with pytest.raises(ValueError, match="in one group only, once"):
+        wrap([[w0, w0]])
+    with pytest.raises(ValueError, match=r"groups\[1\]\[0\] .*not a parameter of the optimizer"):
+        wrap([[w0], [other.weight]])
+    with pytest.raises(ValueError, match=r"groups\[0\] must be a list of parameters"):
+        wrap([w0])
+    for bad in ("2", 2.0, True):
+        with pytest.raises(ValueError, match="groups must be a positive int or a list"):
+            wrap(bad)
+
+
 # -- parameters without a gradient this step -----------------------------------------------------
 class _TwoHeads(nn.Module):
     """A trunk and two heads; each row goes through head a or head b; ``unused`` never runs."""
