@@ -402,6 +402,10 @@ class _Reducer:
                 failure = failure or _with_hint(exc, self.names[p])
         return failure
 
+    def autos(self) -> list[AutoCompressor]:
+        """The policy's ``compression="auto"`` compressors (none without auto)."""
+        return [c for c in self.policy.compressors().values() if isinstance(c, AutoCompressor)]
+
     def plan_buckets(self, ready: list[Param], late: list[Param]) -> None:
         """After the first complete step (on every rank alike: a collective): buckets in rank
         0's ready order. Sparse gradients stay on their own path; parameters that got no
@@ -413,7 +417,7 @@ class _Reducer:
         root = min(self.process_set.ranks or [0])  # the set's first rank (a global rank)
         by_name = {name: p for p, name in self.names.items()}
         compressor_of = {p: self.choose(p) for p in self.names}
-        autos = [c for c in self.policy.compressors().values() if isinstance(c, AutoCompressor)]
+        autos = self.autos()
         # compression="auto": every rank times the link now (a collective), rank 0 decides
         # each bucket's compressor and its decisions travel with the plan (compression/auto.py).
         link = self.measure_link() if autos else None
@@ -476,16 +480,12 @@ class _Reducer:
         """Rank 0: each bucket's spec where the policy said auto (None elsewhere)."""
         size = self.process_set.size()
         out: list[str | None] = [None] * len(buckets)
-        by_auto: dict[int, list[int]] = {}
+        by_auto: dict[AutoCompressor, list[int]] = {}
         for index, params in enumerate(buckets):
             chosen = self.choose(params[0])
             if isinstance(chosen, AutoCompressor):
-                by_auto.setdefault(id(chosen), []).append(index)
-        autos = {
-            id(c): c for c in self.policy.compressors().values() if isinstance(c, AutoCompressor)
-        }
-        for key, indices in by_auto.items():
-            auto = autos[key]
+                by_auto.setdefault(chosen, []).append(index)
+        for auto, indices in by_auto.items():
             used = self.calibrated_link(link) if auto.link == "calibration" else link
             grads = [
                 [p.grad if p.grad is not None and not p.grad.is_sparse else torch.zeros_like(p)
@@ -543,12 +543,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         kept on rank 0; empty before the second step and without auto): the choice, the
         bucket's bytes and tensors, the predicted seconds and measured CPU seconds of each
         candidate, and the link it was decided for."""
-        return [
-            d
-            for c in self._commlayer.policy.compressors().values()
-            if isinstance(c, AutoCompressor)
-            for d in c.decisions
-        ]
+        return [d for c in self._commlayer.autos() for d in c.decisions]
 
     def synchronize(self) -> None:
         """Wait for every gradient's reduction and write the results into ``p.grad``. Then
