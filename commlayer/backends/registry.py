@@ -117,8 +117,8 @@ def auto(launcher: str, started: Sequence[str]) -> str:
         for r in _REGISTERED.values():
             if launcher in r.launchers:
                 return r.name
-    for name in started:
-        return name
+    if started:
+        return started[0]
     for r in _REGISTERED.values():
         if "" in r.launchers:
             return r.name

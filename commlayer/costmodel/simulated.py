@@ -21,6 +21,7 @@ ranks on N nodes:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import math
@@ -126,9 +127,9 @@ def _at(points: Sequence[tuple[int, float]], nbytes: int) -> tuple[float, str]:
     return math.exp(math.log(y0) + frac * (math.log(y1) - math.log(y0))), source
 
 
-class Times:
-    """What ``auto`` reads of a table (costmodel.model.Simulated): ``_times`` of a subclass,
-    answered once per job and size."""
+class Times(abc.ABC):
+    """What ``auto`` reads of a table (costmodel.model.Simulated): ``_times`` of a subclass
+    (this module's ``Table``, sim/learn.py's ``Job``), answered once per job and size."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple[int, int, int], list[tuple[str, float, str]] | None] = {}
@@ -142,8 +143,10 @@ class Times:
             self._cache[key] = self._times(ranks, nodes, nbytes)
         return self._cache[key]
 
-    def _times(self, ranks: int, nodes: int, nbytes: int) -> list[tuple[str, float, str]] | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _times(
+        self, ranks: int, nodes: int, nbytes: int
+    ) -> list[tuple[str, float, str]] | None: ...
 
 
 class Table(Times):
