@@ -208,6 +208,14 @@ def predict(
     return slowest
 
 
+def log_line(low: tuple[float, float], high: tuple[float, float], x: float) -> float:
+    """y at ``x`` on the straight line through two (x, y) points in log-log space (a time at
+    a size between, or beyond, two measured or simulated sizes)."""
+    (x0, y0), (x1, y1) = low, high
+    frac = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + frac * (math.log(y1) - math.log(y0)))
+
+
 def _interpolate(curve: Sequence[tuple[int, float]], nbytes: int) -> float:
     points = sorted(curve)
     if nbytes <= points[0][0]:
@@ -215,10 +223,9 @@ def _interpolate(curve: Sequence[tuple[int, float]], nbytes: int) -> float:
     if nbytes >= points[-1][0]:
         size, seconds = points[-1]
         return seconds * nbytes / size  # constant bandwidth beyond the largest measured size
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x0 <= nbytes <= x1:
-            frac = (math.log(nbytes) - math.log(x0)) / (math.log(x1) - math.log(x0))
-            return math.exp(math.log(y0) + frac * (math.log(y1) - math.log(y0)))
+    for low, high in zip(points, points[1:]):
+        if low[0] <= nbytes <= high[0]:
+            return log_line(low, high, nbytes)
     raise AssertionError("unreachable")
 
 

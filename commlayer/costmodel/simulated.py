@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from commlayer import algorithms
+from commlayer.costmodel.model import log_line
 
 REQUIRED = ("algorithm", "platform", "ranks", "size_bytes", "simulated_s")
 SMPI_PREFIX = "smpi:"  # SimGrid's own allreduce in a table (sim/simulate.py writes it)
@@ -121,10 +122,8 @@ def _at(points: Sequence[tuple[int, float]], nbytes: int) -> tuple[float, str]:
         return seconds * nbytes / size, "scaled"
     inside = [i for i in range(len(points) - 1) if points[i][0] < nbytes < points[i + 1][0]]
     i = inside[0] if inside else (0 if nbytes < points[0][0] else len(points) - 2)
-    (x0, y0), (x1, y1) = points[i], points[i + 1]
-    frac = (math.log(nbytes) - math.log(x0)) / (math.log(x1) - math.log(x0))
     source = "interpolated" if inside else "extrapolated"
-    return math.exp(math.log(y0) + frac * (math.log(y1) - math.log(y0))), source
+    return log_line(points[i], points[i + 1], nbytes), source
 
 
 class Times(abc.ABC):
