@@ -201,15 +201,43 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by ``root`` and its live descendants (the launcher, its workers
+    and their threads): on a loaded machine CPU per step moves far less than wall time."""
+    parent, cpu = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        parent[pid] = int(fields[1])  # proc(5): state, ppid, ...
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in cpu:
+        up = pid
+        while up not in (root, 0, 1) and up in parent:
+            up = parent[up]
+        total += cpu[pid] if up == root else 0.0
+    return total
+
+
+def _steps(out: Path) -> int:
+    return sum(len(r) for r in _lines(out).values())
+
+
 def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, window_s: float,
-           windows: int = 1) -> tuple[list[float], list[float]]:  # fmt: skip
+           windows: int = 1) -> tuple[list[float], list[float], float]:  # fmt: skip
     output = (out / "job.out").open("w")
     proc = subprocess.Popen(job, env=env, stdout=output, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     try:
         live = _steady(out, np, -1)
         cpu, began = _cpu_s(proc.pid), time.monotonic()
+        job_cpu, steps = _tree_cpu_s(proc.pid), _steps(out)
         rate = [_throughput(out, window_s) for _ in range(windows)]
+        job_cpu, steps = _tree_cpu_s(proc.pid) - job_cpu, _steps(out) - steps
+        cpu_per_step = job_cpu / max(steps, 1)
         if n == 0:  # the launcher's own CPU (the elastic driver's polling, torchrun's agent)
             share = (_cpu_s(proc.pid) - cpu) / (time.monotonic() - began)
             print(f"  launcher process: {share:.4f} of a core during the windows", flush=True)
@@ -231,7 +259,7 @@ def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, wind
             times.append(first - killed_at)
             print(f"  trial: {first - killed_at:.2f} s", flush=True)
             live = _steady(out, np, world)
-        return times, rate
+        return times, rate, cpu_per_step
     except Exception:
         print((out / "job.out").read_text()[-3000:], file=sys.stderr)
         raise
@@ -279,13 +307,15 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
     # samples/s: jobs started in turn (A B A B), several windows each, no event
     rates: dict[str, list[float]] = {"elastic": [], "torchrun": []}
+    cpu: dict[str, list[float]] = {"elastic": [], "torchrun": []}
     for _ in range(args.rounds):
         for mode in rates:
             out = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))
             plain = {**env, "ELASTIC_BENCH_PLAIN": "1"}  # torchrun without its checkpoints
             got = trials(job(mode, out), plain, out, args.np, 0, args.window / 2, windows=3)
             rates[mode] += got[1]
-            print(f"{mode} samples/s: {got[1]}", flush=True)
+            cpu[mode].append(got[2] * 1e3)
+            print(f"{mode} samples/s: {got[1]}, CPU ms a step: {got[2] * 1e3:.3f}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
     lines = [
         "# Elastic recovery (benchmarks/elastic_recovery.py)",
@@ -306,7 +336,7 @@ def main() -> None:
             "| job | median (s) | max (s) | min (s) | trials (s) |",
             "| --- | --- | --- | --- | --- |",
         ]
-        for mode, (times, _) in results.items():
+        for mode, (times, *_) in results.items():
             name = ("commlayerrun elastic driver" if mode == "elastic"
                     else "torchrun --max-restarts")  # fmt: skip
             each = ", ".join(f"{t:.2f}" for t in times)
@@ -327,10 +357,18 @@ def main() -> None:
         lines.append(f"| {mode} | {statistics.median(got):.0f} | "
                      f"{', '.join(f'{r:.0f}' for r in got)} |")  # fmt: skip
     ratios = [e / t for e, t in zip(rates["elastic"], rates["torchrun"], strict=True)]
+    per_cpu = [t / e for e, t in zip(cpu["elastic"], cpu["torchrun"], strict=True)]
     lines += [
         "",
         f"elastic / torchrun, window by window in order: median {statistics.median(ratios):.3f} "
         f"(range {min(ratios):.3f}-{max(ratios):.3f}).",
+        "",
+        "CPU milliseconds a step, the whole job (launcher, workers, their threads; one step of "
+        "one worker), per launch: "
+        + "; ".join(f"{m} {', '.join(f'{c:.3f}' for c in cpu[m])}" for m in cpu)
+        + ". On these oversubscribed cores samples/s goes as 1 / CPU per step: torchrun's CPU "
+        f"per step / elastic's, launch by launch: median {statistics.median(per_cpu):.3f} "
+        f"(range {min(per_cpu):.3f}-{max(per_cpu):.3f}).",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
