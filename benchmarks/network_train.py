@@ -13,15 +13,20 @@ multi-node), Horovod and commlayer with every compressor, on rate-limited links 
    systems are commlayer started as DDP is (one torchrun agent per host), its engine over gloo
    (issue 25).
 2. Task ``throughput``: benchmarks/train.py's ``mlp`` (6.69 M parameters, 26.8 MB of float32
-   gradients) on random inputs, ``--batch`` samples per rank, SGD momentum 0.9: median step
-   time over ``--steps`` after ``--warmup``, samples/s, and the bytes host 1's link carried per
-   step in each direction (its eth0 counters in /proc/net/dev, read by rank 0 inside its host:
-   the same physical count for every system, whatever it says it sent).
+   gradients; ``--model resnet``: its small ResNet, compute-bound on a CPU) on random inputs,
+   ``--batch`` samples per rank, SGD momentum 0.9: median step time over ``--steps`` after
+   ``--warmup``, samples/s, and the bytes host 1's link carried per step in each direction
+   (its eth0 counters in /proc/net/dev, read by rank 0 inside its host: the same physical
+   count for every system, whatever it says it sent).
 3. Task ``accuracy``: the demo's digits CNN (examples/train_digits.py, 284 K parameters) with
    Adam, lr 3e-3, ``--batch`` per rank, ``--epochs`` epochs of the shuffled training set split
    across ranks; after every epoch rank 0 scores the whole test set (untimed; the replicas are
    identical). Time to ``--target`` accuracy: training seconds until the first epoch at or above
    it; final accuracy after the last epoch.
+   Task ``tta``: time to accuracy of a model whose step is link-bound (``fashion_mlp``: the
+   anchor MLP on Fashion-MNIST, ``apt-get install -y dataset-fashion-mnist``), scored every
+   ``--eval-every`` steps until ``--tta-target``: a compressor that needs more steps has to
+   win them back in step time.
 4. The link is the physical limit: an allreduce of S bytes across H hosts moves at least
    S x 2 (H - 1) / H bytes each way per host link (reduce-scatter plus allgather between
    hosts), so an uncompressed step cannot take less than ``26.8 MB x 2 (H - 1) / H / rate``
@@ -30,7 +35,7 @@ multi-node), Horovod and commlayer with every compressor, on rate-limited links 
    the same run), ``.json`` (every result, machine-readable for the oracle and auto-tuning)
    and ``.png`` (samples/s per system and rate; accuracy against training time) under
    ``--out``.
-   ``--replot JSON`` redraws the picture.
+   ``--replot JSON`` writes the tables and the picture again.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ SYSTEMS: list[tuple[str, str, str, str]] = [
     ("torchrun powersgd r2", TORCHRUN, "powersgd:rank=2", ""),
     ("torchrun topk 1% allgather", TORCHRUN, "topk:ratio=0.01", "allgather"),
 ]
-TASKS = ("throughput", "accuracy")
+TASKS = ("throughput", "accuracy", "tta")
 
 
 # -- worker: one system, one task, on the cluster ----------------------------------------------
@@ -162,7 +167,7 @@ class System:
 def throughput(system: System, args: argparse.Namespace) -> dict[str, Any]:
     from train import MODELS
 
-    build, input_shape, classes = MODELS["mlp"]
+    build, input_shape, classes = MODELS[args.model]
     torch.manual_seed(0)
     model = build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -247,9 +252,84 @@ def accuracy(system: System, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def fashion_mlp() -> nn.Module:
+    """The anchor MLP (train.py's ``mlp``: 10 x [Linear(768, 768), LayerNorm, GELU]) between a
+    Linear(784, 768) that takes Fashion-MNIST's pixels and a Linear(768, 10): 6.53 M parameters,
+    26.1 MB of float32 gradients a step, so at 1 Gbit/s its step is link-bound."""
+    from train import mlp
+
+    body = list(mlp())[:-1]
+    return nn.Sequential(nn.Linear(784, 768), *body, nn.Linear(768, 10))
+
+
+def tta(system: System, args: argparse.Namespace) -> dict[str, Any]:
+    """Task ``tta``: time to accuracy of a link-bound model, fashion_mlp() on Fashion-MNIST
+    (Debian's dataset-fashion-mnist), Adam lr ``--tta-lr``, ``--batch`` per rank, the
+    shuffled training set dealt across ranks. Every ``--eval-every`` steps all ranks stop the
+    clock and score the first 2000 test images (identical replicas: the same answer on every
+    rank); the job ends at ``--tta-target`` or after ``--tta-max-steps``."""
+    from shuffle import FASHION, load_images
+
+    if not FASHION.exists():
+        raise SystemExit(f"task tta needs {FASHION}: apt-get install -y dataset-fashion-mnist")
+    sets = load_images("fashion", argparse.Namespace(train_samples=60000, test_samples=2000))
+    x_train, y_train, x_test, y_test = sets
+    x_train, x_test = x_train.flatten(1), x_test.flatten(1)
+    mean, std = x_train.mean(), x_train.std()
+    x_train, x_test = (x_train - mean) / std, (x_test - mean) / std
+    torch.manual_seed(args.seed)
+    model = fashion_mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.tta_lr)
+    model, optimizer = system.wrap(model, optimizer)
+    curve: list[dict[str, float]] = []
+    train_s, steps, epoch = 0.0, 0, 0
+    rx0, tx0 = _link_bytes()
+    reached: float | None = None
+    while reached is None and steps < args.tta_max_steps:
+        epoch += 1
+        order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
+        mine = order[system.rank :: system.size]
+        begin = 0
+        while reached is None and steps < args.tta_max_steps and begin + args.batch <= len(mine):
+            system.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.eval_every):
+                if begin + args.batch > len(mine):
+                    break
+                index = mine[begin : begin + args.batch]
+                begin += args.batch
+                optimizer.zero_grad()
+                F.cross_entropy(model(x_train[index]), y_train[index]).backward()
+                optimizer.step()
+                steps += 1
+            system.barrier()
+            train_s += time.perf_counter() - t0
+            with torch.no_grad():
+                model.eval()
+                correct = (model(x_test).argmax(1) == y_test).float().mean().item()
+                model.train()
+            curve.append({"step": steps, "train_s": train_s, "accuracy": correct})
+            if correct >= args.tta_target:
+                reached = train_s
+    rx1, tx1 = _link_bytes()
+    decided = getattr(optimizer, "compression_decisions", None)
+    return {
+        "curve": curve,
+        "final_accuracy": curve[-1]["accuracy"],
+        "time_to_target_s": reached,
+        "steps_to_target": steps if reached is not None else None,
+        "target": args.tta_target,
+        "train_s": train_s,
+        "step_ms": 1e3 * train_s / max(steps, 1),
+        "link_sent_mb_per_step": (tx1 - tx0) / max(steps, 1) / 1e6,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "auto_choices": [d["choice"] for d in decided()] if decided else [],
+    }
+
+
 def worker(args: argparse.Namespace) -> None:
     system = System(args.worker)
-    result = {"throughput": throughput, "accuracy": accuracy}[args.task](system, args)
+    result = {"throughput": throughput, "accuracy": accuracy, "tta": tta}[args.task](system, args)
     result["ranks"] = system.size
     system.close()
     if system.rank == 0:
@@ -272,6 +352,9 @@ def launch(args: argparse.Namespace, system: str, task: str, env: dict[str, str]
         str(Path(__file__).resolve()), "--worker", system, "--task", task,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
         "--epochs", str(args.epochs), "--target", str(args.target), "--lr", str(args.lr),
+        "--tta-target", str(args.tta_target), "--tta-lr", str(args.tta_lr),
+        "--tta-max-steps", str(args.tta_max_steps), "--eval-every", str(args.eval_every),
+        "--seed", str(args.seed), "--model", args.model,
     ]  # fmt: skip
     if system not in ("ddp", TORCHRUN):
         command = [
@@ -403,11 +486,13 @@ def tables(result: dict[str, Any]) -> list[str]:
         ddp = {r["task"]: r for r in rows if r["label"] == "ddp" and "error" not in r}
         # the baseline of the ratios: DDP where it ran, else uncompressed commlayer
         base_label = "ddp" if any(r["label"] == "ddp" for r in rows) else "none"
-        bound = 26.76e6 * 2 * (result["hosts"] - 1) / result["hosts"] * 8 / rate_bits(rate)
-        lines += [
-            f"## links at {rate}",
-            "",
-            f"Throughput: benchmarks/train.py's mlp, batch {result['batch']} per rank; a run's "
+        model = result.get("model", "mlp")
+        grads = 4 * result.get("parameters", {}).get(model, 6.69e6)  # float32 bytes a step
+        bound = grads * 2 * (result["hosts"] - 1) / result["hosts"] * 8 / rate_bits(rate)
+        lines += [f"## links at {rate}", ""]
+        speeds = throughputs(rows)
+        lines += [] if not speeds else [
+            f"Throughput: benchmarks/train.py's {model}, batch {result['batch']} per rank; a run's "
             f"step time is the median of {result['steps']} steps after {result['warmup']}; "
             f"{result.get('rounds', 1)} runs per system, taken in turn: their median, and "
             "their range in brackets. Link MB: "
@@ -417,8 +502,7 @@ def tables(result: dict[str, Any]) -> list[str]:
             f"| system | step ms | samples/s | vs {base_label} | vs {base_label} per round "
             "[min-max] | link MB/step out | link MB/step in | auto chose |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-        ]
-        speeds = throughputs(rows)
+        ]  # fmt: skip
         base = speeds.get(base_label, {}).get("samples_per_s")
         for label, agg in speeds.items():
             if "error" in agg:
@@ -461,7 +545,41 @@ def tables(result: dict[str, Any]) -> list[str]:
                     f"| {r['label']} | {_fmt(t, '.2f')} | {speed} | {r['final_accuracy']:.2%} | "
                     f"{r['train_s']:.2f} | {r['link_sent_mb_per_step']:.3f} |"
                 )
+        lines += _tta_table(result, rows)
         lines.append("")
+    return lines
+
+
+def _tta_table(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """Task tta at one rate: time to the target against uncompressed commlayer (``none``)."""
+    tta_rows = [r for r in rows if r["task"] == "tta"]
+    if not tta_rows:
+        return []
+    base = next((r for r in tta_rows if r["label"] == "none" and "error" not in r), {})
+    base_t = base.get("time_to_target_s")
+    lines = [
+        "",
+        f"Time to accuracy of a link-bound model: the anchor MLP on Fashion-MNIST "
+        f"(`fashion_mlp`, 6.53 M parameters), Adam lr {result['tta_lr']}, batch "
+        f"{result['batch']} per rank; training seconds until the first score (every "
+        f"{result['eval_every']} steps, 2000 test images, untimed) at or above "
+        f"{result['tta_target']:.0%}.",
+        "",
+        f"| system | time to {result['tta_target']:.0%} s | vs none | steps to it | step ms | "
+        "final accuracy | link MB/step out | auto chose |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in tta_rows:
+        if "error" in r:
+            lines.append(f"| {r['label']} | failed | | | | | | |")
+            continue
+        t = r["time_to_target_s"]
+        speed = _fmt(base_t / t if (base_t and t) else None, ".2f")
+        lines.append(
+            f"| {r['label']} | {_fmt(t, '.1f')} | {speed} | {_fmt(r['steps_to_target'], 'd')} | "
+            f"{r['step_ms']:.0f} | {r['final_accuracy']:.2%} | {r['link_sent_mb_per_step']:.3f} "
+            f"| {', '.join(sorted(set(r.get('auto_choices', []))))} |"
+        )
     return lines
 
 
@@ -474,9 +592,31 @@ def plot(result: dict[str, Any], path: Path) -> None:
     rates = result["rates"]
     measured = {r["label"] for r in result["runs"]}
     labels = [label for label, *_ in SYSTEMS if label in measured]
-    has_accuracy = any(r["task"] == "accuracy" for r in result["runs"])
-    fig, axes = plt.subplots(1, 2 if has_accuracy else 1, figsize=(14 if has_accuracy else 8, 6))
-    left = axes[0] if has_accuracy else axes
+    curves = "tta" if any(r["task"] == "tta" for r in result["runs"]) else "accuracy"
+    has_throughput = any(r["task"] == "throughput" for r in result["runs"])
+    # accuracy curves: the first rate's (digits CNN), or every rate's (tta)
+    curve_rates = [] if not any(r["task"] == curves for r in result["runs"]) else (
+        rates if curves == "tta" else rates[:1]
+    )  # fmt: skip
+    panels = int(has_throughput) + len(curve_rates)
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels if panels > 1 else 8, 6))
+    axes = list(axes) if panels > 1 else [axes]
+    if has_throughput:
+        _throughput_panel(axes.pop(0), result, labels)
+    for ax, rate in zip(axes, curve_rates, strict=True):
+        _accuracy_panel(ax, result, curves, rate)
+    fig.suptitle(
+        f"{result['hosts']} hosts x {result['ranks_per_host']} rank(s) each, namespace cluster "
+        "(veth + tbf), 2-core VM"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _throughput_panel(left: Any, result: dict[str, Any], labels: list[str]) -> None:
+    """samples/s per system, a bar per rate, whiskers the runs' range."""
+    rates = result["rates"]
     width = 0.8 / len(rates)
     for i, rate in enumerate(rates):
         rows = [r for r in result["runs"] if r["rate"] == rate]
@@ -492,29 +632,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
         left.bar(xs, speed, width, yerr=spread, capsize=2, label=rate)
     left.set_xticks([j + width * (len(rates) - 1) / 2 for j in range(len(labels))])
     left.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
-    left.set_ylabel("samples/s (mlp, 6.69 M parameters)")
+    model = result.get("model", "mlp")
+    params = result.get("parameters", {}).get(model, 6.69e6)
+    left.set_ylabel(f"samples/s ({model}, {params / 1e6:.2f} M parameters)")
     left.set_title("training throughput (bars: median of the runs, whiskers: their range)")
     left.legend(title="link")
     left.grid(axis="y", alpha=0.3)
-    if has_accuracy:
-        _accuracy_panel(axes[1], result)
-    fig.suptitle(
-        f"{result['hosts']} hosts x {result['ranks_per_host']} rank(s) each, namespace cluster "
-        "(veth + tbf), 2-core VM"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
-def _accuracy_panel(right: Any, result: dict[str, Any]) -> None:
-    """Test accuracy against training seconds at the first rate, one line per system."""
+def _accuracy_panel(right: Any, result: dict[str, Any], task: str, first: str) -> None:
+    """Test accuracy against training seconds at rate ``first``, one line per system (task
+    ``accuracy``: the digits CNN; ``tta``: the Fashion-MNIST MLP, seconds on a log axis)."""
     import matplotlib
 
-    first = result["rates"][0]
     right.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)  # 17 systems, distinct
     for r in result["runs"]:
-        if r["rate"] == first and r["task"] == "accuracy" and "error" not in r:
+        if r["rate"] == first and r["task"] == task and "error" not in r:
             curve = r["curve"]
             style = {"linewidth": 2.5, "color": "black"} if r["label"] == "ddp" else {}
             right.plot(
@@ -525,11 +658,18 @@ def _accuracy_panel(right: Any, result: dict[str, Any]) -> None:
                 label=r["label"],
                 **style,
             )
-    right.axhline(100 * result["target"], color="grey", linestyle=":")
+    target = result["tta_target"] if task == "tta" else result["target"]
+    right.axhline(100 * target, color="grey", linestyle=":")
     right.set_xlabel("training seconds")
     right.set_ylabel("test accuracy %")
-    right.set_ylim(80, 100)
-    right.set_title(f"digits CNN at {first}")
+    right.set_ylim(*((60, 90) if task == "tta" else (80, 100)))
+    right.set_title(f"{'Fashion-MNIST MLP' if task == 'tta' else 'digits CNN'} at {first}")
+    if task == "tta":
+        import matplotlib.ticker
+
+        right.set_xscale("log")
+        right.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        right.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     right.legend(fontsize=7, ncol=2, loc="lower right")
     right.grid(alpha=0.3)
 
@@ -549,6 +689,8 @@ def driver(args: argparse.Namespace) -> None:
         "hosts": hosts, "ranks_per_host": per_host, "rates": args.rates,
         "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
         "epochs": args.epochs, "target": args.target, "lr": args.lr, "runs": [],
+        "model": args.model, "parameters": {},
+        "tta_target": args.tta_target, "tta_lr": args.tta_lr, "eval_every": args.eval_every,
     }  # fmt: skip
     tag = f"network_train_{'_'.join(args.rates)}_{hosts}x{per_host}"
     tag += f"_{args.suffix}" if args.suffix else ""
@@ -568,6 +710,8 @@ def driver(args: argparse.Namespace) -> None:
                         run = run_one(args, entry, task)
                         run.update(rate=rate, round=round_)
                         result["runs"].append(run)
+                        if task == "throughput" and "parameters" in run:
+                            result["parameters"][args.model] = run["parameters"]
                         keys = (
                             "auto_choices",
                             "step_ms",
@@ -582,6 +726,12 @@ def driver(args: argparse.Namespace) -> None:
                         (args.out / f"{tag}.json").write_text(json.dumps(result, indent=1))
     finally:
         cluster("down")
+    report(result, args.out / f"{tag}.json")
+
+
+def report(result: dict[str, Any], path: Path) -> None:
+    """The .md (tables) and .png beside the .json ``path``; printed too."""
+    hosts, per_host = result["hosts"], result["ranks_per_host"]
     lines = [
         f"# training across {hosts} hosts x {per_host} ranks",
         "",
@@ -591,8 +741,8 @@ def driver(args: argparse.Namespace) -> None:
         "",
         *tables(result),
     ]
-    (args.out / f"{tag}.md").write_text("\n".join(lines))
-    plot(result, args.out / f"{tag}.png")
+    path.with_suffix(".md").write_text("\n".join(lines))
+    plot(result, path.with_suffix(".png"))
     print("\n".join(lines))
 
 
@@ -614,17 +764,23 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.97)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=["mlp", "resnet"], default="mlp",
+                        help="throughput: benchmarks/train.py's model")  # fmt: skip
+    parser.add_argument("--tta-target", type=float, default=0.84, help="tta: test accuracy")
+    parser.add_argument("--tta-lr", type=float, default=1e-4, help="tta: Adam's lr")
+    parser.add_argument("--tta-max-steps", type=int, default=1500)
+    parser.add_argument("--eval-every", type=int, default=25, help="tta: steps between scores")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--suffix", help="appended to the result files' names")
-    parser.add_argument("--replot", type=Path, help="draw the .png again from this .json")
+    parser.add_argument("--replot", type=Path, help="the .md and .png again from this .json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--task", choices=TASKS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
     elif args.replot:
-        plot(json.loads(args.replot.read_text()), args.replot.with_suffix(".png"))
+        report(json.loads(args.replot.read_text()), args.replot)
     else:
         for rate in args.rates:
             rate_bits(rate)
