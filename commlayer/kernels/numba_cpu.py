@@ -235,10 +235,23 @@ def _qsgd_sum(codes, steps, bucket, levels, shift, divisor, out):  # type: ignor
     return top, -1
 
 
+# Whole bytes with a constant count of codes each (2 at 4 bits, 4 at 2 bits), which LLVM
+# vectorizes, then the last partial byte: the generic loop's per-byte trip count (min(...))
+# kept it scalar, 3x the time of QSGD 8-bit's quantizing for 4-bit's (compress_cost.py).
 @numba.njit(cache=True, nogil=True)
 def _pack(codes, bits, out):  # type: ignore[no-untyped-def]
     per_byte = 8 // bits
-    for o in range(out.size):
+    full = min(out.size, codes.size // per_byte)
+    if bits == 4:
+        for o in range(full):
+            out[o] = codes[2 * o] | (codes[2 * o + 1] << 4)
+    elif bits == 2:
+        for o in range(full):
+            b = 4 * o
+            out[o] = codes[b] | (codes[b + 1] << 2) | (codes[b + 2] << 4) | (codes[b + 3] << 6)
+    else:
+        full = 0
+    for o in range(full, out.size):
         acc = 0
         base = o * per_byte
         for j in range(min(per_byte, codes.size - base)):
@@ -249,7 +262,23 @@ def _pack(codes, bits, out):  # type: ignore[no-untyped-def]
 @numba.njit(cache=True, nogil=True)
 def _unpack(packed, bits, out):  # type: ignore[no-untyped-def]
     per_byte, mask = 8 // bits, (1 << bits) - 1
-    for o in range(packed.size):
+    full = min(packed.size, out.size // per_byte)
+    if bits == 4:
+        for o in range(full):
+            p = packed[o]
+            out[2 * o] = p & 15
+            out[2 * o + 1] = p >> 4
+    elif bits == 2:
+        for o in range(full):
+            p = packed[o]
+            b = 4 * o
+            out[b] = p & 3
+            out[b + 1] = (p >> 2) & 3
+            out[b + 2] = (p >> 4) & 3
+            out[b + 3] = p >> 6
+    else:
+        full = 0
+    for o in range(full, packed.size):
         base = o * per_byte
         for j in range(min(per_byte, out.size - base)):
             out[base + j] = (packed[o] >> (j * bits)) & mask
