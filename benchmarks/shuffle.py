@@ -55,6 +55,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 from datetime import datetime, timezone
@@ -323,6 +324,25 @@ class Strategy:
             self.row[key].append(max(s.get(key, 0.0) for s in stats))
 
 
+_THREADS = {"MainThread": "train", "commlayer-engine": "engine", "commlayer-shuffle-io": "io"}
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of this process's threads by role (training, the engine, the
+    shufflers' I/O threads, the rest: torch's, MPI's), from /proc/self/task/<tid>/stat."""
+    threads = threading.enumerate()  # ThreadPoolExecutor names its thread PREFIX_0
+    roles = {t.native_id: _THREADS.get(t.name.split("_")[0], "other") for t in threads}
+    cpu = dict.fromkeys(("train", "engine", "io", "other"), 0.0)
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        cpu[roles.get(int(task.name), "other")] += (int(fields[11]) + int(fields[12])) / _TICK
+    return cpu
+
+
 def run_epoch(st: Strategy, epoch: int, model: nn.Module, optimizer: Any, record: bool) -> None:
     """One epoch of ``st``: its time (slowest rank, from set_epoch, which commits the previous
     epoch's exchange, to the end of join), collective time and shared bytes."""
@@ -330,6 +350,7 @@ def run_epoch(st: Strategy, epoch: int, model: nn.Module, optimizer: Any, record
     cl.barrier()
     collective0 = cl.communication_stats()["collective_s"]
     cpu0 = time.process_time()  # every thread of this rank: training, engine, I/O
+    threads0 = thread_cpu()
     t0 = time.perf_counter()
     st.set_epoch(epoch)
     for x, y in st.loader:
@@ -342,6 +363,7 @@ def run_epoch(st: Strategy, epoch: int, model: nn.Module, optimizer: Any, record
         cl.communication_stats()["collective_s"] - collective0,
         getattr(st.dataset, "bytes_read", 0) - read0,
         time.process_time() - cpu0,
+        {k: v - threads0[k] for k, v in thread_cpu().items()},
     )
     everyone = cl.allgather_object(mine)
     if epoch > 0:
@@ -351,6 +373,8 @@ def run_epoch(st: Strategy, epoch: int, model: nn.Module, optimizer: Any, record
         st.row["collective_s"].append(max(e[1] for e in everyone))
         st.row["shared_bytes"].append(sum(e[2] for e in everyone))
         st.row["cpu_s"].append(sum(e[3] for e in everyone))
+        for role in everyone[0][4]:  # summed over ranks, like cpu_s
+            st.row.setdefault(f"cpu_{role}_s", []).append(sum(e[4][role] for e in everyone))
 
 
 def run_io(args: argparse.Namespace) -> dict[str, Any]:
