@@ -209,6 +209,22 @@ def throughput(system: System, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _step(model: nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor,
+          index: torch.Tensor) -> None:  # fmt: skip
+    optimizer.zero_grad()
+    F.cross_entropy(model(x[index]), y[index]).backward()
+    optimizer.step()
+
+
+def _score(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Test accuracy (untimed by the callers; the replicas are identical)."""
+    with torch.no_grad():
+        model.eval()
+        correct = (model(x).argmax(1) == y).float().mean().item()
+        model.train()
+    return correct
+
+
 def accuracy(system: System, args: argparse.Namespace) -> dict[str, Any]:
     from train_digits import DEMO_MODEL, DigitsCNN, load_split
 
@@ -227,17 +243,11 @@ def accuracy(system: System, args: argparse.Namespace) -> dict[str, Any]:
         order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
         mine = order[system.rank :: system.size]
         for begin in range(0, len(mine) - args.batch + 1, args.batch):
-            index = mine[begin : begin + args.batch]
-            optimizer.zero_grad()
-            F.cross_entropy(model(x_train[index]), y_train[index]).backward()
-            optimizer.step()
+            _step(model, optimizer, x_train, y_train, mine[begin : begin + args.batch])
             steps += 1
         system.barrier()
         train_s += time.perf_counter() - t0
-        with torch.no_grad():
-            model.eval()
-            correct = (model(x_test).argmax(1) == y_test).float().mean().item()
-            model.train()
+        correct = _score(model, x_test, y_test)
         curve.append({"epoch": epoch, "train_s": train_s, "accuracy": correct})
     rx1, tx1 = _link_bytes()
     reached = [point["train_s"] for point in curve if point["accuracy"] >= args.target]
@@ -296,18 +306,12 @@ def tta(system: System, args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.eval_every):
                 if begin + args.batch > len(mine):
                     break
-                index = mine[begin : begin + args.batch]
+                _step(model, optimizer, x_train, y_train, mine[begin : begin + args.batch])
                 begin += args.batch
-                optimizer.zero_grad()
-                F.cross_entropy(model(x_train[index]), y_train[index]).backward()
-                optimizer.step()
                 steps += 1
             system.barrier()
             train_s += time.perf_counter() - t0
-            with torch.no_grad():
-                model.eval()
-                correct = (model(x_test).argmax(1) == y_test).float().mean().item()
-                model.train()
+            correct = _score(model, x_test, y_test)
             curve.append({"step": steps, "train_s": train_s, "accuracy": correct})
             if correct >= args.tta_target:
                 reached = train_s
