@@ -467,11 +467,18 @@ def library_version() -> str:
     return " ".join(MPI.Get_library_version().replace("\x00", " ").splitlines()[0].split())
 
 
+# How long an aborting rank leaves its launcher to forward what it printed last: MPI_Abort has
+# mpiexec (hydra) kill every proxy, and a proxy killed before it read this rank's pipe loses the
+# lines that say why (the rank's error and this notice: a fresh CI run lost both, twice).
+_FORWARD_S = 0.25
+
+
 def _abort(reason: str, code: int) -> None:
     # MPI_Abort prints which process aborted; the reason goes first, on this rank's stderr.
     sys.stdout.flush()
     sys.stderr.write(f"commlayer: aborting the job: {reason}\n")
     sys.stderr.flush()
+    time.sleep(_FORWARD_S)
     MPI.COMM_WORLD.Abort(code)
 
 
