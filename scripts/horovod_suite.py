@@ -136,6 +136,16 @@ def _reports(out: Path) -> dict[str, dict[int, dict]]:
     return per
 
 
+def _ended_at(out: Path) -> set[str]:
+    """The tests at which a rank ended the job (the plugin's "desync" and "hung" records)."""
+    return {
+        record["test"]
+        for path in out.glob("rank*.jsonl")
+        for record in map(json.loads, path.read_text().splitlines())
+        if record["outcome"] in ("desync", "hung")
+    }
+
+
 def _finished(records: dict[int, dict], np_: int) -> bool:
     return len(records) == np_ and all(
         r["outcome"] in ("passed", "failed", "skipped") for r in records.values()
@@ -207,8 +217,12 @@ def main() -> int:
             while remaining:
                 _job(args, env, file, remaining, out / "whole.log",
                      args.timeout * (len(remaining) + 1))  # fmt: skip
-                per = _reports(out)
-                unfinished = [t for t in remaining if not _finished(per.get(t, {}), args.np)]
+                per, ended = _reports(out), _ended_at(out)
+                # a rank that ended the job at a test (the barrier after it timed out: "desync")
+                # ends the tests after it too, though a peer may have reported one of them
+                unfinished = [
+                    t for t in remaining if t in ended or not _finished(per.get(t, {}), args.np)
+                ]
                 if not unfinished:
                     break
                 culprit = unfinished[0]
