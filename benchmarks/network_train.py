@@ -50,6 +50,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -539,16 +540,10 @@ def tables(result: dict[str, Any]) -> list[str]:
                 "training s | link MB/step out |",
                 "| --- | ---: | ---: | ---: | ---: | ---: |",
             ]
-            for r in acc_rows:
-                if "error" in r:
-                    lines.append(f"| {r['label']} | failed | | | | |")
-                    continue
-                t = r["time_to_target_s"]
-                speed = _fmt(base_t / t if (base_t and t) else None, ".2f")
-                lines.append(
-                    f"| {r['label']} | {_fmt(t, '.2f')} | {speed} | {r['final_accuracy']:.2%} | "
-                    f"{r['train_s']:.2f} | {r['link_sent_mb_per_step']:.3f} |"
-                )
+            lines += _to_target_rows(acc_rows, base_t, 6, lambda r, t, speed: (
+                f"| {r['label']} | {_fmt(t, '.2f')} | {speed} | {r['final_accuracy']:.2%} | "
+                f"{r['train_s']:.2f} | {r['link_sent_mb_per_step']:.3f} |"
+            ))  # fmt: skip
         lines += _tta_table(result, rows)
         lines.append("")
     return lines
@@ -573,18 +568,29 @@ def _tta_table(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         "final accuracy | link MB/step out | auto chose |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for r in tta_rows:
+    return lines + _to_target_rows(tta_rows, base_t, 8, lambda r, t, speed: (
+        f"| {r['label']} | {_fmt(t, '.1f')} | {speed} | {_fmt(r['steps_to_target'], 'd')} | "
+        f"{r['step_ms']:.0f} | {r['final_accuracy']:.2%} | {r['link_sent_mb_per_step']:.3f} "
+        f"| {', '.join(sorted(set(r.get('auto_choices', []))))} |"
+    ))  # fmt: skip
+
+
+def _to_target_rows(
+    runs: list[dict[str, Any]],
+    base_t: float | None,
+    columns: int,
+    cells: Callable[[dict[str, Any], float | None, str], str],
+) -> list[str]:
+    """A table row per run: ``cells(run, its time to the target, its speed-up over base_t)``,
+    or the run's label and "failed" in a table of ``columns`` columns."""
+    out = []
+    for r in runs:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed | | | | | | |")
+            out.append(f"| {r['label']} | failed |" + " |" * (columns - 2))
             continue
         t = r["time_to_target_s"]
-        speed = _fmt(base_t / t if (base_t and t) else None, ".2f")
-        lines.append(
-            f"| {r['label']} | {_fmt(t, '.1f')} | {speed} | {_fmt(r['steps_to_target'], 'd')} | "
-            f"{r['step_ms']:.0f} | {r['final_accuracy']:.2%} | {r['link_sent_mb_per_step']:.3f} "
-            f"| {', '.join(sorted(set(r.get('auto_choices', []))))} |"
-        )
-    return lines
+        out.append(cells(r, t, _fmt(base_t / t if (base_t and t) else None, ".2f")))
+    return out
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
