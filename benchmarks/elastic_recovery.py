@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import procstat  # benchmarks/procstat.py, beside this script
+
 HERE = Path(__file__).resolve()
 COMMIT_EVERY = 10
 BATCH = 64
@@ -197,8 +199,10 @@ def _throughput(out: Path, window_s: float) -> float:
 
 def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) process ``pid`` has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    got = procstat.read(Path(f"/proc/{pid}/stat"))
+    if got is None:
+        raise ProcessLookupError(f"process {pid} has ended")
+    return got[1]
 
 
 def _tree_cpu_s(root: int) -> float:
@@ -206,13 +210,10 @@ def _tree_cpu_s(root: int) -> float:
     and their threads): on a loaded machine CPU per step moves far less than wall time."""
     parent, cpu = {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid = int(stat.parent.name)
-        parent[pid] = int(fields[1])  # proc(5): state, ppid, ...
-        cpu[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        got = procstat.read(stat)
+        if got is not None:
+            pid = int(stat.parent.name)
+            parent[pid], cpu[pid] = got
     total = 0.0
     for pid in cpu:
         up = pid

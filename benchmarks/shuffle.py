@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import procstat  # benchmarks/procstat.py, beside this script
 import torch
 import torch.nn.functional as F
 import torch.utils.data
@@ -325,7 +326,6 @@ class Strategy:
 
 
 _THREADS = {"MainThread": "train", "commlayer-engine": "engine", "commlayer-shuffle-io": "io"}
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu() -> dict[str, float]:
@@ -335,11 +335,9 @@ def thread_cpu() -> dict[str, float]:
     roles = {t.native_id: _THREADS.get(t.name.split("_")[0], "other") for t in threads}
     cpu = dict.fromkeys(("train", "engine", "io", "other"), 0.0)
     for task in Path("/proc/self/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended
-            continue
-        cpu[roles.get(int(task.name), "other")] += (int(fields[11]) + int(fields[12])) / _TICK
+        got = procstat.read(task / "stat")
+        if got is not None:  # None: the thread ended
+            cpu[roles.get(int(task.name), "other")] += got[1]
     return cpu
 
 
