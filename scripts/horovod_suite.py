@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -124,26 +125,26 @@ def _kill_tree(pid: int) -> None:
                 pass
 
 
-def _reports(out: Path) -> dict[str, dict[int, dict]]:
-    """test -> rank -> its record (a failure kept over a later record of the same test)."""
-    per: dict[str, dict[int, dict]] = collections.defaultdict(dict)
+def _records(out: Path) -> Iterator[tuple[int, dict]]:
+    """(rank, record) of every line the ranks' plugins wrote, rank by rank in order."""
     for path in sorted(out.glob("rank*.jsonl")):
         rank = int(path.stem[4:])
         for line in path.read_text().splitlines():
-            record = json.loads(line)
-            if per[record["test"]].get(rank, {}).get("outcome") != "failed":
-                per[record["test"]][rank] = record
+            yield rank, json.loads(line)
+
+
+def _reports(out: Path) -> dict[str, dict[int, dict]]:
+    """test -> rank -> its record (a failure kept over a later record of the same test)."""
+    per: dict[str, dict[int, dict]] = collections.defaultdict(dict)
+    for rank, record in _records(out):
+        if per[record["test"]].get(rank, {}).get("outcome") != "failed":
+            per[record["test"]][rank] = record
     return per
 
 
 def _ended_at(out: Path) -> set[str]:
     """The tests at which a rank ended the job (the plugin's "desync" and "hung" records)."""
-    return {
-        record["test"]
-        for path in out.glob("rank*.jsonl")
-        for record in map(json.loads, path.read_text().splitlines())
-        if record["outcome"] in ("desync", "hung")
-    }
+    return {r["test"] for _, r in _records(out) if r["outcome"] in ("desync", "hung")}
 
 
 def _finished(records: dict[int, dict], np_: int) -> bool:
