@@ -556,10 +556,11 @@ def _tta_table(result: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
         return []
     base = next((r for r in tta_rows if r["label"] == "none" and "error" not in r), {})
     base_t = base.get("time_to_target_s")
+    params = next((r["parameters"] for r in tta_rows if "parameters" in r), 0)
     lines = [
         "",
         f"Time to accuracy of a link-bound model: the anchor MLP on Fashion-MNIST "
-        f"(`fashion_mlp`, 6.53 M parameters), Adam lr {result['tta_lr']}, batch "
+        f"(`fashion_mlp`, {params / 1e6:.2f} M parameters), Adam lr {result['tta_lr']}, batch "
         f"{result['batch']} per rank; training seconds until the first score (every "
         f"{result['eval_every']} steps, 2000 test images, untimed) at or above "
         f"{result['tta_target']:.0%}.",
