@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import logging
 import os
 import re
 import shlex
@@ -226,6 +227,17 @@ def check_build() -> str:
     return "\n".join(lines)
 
 
+# horovodrun's --log-level spellings -> COMMLAYER_LOG_LEVEL's (and Python logging's) names
+_LOG_LEVELS = {
+    "TRACE": "trace",
+    "DEBUG": "debug",
+    "INFO": "info",
+    "WARNING": "warning",
+    "ERROR": "error",
+    "FATAL": "error",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="commlayerrun",
@@ -269,15 +281,32 @@ def _parser() -> argparse.ArgumentParser:
         "elastic training (Horovod's flags; any of --min-np, --max-np, --host-discovery-script "
         "runs commlayer's elastic driver instead of mpiexec: commlayer/elastic/driver.py)"
     )
-    elastic.add_argument("--min-np", type=int, help="fewest workers to train with (default -np)")
-    elastic.add_argument("--max-np", type=int, help="most workers to start (default -np)")
+    elastic.add_argument(
+        "--min-np",
+        "--min-num-proc",
+        dest="min_np",
+        type=int,
+        help="fewest workers to train with (default -np)",
+    )
+    elastic.add_argument(
+        "--max-np",
+        "--max-num-proc",
+        dest="max_np",
+        type=int,
+        help="most workers to start (default: -np with -H, no limit with a discovery script)",
+    )
     elastic.add_argument(
         "--host-discovery-script",
         metavar="SCRIPT",
         help="prints the available hosts, one host:slots a line; run every second",
     )
     elastic.add_argument(
-        "--slots", type=int, default=1, help="slots of a host the script names without a count"
+        "--slots",
+        "--slots-per-host",
+        dest="slots",
+        type=int,
+        default=1,
+        help="slots of a host the script names without a count",
     )
     elastic.add_argument(
         "--elastic-timeout",
@@ -294,7 +323,30 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         nargs=2,
         metavar=("LO", "HI"),
-        help="a failed worker's slot comes back after a random LO..HI seconds (default: never)",
+        help="a blacklisted host comes back after LO * 2**failures + U(0, 1) * LO seconds, "
+        "clamped to [LO, HI], as Horovod's (default: never)",
+    )
+    elastic.add_argument(
+        "--blacklist-scope",
+        choices=("host", "slot"),
+        default="host",
+        help="what a failed worker blacklists: its whole host, as Horovod (default), or only "
+        "its slot (the other workers of that host stay: for one machine with several slots)",
+    )
+    elastic.add_argument(
+        "--on-state-lost",
+        choices=("fail", "reset"),
+        default="fail",
+        help="a new world with no worker of the last one (every holder of the last commit "
+        "gone): fail the job (default), or form it and run the state's reset callbacks before "
+        "the sync (restore from your own checkpoint there)",
+    )
+    elastic.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=tuple(_LOG_LEVELS),
+        help="the driver's log level, and the workers' (COMMLAYER_LOG_LEVEL) unless set; "
+        "horovodrun's spellings",
     )
     elastic.add_argument(
         "--heartbeat-timeout",
@@ -414,8 +466,12 @@ def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[st
             fixed = driver.parse_hosts(args.hosts or f"localhost:{args.max_np or args.np}")
             discover = lambda: dict(fixed)  # noqa: E731
         first = discover()
+        if not first:
+            where = "the host discovery script printed" if args.host_discovery_script else "-H has"
+            raise ValueError(f"{where} no hosts: nothing to start workers on")
         min_np = args.min_np if args.min_np is not None else args.np
-        unbounded = 1 << 30 if args.host_discovery_script else max(args.np, sum(first.values()))
+        # with -H, at most -np workers (the docs); a discovery script may bring any number
+        unbounded = 1 << 30 if args.host_discovery_script else args.np
         max_np = args.max_np if args.max_np is not None else unbounded
         remote = [h for h in first if h not in driver.local_names()]
         cluster = cluster_of(remote) if remote else None
@@ -426,6 +482,13 @@ def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[st
             return _driver_on_cluster(cluster, argv)
         environ = {**(cluster.environ if cluster else {}), **environ}
         environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max_np)))
+        if args.log_level:
+            level = _LOG_LEVELS[args.log_level]
+            environ.setdefault("COMMLAYER_LOG_LEVEL", level)
+            logging.basicConfig(format="%(message)s")
+            logging.getLogger("commlayer.elastic.driver").setLevel(
+                5 if level == "trace" else level.upper()
+            )
         cooldown = tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None
         if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
             raise ValueError(f"--blacklist-cooldown-range {cooldown}: need 0 <= LO <= HI")
@@ -441,6 +504,9 @@ def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[st
             cooldown_s=cooldown,  # type: ignore[arg-type]
             cluster=cluster,
             heartbeat_timeout_s=args.heartbeat_timeout,
+            blacklist_scope=args.blacklist_scope,
+            on_state_lost=args.on_state_lost,
+            hosts=first,
         )
     except (ValueError, OSError) as exc:
         print(f"commlayerrun: {exc}", file=sys.stderr)

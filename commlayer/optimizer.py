@@ -83,7 +83,7 @@ class _Reducer:
         "owner", "named", "names", "policy", "comm", "passes_per_step", "op", "sparse_as_dense",
         "process_set", "reduces", "handles", "passes", "ready", "bucketer", "sparse_dims",
         "resparsify", "hooks", "synchronized", "user_synchronized", "should_synchronize",
-        "wait_s",
+        "wait_s", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -339,13 +339,19 @@ class _Reducer:
     def new_world(self) -> None:
         """Elastic training re-formed the world (commlayer/elastic): what was in flight is
         gone, the buckets are planned again from the next step's order (as a new worker plans
-        its own: every rank alike), and whether this rank reduces follows the new size."""
+        its own: every rank alike), and whether this rank reduces follows the new size: the
+        hooks come off over one rank (module docstring, 6.) and back on when the world grows."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
         self.reduces = self.reduces_here()
         self.handles.clear()
         self.passes.clear()
         self.ready = 0
+        self.synchronized = self.user_synchronized = False
         self.bucketer.restart()
         self.resparsify.clear()
+        self.hook(self.params())
 
     def synchronize(self) -> None:
         if not self.reduces:
@@ -744,7 +750,20 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
     reducer.set_groups(groups)
     wrapped.__dict__["_commlayer"] = reducer
     reducer.hook(reducer.params())
+    _reducers.add(reducer)
     return wrapped  # type: ignore[no-any-return]
+
+
+# Every DistributedOptimizer's reducer (weakly): an elastic re-formation restarts them all,
+# also those the training state does not hold.
+_reducers: weakref.WeakSet[_Reducer] = weakref.WeakSet()
+
+
+def new_world() -> None:
+    """The world was re-formed (commlayer.elastic): every DistributedOptimizer drops what it
+    had in flight and starts over at the new size (``_Reducer.new_world``)."""
+    for reducer in list(_reducers):
+        reducer.new_world()
 
 
 def _check_arguments(

@@ -180,6 +180,10 @@ def register_state(state: Any) -> None:
 
 _joined = True
 _formed = 0.0
+_skip_sync_ok = False
+_state_lost = False
+_broken = False  # a worker of the world this one is joining or in died (the driver said so)
+_dead_ranks: set[int] = set()  # those workers' ranks
 
 
 def formed() -> float:
@@ -195,30 +199,70 @@ def joined() -> bool:
     return _joined
 
 
+def skip_sync_ok() -> bool:
+    """Whether the world this worker last joined has the last one's members only, none of
+    which died: after HostsUpdatedInterrupt (hosts removed only) they all hold the commit they
+    raised it at, and the sync can be skipped."""
+    return _skip_sync_ok
+
+
+def state_lost() -> bool:
+    """Whether the world this worker last joined has no worker of the one before it, which
+    held the last commit (commlayerrun --on-state-lost reset formed it anyway): the state's
+    reset callbacks restore it from the user's own checkpoint before the sync."""
+    return _state_lost
+
+
 def generation() -> int:
     """The generation (world) this worker last joined; -1 before the first."""
     return _generation
 
 
+def world_broken() -> bool:
+    """Whether the driver reported a worker of this worker's current world dead: an error while
+    that world starts is then the death's, and the rendezvous starts over."""
+    return _broken
+
+
 def init_process_group(timeout_s: float) -> None:
     """Join the driver's next world and start torch.distributed over it (module docstring);
-    WorkerRemoved (exit code 0) when the driver has taken this worker out of the job."""
-    global _store, _generation
+    WorkerRemoved (exit code 0) when the driver has taken this worker out of the job. A world
+    whose worker dies while torch.distributed starts over it (the driver fails the store's
+    waits of a broken world at once) is left, and the rendezvous starts over."""
     me = client()
     began = time.monotonic()
-    reply = me.call({"op": "rendezvous", "worker": me.worker})
-    if reply.get("exit"):
-        log.warning("commlayer elastic worker %s: removed from the job; exiting", me.worker)
-        raise WorkerRemoved(me.worker)
-    rank, size, gen = int(reply["rank"]), int(reply["size"]), int(reply["generation"])
-    store = DriverStore(me, f"commlayer/elastic/{gen}/", timeout_s)
-    torch_distributed.report_dead([])
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
-    )
-    _store, _generation = store, gen
-    global _joined, _formed
-    _joined, _formed = bool(reply.get("joined", True)), float(reply["timestamp"])
+    while True:
+        reply = me.call({"op": "rendezvous", "worker": me.worker})
+        if reply.get("exit"):
+            log.warning("commlayer elastic worker %s: removed from the job; exiting", me.worker)
+            raise WorkerRemoved(me.worker)
+        rank, size, gen = int(reply["rank"]), int(reply["size"]), int(reply["generation"])
+        _enter(reply, gen)
+        store = DriverStore(me, f"commlayer/elastic/{gen}/", timeout_s)
+        try:
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except Exception as exc:  # torch's own types vary (DistStoreError, RuntimeError)
+            if not world_broken():
+                raise
+            log.warning(
+                "commlayer elastic worker %s: world %d broke while it formed (%s); rendezvous "
+                "again",
+                me.worker,
+                gen,
+                exc,
+            )
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            continue
+        global _store
+        _store = store
+        break
     log.info(
         "commlayer elastic worker %s: rank %d of %d, generation %d (rendezvous %.2f s)",
         me.worker,
@@ -227,6 +271,19 @@ def init_process_group(timeout_s: float) -> None:
         gen,
         time.monotonic() - began,
     )
+
+
+def _enter(reply: dict[str, Any], gen: int) -> None:
+    """This worker is in world ``gen`` from now: notices of older worlds are stale (under the
+    lock the notices' thread applies them with)."""
+    global _generation, _joined, _formed, _skip_sync_ok, _state_lost, _broken
+    with _lock:
+        _generation, _broken = gen, False
+        _dead_ranks.clear()
+        torch_distributed.report_dead([])
+    _joined, _formed = bool(reply.get("joined", True)), float(reply["timestamp"])
+    _skip_sync_ok = bool(reply.get("skip_sync_ok", False))
+    _state_lost = bool(reply.get("state_lost", False))
 
 
 HEARTBEAT_S = 1.0
@@ -260,5 +317,17 @@ def _notices(events: Client) -> None:
         if kind == "hosts_updated":
             for state in list(_states):
                 state.on_hosts_updated(float(notice["timestamp"]), bool(notice["removed_only"]))
-        elif kind == "dead" and int(notice["generation"]) == _generation:
-            torch_distributed.report_dead([int(r) for r in notice["ranks"]])
+        elif kind == "dead":
+            _dead(int(notice["generation"]), [int(r) for r in notice["ranks"]])
+
+
+def _dead(gen: int, ranks: list[int]) -> None:
+    """The driver's notice that ``ranks`` of world ``gen`` died: for this worker's current
+    world only (a notice of an older world, arriving late, names other workers)."""
+    global _broken
+    with _lock:
+        if gen != _generation:
+            return
+        _broken = True
+        _dead_ranks.update(ranks)  # every death of this world, not the newest one only
+        torch_distributed.report_dead(sorted(_dead_ranks))

@@ -127,21 +127,7 @@ def _start(
         )
         if cfg.line_output == "on":
             _line_buffered()
-        backend = _start_backend(comm, cfg)
-        engine = Engine(backend, cfg)
-        _topology.clear()
-        _topology.update(_derive_topology(backend.rank, backend.nodes()))
-        for ps in process_sets:
-            if reformed and any(r >= backend.size for r in ps.ranks):
-                raise ValueError(
-                    f"commlayer rank {backend.rank}: the world re-formed at size {backend.size}, "
-                    f"and process set {ps.ranks} of init(process_sets=...) has ranks it does not "
-                    "have: give init() only sets that every size the job may have (--min-np) "
-                    "contains, and add the others with add_process_set when the size allows"
-                )
-            check_ranks(ps, backend.size)
-            ps.process_set_id, _ = engine.register_process_set(ps.ranks)
-        engine.start()
+        backend, engine = _start_engine(comm, cfg, process_sets, reformed)
         _engine, _config = engine, cfg
         process_sets_module.bind((backend.rank, backend.size))
         _summary = summary_line(backend.nodes(), backend.hosts(), _backend_name, cfg)
@@ -155,6 +141,49 @@ def _start(
             atexit.register(shutdown)
             _install_excepthook()
             _atexit_registered = True
+
+
+def _start_engine(
+    comm: Any, cfg: Config, process_sets: Sequence[ProcessSet], reformed: bool
+) -> tuple[Backend, Engine]:
+    """The backend and the engine, started; an elastic driver's worker starts over in its next
+    world when a worker of this one dies meanwhile (their set-up is collective: it would fail,
+    or wait for the dead worker)."""
+    while True:
+        backend = _start_backend(comm, cfg)
+        try:
+            engine = Engine(backend, cfg)
+            _topology.clear()
+            _topology.update(_derive_topology(backend.rank, backend.nodes()))
+            for ps in process_sets:
+                if reformed and any(r >= backend.size for r in ps.ranks):
+                    raise ValueError(
+                        f"commlayer rank {backend.rank}: the world re-formed at size "
+                        f"{backend.size}, and process set {ps.ranks} of init(process_sets=...) "
+                        "has ranks it does not have: give init() only sets that every size the "
+                        "job may have (--min-np) contains, and add the others with "
+                        "add_process_set when the size allows"
+                    )
+                check_ranks(ps, backend.size)
+                ps.process_set_id, _ = engine.register_process_set(ps.ranks)
+            engine.start()
+        except Exception as exc:
+            if not _elastic_world_broken():
+                raise
+            log.warning("commlayer: the world broke while commlayer started (%s); again", exc)
+            if _backend_module is not None:
+                _backend_module.finish(True, True)
+            continue
+        return backend, engine
+
+
+def _elastic_world_broken() -> bool:
+    """Whether this is an elastic driver's worker whose world lost a worker (rendezvous.py)."""
+    if config_module.elastic_worker() is None:
+        return False
+    from commlayer.core import rendezvous
+
+    return rendezvous.world_broken()
 
 
 def _install_excepthook() -> None:

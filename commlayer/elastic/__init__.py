@@ -88,6 +88,7 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
 
             rendezvous.register_state(state)
             state.joined_world(rendezvous.formed())
+            _restore_lost(state)
         skip_sync, resets = False, 0
         while True:
             try:
@@ -124,15 +125,29 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
                 skip_sync = exc.skip_sync
                 if elastic:
                     _reform(state)
-                    skip_sync = skip_sync and not rendezvous.joined()
+                    skip_sync = skip_sync and rendezvous.skip_sync_ok()
             state.on_reset()
 
     return wrapper
 
 
 def _reform(state: State) -> None:
+    """Join the driver's next world (``_reform_once``), again if a worker of it dies before
+    this rank is back in training."""
+    while True:
+        try:
+            _reform_once(state)
+            return
+        except HorovodInternalError as exc:
+            log.warning("commlayer: the new world broke while this rank joined it (%s); again", exc)
+
+
+def _reform_once(state: State) -> None:
     """Leave this world (the engine stops without waiting on dead peers: its thread has
-    already stopped on their death) and join the driver's next one."""
+    already stopped on their death) and join the driver's next one: what was in flight is
+    dropped, and every DistributedOptimizer starts over at the new size (its one-rank
+    identity on or off with it)."""
+    from commlayer import optimizer
     from commlayer.core import rendezvous
 
     added = runtime.added_process_sets()
@@ -140,9 +155,22 @@ def _reform(state: State) -> None:
     runtime.restart()  # the user's init() arguments and process sets, in the new world
     state.joined_world(rendezvous.formed())
     _add_again(added)
-    new_world = getattr(state, "new_world", None)
-    if new_world is not None:
-        new_world()
+    optimizer.new_world()
+    _restore_lost(state)
+
+
+def _restore_lost(state: State) -> None:
+    """A world with no worker of the last one (commlayerrun --on-state-lost reset): the reset
+    callbacks restore the state from the user's own checkpoint before the sync."""
+    from commlayer.core import rendezvous
+
+    if rendezvous.state_lost():
+        log.warning(
+            "commlayer rank %d: this world has no worker of the last one (which held the last "
+            "commit): running the reset callbacks to restore the state from your checkpoint",
+            runtime.rank(),
+        )
+        state.on_reset()
 
 
 def _add_again(added: list[Any]) -> None:

@@ -246,14 +246,6 @@ class TorchState(ObjectState):
             handler.sync()
         super().sync()
 
-    def new_world(self) -> None:
-        """Elastic driver: the world was re-formed; DistributedOptimizers start over with what
-        they learned of the old one (buckets, operations in flight)."""
-        for handler in self._handlers.values():
-            reducer = getattr(handler.value, "_commlayer", None)  # a DistributedOptimizer's
-            if reducer is not None:
-                reducer.new_world()
-
     def on_reset(self) -> None:
         # the world may have another size now: samplers repartition what is left of the epoch
         for handler in self._handlers.values():
