@@ -293,7 +293,8 @@ def _parser() -> argparse.ArgumentParser:
         "--max-num-proc",
         dest="max_np",
         type=int,
-        help="most workers to start (default: -np with -H, no limit with a discovery script)",
+        help="most workers to start (default: every slot of -H, no limit with a discovery "
+        "script, as horovodrun)",
     )
     elastic.add_argument(
         "--host-discovery-script",
@@ -470,10 +471,11 @@ def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[st
             where = "the host discovery script printed" if args.host_discovery_script else "-H has"
             raise ValueError(f"{where} no hosts: nothing to start workers on")
         min_np = args.min_np if args.min_np is not None else args.np
-        # with -H, at most -np workers (the docs); a discovery script may bring any number
-        unbounded = 1 << 30 if args.host_discovery_script else args.np
+        # as horovodrun: every slot of -H (Horovod's test_fault_tolerance_without_scaling
+        # starts 4 workers with -np 2 on two hosts of 2 slots); any number with a script
+        unbounded = 1 << 30 if args.host_discovery_script else max(args.np, sum(first.values()))
         max_np = args.max_np if args.max_np is not None else unbounded
-        remote = [h for h in first if h not in driver.local_names()]
+        remote = [h for h in first if not driver.is_local(h)]
         cluster = cluster_of(remote) if remote else None
         inside = (
             cluster is not None and (Path(cluster.launch).parent / socket.gethostname()).is_dir()

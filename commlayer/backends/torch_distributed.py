@@ -70,6 +70,7 @@ from commlayer.backends.base import (
 )
 from commlayer.backends.peers import PeerTable, addresses, indices, me
 from commlayer.backends.shm import CHUNK_BYTES, FileWindow, SharedMemoryAllreduce
+from commlayer.core import config
 from commlayer.core.config import Config, Launch
 from commlayer.core.errors import CommlayerError
 from commlayer.core.reduce_ops import ReduceOp, scale_into
@@ -775,11 +776,14 @@ def _start_default_group(timeout_s: float, launch: Launch) -> None:
 
 def end_job(what: str, exc: BaseException) -> bool:
     """An uncaught exception on this rank (registry.Lifecycle): it exits at once, its peers
-    in collectives get an error naming it, and torchrun's agent stops them."""
-    sys.stderr.write(
-        f"commlayer: {what}; this rank exits without waiting for its peers (torchrun's "
-        "agent then stops them)\n"
+    in collectives get an error naming it, and torchrun's agent stops them (commlayerrun's
+    elastic driver instead has the others go on without it)."""
+    then = (
+        "commlayerrun's elastic driver has the others go on without it"
+        if config.elastic_worker() is not None
+        else "torchrun's agent then stops them"
     )
+    sys.stderr.write(f"commlayer: {what}; this rank exits without waiting for its peers ({then})\n")
     return False
 
 

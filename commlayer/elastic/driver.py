@@ -17,6 +17,7 @@ It follows Horovod's elastic driver where Horovod's own tests state its behaviou
    name) gets its workers as child processes; a host of the namespace cluster
    (scripts/cluster.sh, ``nodeK``) through the cluster's launcher (launcher.py runs the driver
    itself on the cluster's first host: the root namespace has no route into the cluster).
+   Loopback addresses (127.0.0.0/8) are this machine too: several names for one machine.
 2. Ranks (Horovod's ``get_host_assignments``): hosts in the order they were first seen, each
    host's slots in turn, at most ``--max-np`` workers. Every worker still alive keeps its place,
    and the hosts and slots that hold one come first, so rank 0 of a new world holds the last
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import ipaddress
 import logging
 import math
 import os
@@ -101,13 +103,24 @@ _STORE_PREFIX = "commlayer/elastic/"  # + generation + "/": core/rendezvous.py's
 
 
 def local_names() -> set[str]:
-    """Host names that mean this machine."""
+    """Host names that mean this machine (besides the loopback addresses: ``is_local``)."""
     names = {"localhost", "127.0.0.1", socket.gethostname()}
     try:
         names.add(socket.getfqdn())
     except OSError:
         pass
     return names
+
+
+def is_local(host: str) -> bool:
+    """Whether ``host`` is this machine: one of its names, or a loopback address (127.0.0.0/8:
+    distinct host names for one machine, as Horovod's tests use localhost and 127.0.0.1)."""
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    return host in local_names()
 
 
 def parse_hosts(text: str, default_slots: int = 1, what: str = "hosts") -> dict[str, int]:
@@ -481,7 +494,7 @@ class Driver:
 
     # -- workers --------------------------------------------------------------------------------
     def _address(self) -> str:
-        if all(host in local_names() for host in self._hosts):
+        if all(is_local(host) for host in self._hosts):
             return f"127.0.0.1:{self.port}"
         return f"{socket.gethostbyname(socket.gethostname())}:{self.port}"
 
@@ -492,7 +505,7 @@ class Driver:
         env = dict(self.environ)
         env.update(place.environ())
         env.update(COMMLAYER_ELASTIC_DRIVER=self._address(), COMMLAYER_ELASTIC_WORKER=name)
-        if host in local_names():
+        if is_local(host):
             env["COMMLAYER_ELASTIC_KEY"] = self.key.hex()
             proc = subprocess.Popen(self.command, env=env, start_new_session=True)
         elif self.cluster is not None:

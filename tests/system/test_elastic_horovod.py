@@ -68,8 +68,8 @@ def _run(
     logfile = tmp_path / "log.jsonl"
     command = [*_commlayerrun(), "-np", str(np), "--min-num-proc", str(min_np)]
     command += ["--log-level", "DEBUG", *flags]
-    if hosts is not None:
-        command += ["-H", hosts, "--max-np", str(max_np)]
+    if hosts is not None:  # Horovod's helper passes no --max-num-proc with -H
+        command += ["-H", hosts]
     else:
         assert schedule is not None
         _discovery(tmp_path / "discover.sh", logfile, schedule)

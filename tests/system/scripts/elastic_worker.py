@@ -10,17 +10,31 @@ OUT/<pid>.jsonl: ``start`` (rank, size, generation, host, time, and the step whe
 function starts: after a re-formation, the step it resumed from, and the parameters then),
 ``done`` (final step, size, parameters).
 
+A second model is trained by a DistributedOptimizer in the same steps (its gradients reduced
+while backward runs, so a rank that dies mid-step leaves reductions in flight on the others);
+``done`` has its parameters too (``opt_params``): every rank must end with the same ones.
+
 EVENTs, each done once in the whole job (a marker file OUT/done-I holds the step it was done
 in), in order (an event waits for the one before it), in the first step >= STEP done at world
 size SIZE:
 - ``kill:STEP:SIZE:RANK``: the rank RANK SIGKILLs itself, after its backward and before its
-  allreduce (mid-step).
+  allreduce (mid-step); ``R1+R2``: two ranks at once.
+- ``raise:STEP:SIZE:RANK``: the same, by an uncaught RuntimeError (exit code 1).
+- ``grown:STEP:SIZE``: nothing; done once a step >= STEP runs at SIZE (the job goes on until
+  the world has grown back to SIZE).
 - ``cut:STEP:SIZE:RANK``: the rank RANK pulls its own host's cable (scripts/cluster.sh link
   HOST down, on the namespace cluster) mid-step, as ``kill``, and goes on into the allreduce.
 - ``fail:STEP:SIZE``: every rank exits with code 3.
 - ``hosts:STEP:SIZE:FILE:TEXT``: rank 0 writes TEXT (``;`` for newlines) into FILE, the
   discovery script's input, after the step.
 Training goes on past STEPS until every event was done.
+
+Events outside training (``START_RANK``: the worker started as that rank, HOROVOD_RANK):
+- ``before-init:START_RANK``: that worker SIGKILLs itself before init(), once in the job.
+- ``in-init:START_RANK``: that worker SIGKILLs itself 0.5 s into init() (at the rendezvous or
+  while torch.distributed starts: before the first world trains), once in the job.
+- ``in-rendezvous:GEN:START_RANK``: that worker SIGKILLs itself while it waits at the
+  rendezvous for world GEN, once in the job.
 Rank 0 also writes the driver's address to OUT/driver (the test connects to it).
 """
 
@@ -32,6 +46,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,21 +71,65 @@ def due(i: int, step: int) -> list[str] | None:
     kind, at, size, *rest = events[i].split(":", 3)
     if step < int(at) or hvd.size() != int(size):
         return None
-    if kind != "fail" and (out / f"done-{i}").exists():  # every rank fails
+    marked = (out / f"done-{i}").read_text().split() if (out / f"done-{i}").exists() else None
+    # every rank fails; the ranks of one kill (R1+R2) die in the same step
+    together = kind == "fail" or (kind in ("kill", "raise") and marked and marked[0] == str(step))
+    if marked is not None and not together:
         return None
     return [kind, *rest] if i == 0 or (out / f"done-{i - 1}").exists() else None
 
 
-def done(i: int, step: int) -> bool:
-    """Mark event ``i`` done in ``step``; False when another worker did first."""
+def done(i: int, step: int, shared: bool = False) -> bool:
+    """Mark event ``i`` done in ``step``; False when another worker did first (``shared``:
+    True for every rank of that step, for an event several ranks carry out together)."""
     try:
         fd = os.open(out / f"done-{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-        return False
+        marked = (out / f"done-{i}").read_text().split()
+        return shared and bool(marked) and marked[0] == str(step)
     os.write(fd, f"{step} {time.time()}".encode())
     os.close(fd)
     return True
 
+
+start_rank = int(os.environ.get("HOROVOD_RANK", "-1"))
+
+
+def once(name: str) -> bool:
+    """True the first time in the whole job (a marker file OUT/once-NAME)."""
+    try:
+        os.close(os.open(out / f"once-{name}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def die_later(seconds: float) -> None:
+    threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+
+def die_in_rendezvous(world: int, event: str) -> None:
+    """SIGKILL this worker 0.5 s after it asks for world ``world`` (while it waits there)."""
+    call = rendezvous.Client.call
+
+    def call_and_die(self: rendezvous.Client, message: dict) -> dict:
+        asking = message.get("op") == "rendezvous" and rendezvous.generation() == world - 1
+        if asking and once(event):
+            die_later(0.5)
+        return call(self, message)
+
+    rendezvous.Client.call = call_and_die  # type: ignore[method-assign]
+
+
+for event in events:
+    kind, _, rest = event.partition(":")
+    if kind == "before-init" and int(rest) == start_rank and once(event):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "in-init" and int(rest) == start_rank and once(event):
+        die_later(0.5)
+    if kind == "in-rendezvous" and int(rest.split(":")[1]) == start_rank:
+        die_in_rendezvous(int(rest.split(":")[0]), event)
+events = [e for e in events if e.split(":")[0] not in ("before-init", "in-init", "in-rendezvous")]
 
 hvd.init(cache_capacity=512)  # a keyword setting every world keeps (runtime.restart)
 if hvd.rank() == 0:
@@ -78,7 +137,11 @@ if hvd.rank() == 0:
 torch.manual_seed(0)
 model = nn.Linear(4, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-state = elastic.TorchState(model, optimizer, step=0)
+opt_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(opt_model.parameters(), lr=0.01), named_parameters=opt_model.named_parameters()
+)
+state = elastic.TorchState(model, optimizer, opt_model=opt_model, opt=opt, step=0)
 
 
 @elastic.run
@@ -103,10 +166,17 @@ def train(state: elastic.TorchState) -> None:
         x = torch.arange(16, dtype=torch.float32).reshape(4, 4) / (step + 1)
         optimizer.zero_grad()
         model(x).pow(2).mean().backward()
+        opt.zero_grad()
+        opt_model(torch.ones(4, 8) * (step % 7)).pow(2).mean().backward()  # reduced meanwhile
         for i in range(len(events)):
             event = due(i, step)
-            if event and event[0] == "kill" and hvd.rank() == int(event[1]) and done(i, step):
+            leaving = event and event[0] in ("kill", "raise")
+            if leaving and str(hvd.rank()) in event[1].split("+") and done(i, step, True):
+                if event[0] == "raise":
+                    raise RuntimeError(f"scheduled failure of rank {hvd.rank()} at step {step}")
                 os.kill(os.getpid(), signal.SIGKILL)
+            if event and event[0] == "grown":
+                done(i, step)
             if event and event[0] == "cut" and hvd.rank() == int(event[1]) and done(i, step):
                 cluster_sh = Path(__file__).resolve().parents[3] / "scripts" / "cluster.sh"
                 host = socket.gethostname()
@@ -119,6 +189,7 @@ def train(state: elastic.TorchState) -> None:
             # Max of equal gradients: exactly each, at any size (an average rounds)
             p.grad.copy_(hvd.allreduce(p.grad, name=f"grad.{p.shape}", op=hvd.Max))
         optimizer.step()
+        opt.step()
         state.step = step + 1
         for i in range(len(events)):
             event = due(i, step)
@@ -137,4 +208,5 @@ record(
     size=hvd.size(),
     step=state.step,
     params=[p.detach().reshape(-1).tolist() for p in model.parameters()],
+    opt_params=[p.detach().reshape(-1).tolist() for p in opt_model.parameters()],
 )
