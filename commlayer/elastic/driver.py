@@ -64,6 +64,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from commlayer import hosts as hostlist
 from commlayer.core import elastic_protocol as protocol
 
 log = logging.getLogger("commlayer.elastic.driver")
@@ -87,18 +88,9 @@ def local_names() -> set[str]:
 
 
 def parse_hosts(text: str, default_slots: int = 1, what: str = "hosts") -> dict[str, int]:
-    """``{host: slots}`` from ``host:slots`` entries (lines or commas); ValueError naming the
-    bad entry."""
-    hosts: dict[str, int] = {}
-    for entry in text.replace(",", "\n").splitlines():
-        entry = entry.split("#", 1)[0].strip()
-        if not entry:
-            continue
-        name, colon, count = entry.partition(":")
-        if not name or (colon and (not count.strip().isdigit() or int(count) < 1)):
-            raise ValueError(f"{what}: bad entry {entry!r}; expected host:slots with slots >= 1")
-        hosts[name.strip()] = hosts.get(name.strip(), 0) + (int(count) if colon else default_slots)
-    return hosts
+    """``{host: slots}`` from ``host:slots`` entries (lines or commas; commlayer/hosts.py); {}
+    for none; ValueError naming the bad entry."""
+    return hostlist.parse(text, what, default_slots)
 
 
 def discovery_script(path: str, default_slots: int) -> Callable[[], dict[str, int]]:
