@@ -27,11 +27,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from commlayer import backends
+from commlayer import backends, mpich_shm
 from commlayer import hosts as hostlist
 from commlayer.core import config
 from commlayer.core.registries import REGISTRIES
@@ -389,7 +390,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print(shlex.join(shown))  # quoted: it can be pasted into a shell as it is
         return 0
-    return subprocess.call(cmd, env=env)
+    return run_job(cmd, env)
+
+
+def run_job(cmd: Sequence[str], env: dict[str, str]) -> int:
+    """The launcher's exit code. When it is not 0, a rank was killed or aborted: the MPICH
+    shared-memory files its ranks left are removed (commlayer/mpich_shm.py)."""
+    began = time.time()
+    code = subprocess.call(cmd, env=env)
+    if code != 0:
+        files, size = mpich_shm.remove_leftovers(began)
+        if files:
+            print(
+                f"commlayerrun: the job ended with {code}; removed {files} shared-memory file(s) "
+                f"({size / 1e6:.1f} MB) its ranks left in {mpich_shm.SHM_DIR}",
+                file=sys.stderr,
+            )
+    return code
 
 
 def _where(hosts: str | None, hostfile: str | None) -> str:

@@ -49,6 +49,7 @@ SIDE = (
     "commlayer.costmodel.measure",
     "commlayer.elastic.driver",
     "commlayer.hosts",
+    "commlayer.mpich_shm",
 )
 # What users add around training: they may use the API layer; the layers never import them.
 EXTRAS = ("commlayer.data", "commlayer.model_parallel")

@@ -7,11 +7,13 @@ is replaced, so nothing here starts a rank.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shlex
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import pytest
 
 import commlayer
 from commlayer import hosts as hostlist
-from commlayer import launcher
+from commlayer import launcher, mpich_shm
 from commlayer.core import config
 
 OPEN_MPI_VERSION = (
@@ -643,3 +645,43 @@ def test_main_names_a_host_that_does_not_resolve_before_launching(
         "hosts file/DNS of this machine\n"
     )
     assert looked_up == ["localhost", "nosuchhost"] and calls.calls == []
+
+
+def test_an_abnormal_end_removes_the_jobs_mpich_files_only(
+    hydra: str,
+    calls: Calls,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(mpich_shm, "SHM_DIR", shm)
+    in_use, other = shm / "mpich_shm_live", shm / "other_file"
+    for path in (in_use, other):
+        path.write_bytes(b"x" * 4096)
+
+    def job(cmd: Sequence[str], env: dict[str, str]) -> int:
+        (shm / "mpich_shm_left").write_bytes(b"x" * 8192)  # a killed rank's
+        return 9
+
+    monkeypatch.setattr(subprocess, "call", job)
+    with in_use.open("r+b") as held, mmap.mmap(held.fileno(), 4096):  # another job's, mapped
+        assert launcher.main(["-np", "2", *COMMAND]) == 9
+    assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_live", "other_file"]
+    assert capsys.readouterr().err == (
+        f"commlayerrun: the job ended with 9; removed 1 shared-memory file(s) (0.0 MB) its ranks "
+        f"left in {shm}\n"
+    )
+    # a job ending well leaves the files alone (MPI_Finalize removed its own)
+    (shm / "mpich_shm_old").write_bytes(b"")
+    calls.returncode = 0
+    monkeypatch.setattr(subprocess, "call", calls)
+    assert launcher.main(["-np", "2", *COMMAND]) == 0
+    assert (shm / "mpich_shm_old").exists()
+
+
+def test_leftovers_older_than_the_job_stay(tmp_path: Path) -> None:
+    (tmp_path / "mpich_shm_before").write_bytes(b"")
+    assert mpich_shm.remove_leftovers(time.time() + 60, tmp_path) == (0, 0)
+    assert (tmp_path / "mpich_shm_before").exists()
