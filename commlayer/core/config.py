@@ -489,13 +489,31 @@ _ELASTIC_VARIABLES = (
 )
 
 
+# The job key, once read from this process's environment and removed from it (elastic_worker)
+_elastic_key: str | None = None
+_elastic_lock = threading.Lock()
+
+
+def _job_key() -> str:
+    """COMMLAYER_ELASTIC_KEY of this process: taken out of os.environ at the first read, so that
+    what the training script starts (DataLoader workers, a shell, any subprocess) does not
+    inherit the job's key; later calls (a re-init after the world re-formed) get it from here."""
+    global _elastic_key
+    with _elastic_lock:
+        if "COMMLAYER_ELASTIC_KEY" in os.environ:
+            _elastic_key = os.environ.pop("COMMLAYER_ELASTIC_KEY")
+        return _elastic_key or ""
+
+
 def elastic_worker(environ: Mapping[str, str] | None = None) -> ElasticWorker | None:
-    """This process as an elastic driver's worker, None when the driver did not start it."""
+    """This process as an elastic driver's worker, None when the driver did not start it.
+    Reading this process's environment removes the job key from it (``_job_key``)."""
     env = os.environ if environ is None else environ
     if "COMMLAYER_ELASTIC_DRIVER" not in env:
         return None
+    text = _job_key() if environ is None else env.get("COMMLAYER_ELASTIC_KEY", "")
     try:
-        key = bytes.fromhex(env.get("COMMLAYER_ELASTIC_KEY", ""))
+        key = bytes.fromhex(text)
     except ValueError:
         key = b""
     if len(key) < 16 or not env.get("COMMLAYER_ELASTIC_WORKER"):

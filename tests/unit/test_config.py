@@ -4,6 +4,9 @@ what is allowed, unknown variables, explicit arguments over the environment, ove
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -499,3 +502,44 @@ def test_describe_gives_each_default_as_a_user_writes_it() -> None:
     for variable in config.describe():
         assert variable.default == getattr(Config(), variable.field)
         assert variable.allowed  # the registered ones come from the installed registries too
+
+
+# -- the elastic driver's job key ------------------------------------------------------------
+
+
+def test_the_job_key_leaves_the_environment_once_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's children (DataLoader workers, any subprocess) do not inherit the job key;
+    the worker keeps it for a re-init after the world re-formed."""
+    monkeypatch.setattr(config, "_elastic_key", None)
+    key = "ab" * 32
+    monkeypatch.setenv("COMMLAYER_ELASTIC_DRIVER", "127.0.0.1:5")
+    monkeypatch.setenv("COMMLAYER_ELASTIC_WORKER", "localhost:0:1")
+    monkeypatch.setenv("COMMLAYER_ELASTIC_KEY", key)
+    worker = config.elastic_worker()
+    assert worker is not None and worker.key == bytes.fromhex(key)
+    assert "COMMLAYER_ELASTIC_KEY" not in os.environ
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('COMMLAYER_ELASTIC_KEY'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert child.stdout == "None\n"
+    assert config.elastic_worker() == worker  # the next init(): the key kept in memory
+    # an environment passed in is read, never changed
+    given = {
+        "COMMLAYER_ELASTIC_DRIVER": "h:1",
+        "COMMLAYER_ELASTIC_WORKER": "w",
+        "COMMLAYER_ELASTIC_KEY": "cd" * 16,
+    }
+    assert config.elastic_worker(given) == config.ElasticWorker("h:1", b"\xcd" * 16, "w")
+    assert given["COMMLAYER_ELASTIC_KEY"] == "cd" * 16
+
+
+def test_a_worker_without_its_key_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "_elastic_key", None)
+    monkeypatch.delenv("COMMLAYER_ELASTIC_KEY", raising=False)
+    monkeypatch.setenv("COMMLAYER_ELASTIC_DRIVER", "127.0.0.1:5")
+    monkeypatch.setenv("COMMLAYER_ELASTIC_WORKER", "localhost:0:1")
+    with pytest.raises(ConfigError, match="COMMLAYER_ELASTIC_KEY"):
+        config.elastic_worker()
