@@ -48,6 +48,7 @@ SIDE = (
     "commlayer.launcher",
     "commlayer.costmodel.measure",
     "commlayer.elastic.driver",
+    "commlayer.elastic.server",
     "commlayer.hosts",
     "commlayer.mpich_shm",
 )
