@@ -314,9 +314,8 @@ class Driver:
             raise JobError(
                 f"host {remote[0]!r} is not this machine, and the driver listens on {host} only "
                 "(as --driver-address said, or every host was this machine when the first worker "
-                "started): give "
-                "--driver-address with this machine's address that reaches the hosts, or "
-                "0.0.0.0 for all of its addresses"
+                "started): give --driver-address with this machine's address that reaches the "
+                "hosts, or 0.0.0.0 for all of its addresses"
             )
         return f"{host}:{self._server.port}"
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from commlayer.core import elastic_protocol as protocol
 
-log = logging.getLogger("commlayer.elastic.driver")
+log = logging.getLogger("commlayer.elastic.driver")  # the driver's log: its channel's words
 
 MAX_HANDSHAKES = 64
 _MIN_BACKOFF_S = 0.01
@@ -217,7 +217,8 @@ class Server:
         self._selector.unregister(sock)
         del self._greeting[sock]
         self._ready.append((handshake.channel(), message, peer))
-        self._start_sessions()
+        if time.monotonic() >= self._ready_at:  # (else backing off: _turn tries again)
+            self._start_sessions()
 
     def _drop(self, sock: socket.socket, peer: str, why: object) -> None:
         self._selector.unregister(sock)
