@@ -19,6 +19,15 @@ machine; every worker appends ``time step world size`` to a file of its own per 
   saved at all). Each launcher's own CPU during the windows is printed (the elastic driver's
   polling, torchrun's agent). ``ELASTIC_BENCH_PROFILE=1``: each worker writes a cProfile of its
   steps 100-600 and the share of them spent in commit() (``_Profile``) to the job's folder.
+- ``--burst``: instead, the driver's training rate during a burst of ``--connections`` (200)
+  unauthenticated connections to its control channel (issue 48): one elastic job; samples/s
+  over a window before, then while the connections are held open (silent; topped up to
+  ``--connections`` once a second as the driver drops them), then while they trickle one
+  byte a second into their greeting, then after. The connections come from this process, on
+  the same cores as the job. Each window also gives the longest pause between two steps of
+  any worker, and the job's worlds: a worker whose heartbeats the burst held up past
+  --heartbeat-timeout would be stopped and the world re-formed. ``--burst --np 2 --window 3``:
+  a smoke run of a minute.
 """
 
 from __future__ import annotations
@@ -26,13 +35,17 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import selectors
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +85,8 @@ def worker(mode: str, out: Path) -> None:
         from commlayer.core import rendezvous
 
         state = elastic.TorchState(model, optimizer, step=0)
+        if hvd.rank() == 0:  # where --burst connects
+            (out / "driver").write_text(os.environ["COMMLAYER_ELASTIC_DRIVER"])
 
         @elastic.run
         def train(state: elastic.TorchState) -> None:
@@ -273,6 +288,143 @@ def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, wind
             proc.wait()
 
 
+# -- --burst --------------------------------------------------------------------------------
+class Burst:
+    """``n`` connections to the driver kept open from a thread of their own: ``hold`` (say
+    nothing) or ``trickle`` (one byte a second of a greeting's length and body, never
+    finished); each one the driver closes is opened again."""
+
+    def __init__(self, address: str, n: int, mode: str) -> None:
+        host, _, port = address.rpartition(":")
+        self.address, self.n, self.mode = (host, int(port)), n, mode
+        self.opened = self.closed = 0  # connections made; closed by the driver
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        watch = selectors.DefaultSelector()
+        open_: dict[socket.socket, int] = {}  # connection -> bytes of the greeting it sent
+        greeting = (100).to_bytes(4, "big") + b"x" * 100  # trickled, never all sent
+        try:
+            while not self._stop.is_set():
+                ends = time.monotonic() + 1.0  # a round: top up, a byte each, watch
+                while len(open_) < self.n:
+                    try:
+                        sock = socket.create_connection(self.address, timeout=5)
+                    except OSError:
+                        break  # the driver's listen queue is full: next round
+                    sock.setblocking(False)
+                    watch.register(sock, selectors.EVENT_READ)
+                    open_[sock] = 0
+                    self.opened += 1
+                for sock, sent in list(open_.items()) if self.mode == "trickle" else ():
+                    try:
+                        sock.send(greeting[sent : sent + 1])
+                        open_[sock] = sent + 1
+                    except OSError:
+                        self._drop(watch, open_, sock)
+                while (left := ends - time.monotonic()) > 0 and not self._stop.is_set():
+                    for key, _ in watch.select(left):
+                        sock = key.fileobj  # type: ignore[assignment]
+                        try:
+                            gone = not sock.recv(4096)  # the nonce, or the driver's close
+                        except OSError:
+                            gone = True
+                        if gone:
+                            self._drop(watch, open_, sock)
+        finally:
+            for sock in open_:
+                sock.close()
+            watch.close()
+
+    def _drop(self, watch: selectors.BaseSelector, open_: dict[socket.socket, int],
+              sock: socket.socket) -> None:  # fmt: skip
+        watch.unregister(sock)
+        del open_[sock]
+        sock.close()
+        self.closed += 1
+
+
+def _window(out: Path, seconds: float) -> tuple[float, float, set[int]]:
+    """(samples/s, the longest pause in s between two steps of one worker, the worlds seen)
+    over the next ``seconds``."""
+    began = time.time()
+    rate = _throughput(out, seconds)
+    pause, worlds = 0.0, set()
+    for rows in _lines(out).values():
+        times = [t for t, *_ in rows if t >= began]
+        worlds.update(w for t, _, w, _ in rows if t >= began)
+        pause = max([pause] + [b - a for a, b in zip(times, times[1:], strict=False)])
+    return rate, pause, worlds
+
+
+def burst(job: Callable[[Path], list[str]], env: dict[str, str], np: int, n: int,
+          window_s: float, out_path: Path) -> None:  # fmt: skip
+    out = Path(tempfile.mkdtemp(prefix="elastic-burst-"))
+    output = (out / "job.out").open("w")
+    proc = subprocess.Popen(job(out), env=env, stdout=output, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    rows = []
+    try:
+        _steady(out, np, -1)
+        _wait("the driver's address", lambda: (out / "driver").exists())
+        address = (out / "driver").read_text()
+        rows.append(("before", *_window(out, window_s), 0, 0))
+        for mode in ("hold", "trickle"):
+            attack = Burst(address, n, mode)
+            try:
+                got = _window(out, window_s)
+            finally:
+                attack.stop()
+            rows.append((f"{n} connections, {mode}", *got, attack.opened, attack.closed))
+        rows.append(("after", *_window(out, window_s), 0, 0))
+        alive = proc.poll() is None
+    except Exception:
+        print((out / "job.out").read_text()[-3000:], file=sys.stderr)
+        raise
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = (out / "job.out").read_text()
+    refused = log.count("refused a connection")
+    worlds = set().union(*(r[3] for r in rows))
+    lines = [
+        "# The elastic driver under a connection burst (benchmarks/elastic_recovery.py --burst)",
+        "",
+        f"{np} workers on this machine ({os.cpu_count()} cores), MLP 256-512-512-10, batch "
+        f"{BATCH} a rank, commit every {COMMIT_EVERY} steps; windows of {window_s:g} s. During a "
+        f"window {n} unauthenticated connections to the driver are kept open (topped up once "
+        "a second as it drops them), from the benchmark's process: held silent, then "
+        "trickling one byte a second.",
+        "",
+        "| window | samples/s | longest pause between steps (s) | worlds | opened | closed "
+        "by the driver |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, rate, pause, seen, opened, closed in rows:
+        lines.append(f"| {name} | {rate:.0f} | {pause:.2f} | {sorted(seen)} | {opened} | "
+                     f"{closed} |")  # fmt: skip
+    stalled = len(worlds) > 1 or not alive
+    lines += [
+        "",
+        f"Refusals the driver logged: {refused}. A worker stalled (the world re-formed, or the "
+        f"job ended): {'yes' if stalled else 'no'} (worlds {sorted(worlds)}, job "
+        f"{'running' if alive else 'ended'} at the last window).",
+    ]
+    out_path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    shutil.rmtree(out, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", choices=["elastic", "torchrun"])
@@ -282,8 +434,12 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=10.0, help="seconds of throughput")
     parser.add_argument("--rounds", type=int, default=2, help="A B rounds of throughput jobs")
     parser.add_argument("--skip-trials", action="store_true", help="throughput only")
-    parser.add_argument("--out", default=str(HERE.parent / "results" / "elastic_recovery.md"))
+    parser.add_argument("--burst", action="store_true", help="training during a connection burst")
+    parser.add_argument("--connections", type=int, default=200, help="--burst's connections")
+    parser.add_argument("--out", help="default: results/elastic_recovery.md, elastic_burst.md")
     args = parser.parse_args()
+    name = "elastic_burst.md" if args.burst else "elastic_recovery.md"
+    args.out = args.out or str(HERE.parent / "results" / name)
     if args.worker:
         worker(args.worker, Path(args.dir))
         return
@@ -300,6 +456,10 @@ def main() -> None:
         return [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(args.np),
                 "--max-restarts", str(args.trials + 1), *me[1:]]  # fmt: skip
 
+    if args.burst:
+        burst(lambda out: job("elastic", out), env, args.np, args.connections, args.window,
+              Path(args.out))  # fmt: skip
+        return
     results = {}
     for mode in () if args.skip_trials else ("elastic", "torchrun"):
         out = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))

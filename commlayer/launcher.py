@@ -28,11 +28,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from commlayer import backends
+from commlayer import backends, mpich_shm
+from commlayer import hosts as hostlist
 from commlayer.core import config
 from commlayer.core.registries import REGISTRIES
 
@@ -146,17 +148,20 @@ def cluster_of(names: Sequence[str], state: Path | None = None) -> Cluster | Non
     return Cluster(str(state / "launch"), environ, names[0])
 
 
-def host_names(hosts: str | None, hostfile: str | None) -> list[str]:
-    """The hosts of ``-H host1:2,host2`` or of a hostfile (``host[:N]`` or ``host slots=N``
-    lines, '#' comments), in order."""
+def hosts_of(hosts: str | None, hostfile: str | None) -> dict[str, int]:
+    """``{host: slots}`` of ``-H host1:2,host2`` or of a hostfile (``host[:N]`` or
+    ``host slots=N`` lines, '#' comments), in order (commlayer/hosts.py: ValueError naming the
+    bad entry); {} with neither."""
     if hosts:
-        entries = hosts.split(",")
-    elif hostfile:
-        fields = (line.split("#", 1)[0].split() for line in Path(hostfile).read_text().splitlines())
-        entries = [words[0] for words in fields if words]
-    else:
-        return []
-    return [entry.partition(":")[0] for entry in entries]
+        return hostlist.parse(hosts, f"-H/--hosts {hosts!r}")
+    if hostfile:
+        return hostlist.parse(Path(hostfile).read_text(), f"--hostfile {hostfile}")
+    return {}
+
+
+def host_names(hosts: str | None, hostfile: str | None) -> list[str]:
+    """The hosts of ``-H`` or of a hostfile, in order (``hosts_of``)."""
+    return list(hosts_of(hosts, hostfile))
 
 
 def on_cluster(cluster: Cluster, cmd: Sequence[str]) -> list[str]:
@@ -180,16 +185,7 @@ def _local_ranks(np: int, hosts: str | None) -> int:
     (``-np 1 -H localhost:2`` runs one rank, which should get every core)."""
     if not hosts:
         return max(np, 1)
-    slots = []
-    for entry in hosts.split(","):
-        _, colon, count = entry.partition(":")
-        count = count if colon else "1"
-        if not count.isdigit() or int(count) < 1:
-            raise ValueError(
-                f"-H/--hosts {hosts!r}: bad slot count in {entry!r}; expected host1:N,host2:M "
-                "with N, M >= 1 (or a bare host for one slot)"
-            )
-        slots.append(int(count))
+    slots = list(hosts_of(hosts, None).values())
     rounds = -(-np // sum(slots))
     return max(1, min(np, rounds * max(slots)))
 
@@ -343,6 +339,13 @@ def _parser() -> argparse.ArgumentParser:
         "the sync (restore from your own checkpoint there)",
     )
     elastic.add_argument(
+        "--driver-address",
+        metavar="ADDR",
+        help="where the elastic driver listens for its workers (default: loopback when every "
+        "host is this machine, else this machine's address that routes to the hosts; 0.0.0.0: "
+        "all of its addresses)",
+    )
+    elastic.add_argument(
         "--log-level",
         type=str.upper,
         choices=tuple(_LOG_LEVELS),
@@ -434,13 +437,68 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 127
     try:
         cmd, env, shown = _plan(args, command, mpiexec)
+        hosts = hosts_of(args.hosts, args.hostfile)
+        warning = oversubscribed(args.np, hosts, args.hosts, args.hostfile)
+        # hosts entered by --launcher-exec or the cluster's launcher are its names, not DNS's
+        if not (args.dry_run or args.launcher_exec) and cluster_of(list(hosts)) is None:
+            resolve(hosts, args.hosts, args.hostfile)
     except (ValueError, OSError) as exc:
         print(f"commlayerrun: {exc}", file=sys.stderr)
         return 2
+    if warning:
+        print(f"commlayerrun: warning: {warning}", file=sys.stderr)
     if args.dry_run:
         print(shlex.join(shown))  # quoted: it can be pasted into a shell as it is
         return 0
-    return subprocess.call(cmd, env=env)
+    return run_job(cmd, env)
+
+
+def run_job(cmd: Sequence[str], env: dict[str, str]) -> int:
+    """The launcher's exit code. When it is not 0, a rank was killed or aborted: the MPICH
+    shared-memory files its ranks left are removed (commlayer/mpich_shm.py)."""
+    began = time.time()
+    code = subprocess.call(cmd, env=env)
+    if code != 0:
+        files, size = mpich_shm.remove_leftovers(began)
+        if files:
+            print(
+                f"commlayerrun: the job ended with {code}; removed {files} shared-memory file(s) "
+                f"({size / 1e6:.1f} MB) its ranks left in {mpich_shm.SHM_DIR}",
+                file=sys.stderr,
+            )
+    return code
+
+
+def _where(hosts: str | None, hostfile: str | None) -> str:
+    return f"-H/--hosts {hosts!r}" if hosts else f"--hostfile {hostfile}"
+
+
+def oversubscribed(
+    np: int, slots: dict[str, int], hosts: str | None, hostfile: str | None
+) -> str | None:
+    """A warning when ``np`` ranks are more than the slots of the hosts given (the launchers
+    then place them round the hosts again, more than one rank a slot, without a word)."""
+    total = sum(slots.values())
+    if not slots or np <= total:
+        return None
+    return (
+        f"-np {np} is more than the {total} slot(s) of {_where(hosts, hostfile)}: the hosts get "
+        "more ranks than slots (oversubscribed: slower, and more memory a host)"
+    )
+
+
+def resolve(slots: dict[str, int], hosts: str | None, hostfile: str | None) -> None:
+    """ValueError, one line naming the host, for a host name that does not resolve: mpiexec
+    would print pages of its own errors about it."""
+    for name in slots:
+        try:
+            socket.getaddrinfo(name, None)
+        except (socket.gaierror, UnicodeError) as exc:
+            reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+            raise ValueError(
+                f"host {name!r} of {_where(hosts, hostfile)} cannot be resolved ({reason}): no "
+                "rank can start there; check the name, or the hosts file/DNS of this machine"
+            ) from None
 
 
 def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[str]) -> int:
@@ -491,8 +549,12 @@ def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[st
             logging.getLogger("commlayer.elastic.driver").setLevel(
                 5 if level == "trace" else level.upper()
             )
+        timeout_s = config.check_timeout_s("--elastic-timeout", args.elastic_timeout)
+        heartbeat_s = config.check_timeout_s("--heartbeat-timeout", args.heartbeat_timeout)
         cooldown = tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None
-        if cooldown is not None and not 0 <= cooldown[0] <= cooldown[1]:
+        for seconds in cooldown or ():
+            config.check_timeout_s("--blacklist-cooldown-range", seconds, zero_disables=True)
+        if cooldown is not None and not cooldown[0] <= cooldown[1]:
             raise ValueError(f"--blacklist-cooldown-range {cooldown}: need 0 <= LO <= HI")
         job = driver.Driver(
             command,
@@ -501,12 +563,13 @@ def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[st
             max_np,
             discover,
             environ,
-            elastic_timeout_s=args.elastic_timeout,
+            elastic_timeout_s=timeout_s,
             reset_limit=args.reset_limit,
             cooldown_s=cooldown,  # type: ignore[arg-type]
             cluster=cluster,
-            heartbeat_timeout_s=args.heartbeat_timeout,
+            heartbeat_timeout_s=heartbeat_s,
             blacklist_scope=args.blacklist_scope,
+            bind=args.driver_address,
             on_state_lost=args.on_state_lost,
             hosts=first,
         )

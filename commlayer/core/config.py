@@ -91,25 +91,51 @@ def _parse_bytes(text: str) -> int:
     return int(match.group(1)) * _SIZE_UNITS[unit]
 
 
-def _parse_nonneg_int(text: str) -> int:
+# The most a cache holds (COMMLAYER_CACHE_CAPACITY): its slot and free lists are allocated
+# whole at init(), ~48 bytes an entry per process set (200000000 would take 9.6 GB a rank).
+# 2**20 is ~48 MiB, 1000x the default and above the tensors any model names (a 96-layer,
+# 175B-parameter GPT has ~1200 parameter tensors).
+MAX_CACHE_CAPACITY = 1 << 20
+# The longest timeout any setting takes, in seconds: a week, longer than the jobs schedulers
+# allow (Slurm sites cap them at 1-7 days), so a larger value only means "never", which 0 says
+# where a timeout can be off; and far below where waiting breaks (threading.TIMEOUT_MAX, ~9.2e9
+# s, and torch's timedelta: 1e308 failed inside torch or at exit).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# The longest cycle time, in ms: a second, 1000x the default. A rank with work waits this long
+# before negotiating, and the idle heartbeat (100 cycles) brings a peer's shutdown or stall
+# news 100 s late already.
+MAX_CYCLE_TIME_MS = 1000.0
+
+
+def _parse_cache_capacity(text: str) -> int:
     value = int(text)
-    if value < 0:
-        raise ValueError("an integer >= 0")
+    if not 0 <= value <= MAX_CACHE_CAPACITY:
+        raise ValueError(f"an integer from 0 to {MAX_CACHE_CAPACITY}")
     return value
 
 
-def _parse_positive_float(text: str) -> float:
+def _number(text: str, zero: bool, most: float) -> float:
     value = float(text)
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError("a finite number > 0")
+    if not (value >= 0 if zero else value > 0) or not value <= most:
+        raise ValueError(text)  # nan fails both comparisons, inf the second
     return value
 
 
-def _parse_nonneg_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or value == float("inf"):
-        raise ValueError("a finite number >= 0 (0 disables)")
-    return value
+_TIMEOUT_RANGE = f"at most {MAX_TIMEOUT_S:.0f} (7 days)"
+
+
+def check_timeout_s(what: str, value: float, zero_disables: bool = False) -> float:
+    """``value`` when it is a timeout in seconds commlayer can wait (> 0, or >= 0 where 0
+    turns it off, at most MAX_TIMEOUT_S); ConfigError naming ``what`` (a launcher option such
+    as commlayerrun's ``--elastic-timeout``), the value and the allowed range otherwise."""
+    try:
+        return _number(str(value), zero_disables, MAX_TIMEOUT_S)
+    except ValueError:
+        least = ">= 0 (0 disables)" if zero_disables else "> 0"
+        raise ConfigError(
+            f"{what} {value!r} is not valid: expected a finite number of seconds {least}, "
+            f"{_TIMEOUT_RANGE}"
+        ) from None
 
 
 def _parse_log_level(text: str) -> str:
@@ -153,9 +179,20 @@ def _fixed(parse: Callable[[str], Any], allowed: str) -> Validator:
 _BYTES = _fixed(
     _parse_bytes, "a non-negative integer number of bytes, optionally with K/M/G suffix"
 )
-_NONNEG_INT = _fixed(_parse_nonneg_int, "an integer >= 0")
-_POSITIVE_FLOAT = _fixed(_parse_positive_float, "a finite number > 0")
-_NONNEG_FLOAT = _fixed(_parse_nonneg_float, "a finite number >= 0 (0 disables)")
+_CACHE_CAPACITY = _fixed(
+    _parse_cache_capacity, f"an integer >= 0 and at most {MAX_CACHE_CAPACITY} (0 disables)"
+)
+_CYCLE_TIME = _fixed(
+    lambda text: _number(text, False, MAX_CYCLE_TIME_MS),
+    f"a finite number > 0, at most {MAX_CYCLE_TIME_MS:.0f}",
+)
+_TIMEOUT = _fixed(
+    lambda text: _number(text, False, MAX_TIMEOUT_S), f"a finite number > 0, {_TIMEOUT_RANGE}"
+)
+_TIMEOUT_OR_OFF = _fixed(
+    lambda text: _number(text, True, MAX_TIMEOUT_S),
+    f"a finite number >= 0 (0 disables), {_TIMEOUT_RANGE}",
+)
 _LOG_LEVEL = _fixed(_parse_log_level, f"one of {', '.join(_LOG_LEVELS)}")
 _WAIT_POLICY = _fixed(one_of(lambda: WAIT_POLICIES), f"one of {', '.join(WAIT_POLICIES)}")
 _JOIN_MODE = _fixed(one_of(lambda: JOIN_MODES), f"one of {', '.join(JOIN_MODES)}")
@@ -187,13 +224,13 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
     (
         "COMMLAYER_CYCLE_TIME",
         "cycle_time_ms",
-        _POSITIVE_FLOAT,
+        _CYCLE_TIME,
         "longest wait, in ms, of a rank with pending work before the next negotiation; default 1",
     ),
     (
         "COMMLAYER_CACHE_CAPACITY",
         "cache_capacity",
-        _NONNEG_INT,
+        _CACHE_CAPACITY,
         "tensors remembered so steady-state negotiation is a bit-vector allreduce; 0 disables",
     ),
     (
@@ -213,13 +250,13 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
     (
         "COMMLAYER_STALL_CHECK_TIME_SECONDS",
         "stall_check_time_s",
-        _NONNEG_FLOAT,
+        _TIMEOUT_OR_OFF,
         "warn, naming tensor and missing ranks, after this long; 0 disables; default 60",
     ),
     (
         "COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS",
         "stall_shutdown_time_s",
-        _NONNEG_FLOAT,
+        _TIMEOUT_OR_OFF,
         "fail a stalled operation with StallError after this long, on every rank, and stop "
         "commlayer there (the job ends when the error goes uncaught); 0 = never; default 600 "
         "(10 minutes, NCCL's watchdog default: above a slow first step, a checkpoint or an "
@@ -315,14 +352,14 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
     (
         "COMMLAYER_INIT_TIMEOUT_SECONDS",
         "init_timeout_s",
-        _POSITIVE_FLOAT,
+        _TIMEOUT,
         "how long init() waits for every rank to call it (also after shutdown()) before it "
         "raises, naming this rank; default 60",
     ),
     (
         "COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS",
         "collective_timeout_s",
-        _NONNEG_FLOAT,
+        _TIMEOUT_OR_OFF,
         "watchdog: a collective (or negotiation) of which nothing completes for this long fails "
         "with CollectiveTimeoutError naming it and the ranks and hosts it waits on, and the job "
         "aborts (MPI_Abort: every rank exits non-zero); 0 disables; default 60",
@@ -452,13 +489,31 @@ _ELASTIC_VARIABLES = (
 )
 
 
+# The job key, once read from this process's environment and removed from it (elastic_worker)
+_elastic_key: str | None = None
+_elastic_lock = threading.Lock()
+
+
+def _job_key() -> str:
+    """COMMLAYER_ELASTIC_KEY of this process: taken out of os.environ at the first read, so that
+    what the training script starts (DataLoader workers, a shell, any subprocess) does not
+    inherit the job's key; later calls (a re-init after the world re-formed) get it from here."""
+    global _elastic_key
+    with _elastic_lock:
+        if "COMMLAYER_ELASTIC_KEY" in os.environ:
+            _elastic_key = os.environ.pop("COMMLAYER_ELASTIC_KEY")
+        return _elastic_key or ""
+
+
 def elastic_worker(environ: Mapping[str, str] | None = None) -> ElasticWorker | None:
-    """This process as an elastic driver's worker, None when the driver did not start it."""
+    """This process as an elastic driver's worker, None when the driver did not start it.
+    Reading this process's environment removes the job key from it (``_job_key``)."""
     env = os.environ if environ is None else environ
     if "COMMLAYER_ELASTIC_DRIVER" not in env:
         return None
+    text = _job_key() if environ is None else env.get("COMMLAYER_ELASTIC_KEY", "")
     try:
-        key = bytes.fromhex(env.get("COMMLAYER_ELASTIC_KEY", ""))
+        key = bytes.fromhex(text)
     except ValueError:
         key = b""
     if len(key) < 16 or not env.get("COMMLAYER_ELASTIC_WORKER"):

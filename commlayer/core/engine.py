@@ -174,7 +174,7 @@ class Engine:
         # perf_counter() when the collective in progress started (None between collectives):
         # collective_now_s() counts the elapsed part of the running one too.
         self._collective_since: float | None = None
-        self._timeline = timeline or open_timeline(config.timeline_path, backend.rank)
+        self._timeline = timeline or _opened_timeline(backend, config.timeline_path)
         self._tracing = not isinstance(self._timeline, NullTimeline)
         self._mark_cycles = False
         self._sets: dict[int, _SetState] = {}
@@ -730,6 +730,37 @@ class Engine:
         set_id = self._next_set_id
         self._register(tuple(ranks), backend)
         return set_id
+
+
+def _opened_timeline(backend: Backend, path: str) -> Timeline | NullTimeline:
+    """COMMLAYER_TIMELINE's file for this rank, opened where every rank agrees it could be
+    (``agreed_start``): only rank 0 writes a path without '{rank}', and a rank that could not
+    open its file must not leave the others in the engine's first collective."""
+    failure = ""
+    try:
+        opened = open_timeline(path, backend.rank)
+    except OSError as exc:
+        opened, failure = NullTimeline(), str(exc)
+    agreed_start(backend, failure)
+    return opened
+
+
+def agreed_start(backend: Backend, failure: str) -> None:
+    """Whether every rank can start its engine (collective, the engine's first): ``failure``
+    says what this rank could not do, "" when nothing failed. Any rank's failure is a
+    ConfigError on every rank naming the ranks and what failed there: init() fails everywhere
+    within the same call, where the others would wait for ever on a rank that had raised."""
+    payloads = [failure.encode()]
+    if backend.size > 1:
+        request, payloads = backend.iallgather_bytes(payloads[0])
+        while not request.test():
+            time.sleep(_MIN_BACKOFF_S)
+    failed = {rank: payload.decode() for rank, payload in enumerate(payloads) if payload}
+    if failed:
+        raise ConfigError(
+            f"rank {backend.rank}: commlayer cannot start, rank(s) {sorted(failed)} failed: "
+            + "; ".join(failed.values())
+        )
 
 
 def agreed_calibrations(

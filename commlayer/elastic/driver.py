@@ -86,7 +86,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from commlayer import hosts as hostlist
 from commlayer.core import elastic_protocol as protocol
+from commlayer.elastic.server import Server
 
 log = logging.getLogger("commlayer.elastic.driver")
 
@@ -123,19 +125,28 @@ def is_local(host: str) -> bool:
     return host in local_names()
 
 
+def route_to(host: str) -> str:
+    """This machine's address that packets to ``host`` leave from (a UDP socket's connect asks
+    the routing table; nothing is sent); JobError when ``host`` cannot be reached."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise JobError(
+            f"host {host!r}: no route to it from this machine ({exc}); give --driver-address "
+            "with this machine's address that reaches the hosts"
+        ) from None
+
+
+def _loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
+
+
 def parse_hosts(text: str, default_slots: int = 1, what: str = "hosts") -> dict[str, int]:
-    """``{host: slots}`` from ``host:slots`` entries (lines or commas); ValueError naming the
-    bad entry."""
-    hosts: dict[str, int] = {}
-    for entry in text.replace(",", "\n").splitlines():
-        entry = entry.split("#", 1)[0].strip()
-        if not entry:
-            continue
-        name, colon, count = entry.partition(":")
-        if not name or (colon and (not count.strip().isdigit() or int(count) < 1)):
-            raise ValueError(f"{what}: bad entry {entry!r}; expected host:slots with slots >= 1")
-        hosts[name.strip()] = hosts.get(name.strip(), 0) + (int(count) if colon else default_slots)
-    return hosts
+    """``{host: slots}`` from ``host:slots`` entries (lines or commas; commlayer/hosts.py); {}
+    for none; ValueError naming the bad entry."""
+    return hostlist.parse(text, what, default_slots)
 
 
 def discovery_script(path: str, default_slots: int) -> Callable[[], dict[str, int]]:
@@ -333,6 +344,7 @@ class Driver:
         blacklist_scope: str = "host",
         on_state_lost: str = "fail",
         hosts: dict[str, int] | None = None,
+        bind: str | None = None,
     ) -> None:
         if not 1 <= min_np <= np <= max_np:
             raise ValueError(f"need 1 <= --min-np ({min_np}) <= -np ({np}) <= --max-np ({max_np})")
@@ -372,39 +384,27 @@ class Driver:
         self._short_said = False
         self._finishing = False
         self._stopping = False
-        self._server = socket.create_server(("0.0.0.0", 0))
-        self.port = self._server.getsockname()[1]
+        # the control channel's address (``_address``): None for loopback when every host is
+        # this machine, else the address that reaches the others
+        self.bind = bind or None
+        self._server: Server | None = None  # listening from the first worker's start
         self._update_order(time.monotonic())
 
-    # -- control channel ------------------------------------------------------------------------
-    def _serve(self) -> None:
-        while not self._stopping:
-            try:
-                sock, peer = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._connection, args=(sock, peer), daemon=True).start()
-
-    def _refuse(self, sock: socket.socket, peer: Any, why: object) -> None:
+    # -- control channel (the server: commlayer/elastic/server.py) --------------------------
+    def _refuse(self, peer: str, why: object) -> None:
         with self._cv:
             self.refused += 1
         log.warning("commlayerrun: refused a connection from %s: %s", peer, why)
-        try:
-            sock.close()
-        except OSError:
-            pass
 
-    def _connection(self, sock: socket.socket, peer: Any) -> None:
-        try:
-            channel, hello = protocol.accept(sock, self.key)
-        except (OSError, ConnectionError, ValueError) as exc:
-            self._refuse(sock, peer, exc or "no signed greeting in time")
-            return
+    def _connection(self, channel: protocol.Channel, hello: Any, peer: str) -> None:
+        """A connection whose greeting verified (the server's ``serve``, in a thread of its
+        own): a worker of this job's requests, or its event stream."""
         name = hello.get("worker") if isinstance(hello, dict) else None
         with self._cv:
-            known = name in self._workers and hello.get("op") == "hello"
+            known = isinstance(name, str) and name in self._workers and hello.get("op") == "hello"
         if not known or not isinstance(name, str):
-            self._refuse(sock, peer, f"signed, but names no worker of this job ({name!r})")
+            self._refuse(peer, f"signed, but names no worker of this job ({name!r})")
+            channel.close()
             return
         try:
             channel.send({"ok": True})
@@ -423,7 +423,7 @@ class Driver:
                 channel.send(self._handle(name, message))
         except (OSError, ConnectionError) as exc:
             if isinstance(exc, protocol.AuthError):
-                self._refuse(sock, peer, exc)
+                self._refuse(peer, exc)
             channel.close()
 
     def _handle(self, name: str, message: dict[str, Any]) -> dict[str, Any]:
@@ -494,9 +494,29 @@ class Driver:
 
     # -- workers --------------------------------------------------------------------------------
     def _address(self) -> str:
-        if all(is_local(host) for host in self._hosts):
-            return f"127.0.0.1:{self.port}"
-        return f"{socket.gethostbyname(socket.gethostname())}:{self.port}"
+        """What the workers connect to: the control channel's address. The server starts at
+        the first call, listening on ``bind``, else on loopback when every host is this
+        machine, else on the address that reaches the first other host. Listening on every
+        interface (0.0.0.0), the workers get loopback or that address alike."""
+        remote = [host for host in self._hosts if not is_local(host)]
+        if self._server is None:
+            listen = self.bind or (route_to(remote[0]) if remote else "127.0.0.1")
+            try:
+                self._server = Server(self.key, self._connection, self._refuse, listen)
+            except OSError as exc:
+                raise JobError(f"the driver cannot listen on {listen!r}: {exc}") from None
+            self._server.start()
+        host = self._server.host
+        if host == "0.0.0.0":
+            host = route_to(remote[0]) if remote else "127.0.0.1"
+        elif remote and _loopback(host) and not _loopback(route_to(remote[0])):
+            raise JobError(
+                f"host {remote[0]!r} is not this machine, and the driver listens on {host} only "
+                "(as --driver-address said, or every host was this machine when the first worker "
+                "started): give --driver-address with this machine's address that reaches the "
+                "hosts, or 0.0.0.0 for all of its addresses"
+            )
+        return f"{host}:{self._server.port}"
 
     def _spawn(self, place: Slot) -> Worker:
         self._started += 1
@@ -853,7 +873,6 @@ class Driver:
 
     # -- main loop ------------------------------------------------------------------------------
     def run(self) -> int:
-        threading.Thread(target=self._serve, name="commlayerrun-driver", daemon=True).start()
         threading.Thread(target=self._discovery, name="commlayerrun-discovery", daemon=True).start()
 
         def stop(signum: int, _: Any) -> None:
@@ -887,7 +906,8 @@ class Driver:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
-        self._server.close()
+        if self._server is not None:
+            self._server.close()
         # each worker is a session of its own (with whatever it started: DataLoader workers)
         groups = [w.proc for w in self._workers.values()]
         for proc in groups:

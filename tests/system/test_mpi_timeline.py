@@ -73,3 +73,29 @@ def test_timeline_is_a_valid_trace_of_the_named_tensors(
     else:
         assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]  # rank 0 only
         _check_trace(path, 0)
+
+
+@pytest.mark.parametrize(
+    ("template", "failing"),
+    [("missing/trace.json", [0]), ("r{rank}/trace.json", [1])],
+    ids=["rank0-no-such-directory", "rank1-no-such-directory"],
+)
+def test_a_timeline_file_a_rank_cannot_open_ends_init_on_every_rank(
+    run_mpi: RunMPI, tmp_path: Path, template: str, failing: list[int]
+) -> None:
+    """The rank that cannot open its file raised alone in init() and the others waited in the
+    engine's first collective for ever: now init() raises on every rank, naming the path and
+    the rank that failed (a hang fails at the harness's time limit)."""
+    (tmp_path / "r0").mkdir()  # rank 0's directory of the per-rank template; rank 1's missing
+    path = tmp_path / template
+    job = run_mpi("timeline.py", 2, "explicit", env={"COMMLAYER_TIMELINE": str(path)})
+    assert job.returncode != 0 and not job.find("done"), job.output()
+    for rank in range(2):
+        error = job.one("uncaught", rank)
+        assert error["error"] == "ConfigError", job.output()
+        message = error["message"]
+        assert message.startswith(f"rank {rank}: commlayer cannot start, rank(s) {failing}"), (
+            message
+        )
+        bad = str(path).replace("{rank}", str(failing[0]))
+        assert f"rank {failing[0]}: cannot open the timeline file {bad!r}" in message, message

@@ -4,6 +4,9 @@ what is allowed, unknown variables, explicit arguments over the environment, ove
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -65,6 +68,8 @@ GOOD = [
     ("COMMLAYER_CYCLE_TIME", "1e-3", "cycle_time_ms", 1e-3),
     ("COMMLAYER_CACHE_CAPACITY", "0", "cache_capacity", 0),
     ("COMMLAYER_CACHE_CAPACITY", "4096", "cache_capacity", 4096),
+    ("COMMLAYER_CACHE_CAPACITY", "1048576", "cache_capacity", 1 << 20),  # the most
+    ("COMMLAYER_CYCLE_TIME", "1000", "cycle_time_ms", 1000.0),  # the most
     ("COMMLAYER_COMPRESSION", " fp16 ", "compression", "fp16"),
     ("COMMLAYER_COMPRESSION", "qsgd:levels=7,bucket=8", "compression", "qsgd:levels=7,bucket=8"),
     ("COMMLAYER_COMPRESSION", "topk:ratio=0.01", "compression", "topk:ratio=0.01"),
@@ -74,6 +79,7 @@ GOOD = [
     ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "2.5", "stall_check_time_s", 2.5),
     ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "0", "stall_shutdown_time_s", 0.0),
     ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "30", "stall_shutdown_time_s", 30.0),
+    ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "604800", "stall_shutdown_time_s", 604800.0),
     ("COMMLAYER_LINE_OUTPUT", "on", "line_output", "on"),
     ("COMMLAYER_LINE_OUTPUT", "off", "line_output", "off"),
     ("COMMLAYER_LOG_LEVEL", "trace", "log_level", "trace"),
@@ -121,6 +127,8 @@ _BYTES = "a non-negative integer number of bytes, optionally with K/M/G suffix"
 _POSITIVE = "a finite number > 0"
 _NONNEG_INT = "an integer >= 0"
 _NONNEG = "a finite number >= 0 (0 disables)"
+_CACHE_RANGE = "an integer >= 0 and at most 1048576 (0 disables)"
+_WEEK = "at most 604800 (7 days), in seconds"
 _LEVELS = "one of trace, debug, info, warning, error"
 _ALGORITHM = "one of auto, mpi, shm, hierarchical, rabenseifner, recursive_doubling, ring, shd"
 _TOPOLOGY = "comma-separated nodes=N, local=L, torus=RxC"
@@ -146,6 +154,17 @@ BAD = [
     ("COMMLAYER_CACHE_CAPACITY", "-1", _NONNEG_INT),
     ("COMMLAYER_CACHE_CAPACITY", "1.5", _NONNEG_INT),
     ("COMMLAYER_CACHE_CAPACITY", "lots", _NONNEG_INT),
+    # allocated whole at init(): 200000000 took 9.6 GB a rank, 1e23 a raw OverflowError
+    ("COMMLAYER_CACHE_CAPACITY", "200000000", _CACHE_RANGE),
+    ("COMMLAYER_CACHE_CAPACITY", "1048577", _CACHE_RANGE),
+    ("COMMLAYER_CACHE_CAPACITY", "1e23", _CACHE_RANGE),
+    ("COMMLAYER_CACHE_CAPACITY", "1" + "0" * 23, _CACHE_RANGE),
+    ("COMMLAYER_CYCLE_TIME", "1000.5", "a finite number > 0, at most 1000"),
+    # accepted once, then failing inside torch (timedelta) or at exit (threading.TIMEOUT_MAX)
+    ("COMMLAYER_INIT_TIMEOUT_SECONDS", "1e308", _WEEK),
+    ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "1e308", _WEEK),
+    ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "1e308", _WEEK),
+    ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "604801", _WEEK),
     ("COMMLAYER_COMPRESSION", "zip", _COMPRESSOR),
     ("COMMLAYER_COMPRESSION", "topk:ratio=0", _COMPRESSOR),
     ("COMMLAYER_COMPRESSION", "topk:ratio=1.5", _COMPRESSOR),
@@ -324,6 +343,8 @@ def test_unknown_explicit_setting_is_rejected() -> None:
         ("load", {"cycle_time_ms": -1.0}),
         ("load", {"fusion_threshold_bytes": "abc"}),
         ("load", {"cache_capacity": -3}),
+        ("load", {"cache_capacity": 10**23}),
+        ("load", {"collective_timeout_s": 1e308}),
         ("load", {"log_level": "loud"}),
         ("override", {"cycle_time_ms": -1.0}),
         ("override", {"stall_check_time_s": float("nan")}),
@@ -340,6 +361,20 @@ def test_bad_explicit_setting_raises_config_error(setting: dict[str, Any], how: 
                 config.load(environ={})
     message = str(caught.value)
     assert field in message and repr(value) in message, message
+
+
+def test_a_launcher_timeout_is_checked_by_the_same_bound() -> None:
+    """commlayerrun's --elastic-timeout and --heartbeat-timeout (config.check_timeout_s)."""
+    assert config.check_timeout_s("--elastic-timeout", 600.0) == 600.0
+    assert config.check_timeout_s("--elastic-timeout", config.MAX_TIMEOUT_S) == 604800.0
+    assert config.check_timeout_s("--stall", 0.0, zero_disables=True) == 0.0
+    for value in (1e308, float("inf"), float("nan"), 0.0, -1.0, 604800.5):
+        with pytest.raises(ConfigError) as caught:
+            config.check_timeout_s("--heartbeat-timeout", value)
+        assert str(caught.value) == (
+            f"--heartbeat-timeout {value!r} is not valid: expected a finite number of seconds "
+            "> 0, at most 604800 (7 days)"
+        )
 
 
 # -- override() ------------------------------------------------------------------------------
@@ -433,7 +468,7 @@ def test_misspelled_init_keyword_suggests_the_field() -> None:
     ("variable", "text", "said"),
     [
         ("COMMLAYER_CYCLE_TIME", "1ms", "in milliseconds (the unit is fixed: write 1, not 1ms)"),
-        ("COMMLAYER_CYCLE_TIME", "-1", "a finite number > 0, in milliseconds"),
+        ("COMMLAYER_CYCLE_TIME", "-1", "a finite number > 0, at most 1000, in milliseconds"),
         ("COMMLAYER_STALL_CHECK_TIME_SECONDS", "30s", "in seconds (the unit is fixed: write 30"),
         ("COMMLAYER_INIT_TIMEOUT_SECONDS", "2 min", "in seconds (the unit is fixed: write 2,"),
     ],
@@ -467,3 +502,44 @@ def test_describe_gives_each_default_as_a_user_writes_it() -> None:
     for variable in config.describe():
         assert variable.default == getattr(Config(), variable.field)
         assert variable.allowed  # the registered ones come from the installed registries too
+
+
+# -- the elastic driver's job key ------------------------------------------------------------
+
+
+def test_the_job_key_leaves_the_environment_once_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's children (DataLoader workers, any subprocess) do not inherit the job key;
+    the worker keeps it for a re-init after the world re-formed."""
+    monkeypatch.setattr(config, "_elastic_key", None)
+    key = "ab" * 32
+    monkeypatch.setenv("COMMLAYER_ELASTIC_DRIVER", "127.0.0.1:5")
+    monkeypatch.setenv("COMMLAYER_ELASTIC_WORKER", "localhost:0:1")
+    monkeypatch.setenv("COMMLAYER_ELASTIC_KEY", key)
+    worker = config.elastic_worker()
+    assert worker is not None and worker.key == bytes.fromhex(key)
+    assert "COMMLAYER_ELASTIC_KEY" not in os.environ
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('COMMLAYER_ELASTIC_KEY'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert child.stdout == "None\n"
+    assert config.elastic_worker() == worker  # the next init(): the key kept in memory
+    # an environment passed in is read, never changed
+    given = {
+        "COMMLAYER_ELASTIC_DRIVER": "h:1",
+        "COMMLAYER_ELASTIC_WORKER": "w",
+        "COMMLAYER_ELASTIC_KEY": "cd" * 16,
+    }
+    assert config.elastic_worker(given) == config.ElasticWorker("h:1", b"\xcd" * 16, "w")
+    assert given["COMMLAYER_ELASTIC_KEY"] == "cd" * 16
+
+
+def test_a_worker_without_its_key_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "_elastic_key", None)
+    monkeypatch.delenv("COMMLAYER_ELASTIC_KEY", raising=False)
+    monkeypatch.setenv("COMMLAYER_ELASTIC_DRIVER", "127.0.0.1:5")
+    monkeypatch.setenv("COMMLAYER_ELASTIC_WORKER", "localhost:0:1")
+    with pytest.raises(ConfigError, match="COMMLAYER_ELASTIC_KEY"):
+        config.elastic_worker()

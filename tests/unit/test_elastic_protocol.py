@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 
 import pytest
@@ -41,12 +40,24 @@ def _driver() -> driver_module.Driver:
     """A driver serving its channel, with one worker it knows (no process started)."""
     job = driver_module.Driver(["true"], 1, 1, 1, lambda: {"localhost": 1}, {})
     job._workers["localhost:0:1"] = None  # type: ignore[assignment]
-    threading.Thread(target=job._serve, daemon=True).start()
+    job._hosts = {"localhost": 1}
+    assert job._address() == f"127.0.0.1:{_port(job)}"  # starts the server: loopback
     return job
 
 
+def _port(job: driver_module.Driver) -> int:
+    assert job._server is not None
+    return int(job._server.port)
+
+
+def _close(job: driver_module.Driver) -> None:
+    job._stopping = True
+    assert job._server is not None
+    job._server.close()
+
+
 def _hello(job: driver_module.Driver, key: bytes) -> protocol.Channel:
-    channel = protocol.connect(f"127.0.0.1:{job.port}", key, timeout_s=5)
+    channel = protocol.connect(f"127.0.0.1:{_port(job)}", key, timeout_s=5)
     channel.send({"op": "hello", "worker": "localhost:0:1", "role": "rpc"})
     return channel
 
@@ -71,7 +82,7 @@ def test_driver_refuses_without_the_key_and_a_silent_client_blocks_nobody(
     job = _driver()
     try:
         with caplog.at_level(logging.WARNING, logger="commlayer.elastic.driver"):
-            silent = socket.create_connection(("127.0.0.1", job.port))  # never says a word
+            silent = socket.create_connection(("127.0.0.1", _port(job)))  # never says a word
             # the job's worker is served at once meanwhile
             began = time.monotonic()
             good = _hello(job, job.key)
@@ -83,13 +94,13 @@ def test_driver_refuses_without_the_key_and_a_silent_client_blocks_nobody(
             wrong = _hello(job, b"w" * 32)
             assert _closed(wrong.sock)
             # garbage: a length far over the limit
-            garbage = socket.create_connection(("127.0.0.1", job.port))
+            garbage = socket.create_connection(("127.0.0.1", _port(job)))
             protocol.read_frame(garbage)
             garbage.sendall(b"\xff\xff\xff\xffjunk")
             assert _closed(garbage)
             # the good client's frame replayed on a connection of its own: another nonce
             raw = protocol.seal(job.key, b"C", good._nonce, 0, {"op": "hello", "worker": "x"})
-            replay = socket.create_connection(("127.0.0.1", job.port))
+            replay = socket.create_connection(("127.0.0.1", _port(job)))
             protocol.read_frame(replay)
             protocol.write_frame(replay, raw)
             assert _closed(replay)
@@ -101,20 +112,18 @@ def test_driver_refuses_without_the_key_and_a_silent_client_blocks_nobody(
         assert len(refusals) == 5 and job.refused == 5, refusals
         assert job._store == {"k": b"1"}
     finally:
-        job._stopping = True
-        job._server.close()
+        _close(job)
 
 
 def test_signed_hello_naming_no_worker_of_the_job_is_refused() -> None:
     job = _driver()
     try:
-        channel = protocol.connect(f"127.0.0.1:{job.port}", job.key, timeout_s=5)
+        channel = protocol.connect(f"127.0.0.1:{_port(job)}", job.key, timeout_s=5)
         channel.send({"op": "hello", "worker": "someone:0:9", "role": "events"})
         assert _closed(channel.sock)
         assert job.refused == 1 and not job._events
     finally:
-        job._stopping = True
-        job._server.close()
+        _close(job)
 
 
 def test_parse_hosts() -> None:

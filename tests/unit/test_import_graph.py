@@ -48,6 +48,9 @@ SIDE = (
     "commlayer.launcher",
     "commlayer.costmodel.measure",
     "commlayer.elastic.driver",
+    "commlayer.elastic.server",
+    "commlayer.hosts",
+    "commlayer.mpich_shm",
 )
 # What users add around training: they may use the API layer; the layers never import them.
 EXTRAS = ("commlayer.data", "commlayer.model_parallel")

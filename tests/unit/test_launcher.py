@@ -7,17 +7,21 @@ is replaced, so nothing here starts a rank.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shlex
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 import commlayer
-from commlayer import launcher
+from commlayer import hosts as hostlist
+from commlayer import launcher, mpich_shm
 from commlayer.core import config
 
 OPEN_MPI_VERSION = (
@@ -526,3 +530,158 @@ def test_main_without_np_outside_slurm_is_refused(
     with pytest.raises(SystemExit):
         launcher.main(COMMAND)
     assert calls.calls == []
+
+
+# host lists (commlayer/hosts.py) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "default", "expected"),
+    [
+        ("a:2,b", 1, {"a": 2, "b": 1}),
+        ("a:2\nb\n# c:9\n\na:1", 4, {"a": 3, "b": 4}),  # a host named twice: its slots summed
+        (
+            "# hosts\nnode2 slots=2\n\n  node1:2  # first\nnode3 slots=1 max_slots=8",
+            1,
+            {"node2": 2, "node1": 2, "node3": 1},
+        ),
+        ("localhost:4096", 1, {"localhost": 4096}),
+        ("", 1, {}),  # a discovery script that found nothing
+        ("  \n# none up\n", 1, {}),
+    ],
+)
+def test_host_list(text: str, default: int, expected: dict[str, int]) -> None:
+    found = hostlist.parse(text, "-H", default)
+    assert found == expected and list(found) == list(expected)  # in order
+
+
+@pytest.mark.parametrize(
+    ("text", "entry", "why"),
+    [
+        ("localhost:\u00b2", "localhost:\u00b2", "not an integer"),  # str.isdigit() says yes
+        ("localhost:99999999999999999999", "localhost:99999999999999999999", "1..4096"),
+        ("a:4097", "a:4097", "1..4096"),
+        ("a:0", "a:0", "1..4096"),
+        ("a:-1", "a:-1", "not an integer"),
+        ("a: 2", "a: 2", "slots '' is not an integer"),
+        (":2", ":2", "no host name"),
+        ("a:1,,b:1", "a:1,,b:1", "an empty entry"),
+        ("a:1,", "a:1,", "an empty entry"),
+        ("a:2:3", "a:2:3", "not an integer"),
+        ("a b", "a b", "unexpected 'b'"),
+        ("a:2 slots=3", "a:2 slots=3", "unexpected 'slots=3'"),
+        ("h\u00f4te:1", "h\u00f4te:1", "ASCII letters"),
+    ],
+)
+def test_host_list_bad_entry_is_named(text: str, entry: str, why: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        hostlist.parse(text, "-H/--hosts 'x'")
+    message = str(caught.value)
+    assert message.startswith(f"-H/--hosts 'x': bad entry {entry!r}"), message
+    assert why in message and "slots 1..4096" in message, message
+
+
+def test_driver_parses_hosts_with_the_same_parser() -> None:
+    from commlayer.elastic import driver
+
+    assert driver.parse_hosts("a:2\nb", 3) == {"a": 2, "b": 3}
+    assert driver.parse_hosts("") == {}
+    with pytest.raises(ValueError, match="bad entry 'localhost:99999999999999999999'"):
+        driver.parse_hosts("localhost:99999999999999999999", what="discovery")
+
+
+@pytest.mark.parametrize("hosts", ["localhost:\u00b2", ":2", "a:1,,b:1", "localhost:" + "9" * 20])
+def test_main_refuses_bad_hosts_in_one_line(
+    hydra: str, calls: Calls, capsys: pytest.CaptureFixture[str], hosts: str
+) -> None:
+    assert launcher.main(["-np", "2", "-H", hosts, *COMMAND]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"commlayerrun: -H/--hosts {hosts!r}: bad entry"), err
+    assert err.count("\n") == 1, err  # one line, no traceback
+    assert calls.calls == []
+
+
+def test_main_refuses_a_bad_hostfile(
+    hydra: str, calls: Calls, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n:4\n")
+    assert launcher.main(["-np", "2", "--hostfile", str(hostfile), *COMMAND]) == 2
+    assert f"--hostfile {hostfile}: bad entry ':4'" in capsys.readouterr().err
+    assert calls.calls == []
+
+
+def test_main_warns_once_on_more_ranks_than_slots(
+    hydra: str, calls: Calls, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert launcher.main(["-np", "4", "-H", "localhost:2", *COMMAND]) == 3
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [
+        "commlayerrun: warning: -np 4 is more than the 2 slot(s) of -H/--hosts 'localhost:2': "
+        "the hosts get more ranks than slots (oversubscribed: slower, and more memory a host)"
+    ]
+    assert len(calls.calls) == 1  # a warning, the job runs
+    assert launcher.main(["-np", "2", "-H", "localhost:2", *COMMAND]) == 3
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_main_names_a_host_that_does_not_resolve_before_launching(
+    hydra: str, calls: Calls, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    looked_up = []
+
+    def getaddrinfo(name: str, *_: object) -> list[object]:
+        looked_up.append(name)
+        if name == "nosuchhost":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return []
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    assert launcher.main(["-np", "3", "-H", "localhost:1,nosuchhost:2", *COMMAND]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "commlayerrun: host 'nosuchhost' of -H/--hosts 'localhost:1,nosuchhost:2' cannot be "
+        "resolved (Name or service not known): no rank can start there; check the name, or the "
+        "hosts file/DNS of this machine\n"
+    )
+    assert looked_up == ["localhost", "nosuchhost"] and calls.calls == []
+
+
+def test_an_abnormal_end_removes_the_jobs_mpich_files_only(
+    hydra: str,
+    calls: Calls,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(mpich_shm, "SHM_DIR", shm)
+    in_use, other = shm / "mpich_shm_live", shm / "other_file"
+    for path in (in_use, other):
+        path.write_bytes(b"x" * 4096)
+
+    def job(cmd: Sequence[str], env: dict[str, str]) -> int:
+        (shm / "mpich_shm_left").write_bytes(b"x" * 8192)  # a killed rank's
+        return 9
+
+    monkeypatch.setattr(subprocess, "call", job)
+    with in_use.open("r+b") as held, mmap.mmap(held.fileno(), 4096):  # another job's, mapped
+        assert launcher.main(["-np", "2", *COMMAND]) == 9
+    assert sorted(p.name for p in shm.iterdir()) == ["mpich_shm_live", "other_file"]
+    assert capsys.readouterr().err == (
+        f"commlayerrun: the job ended with 9; removed 1 shared-memory file(s) (0.0 MB) its ranks "
+        f"left in {shm}\n"
+    )
+    # a job ending well leaves the files alone (MPI_Finalize removed its own)
+    (shm / "mpich_shm_old").write_bytes(b"")
+    calls.returncode = 0
+    monkeypatch.setattr(subprocess, "call", calls)
+    assert launcher.main(["-np", "2", *COMMAND]) == 0
+    assert (shm / "mpich_shm_old").exists()
+
+
+def test_leftovers_older_than_the_job_stay(tmp_path: Path) -> None:
+    (tmp_path / "mpich_shm_before").write_bytes(b"")
+    assert mpich_shm.remove_leftovers(time.time() + 60, tmp_path) == (0, 0)
+    assert (tmp_path / "mpich_shm_before").exists()

@@ -26,7 +26,10 @@ how, when = sys.argv[1], sys.argv[2]
 hvd.init()
 rank = hvd.rank()
 hvd.allreduce(torch.ones(2), name="warmup")
-_worker.report("ready")
+# the MPICH shared-memory files this rank maps (test_launcher_shm.py: removed after a kill)
+with open("/proc/self/maps", encoding="utf-8") as maps:
+    shm = sorted({line.split()[-1] for line in maps if "/dev/shm/mpich_shm_" in line})
+_worker.report("ready", shm=shm)
 
 if rank == 1:
     # Its own pending operation, never matched: shutting down must not trip over it.
