@@ -34,7 +34,7 @@ Events outside training (``START_RANK``: the worker started as that rank, HOROVO
 - ``in-init:START_RANK``: that worker SIGKILLs itself 0.5 s into init() (at the rendezvous or
   while torch.distributed starts: before the first world trains), once in the job.
 - ``in-rendezvous:GEN:START_RANK``: that worker SIGKILLs itself while it waits at the
-  rendezvous for world GEN, once in the job.
+  rendezvous for world GEN (the others come 2 s late), once in the job.
 Rank 0 also writes the driver's address to OUT/driver (the test connects to it).
 """
 
@@ -108,14 +108,18 @@ def die_later(seconds: float) -> None:
     threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
 
-def die_in_rendezvous(world: int, event: str) -> None:
-    """SIGKILL this worker 0.5 s after it asks for world ``world`` (while it waits there)."""
+def die_in_rendezvous(world: int, victim: int, event: str) -> None:
+    """The worker started as ``victim`` SIGKILLs itself 0.5 s after it asks for world
+    ``world``; the others ask 2 s late, so that the world cannot form before (the victim dies
+    while it waits there)."""
     call = rendezvous.Client.call
 
     def call_and_die(self: rendezvous.Client, message: dict) -> dict:
         asking = message.get("op") == "rendezvous" and rendezvous.generation() == world - 1
-        if asking and once(event):
+        if asking and start_rank == victim and once(event):
             die_later(0.5)
+        elif asking:
+            time.sleep(2.0)
         return call(self, message)
 
     rendezvous.Client.call = call_and_die  # type: ignore[method-assign]
@@ -127,8 +131,8 @@ for event in events:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "in-init" and int(rest) == start_rank and once(event):
         die_later(0.5)
-    if kind == "in-rendezvous" and int(rest.split(":")[1]) == start_rank:
-        die_in_rendezvous(int(rest.split(":")[0]), event)
+    if kind == "in-rendezvous":
+        die_in_rendezvous(int(rest.split(":")[0]), int(rest.split(":")[1]), event)
 events = [e for e in events if e.split(":")[0] not in ("before-init", "in-init", "in-rendezvous")]
 
 hvd.init(cache_capacity=512)  # a keyword setting every world keeps (runtime.restart)
