@@ -7,10 +7,11 @@ samples/s between events against the non-elastic torch backend (issue 38).
 Both jobs train the same MLP (batch 64 a rank, DistributedOptimizer) at --np ranks on this
 machine; every worker appends ``time step world size`` to a file of its own per completed step.
 
-- elastic: ``commlayerrun -np N --min-np N-1 -H localhost:N --blacklist-cooldown-range 0 0``,
-  commit every 10 steps. A trial kills a random worker and measures until the first step that
-  a survivor completes in a later world (re-formed at N-1 from the last commit in memory); the
-  slot comes back at once, so the next trial starts once the world has N workers again.
+- elastic: ``commlayerrun -np N --min-np N-1 -H localhost:N --blacklist-scope slot
+  --blacklist-cooldown-range 0 0``, commit every 10 steps. A trial kills a random worker and
+  measures until the first step that a survivor completes in a later world (re-formed at N-1
+  from the last commit in memory); the slot comes back at once, so the next trial starts once
+  the world has N workers again.
 - torchrun: ``torchrun --nproc-per-node N --max-restarts T+1``, rank 0 saving a checkpoint
   every 10 steps and every rank loading it at start. A trial kills a random worker and measures
   until the first step completed after torchrun restarted all of them (restart count higher).
@@ -28,6 +29,10 @@ machine; every worker appends ``time step world size`` to a file of its own per 
   any worker, and the job's worlds: a worker whose heartbeats the burst held up past
   --heartbeat-timeout would be stopped and the world re-formed. ``--burst --np 2 --window 3``:
   a smoke run of a minute.
+- ``--changes``: recovery time per kind of membership change, ``--trials`` each (issue 48):
+  a worker killed at 3 and at 2 workers (2 -> 1), a host removed and added back through the
+  discovery script, a worker dying in init() before the first world trains (a fresh job a
+  trial); with the crashes and hangs over all trials (results/elastic_changes.md).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def worker(mode: str, out: Path) -> None:
     import commlayer as hvd
     from commlayer import elastic
 
+    _die_in_init(out)
     hvd.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
@@ -122,6 +128,26 @@ def worker(mode: str, out: Path) -> None:
                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "step": done}, tmp)  # fmt: skip
                 os.replace(tmp, checkpoint)
+
+
+def _die_in_init(out: Path) -> None:
+    """``--changes``' kill before the first world: the worker started as rank
+    ELASTIC_BENCH_DIE (HOROVOD_RANK) notes the time in OUT/died and SIGKILLs itself 0.5 s into
+    init() (at the rendezvous, or while torch.distributed starts), once per job."""
+    victim = os.environ.get("ELASTIC_BENCH_DIE")
+    if victim is None or victim != os.environ.get("HOROVOD_RANK"):
+        return
+    try:
+        fd = os.open(out / "died", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+
+    def die() -> None:
+        os.write(fd, f"{time.time()}".encode())
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Timer(0.5, die).start()
 
 
 class _Profile:
@@ -425,6 +451,157 @@ def burst(job: Callable[[Path], list[str]], env: dict[str, str], np: int, n: int
     shutil.rmtree(out, ignore_errors=True)
 
 
+# -- --changes --------------------------------------------------------------------------------
+_NAMES = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]  # this machine under three host names
+_WAIT_S = 120.0  # a change not recovered from in this long is a hang
+
+
+def _write_hosts(path: Path, names: list[str]) -> float:
+    """The discovery script's input, replaced at once; the time it changed."""
+    path.with_suffix(".new").write_text("".join(f"{name}:1\n" for name in names))
+    os.replace(path.with_suffix(".new"), path)
+    return time.time()
+
+
+def _resumed(out: Path, since: float, size: int | tuple[int, ...], after_world: int,
+             but: int = -1) -> float:  # fmt: skip
+    """The first step after ``since`` done at ``size`` (or one of those sizes) in a world after
+    ``after_world`` (by a worker other than ``but``); the seconds it took from ``since``."""
+    sizes = size if isinstance(size, tuple) else (size,)
+
+    def first() -> float | None:
+        times = [t for p, r in _lines(out).items() if p != but for t, _, w, n in r
+                 if t > since and w > after_world and n in sizes]  # fmt: skip
+        return min(times) if times else None
+
+    _wait(f"training at {size} workers", lambda: first() is not None, _WAIT_S)
+    return float(first() or 0.0) - since
+
+
+def _world(out: Path) -> int:
+    return max((r[-1][2] for r in _lines(out).values() if r), default=-1)
+
+
+def _changes_job(me: list[str], np: int, out: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    (out / "discover.sh").write_text(f"#!/bin/sh\ncat {out / 'hosts'}\n")
+    (out / "discover.sh").chmod(0o755)
+    command = [str(Path(sys.executable).parent / "commlayerrun"), "-np", str(np), "--min-np",
+               "1", "--max-np", str(np), "--host-discovery-script", str(out / "discover.sh"),
+               "--blacklist-cooldown-range", "1", "1", *me, "--dir", str(out)]  # fmt: skip
+    output = (out / "job.out").open("a")
+    return subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int | None:
+    """Stop the job; its exit code if it had ended by itself (a crash), else None."""
+    code = proc.poll()
+    if code is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return code
+
+
+def changes(env: dict[str, str], n: int, out_path: Path) -> None:
+    """``--changes``: recovery time per kind of membership change, ``n`` trials each, and the
+    crashes (a job ending by itself) and hangs (no recovery in _WAIT_S) over all of them."""
+    me = [sys.executable, str(HERE), "--worker", "elastic"]
+    times: dict[str, list[float]] = {}
+    failures: dict[str, list[str]] = {}
+
+    def kind(name: str, np: int, trial: Callable[[Path, subprocess.Popen[bytes]], None],
+             fresh: bool = False, extra: dict[str, str] | None = None) -> None:  # fmt: skip
+        """Trials of one kind: in one job (``fresh``: a job each)."""
+        times[name], failures[name] = [], []
+        done = 0
+        while done < n:
+            out = Path(tempfile.mkdtemp(prefix="elastic-changes-"))
+            _write_hosts(out / "hosts", _NAMES[:np])
+            proc = _changes_job(me, np, out, {**env, **(extra or {})})
+            try:
+                _steady(out, np, -1) if not fresh else None
+                for _ in range(1 if fresh else n - done):
+                    done += 1
+                    trial(out, proc)
+                    print(f"  {name}: {times[name][-1]:.2f} s", flush=True)
+            except RuntimeError as exc:  # no recovery in time
+                failures[name].append(f"hang: {exc}")
+            finally:
+                code = _stop(proc)
+                if code is not None:
+                    failures[name].append(f"crash: the job exited {code}")
+                    print((out / "job.out").read_text()[-2000:], file=sys.stderr)
+                shutil.rmtree(out, ignore_errors=True)
+
+    def kill(np: int) -> Callable[[Path, subprocess.Popen[bytes]], None]:
+        def trial(out: Path, proc: subprocess.Popen[bytes]) -> None:
+            live = _steady(out, np, _world(out) - 1)
+            world, victim = _world(out), random.choice(live)
+            killed_at = time.time()
+            os.kill(victim, signal.SIGKILL)
+            times[f"kill a worker ({np} -> {np - 1})"].append(
+                _resumed(out, killed_at, np - 1, world, victim)
+            )
+            _steady(out, np, world + 1)  # its host back after the 1 s cooldown
+
+        return trial
+
+    def removed_then_added(out: Path, proc: subprocess.Popen[bytes]) -> None:
+        world = _world(out)
+        removed = _write_hosts(out / "hosts", _NAMES[:2])
+        times["host removed (3 -> 2)"].append(_resumed(out, removed, 2, world))
+        _steady(out, 2, world)
+        world = _world(out)
+        added = _write_hosts(out / "hosts", _NAMES[:3])
+        times.setdefault("host added (2 -> 3, a new worker starts)", []).append(
+            _resumed(out, added, 3, world)
+        )
+        _steady(out, 3, world)
+
+    def before_first_world(out: Path, proc: subprocess.Popen[bytes]) -> None:
+        _wait("the worker's death in init()", lambda: (out / "died").exists() and
+              (out / "died").read_text().strip() != "", _WAIT_S)  # fmt: skip
+        died = float((out / "died").read_text())
+        # at 2 workers; or at 3, when it died in the first world's sync (the world had
+        # formed) and its host, back after the cooldown, had a new worker in time
+        times["a worker dies in init(), before the first world (3 -> 2)"].append(
+            _resumed(out, died, (2, 3), -1)
+        )
+
+    kind("kill a worker (3 -> 2)", 3, kill(3))
+    kind("kill a worker (2 -> 1)", 2, kill(2))
+    kind("host removed (3 -> 2)", 3, removed_then_added)
+    times.setdefault("host added (2 -> 3, a new worker starts)", [])
+    kind("a worker dies in init(), before the first world (3 -> 2)", 3, before_first_world,
+         fresh=True, extra={"ELASTIC_BENCH_DIE": "2"})  # fmt: skip
+    crashes = sum(f.startswith("crash") for fs in failures.values() for f in fs)
+    hangs = sum(f.startswith("hang") for fs in failures.values() for f in fs)
+    lines = [
+        "# Elastic recovery per kind of change (benchmarks/elastic_recovery.py --changes)",
+        "",
+        f"This machine ({os.cpu_count()} cores) under three host names ({', '.join(_NAMES)}, "
+        f"one slot each: a failure blacklists its host, back after --blacklist-cooldown-range "
+        f"1 1), MLP 256-512-512-10, batch {BATCH} a rank, commit every {COMMIT_EVERY} steps, "
+        "hosts from a discovery script reading a file. Each time: from the change (the SIGKILL, "
+        "the file's rewrite, the worker's death in init()) to the first step of the new world.",
+        "",
+        "| change | trials | median (s) | max (s) | min (s) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, got in times.items():
+        if got:
+            lines.append(f"| {name} | {len(got)} | {statistics.median(got):.2f} | "
+                         f"{max(got):.2f} | {min(got):.2f} |")  # fmt: skip
+    lines += ["", f"Crashes: {crashes}. Hangs: {hangs}."]
+    lines += [f"- {name}: {f}" for name, fs in failures.items() for f in fs]
+    out_path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", choices=["elastic", "torchrun"])
@@ -436,9 +613,11 @@ def main() -> None:
     parser.add_argument("--skip-trials", action="store_true", help="throughput only")
     parser.add_argument("--burst", action="store_true", help="training during a connection burst")
     parser.add_argument("--connections", type=int, default=200, help="--burst's connections")
+    parser.add_argument("--changes", action="store_true", help="recovery per kind of change")
     parser.add_argument("--out", help="default: results/elastic_recovery.md, elastic_burst.md")
     args = parser.parse_args()
     name = "elastic_burst.md" if args.burst else "elastic_recovery.md"
+    name = "elastic_changes.md" if args.changes else name
     args.out = args.out or str(HERE.parent / "results" / name)
     if args.worker:
         worker(args.worker, Path(args.dir))
@@ -451,11 +630,14 @@ def main() -> None:
         me = [sys.executable, str(HERE), "--worker", mode, "--dir", str(out)]
         if mode == "elastic":
             return [str(bindir / "commlayerrun"), "-np", str(args.np), "--min-np",
-                    str(args.np - 1), "-H", f"localhost:{args.np}",
-                    "--blacklist-cooldown-range", "0", "0", *me]  # fmt: skip
+                    str(args.np - 1), "-H", f"localhost:{args.np}", "--blacklist-scope",
+                    "slot", "--blacklist-cooldown-range", "0", "0", *me]  # fmt: skip
         return [str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(args.np),
                 "--max-restarts", str(args.trials + 1), *me[1:]]  # fmt: skip
 
+    if args.changes:
+        changes(env, args.trials, Path(args.out))
+        return
     if args.burst:
         burst(lambda out: job("elastic", out), env, args.np, args.connections, args.window,
               Path(args.out))  # fmt: skip

@@ -178,12 +178,24 @@ def register_state(state: Any) -> None:
     _states.add(state)
 
 
+def join(state: Any) -> None:
+    """``state`` trains in the world this worker last joined: its host checks start from when
+    that world formed (``State.joined_world``), with the host changes the driver has reported
+    in it so far (one that came before the state was registered, or while it re-formed, would
+    be lost otherwise: the world would never grow)."""
+    with _lock:
+        state.joined_world(_formed)
+        for timestamp, removed_only in _host_notices:
+            state.on_hosts_updated(timestamp, removed_only)
+
+
 _joined = True
 _formed = 0.0
 _skip_sync_ok = False
 _state_lost = False
 _broken = False  # a worker of the world this one is joining or in died (the driver said so)
 _dead_ranks: set[int] = set()  # those workers' ranks
+_host_notices: list[tuple[float, bool]] = []  # the driver's host changes since the world formed
 
 
 def formed() -> float:
@@ -281,7 +293,9 @@ def _enter(reply: dict[str, Any], gen: int) -> None:
         _generation, _broken = gen, False
         _dead_ranks.clear()
         torch_distributed.report_dead([])
-    _joined, _formed = bool(reply.get("joined", True)), float(reply["timestamp"])
+        _joined, _formed = bool(reply.get("joined", True)), float(reply["timestamp"])
+        # the changes this world already has (the driver's clock: up to when it formed)
+        _host_notices[:] = [n for n in _host_notices if n[0] > _formed]
     _skip_sync_ok = bool(reply.get("skip_sync_ok", False))
     _state_lost = bool(reply.get("state_lost", False))
 
@@ -315,8 +329,11 @@ def _notices(events: Client) -> None:
             os._exit(1)
         kind = notice.get("event")
         if kind == "hosts_updated":
-            for state in list(_states):
-                state.on_hosts_updated(float(notice["timestamp"]), bool(notice["removed_only"]))
+            with _lock:
+                change = (float(notice["timestamp"]), bool(notice["removed_only"]))
+                _host_notices.append(change)
+                for state in list(_states):
+                    state.on_hosts_updated(*change)
         elif kind == "dead":
             _dead(int(notice["generation"]), [int(r) for r in notice["ranks"]])
 

@@ -87,7 +87,7 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
             from commlayer.core import rendezvous
 
             rendezvous.register_state(state)
-            state.joined_world(rendezvous.formed())
+            rendezvous.join(state)
             _restore_lost(state)
         skip_sync, resets = False, 0
         while True:
@@ -153,7 +153,7 @@ def _reform_once(state: State) -> None:
     added = runtime.added_process_sets()
     runtime.shutdown()
     runtime.restart()  # the user's init() arguments and process sets, in the new world
-    state.joined_world(rendezvous.formed())
+    rendezvous.join(state)
     _add_again(added)
     optimizer.new_world()
     _restore_lost(state)
