@@ -181,3 +181,37 @@ def test_the_driver_refuses_a_bad_policy() -> None:
     with pytest.raises(ValueError, match="need 1 <= --min-np"):
         driver.Driver(["true"], 2, 3, 4, dict, {})
     assert os.environ.get("COMMLAYER_ELASTIC_KEY") is None
+
+
+def test_notices_of_another_world_are_stale_and_host_changes_are_replayed_on_joining(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's side (core/rendezvous.py): a death notice counts for the world it names
+    only, every death of that world is kept, and host changes the driver reported since the
+    world formed reach a state that joins it later."""
+    from commlayer.backends import torch_distributed
+    from commlayer.core import rendezvous
+    from commlayer.elastic.state import State
+
+    reported: list[list[int]] = []
+    monkeypatch.setattr(torch_distributed, "report_dead", lambda ranks: reported.append(ranks))
+    for name, value in [("_generation", -1), ("_joined", True), ("_formed", 0.0),
+                        ("_skip_sync_ok", False), ("_state_lost", False), ("_broken", False),
+                        ("_dead_ranks", set()), ("_host_notices", [])]:  # fmt: skip
+        monkeypatch.setattr(rendezvous, name, value)  # restored after the test
+    rendezvous._enter({"timestamp": 100.0, "joined": False}, 3)
+    rendezvous._dead(2, [1])  # a notice of world 2, late
+    assert not rendezvous.world_broken() and reported == [[]]
+    rendezvous._dead(3, [2])
+    rendezvous._dead(3, [0])
+    assert rendezvous.world_broken() and reported[-1] == [0, 2]
+    # a change reported before a state joined (the notices' thread keeps it)
+    with rendezvous._lock:
+        rendezvous._host_notices.append((105.0, False))
+    state = State()
+    rendezvous.join(state)
+    assert state._last_updated_timestamp == 100.0
+    assert state._host_messages.get_nowait() == (105.0, False)
+    # entering the next world keeps only what is newer than its formation
+    rendezvous._enter({"timestamp": 110.0}, 4)
+    assert rendezvous._host_notices == [] and not rendezvous.world_broken()
