@@ -1,18 +1,20 @@
 """Elastic training: keeps training when workers die or hosts come and go.
 
-    commlayerrun -np 2 --min-np 1 --max-np 3 \
+    commlayerrun -np 2 --min-np 1 --max-np 3 --blacklist-cooldown-range 2 4 \
         --host-discovery-script examples/elastic/discover_hosts.sh \
-        python examples/elastic/train.py --epochs 3
+        python examples/elastic/train.py --epochs 200
 
-(``--blacklist-cooldown-range 10 30``: a failed worker's slot comes back after 10-30 s.) Kill a
-worker (``kill -9 PID``) or edit the hosts file the discovery script reads
-(``ELASTIC_HOSTS_FILE``, e.g. ``localhost:3`` then ``localhost:2``): the others stop at their
-next collective or commit, form a new world with the driver, roll back to the last commit (kept
-in memory: no checkpoint file), take rank 0's state and go on; the sampler deals what is left of
-the epoch over the new number of workers, and the learning rate follows the number of workers.
+The discovery script names this machine twice (localhost and 127.0.0.1, one slot each), as
+Horovod's tests do. Kill a worker (``kill -9 PID``): its host is blacklisted, the other worker
+stops at its next collective or commit, goes on alone from the last commit (kept in memory: no
+checkpoint file), and once the cooldown ends (4 s here, longer after each failure of that host)
+a new worker starts there and the world grows back to 2, the newcomer taking rank 0's state.
+Or edit the hosts file the discovery script reads (``ELASTIC_HOSTS_FILE``, e.g. ``localhost:3``
+then ``localhost:2``). The sampler deals what is left of the epoch over the new number of
+workers, and the learning rate follows the number of workers.
 
-Each worker prints ``rank R of N: parameter checksum X`` at the end; every rank prints the same
-checksum.
+Rank 0 prints each epoch's loss and the number of workers; each worker prints
+``rank R of N: parameter checksum X`` at the end: every rank prints the same checksum.
 """
 
 from __future__ import annotations

@@ -1,10 +1,15 @@
-"""examples/elastic/ runs as its docstring shows: commlayerrun's elastic driver with the example's
-discovery script, and the hosts file it reads shrinking while the job runs (3 workers -> 2).
-Every remaining worker ends with the same parameters; the removed one leaves with exit code 0."""
+"""examples/elastic/ runs as its docstring shows: the docstring's own command, verbatim, with a
+worker SIGKILLed (2 workers -> 1 -> 2: its host back after the cooldown, a new worker taking
+the state), and the hosts file the discovery script reads shrinking while the job runs (3
+workers -> 2). Every remaining worker ends with the same parameters; a removed one leaves with
+exit code 0."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -54,3 +59,58 @@ def test_elastic_example_trains_through_a_host_removal(tmp_path: Path) -> None:
     sums = re.findall(r"rank (\d) of 2: parameter checksum (-?\d+\.\d+)", output)
     assert sorted(r for r, _ in sums) == ["0", "1"] and len({s for _, s in sums}) == 1, output
     assert re.search(r"epoch 11: loss \S+ on 2 workers", output), output
+
+
+def _docstring_command() -> list[str]:
+    """The command of train.py's docstring, as a user pastes it (this venv's commlayerrun)."""
+    doc = (EXAMPLE / "train.py").read_text().split('"""')[1]
+    text = doc.split("\n\n")[1].replace("\\\n", " ")
+    words = shlex.split(text)
+    assert words[0] == "commlayerrun" and "python" in words, words
+    commlayerrun = Path(sysconfig.get_path("scripts")) / "commlayerrun"
+    return [str(commlayerrun), *words[1:]]
+
+
+def _workers(parent: int) -> list[int]:
+    """The training processes the driver started (its children running train.py)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and b"train.py" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_the_docstring_scenario_two_workers_kill_one_grow_back(tmp_path: Path) -> None:
+    command = _docstring_command()
+    env = worker_env(tmp_path, 150, {})
+    log = tmp_path / "log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=TESTS.parent
+        )
+        try:
+            deadline = time.monotonic() + 90
+            while "epoch 2:" not in log.read_text() and proc.poll() is None:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            victims = _workers(proc.pid)
+            assert len(victims) == 2, (victims, log.read_text())
+            os.kill(max(victims), signal.SIGKILL)
+            proc.wait(150)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    output = log.read_text()
+    assert proc.returncode == 0, output
+    assert "blacklisted for 4.0 s" in output, output
+    # 2 -> 1 -> 2 workers, training at each size
+    shrunk = output.index(" on 1 workers")
+    assert " on 2 workers" in output[:shrunk] and " on 2 workers" in output[shrunk:], output
+    sums = re.findall(r"rank (\d) of 2: parameter checksum (-?\d+\.\d+)", output)
+    assert sorted(r for r, _ in sums) == ["0", "1"] and len({s for _, s in sums}) == 1, output
