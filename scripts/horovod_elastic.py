@@ -16,7 +16,8 @@ ELASTIC_TIMEOUT_SECS. A job that fails raises RuntimeError with Horovod's words 
 detected that one or more processes exited with non-zero status") and commlayerrun's reason;
 RESET_LIMIT_EXCEEDED_MESSAGE is commlayerrun's own message for that case. Horovod's
 test_min_hosts_timeout calls its helper with ``np=4``, a keyword the helper does not take: it
-fails so under Horovod too (tests/system/test_elastic_horovod.py runs it as meant).
+fails so under Horovod too, and is left out unless ``--all``; test_min_hosts_timeout_as_meant
+runs it with ``num_proc=4``.
 
 Prints pytest's report; exit status 0 when every test passed. ``--runs N`` repeats the file.
 """
@@ -81,13 +82,25 @@ _SHIM = {
 
 _TESTS = '''import unittest
 
+import mock
+import pytest
 from elastic_common import BaseElasticTests
 
 
 class CommlayerElasticTests(BaseElasticTests, unittest.TestCase):
     def __init__(self, *args, **kwargs):
         super().__init__({script!r}, *args, **kwargs)
+
+    @mock.patch("horovod.runner.elastic.driver.ELASTIC_TIMEOUT_SECS", 1)
+    def test_min_hosts_timeout_as_meant(self):
+        """Horovod's test_min_hosts_timeout, with num_proc=4 where it passes np=4."""
+        with pytest.raises(RuntimeError, match="one or more processes exited with non-zero"):
+            self._run([(None, ["localhost:2", "127.0.0.1:2"])], exit_schedule={{"(1, 0)": [0]}},
+                      num_proc=4, min_num_proc=4)
 '''
+# Horovod's own test_min_hosts_timeout fails in its helper's call (TypeError: np=) under
+# Horovod too: left out unless --all, and run as meant (test_min_hosts_timeout_as_meant).
+_BROKEN_IN_HOROVOD = "test_min_hosts_timeout"
 
 
 def main() -> int:
@@ -95,6 +108,9 @@ def main() -> int:
     parser.add_argument("checkout", type=Path, help="a horovod/horovod checkout")
     parser.add_argument("--runs", type=int, default=1, help="run the file N times (default 1)")
     parser.add_argument("-k", help="pytest -k expression selecting tests")
+    parser.add_argument(
+        "--all", action="store_true", help=f"also Horovod's {_BROKEN_IN_HOROVOD} as written"
+    )
     args = parser.parse_args()
     integration = args.checkout.resolve() / "test" / "integration"
     common, main_py = integration / "elastic_common.py", integration / "data/elastic_torch_main.py"
@@ -125,7 +141,9 @@ def main() -> int:
             print(f"==== run {run} of {args.runs}", flush=True)
             command = [sys.executable, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider"]
             command += [str(work / "test_commlayer_elastic.py")]
-            command += ["-k", args.k] if args.k else []
+            select = [args.k] if args.k else []
+            select += [] if args.all else [f"not ({_BROKEN_IN_HOROVOD} and not as_meant)"]
+            command += ["-k", " and ".join(f"({k})" for k in select)] if select else []
             failed += subprocess.call(command, cwd=work, env=env) != 0
         print(f"==== {args.runs - failed} of {args.runs} run(s) passed every test", flush=True)
         return 1 if failed else 0
