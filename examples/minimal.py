@@ -46,5 +46,6 @@ if hvd.rank() == 0:  # one rank prints: the lines of several would come out inte
     for rank, value in enumerate(checksums):
         print(f"rank {rank} of {hvd.size()}: parameter checksum {value:.10f}")
     same = len(set(checksums)) == 1
-    print(f"{hvd.size()} ranks, " + ("the same weights on every rank" if same else "DIFFERENT "
-          "weights: the gradients were not averaged"), flush=True)  # fmt: skip
+    ranks = f"{hvd.size()} rank" + ("s" if hvd.size() > 1 else "")
+    print(f"{ranks}, " + ("the same weights on every rank" if same else "DIFFERENT weights: "
+          "the gradients were not averaged"), flush=True)  # fmt: skip
