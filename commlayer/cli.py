@@ -156,7 +156,16 @@ def parser() -> argparse.ArgumentParser:
     """The ``commlayer`` command's parser (also what the documentation's CLI page prints)."""
     parser = argparse.ArgumentParser(prog="commlayer", description=description())
     sub = parser.add_subparsers(dest="command", required=True)
-    cal = sub.add_parser("calibrate", help="measure alpha, beta, gamma and the native algorithms")
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure alpha, beta, gamma and the native algorithms",
+        description="Measure this machine's cost model for COMMLAYER_ALLREDUCE_ALGORITHM=auto: "
+        "the latency (alpha), seconds per byte on the link (beta) and of a reduction (gamma), "
+        "the native MPI allreduce at each size and the engine's own cost per call, then the "
+        "sparse kernels' rates; save them and print the predicted time of every algorithm. Run "
+        "it under the launcher at the ranks and nodes you train with (one calibration a rank "
+        "count): mpiexec -n 2 commlayer calibrate.",
+    )
     cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     cal.add_argument("--out", help=f"calibration file (default {costmodel.default_path()})")
     cal.set_defaults(run=calibrate)
@@ -166,6 +175,10 @@ def parser() -> argparse.ArgumentParser:
         "algorithms",
         help="predicted time of every algorithm: from the local calibration, or on a platform "
         "(--platform), corrected by simulated tables (--sim-table)",
+        description="Print the cost model's predicted allreduce time of every algorithm at "
+        "each --size, fastest first: from this machine's calibration (commlayer calibrate; "
+        "--file, --ranks), or on a generated machine (--platform, no calibration needed), "
+        "corrected where a simulated table covers it (--sim-table).",
     )
     table.add_argument(
         "--size", type=sim_cli._list(_bytes, "size"), default=[64 << 20], help="e.g. 1MiB,64MiB"
@@ -192,6 +205,7 @@ def parser() -> argparse.ArgumentParser:
         "oracle",
         help="which parallelism strategy: per-GPU memory, compute, "
         "communication and time per epoch (ParaDL's model and commlayer's)",
+        description=oracle_command.DESCRIPTION,
     )
     oracle_command.add_arguments(oracle)
     oracle.set_defaults(run=oracle_command.run)

@@ -711,8 +711,11 @@ def sparse_allreduce_async(
         all_indices, all_values = wire.split_rows(
             results[0], torch.int64, index_shape, source.dtype, value_shape
         )
+        # Checked: the indices come from other ranks, whose tensors may be of another shape
+        # (one pass over them, against memory errors in coalesce). Saying so also keeps torch's
+        # "Sparse invariant checks are implicitly disabled" warning off every rank.
         summed = torch.sparse_coo_tensor(
-            all_indices.t(), all_values, source.shape, dtype=source.dtype
+            all_indices.t(), all_values, source.shape, dtype=source.dtype, check_invariants=True
         ).coalesce()
         if divisor == 1:
             return summed
@@ -721,7 +724,12 @@ def sparse_allreduce_async(
             if summed.dtype.is_floating_point
             else torch.div(summed.values(), divisor, rounding_mode="trunc")
         )
-        return torch.sparse_coo_tensor(summed.indices(), divided, source.shape).coalesce()
+        return torch.sparse_coo_tensor(
+            summed.indices(),
+            divided,
+            source.shape,
+            check_invariants=False,  # summed's own
+        ).coalesce()
 
     return combined(base, [handle], combine)
 

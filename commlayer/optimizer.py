@@ -333,7 +333,7 @@ class _Reducer:
             return torch.zeros_like(p)
         indices = torch.empty((sparse_dim, 0), dtype=torch.int64)
         values = torch.empty((0, *p.shape[sparse_dim:]), dtype=p.dtype)
-        return torch.sparse_coo_tensor(indices, values, p.shape)
+        return torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=False)  # empty
 
     # -- step side ---------------------------------------------------------------------------------
     def new_world(self) -> None:
@@ -708,6 +708,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name
     """
     op = ReduceOp(op)
     _check_arguments(backward_passes_per_step, gradient_predivide_factor, op, process_set)
+    runtime.hint_alone("DistributedOptimizer")  # `python train.py`: say how to start N ranks
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(
             "DistributedOptimizer does not support LBFGS: its step() re-evaluates the closure "

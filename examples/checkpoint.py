@@ -1,7 +1,7 @@
 """Checkpoints in a data-parallel job: rank 0 alone writes them, every rank resumes from them.
 
-    commlayerrun -np 2 python examples/checkpoint.py --dir /tmp/ckpt --epochs 2
-    commlayerrun -np 2 python examples/checkpoint.py --dir /tmp/ckpt --epochs 4   # resumes at 2
+    commlayerrun -np 2 python examples/checkpoint.py --dir ckpt --epochs 2
+    commlayerrun -np 2 python examples/checkpoint.py --dir ckpt --epochs 4   # resumes at 2
 
 Every rank holds the same weights after each step, so one copy is enough: rank 0 writes it
 (several ranks writing one file corrupt it). On a restart rank 0 reads the file and the others
@@ -9,6 +9,10 @@ get its contents by broadcast (they may not even see rank 0's disk): the weights
 (``broadcast_parameters``), the optimizer's state (``broadcast_optimizer_state``: momentum
 buffers) and the epoch to go on from (``broadcast_object``). Under ``torchrun --max-restarts N``
 this is how a job goes on after a rank died.
+
+Each rank says the epoch it starts at; rank 0 says each epoch it saved, with the epoch's loss
+(averaged over the ranks: it falls across both runs), and at the end whether every rank holds
+the same weights.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ def main() -> None:
     hvd.init()
     torch.manual_seed(hvd.rank())  # different on each rank until the broadcasts below
     model = torch.nn.Linear(10, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.5)
 
     start = 0
     if hvd.rank() == 0 and os.path.exists(path):
@@ -48,13 +52,18 @@ def main() -> None:
     print(f"rank {hvd.rank()}: starting at epoch {start}", flush=True)
 
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    data = torch.Generator().manual_seed(hvd.rank())  # each rank its own batches
     for epoch in range(start, args.epochs):
+        # each rank its own batches, drawn from the epoch: a resumed run sees those it would have
+        data = torch.Generator().manual_seed(1000 * epoch + hvd.rank())
+        total = torch.zeros(())
         for _ in range(args.steps_per_epoch):
             x = torch.randn(16, 10, generator=data)
             optimizer.zero_grad()
-            F.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+            loss = F.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
             optimizer.step()
+            total += loss.detach()
+        mean = hvd.allreduce(total / args.steps_per_epoch, name="loss")  # over every rank
         if hvd.rank() == 0:  # one writer; write then rename, so a crash leaves the last good one
             os.makedirs(args.dir, exist_ok=True)
             state = {
@@ -64,9 +73,13 @@ def main() -> None:
             }
             torch.save(state, path + ".tmp")
             os.replace(path + ".tmp", path)
-            print(f"rank 0: saved epoch {epoch + 1} to {path}", flush=True)
+            print(f"rank 0: saved epoch {epoch + 1} to {path} (loss {mean:.3f})", flush=True)
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
     print(f"rank {hvd.rank()}: parameter checksum {checksum:.10f}", flush=True)
+    same = len(set(hvd.allgather_object(checksum))) == 1
+    if hvd.rank() == 0:
+        print(f"{hvd.size()} ranks, " + ("the same weights on every rank" if same else
+              "DIFFERENT weights"), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

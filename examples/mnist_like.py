@@ -1,7 +1,7 @@
 """An MNIST-like classifier as Horovod's users write it: a DistributedSampler, the learning rate
 scaled by the number of ranks with a warm-up, and metrics averaged over the ranks.
 
-    commlayerrun -np 2 python examples/mnist_like.py [--epochs 2] [--train-size 2048]
+    commlayerrun -np 2 python examples/mnist_like.py --epochs 2 --train-size 1024 --warmup-steps 10
 
 The data are synthetic 28x28 "digits" (10 noisy class patterns, made from a seed, the same on
 every rank): no download. With your own data set, only ``make_dataset`` changes.

@@ -1,12 +1,15 @@
 """A small CNN trained with filter, channel, spatial, pipeline, hybrid or data parallelism,
 checked against single-process training, timed per step.
 
-    commlayerrun -np 2 python examples/model_parallel_cnn.py --strategy filter [--check]
-    commlayerrun -np 4 python examples/model_parallel_cnn.py --strategy data+filter --model-ways 2
-    commlayerrun -np 3 python examples/model_parallel_cnn.py --strategy pipeline --micro-batches 8
+    commlayerrun -np 2 python examples/model_parallel_cnn.py --strategy filter --check
+    commlayerrun -np 4 python examples/model_parallel_cnn.py --strategy data+filter \\
+        --model-ways 2 --check
+    commlayerrun -np 3 python examples/model_parallel_cnn.py --strategy pipeline \\
+        --micro-batches 8 --check
 
 The model: conv 3->C, ReLU, conv C->C, ReLU, global average pool, linear C->10, on random
 inputs (batch x 3 x H x W), SGD. The convolutions are the split layers:
+
 1. filter: both convolutions' output channels divided among the ranks
    (model_parallel.FilterParallelConv2d); every rank trains on the whole batch.
 2. channel: the second convolution's input channels divided (the first has 3).
@@ -25,8 +28,10 @@ inputs (batch x 3 x H x W), SGD. The convolutions are the split layers:
    activations and their gradients sent between neighbouring stages (model_parallel.send and
    recv in a 2-rank process set); each stage steps its own layers. The loss is the last stage's.
 ``--check``: rank 0 also trains the single-process model on the same data and asserts that
-the losses agree (float64, to 1e-9) at every step; ``--dtype float32`` for timing. Prints one
-``RESULT {json}`` line: the median step time after ``--warmup`` steps.
+the losses agree (float64, to 1e-9) at every step; ``--dtype float32`` for timing. Rank 0 prints
+one ``RESULT {json}`` line (for benchmarks/oracle_model_parallel.py), then the same in words:
+the strategy, the ranks, the median step time after ``--warmup`` steps and, with ``--check``,
+how far the losses were from one process's.
 """
 
 from __future__ import annotations
@@ -306,6 +311,16 @@ def main() -> int:
     cl.barrier()  # a pipeline's last stage ends before the first: none shuts down too early
     if cl.rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)
+        said = (
+            f"{args.strategy} parallelism on {cl.size()} ranks: {result['step_ms']:.1f} ms a step "
+            f"(median after {args.warmup} warm-up steps)"
+        )
+        if args.check:
+            said += (
+                f"; every step's loss within {result['max_loss_diff']:.1g} of one process's "
+                f"training ({args.dtype})"
+            )
+        print(said, flush=True)
         if args.check and result["max_loss_diff"] > 1e-9:
             print(
                 f"losses differ from one process by {result['max_loss_diff']:.3g}", file=sys.stderr

@@ -1,6 +1,6 @@
 """Data-parallel training of a small CNN on scikit-learn's handwritten digits with commlayer.
 
-    commlayerrun -np 2 python examples/train_digits.py [--epochs 15] [--batch-size 32]
+    commlayerrun -np 2 python examples/train_digits.py --epochs 3   # the demo runs 15
 
 Each rank trains on its shard of every epoch's shuffled training set; DistributedOptimizer
 averages gradients while backward runs. Rank 0 shows a progress bar, the loss and test accuracy
@@ -118,7 +118,6 @@ def train(args: argparse.Namespace) -> float:
             f"commlayer demo: {size} ranks, {len(y_train)} training and {len(y_test)} test "
             f"images, {sum(p.numel() for p in model.parameters())} parameters"
         )
-        print(cl.startup_summary())  # ranks, nodes and hosts, backend, algorithm
     start = time.perf_counter()
     accuracy = 0.0
     for epoch in range(1, args.epochs + 1):

@@ -6,20 +6,32 @@ is built, so that they cannot drift from it.
 - ``reference/cli.md``: ``--help`` of ``commlayer`` and each of its commands, and of
   ``commlayerrun``, from their argparse parsers;
 - ``examples.md``: each script of examples/ with its docstring and its source;
-- ``benchmarks/results/*.png``: the plots the performance page shows, copied from the repository.
+- ``benchmarks/results/*.png``: the plots the performance page shows, copied from the repository;
+- ``css/pygments.css``: the colours of the code blocks, which Pygments marks up when the site is
+  built (the theme's own highlight.js would come from a CDN).
+
+And it checks each page as built: a list written without a blank line before it renders as one
+paragraph ("...; - wraps any torch.optim ...; - gradients travel ..."), which fails the build.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
 
 REPO = Path(__file__).resolve().parent.parent
+# A warning under "mkdocs." fails the strict build (scripts/docs.sh).
+log = logging.getLogger("mkdocs.hooks.commlayer")
+# Pygments' style for the code blocks: dark keywords and green strings on the theme's grey.
+PYGMENTS_STYLE = "friendly"
 
 
 def _cell(text: str) -> str:
@@ -123,9 +135,42 @@ GENERATED = {
 }
 
 
+def pygments_css() -> str:
+    from pygments.formatters import HtmlFormatter
+
+    return str(HtmlFormatter(style=PYGMENTS_STYLE).get_style_defs(".highlight"))
+
+
+_PARAGRAPH = re.compile(r"<p>(.*?)</p>", re.S)
+_LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+\S")
+
+
+def inline_lists(html: str) -> list[str]:
+    """The start of each paragraph of ``html`` that holds a line beginning like a list item
+    ("- ", "* ", "1. "): Markdown took the list for the paragraph's text, because no blank line
+    came before it, and the page shows it run together."""
+    found = []
+    for paragraph in _PARAGRAPH.findall(html):
+        lines = paragraph.split("\n")
+        if any(_LIST_ITEM.match(line) for line in lines[1:]):
+            found.append(" ".join(paragraph.split())[:80])
+    return found
+
+
+def on_page_content(html: str, page: Page, **_: Any) -> str:
+    for start in inline_lists(html):
+        log.warning(
+            "%s: a list renders inside a paragraph (put a blank line before it): %r",
+            page.file.src_uri,
+            start,
+        )
+    return html
+
+
 def on_files(files: Files, config: Any) -> Files:
     for uri, make in GENERATED.items():
         files.append(File.generated(config, uri, content=make()))
+    files.append(File.generated(config, "css/pygments.css", content=pygments_css()))
     for png in sorted((REPO / "benchmarks" / "results").glob("*.png")):
         uri = f"benchmarks/results/{png.name}"
         files.append(File.generated(config, uri, abs_src_path=str(png)))

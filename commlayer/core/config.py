@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import os
 import re
+import textwrap
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -49,7 +50,7 @@ class Config:
     # below a job burning its allocation on a rank that will never come (a hang by default
     # before: issue 38)
     stall_shutdown_time_s: float = 600.0
-    log_level: str = "warning"
+    log_level: str = "info"  # rank 0's one start-up line (runtime.summary_line)
     allreduce_algorithm: str = "auto"
     topology: str = ""
     sparse_algorithm: str = "allgather"
@@ -267,7 +268,9 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "COMMLAYER_LOG_LEVEL",
         "log_level",
         _LOG_LEVEL,
-        "logging level of the 'commlayer' logger; default warning",
+        "logging level of the 'commlayer' logger; default info: rank 0 logs one line at init() "
+        "saying what the job got (ranks, hosts, backend, algorithm, compression, fusion); "
+        "warning leaves it out",
     ),
     (
         "COMMLAYER_ALLREDUCE_ALGORITHM",
@@ -720,14 +723,53 @@ def _check_settings(
 
 
 def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
-    """' (did you mean COMMLAYER_COMPRESSION?)' for the closest known name of each unknown one
-    (difflib), '' when none is close."""
+    """' (did you mean COMMLAYER_COMPRESSION?)' for the known names most like each unknown one
+    (``_likeness``: word by word, so COMMLAYER_ALGORITHM finds both *_ALGORITHM variables and a
+    misspelt word still counts), '' when none is close."""
     guesses = []
     for name in unknown:
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        scored = sorted(((_likeness(name, k), k) for k in known), reverse=True)
+        best = scored[0][0] if scored else 0.0
+        close = [k for score, k in scored[:_MOST_GUESSES] if score >= max(0.5, best - 0.1)]
         if close:
-            guesses.append(f"{name} -> {close[0]}" if len(unknown) > 1 else close[0])
+            said = " or ".join(sorted(close))
+            guesses.append(f"{name} -> {said}" if len(unknown) > 1 else said)
     return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
+
+
+_MOST_GUESSES = 3
+
+
+def _words(name: str) -> list[str]:
+    return [w for w in name.upper().removeprefix("COMMLAYER_").lower().split("_") if w]
+
+
+def _word_likeness(typed: str, known: str) -> float:
+    """difflib's ratio; a word cut short (ALGO for ALGORITHM) counts as 0.8."""
+    if len(typed) >= 3 and known.startswith(typed):
+        return max(0.8, difflib.SequenceMatcher(None, typed, known).ratio())
+    return difflib.SequenceMatcher(None, typed, known).ratio()
+
+
+def _likeness(typed: str, known: str) -> float:
+    """0 to 1: each word of ``typed`` paired with the most alike unused word of ``known``
+    (difflib's ratio, counted from 0.75, so COMPRESION is COMPRESSION), the matched share of
+    both names' words averaged (a missing or an extra word costs less than a wrong one); or
+    the letters of both alike, for words run together (FUSIONTHRESHOLD)."""
+    mine, theirs = _words(typed), _words(known)
+    if not mine or not theirs:
+        return 0.0
+    unused, matched = list(theirs), 0.0
+    for word in mine:
+        ratio, best = max((_word_likeness(word, w), w) for w in unused)
+        if ratio >= 0.75:
+            matched += ratio
+            unused.remove(best)
+        if not unused:
+            break
+    by_words = (matched / len(mine) + matched / len(theirs)) / 2
+    letters = difflib.SequenceMatcher(None, "".join(mine), "".join(theirs)).ratio()
+    return max(by_words, letters if letters >= 0.85 else 0.0)
 
 
 def _check_unknown(environ: Mapping[str, str]) -> None:
@@ -738,10 +780,15 @@ def _check_unknown(environ: Mapping[str, str]) -> None:
         if k.startswith("COMMLAYER_") and k not in known and k not in _ELASTIC_VARIABLES
     )
     if unknown:
-        raise ConfigError(
-            f"unknown environment variable(s) {', '.join(map(repr, unknown))}"
-            f"{did_you_mean(unknown, known)}; known: {', '.join(known)}"
+        guess = did_you_mean(unknown, known)
+        # With a guess the 26 names would bury it: the reference page lists them all.
+        rest = (
+            "; every variable: the documentation's Configuration page"
+            if guess
+            else "; known:\n  " + "\n  ".join(textwrap.wrap(", ".join(known), 96))
         )
+        names = ", ".join(map(repr, unknown))
+        raise ConfigError(f"unknown environment variable(s) {names}{guess}{rest}")
 
 
 def load(

@@ -42,6 +42,7 @@ _lock = threading.Lock()
 _engine: Engine | None = None
 _backend_name = ""  # the registered backend the running engine's messages travel over
 _backend_module: backends.Lifecycle | None = None  # its module: end_job, finish
+_launched_by = ""  # config.launch()'s launcher ("mpi", "torchrun"), "elastic", "" for none
 _aborts_at_exit = False  # its end_job: the job aborts at this process's exit
 _config: Config | None = None  # what init() resolved: every consumer reads this one
 _topology: dict[str, int] = {}
@@ -122,7 +123,8 @@ def _start(
         cfg = config_module.load(registries=REGISTRIES, **settings)
         _configure_logging(cfg.log_level)
         kernels.use(cfg.kernels, cuda_ptx_dir=cfg.cuda_ptx_dir)
-        log.info(
+        # debug, not info: every rank says it, and info (the default) is rank 0's one line
+        log.debug(
             "malloc: %s", malloc.tune(cfg.malloc_tuning, config_module.glibc_malloc_variables())
         )
         if cfg.line_output == "on":
@@ -139,7 +141,6 @@ def _start(
         gc.freeze()
         if not _atexit_registered:
             atexit.register(shutdown)
-            _install_excepthook()
             _atexit_registered = True
 
 
@@ -150,7 +151,7 @@ def _start_engine(
     world when a worker of this one dies meanwhile (their set-up is collective: it would fail,
     or wait for the dead worker)."""
     while True:
-        backend = _start_backend(comm, cfg)
+        backend = _start_backend_once_prefixed(comm, cfg)
         try:
             engine = Engine(backend, cfg)
             _topology.clear()
@@ -186,18 +187,40 @@ def _elastic_world_broken() -> bool:
     return rendezvous.world_broken()
 
 
-def _install_excepthook() -> None:
-    """Chain sys.excepthook (the one in place at the first init(): Python's, torch's): the
-    traceback as before, then ``_end_job``."""
-    previous = sys.excepthook
+# sys.excepthook: ``_excepthook`` prints the traceback with ``_hook_below`` (Python's, or the
+# user's, and torch's once it started: it puts ``[rankN]:`` before each line), then ends the
+# job. ``_hook_base`` is what was in place before the backend started, so that a backend
+# started again (shutdown() and init(), an elastic world re-formed) wraps that, not the last
+# start's wrapper: torch's init_process_group wraps whatever hook it finds, and every
+# re-formed generation added one more ``[rankN]:`` to each line of a traceback.
+_hook_base: Any = None
+_hook_below: Any = None
 
-    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        try:
-            previous(kind, exc, tb)
-        finally:
-            _end_job(exc)
 
-    sys.excepthook = hook
+def _excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+    """The traceback as before (``_hook_below``), then ``_end_job``."""
+    try:
+        _hook_below(kind, exc, tb)
+    finally:
+        _end_job(exc)
+
+
+def _start_backend_once_prefixed(comm: Any, cfg: Config) -> Backend:
+    """``_start_backend``, with sys.excepthook left as ``_excepthook`` over one prefix of the
+    backend started now (the comment above ``_hook_base``). A hook someone else put on top of
+    ours since is left alone."""
+    global _hook_base, _hook_below
+    ours_on_top = sys.excepthook is _excepthook
+    if ours_on_top:
+        sys.excepthook = _hook_base
+    else:
+        _hook_base = sys.excepthook
+    try:
+        backend = _start_backend(comm, cfg)
+    finally:
+        if ours_on_top or _hook_below is None:
+            _hook_below, sys.excepthook = sys.excepthook, _excepthook
+    return backend
 
 
 def _end_job(exc: BaseException) -> None:
@@ -216,9 +239,10 @@ def _start_backend(comm: Any, cfg: Config) -> Backend:
     """The backend ``cfg.backend`` names (auto: backends.auto), over ``comm`` (a communicator
     or process group, or a list of global ranks); ConfigError before its library starts where
     it cannot run (backends.choose)."""
-    global _backend_name, _backend_module
+    global _backend_name, _backend_module, _launched_by
     launch = config_module.launch()
     elastic = config_module.elastic_worker() is not None and not backends.registry.ready()
+    _launched_by = launch.launcher or ("elastic" if elastic else "")
     chosen = backends.choose(cfg.backend, launch, elastic)
     join = None
     if elastic:
@@ -269,16 +293,50 @@ def summary_line(
         f"commlayer started: {size} rank{'s' if size != 1 else ''} on {len(by_node)} "
         f"node{'s' if len(by_node) != 1 else ''} ({shape}; {'; '.join(places)}){topology}, "
         f"backend {backend}, allreduce algorithm {cfg.allreduce_algorithm}, compression "
-        f"{cfg.compression}, wait policy {cfg.wait_policy}"
+        f"{cfg.compression}, fusion {_fusion(cfg.fusion_threshold_bytes)}, wait policy "
+        f"{cfg.wait_policy}"
     )
+
+
+def _fusion(threshold_bytes: int) -> str:
+    """'64 MiB' as COMMLAYER_FUSION_THRESHOLD is written, 'off' for 0."""
+    for shift, suffix in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if threshold_bytes and threshold_bytes % (1 << shift) == 0:
+            return f"{threshold_bytes >> shift} {suffix}"
+    return f"{threshold_bytes} B" if threshold_bytes else "off"
 
 
 def startup_summary() -> str:
     """What ``init()`` started, in one line: ranks, nodes and hosts (with the ranks on each),
-    backend, allreduce algorithm, compression, wait policy. Rank 0 logs it at info level
-    (``COMMLAYER_LOG_LEVEL=info``). NotInitializedError before ``init()``."""
+    backend, allreduce algorithm, compression, fusion threshold, wait policy. Rank 0 logs it
+    at info level, the default (``COMMLAYER_LOG_LEVEL=warning`` leaves it out).
+    NotInitializedError before ``init()``."""
     engine()
     return _summary
+
+
+_hinted_alone = False
+
+
+def hint_alone(what: str) -> None:
+    """Log once, at info level, that ``what`` (``DistributedOptimizer``) runs over one rank
+    because no launcher started this process, and how to start several: a script run as
+    ``python train.py`` trains alone, correctly and silently, which a user who meant to run it
+    on N processes cannot tell from a working job. Nothing under any launcher (``mpiexec -n
+    1`` is one rank on purpose) or in an elastic worker."""
+    global _hinted_alone
+    if _hinted_alone or size() != 1 or _launched_by:
+        return
+    _hinted_alone = True
+    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else "train.py"
+    log.info(
+        "commlayer: %s runs over 1 rank: no launcher started this process, so there is no "
+        "other rank to average with and it is the plain optimizer. To train on N processes: "
+        "commlayerrun -np N python %s (or torchrun --nproc_per_node N %s)",
+        what,
+        script,
+        script,
+    )
 
 
 def backend_name() -> str:

@@ -12,12 +12,20 @@ commlayer oracle ... --paradl           # ParaDL's own model, its quirks include
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
 from commlayer import oracle
 from commlayer.core.errors import SpecError
 from commlayer.oracle import report
+
+DESCRIPTION = (
+    "Predict, per GPU count, each parallelism strategy's memory per GPU, compute, "
+    "communication and time per epoch (data, spatial, filter, channel, pipeline, data+filter, "
+    "data+spatial) for a model (--net in ParaDL's format, or --model, a torch model) on a "
+    "machine (--plat), rank them, and plot the breakdown (--plot, needs matplotlib)."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +102,14 @@ def _inputs(args: argparse.Namespace) -> tuple[oracle.Net, oracle.Platform]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Before any work: the tables can take minutes, and the plot is drawn last.
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print(
+            "commlayer oracle: --plot needs matplotlib (pip install 'commlayer[bench]'), which "
+            "is not installed; nothing was computed",
+            file=sys.stderr,
+        )
+        return 2
     try:
         net, plat = _inputs(args)
         mask = oracle.parse_lc(args.lc, net) if args.lc else None
@@ -143,13 +159,6 @@ def run(args: argparse.Namespace) -> int:
         if not rows:
             print("commlayer oracle: no rows to plot", file=sys.stderr)
             return 1
-        try:
-            path = report.plot(rows, args.plot, title)
-        except ImportError:
-            print(
-                "commlayer oracle: --plot needs matplotlib (pip install commlayer[bench])",
-                file=sys.stderr,
-            )
-            return 1
+        path = report.plot(rows, args.plot, title)
         print(f"plot: {path}", file=sys.stderr)
     return 0

@@ -12,13 +12,17 @@
    ``COMMLAYER_TIMELINE`` must not leak in), with ``OMP_NUM_THREADS=1`` (3 ranks on 2 cores
    must not each start a thread per core) and tests/ on PYTHONPATH (the workers wait with
    tests/waiting.py, as the tests do) plus what the test passes.
+4. The examples' documented commands run as typed (``docstring_commands``, ``run_as_typed``):
+   through bash, with this environment's launchers and python first on PATH.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -195,6 +199,71 @@ class Job:
         found = self.find(event, rank)
         assert len(found) == 1, f"rank {rank}: expected one {event!r} record\n{self.output()}"
         return found[0]
+
+
+# A command in an example's docstring: an indented line that starts with a launcher, maybe after
+# VAR=value assignments; a line ending in a backslash goes on on the next.
+_COMMAND = re.compile(
+    r"^ +((?:[A-Z_]+=\S+ +)*(?:commlayerrun|torchrun|mpiexec|accelerate launch) .*)$"
+)
+
+
+def docstring_commands(path: Path) -> list[str]:
+    """The shell commands in the docstring of ``path`` (an example), continuation lines
+    joined, as a user copies them."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    found: list[str] = []
+    lines = iter(doc.splitlines())
+    for line in lines:
+        match = _COMMAND.match(line)
+        if match is None:
+            continue
+        command = match.group(1).rstrip()
+        while command.endswith("\\"):
+            command = command[:-1].rstrip() + " " + next(lines).strip()
+        found.append(command)
+    return found
+
+
+def docs_blocks() -> ModuleType:
+    """scripts/docs_blocks.py: the code blocks of README.md and docs/, and what they say."""
+    import importlib.util
+
+    path = TESTS.parent / "scripts" / "docs_blocks.py"
+    spec = importlib.util.spec_from_file_location("docs_blocks", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["docs_blocks"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def documented_output_mismatches(command: str, stdout: str) -> list[str]:
+    """Where the documentation shows what ``command`` prints (``<!-- output of: ... -->``),
+    how ``stdout`` differs from it; [] where it matches or nothing is shown."""
+    blocks = docs_blocks()
+    found = []
+    for block in blocks.outputs_of(command):
+        problem = blocks.output_mismatch(block.text, stdout)
+        if problem is not None:
+            found.append(f"{block.where()}: {problem}")
+    return found
+
+
+def run_as_typed(command: str, cwd: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``command`` as a user types it into a shell (bash -c), in ``cwd``: this interpreter's
+    environment first on PATH (its python, commlayerrun, torchrun, mpiexec), no COMMLAYER_*
+    variable but those the command sets, one OpenMP thread. Past ``timeout_s`` the whole tree
+    is killed and the test fails with the output (``run_limited``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMLAYER_")}
+    scripts = sysconfig.get_path("scripts")
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PATH=os.pathsep.join(filter(None, [scripts, os.environ.get("PATH")])),
+    )
+    code, stdout, stderr = run_limited(["bash", "-c", command], env, timeout_s, cwd=cwd)
+    return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
 def _read_records(out_dir: Path) -> list[dict[str, Any]]:

@@ -1,9 +1,8 @@
 """The one line that says what a job got (``commlayer.startup_summary()``; rank 0 logs it at
-info level from ``init()``): ranks, nodes with their hosts and ranks, backend, algorithm."""
+info level, the default, from ``init()``): ranks, nodes with their hosts and ranks, backend,
+algorithm, compression, fusion."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 
@@ -18,8 +17,20 @@ def test_one_node() -> None:
     line = runtime.summary_line([0, 0], ["box", "box"], "mpi", Config())
     assert line == (
         "commlayer started: 2 ranks on 1 node (2 ranks per node; box: 0-1), backend mpi, "
-        "allreduce algorithm auto, compression none, wait policy auto"
+        "allreduce algorithm auto, compression none, fusion 64 MiB, wait policy auto"
     )
+
+
+@pytest.mark.parametrize(
+    ("threshold_bytes", "said"),
+    [(0, "fusion off"), (32 << 20, "fusion 32 MiB"), (1 << 30, "fusion 1 GiB"),
+     (1000, "fusion 1000 B")],
+)  # fmt: skip
+def test_fusion_threshold_as_it_is_written(threshold_bytes: int, said: str) -> None:
+    line = runtime.summary_line(
+        [0], ["solo"], "mpi", Config(fusion_threshold_bytes=threshold_bytes)
+    )
+    assert f", {said}, " in line
 
 
 def test_several_nodes_with_their_ranks_and_settings() -> None:
@@ -53,19 +64,20 @@ def test_startup_summary_before_init_raises() -> None:
         commlayer.startup_summary()
 
 
-def test_init_logs_the_summary_at_info(caplog: pytest.LogCaptureFixture) -> None:
-    """A one-rank init() (no launcher: the MPI backend over this process alone)."""
+@pytest.mark.parametrize("level", [None, "warning"], ids=["default", "warning"])
+def test_init_logs_the_summary_by_default(caplog: pytest.LogCaptureFixture, level: str) -> None:
+    """A one-rank init() (no launcher: the MPI backend over this process alone) logs the line
+    at info, the default level; COMMLAYER_LOG_LEVEL=warning leaves it out."""
     if commlayer.is_initialized():
         pytest.skip("commlayer is running in this process")
-    caplog.set_level(logging.INFO, logger="commlayer")
     before = kernels.configured()
-    commlayer.init(log_level="info")
+    commlayer.init(**({"log_level": level} if level else {}))
     try:
         summary = commlayer.startup_summary()
     finally:
         commlayer.shutdown()
         kernels.use(before)
-        logging.getLogger("commlayer").setLevel(logging.WARNING)
     assert summary.startswith("commlayer started: 1 rank on 1 node (1 rank per node; ")
     assert "backend mpi, allreduce algorithm auto" in summary
-    assert summary in [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    logged = [r.getMessage() for r in caplog.records if r.name == "commlayer"]
+    assert logged.count(summary) == (1 if level is None else 0), logged
