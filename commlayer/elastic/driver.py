@@ -679,8 +679,8 @@ class Driver:
     def _running(self, now: float) -> None:
         """The world trains: when the hosts changed so that the world would (module
         docstring, 4.), tell every member at once and start the new slots' workers."""
-        if not self._changed:
-            return
+        if not self._changed or self._death:
+            return  # (a member died: every member is told and comes back; _form plans)
         self._changed = False
         members = [w for w in self._member_workers() if w.exit_code is None]
         plan = self._plan(now, [w for w in members if not w.removed])
