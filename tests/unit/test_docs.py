@@ -273,7 +273,7 @@ def test_a_fragment_may_elide_but_not_change_a_line() -> None:
 
 # -- the reference pages ---------------------------------------------------------------------------
 # One shape for every API reference page, as Horovod's and PyTorch's: what it is, then these
-# sections in this order. A new reference page (elastic's) follows it and joins REFERENCE.
+# sections in this order. A new reference page follows it and joins REFERENCE.
 SECTIONS = ["## Signature", "## Parameters", "## Returns", "## Raises", "## Example", "## Notes"]
 REFERENCE: dict[str, list[Callable[..., Any]]] = {
     "docs/reference/optimizer.md": [commlayer.DistributedOptimizer],
@@ -286,6 +286,11 @@ REFERENCE: dict[str, list[Callable[..., Any]]] = {
         commlayer.reducescatter,
     ],
     "docs/reference/commlayerrun.md": [],
+    "docs/reference/elastic.md": [
+        commlayer.elastic.run,
+        commlayer.elastic.TorchState.__init__,
+        commlayer.elastic.ElasticSampler.__init__,
+    ],
 }
 
 
@@ -335,8 +340,11 @@ def test_a_reference_page_has_every_parameter_with_its_default(page: str) -> Non
                 continue
             assert name in rows, f"{page}: parameter {name!r} of {call.__qualname__} is missing"
             default = rows[name][2]
+            variadic = parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
             want = (
-                "required"
+                "none"
+                if variadic
+                else "required"
                 if parameter.default is inspect.Parameter.empty
                 else _shown(parameter.default)
             )
