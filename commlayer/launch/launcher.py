@@ -33,10 +33,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from commlayer import backends, mpich_shm
-from commlayer import hosts as hostlist
+from commlayer import backends
 from commlayer.core import config
 from commlayer.core.registries import REGISTRIES
+from commlayer.launch import hosts as hostlist
+from commlayer.launch import mpich_shm
 
 # Written by scripts/cluster.sh up, removed by its down.
 CLUSTER_DIR = Path("/run/commlayer-cluster")
@@ -150,8 +151,8 @@ def cluster_of(names: Sequence[str], state: Path | None = None) -> Cluster | Non
 
 def hosts_of(hosts: str | None, hostfile: str | None) -> dict[str, int]:
     """``{host: slots}`` of ``-H host1:2,host2`` or of a hostfile (``host[:N]`` or
-    ``host slots=N`` lines, '#' comments), in order (commlayer/hosts.py: ValueError naming the
-    bad entry); {} with neither."""
+    ``host slots=N`` lines, '#' comments), in order (launch/hosts.py: ValueError naming the bad
+    entry); {} with neither."""
     if hosts:
         return hostlist.parse(hosts, f"-H/--hosts {hosts!r}")
     if hostfile:
@@ -275,7 +276,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     elastic = parser.add_argument_group(
         "elastic training (Horovod's flags; any of --min-np, --max-np, --host-discovery-script "
-        "runs commlayer's elastic driver instead of mpiexec: commlayer/elastic/driver.py)"
+        "runs commlayer's elastic driver instead of mpiexec: commlayer/launch/driver.py)"
     )
     elastic.add_argument(
         "--min-np",
@@ -455,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_job(cmd: Sequence[str], env: dict[str, str]) -> int:
     """The launcher's exit code. When it is not 0, a rank was killed or aborted: the MPICH
-    shared-memory files its ranks left are removed (commlayer/mpich_shm.py)."""
+    shared-memory files its ranks left are removed (commlayer/launch/mpich_shm.py)."""
     began = time.time()
     code = subprocess.call(cmd, env=env)
     if code != 0:
@@ -502,10 +503,10 @@ def resolve(slots: dict[str, int], hosts: str | None, hostfile: str | None) -> N
 
 
 def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[str]) -> int:
-    """Run ``command`` under the elastic driver (commlayer/elastic/driver.py). On the namespace
+    """Run ``command`` under the elastic driver (commlayer/launch/driver.py). On the namespace
     cluster the driver runs on its first host, entered through the cluster's launcher (as
     mpiexec does: the root namespace has no route into the cluster), with the same ``argv``."""
-    from commlayer.elastic import driver
+    from commlayer.launch import driver
 
     try:
         environ = config.launcher_environ(REGISTRIES)
@@ -546,7 +547,7 @@ def _elastic(args: argparse.Namespace, command: Sequence[str], argv: Sequence[st
             level = _LOG_LEVELS[args.log_level]
             environ.setdefault("COMMLAYER_LOG_LEVEL", level)
             logging.basicConfig(format="%(message)s")
-            logging.getLogger("commlayer.elastic.driver").setLevel(
+            logging.getLogger("commlayer.launch.driver").setLevel(
                 5 if level == "trace" else level.upper()
             )
         timeout_s = config.check_timeout_s("--elastic-timeout", args.elastic_timeout)
@@ -591,7 +592,7 @@ def _driver_on_cluster(cluster: Cluster, argv: Sequence[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     again = f"cd {shlex.quote(os.getcwd())} && exec " + shlex.join(
-        [sys.executable, "-m", "commlayer.launcher", *argv]
+        [sys.executable, "-m", "commlayer.launch.launcher", *argv]
     )
     os.execv(cluster.launch, [cluster.launch, cluster.first_host, again])
     return 127  # (not reached)

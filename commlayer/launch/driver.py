@@ -86,11 +86,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from commlayer import hosts as hostlist
-from commlayer.core import elastic_protocol as protocol
-from commlayer.elastic.server import Server
+from commlayer.elastic import protocol
+from commlayer.launch import hosts as hostlist
+from commlayer.launch.server import Server
 
-log = logging.getLogger("commlayer.elastic.driver")
+log = logging.getLogger("commlayer.launch.driver")
 
 _POLL_S = 0.2
 _DISCOVERY_S = 1.0  # Horovod's DISCOVER_HOSTS_FREQUENCY_SECS
@@ -144,8 +144,8 @@ def _loopback(address: str) -> bool:
 
 
 def parse_hosts(text: str, default_slots: int = 1, what: str = "hosts") -> dict[str, int]:
-    """``{host: slots}`` from ``host:slots`` entries (lines or commas; commlayer/hosts.py); {}
-    for none; ValueError naming the bad entry."""
+    """``{host: slots}`` from ``host:slots`` entries (lines or commas; launch/hosts.py); {} for
+    none; ValueError naming the bad entry."""
     return hostlist.parse(text, what, default_slots)
 
 
@@ -390,7 +390,7 @@ class Driver:
         self._server: Server | None = None  # listening from the first worker's start
         self._update_order(time.monotonic())
 
-    # -- control channel (the server: commlayer/elastic/server.py) --------------------------
+    # -- control channel (the server: commlayer/launch/server.py) --------------------------
     def _refuse(self, peer: str, why: object) -> None:
         with self._cv:
             self.refused += 1
