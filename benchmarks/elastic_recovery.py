@@ -38,6 +38,7 @@ machine; every worker appends ``time step world size`` to a file of its own per 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import random
 import selectors
@@ -70,6 +71,7 @@ def worker(mode: str, out: Path) -> None:
     import commlayer as hvd
     from commlayer import elastic
 
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a hang's stacks, on demand
     _die_in_init(out)
     hvd.init()
     torch.manual_seed(0)
@@ -454,6 +456,10 @@ def burst(job: Callable[[Path], list[str]], env: dict[str, str], np: int, n: int
 # -- --changes --------------------------------------------------------------------------------
 _NAMES = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]  # this machine under three host names
 _WAIT_S = 120.0  # a change not recovered from in this long is a hang
+# A failed host's cooldown: longer than a death takes to be seen and the world re-formed, so that
+# a recovery is measured without the host's new worker (with 1 s, a death in init() was often
+# seen after the host was back, and the new world waited for its new worker's start: 4-17 s).
+_COOLDOWN_S = 5
 
 
 def _write_hosts(path: Path, names: list[str]) -> float:
@@ -487,7 +493,8 @@ def _changes_job(me: list[str], np: int, out: Path, env: dict[str, str]) -> subp
     (out / "discover.sh").chmod(0o755)
     command = [str(Path(sys.executable).parent / "commlayerrun"), "-np", str(np), "--min-np",
                "1", "--max-np", str(np), "--host-discovery-script", str(out / "discover.sh"),
-               "--blacklist-cooldown-range", "1", "1", *me, "--dir", str(out)]  # fmt: skip
+               "--blacklist-cooldown-range", str(_COOLDOWN_S), str(_COOLDOWN_S), *me, "--dir",
+               str(out)]  # fmt: skip
     output = (out / "job.out").open("a")
     return subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
@@ -585,7 +592,8 @@ def changes(env: dict[str, str], n: int, out_path: Path) -> None:
         "",
         f"This machine ({os.cpu_count()} cores) under three host names ({', '.join(_NAMES)}, "
         f"one slot each: a failure blacklists its host, back after --blacklist-cooldown-range "
-        f"1 1), MLP 256-512-512-10, batch {BATCH} a rank, commit every {COMMIT_EVERY} steps, "
+        f"{_COOLDOWN_S} {_COOLDOWN_S}), MLP 256-512-512-10, batch {BATCH} a rank, commit every "
+        f"{COMMIT_EVERY} steps, "
         "hosts from a discovery script reading a file. Each time: from the change (the SIGKILL, "
         "the file's rewrite, the worker's death in init()) to the first step of the new world.",
         "",

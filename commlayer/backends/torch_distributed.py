@@ -52,6 +52,7 @@ import queue
 import secrets
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -72,7 +73,7 @@ from commlayer.backends.peers import PeerTable, addresses, indices, me
 from commlayer.backends.shm import CHUNK_BYTES, FileWindow, SharedMemoryAllreduce
 from commlayer.core import config
 from commlayer.core.config import Config, Launch
-from commlayer.core.errors import CommlayerError
+from commlayer.core.errors import CommlayerError, RankDiedError
 from commlayer.core.reduce_ops import ReduceOp, scale_into
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated there); torch 2.1-2.12 have only it.
@@ -367,7 +368,7 @@ class TorchBackend:
         if window is not None:
             return window.iallreduce_pieces(sources, outputs, scales, op)
         buf = torch.cat([t.reshape(-1) for t in sources])
-        self._all_reduce(buf, _op(op), self._group).wait()
+        self._finish(self._all_reduce(buf, _op(op), self._group))
         at = 0
         for out, scale in zip(outputs, scales):
             part = buf[at : at + out.numel()].view_as(out)
@@ -386,7 +387,7 @@ class TorchBackend:
                 token[1] = os.getpid()
             options = dist.BroadcastOptions()
             options.rootRank = 0
-            self._group.broadcast([token], options).wait()
+            self._finish(self._group.broadcast([token], options))
             name = f"{int(token[1])}-{int(token[0]):x}"
             try:
                 self._shm = SharedMemoryAllreduce(
@@ -405,8 +406,28 @@ class TorchBackend:
         flag = torch.tensor([int(ok)], dtype=torch.int32)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
-        self._group.allreduce([flag], options).wait()
+        self._finish(self._group.allreduce([flag], options))
         return bool(flag.item())
+
+    def _finish(self, work: Any) -> None:
+        """``work.wait()`` for a collective the engine thread blocks on (the window's making,
+        a fallback reduction), which a dead peer cannot hold for ever: polled, with this
+        backend's peer check every PEER_CHECK_S (RankDiedError naming them), as the engine
+        checks while it waits on a request. A gloo collective with a peer that died before
+        connecting waits out the whole process-group timeout otherwise (an elastic worker's
+        first sync hung there, benchmarks/elastic_recovery.py --changes)."""
+        delay, check = 1e-4, time.monotonic() + PEER_CHECK_S
+        while not work.is_completed():
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)  # ~1 ms of sleeping per call's first ms, then 10 ms
+            if time.monotonic() >= check:
+                dead = self.dead_peers()
+                if dead:
+                    raise RankDiedError(
+                        f"rank {self._rank}: rank(s) {dead} exited while this rank waited on them"
+                    )
+                check = time.monotonic() + PEER_CHECK_S
+        work.wait()  # raises the collective's error, if it failed
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any, group: Any) -> Any:
         """``dist.all_reduce(async_op=True)``; on gloo the group's own call, without
@@ -669,6 +690,7 @@ _owns_default_group = False  # init() initialized torch.distributed (finish() de
 # Ranks of the current world that commlayer's elastic driver reported dead (report_dead):
 # dead_peers() names them too, wherever they ran.
 _reported_dead: frozenset[int] = frozenset()
+PEER_CHECK_S = 0.5  # how often a blocking collective checks for dead peers (``_finish``)
 
 
 def report_dead(ranks: Sequence[int]) -> None:
