@@ -58,11 +58,11 @@ It follows Horovod's elastic driver where Horovod's own tests state its behaviou
 8. Lost workers: each worker sends a heartbeat every second on its event connection; one not
    heard from for ``--heartbeat-timeout`` seconds (default 10: its host's link is down, or it
    is frozen) is SIGKILLed and is dead as in 3.
-9. Security (elastic_protocol.py): a job key of 32 random bytes, handed to the workers in their
+9. Security (elastic/protocol.py): a job key of 32 random bytes, handed to the workers in their
    environment (to a cluster host on the launcher's stdin, never on a command line); every
    message signed (HMAC-SHA256, per-connection nonce and counters); a connection that fails the
    handshake, or names no worker this driver started, is refused and logged. The rendezvous
-   store is the driver's dictionary reached over that channel (core/rendezvous.py), not an open
+   store is the driver's dictionary reached over that channel (elastic/rendezvous.py), not an open
    TCPStore.
 """
 
@@ -101,7 +101,7 @@ _DISCOVERY_BACKOFF_MAX_S = 30.0
 HEARTBEAT_TIMEOUT_S = 10.0
 SCOPES = ("host", "slot")
 ON_STATE_LOST = ("fail", "reset")
-_STORE_PREFIX = "commlayer/elastic/"  # + generation + "/": core/rendezvous.py's DriverStore
+_STORE_PREFIX = "commlayer/elastic/"  # + generation + "/": elastic/rendezvous.py's DriverStore
 
 
 def local_names() -> set[str]:

@@ -47,6 +47,7 @@ SIDE = (
     "commlayer.cli",
     # commlayerrun, the elastic driver, host lists, the calibration's measuring
     "commlayer.launch",
+    "commlayer.launcher",  # the old path of commlayer.launch.launcher
 )
 # What users add around training: they may use the API layer; the layers never import them.
 EXTRAS = ("commlayer.data", "commlayer.model_parallel")
