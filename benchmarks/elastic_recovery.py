@@ -500,6 +500,17 @@ def _changes_job(me: list[str], np: int, out: Path, env: dict[str, str]) -> subp
                             start_new_session=True)  # fmt: skip
 
 
+def _signal_children(parent: int, sig: int) -> None:
+    """Send ``sig`` to the processes whose parent is ``parent`` (the driver's workers)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        got = procstat.read(stat)
+        if got is not None and got[0] == parent:
+            try:
+                os.kill(int(stat.parent.name), sig)
+            except ProcessLookupError:
+                pass
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> int | None:
     """Stop the job; its exit code if it had ended by itself (a crash), else None."""
     code = proc.poll()
@@ -513,7 +524,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> int | None:
     return code
 
 
-def changes(env: dict[str, str], n: int, out_path: Path) -> None:
+CHANGES = ("kill", "hosts", "init")
+
+
+def changes(env: dict[str, str], n: int, out_path: Path, kinds: tuple[str, ...] = CHANGES) -> None:
     """``--changes``: recovery time per kind of membership change, ``n`` trials each, and the
     crashes (a job ending by itself) and hangs (no recovery in _WAIT_S) over all of them."""
     me = [sys.executable, str(HERE), "--worker", "elastic"]
@@ -535,8 +549,12 @@ def changes(env: dict[str, str], n: int, out_path: Path) -> None:
                     done += 1
                     trial(out, proc)
                     print(f"  {name}: {times[name][-1]:.2f} s", flush=True)
-            except RuntimeError as exc:  # no recovery in time
-                failures[name].append(f"hang: {exc}")
+            except RuntimeError as exc:  # no recovery in time: the workers' stacks, kept
+                _signal_children(proc.pid, signal.SIGUSR2)  # faulthandler (worker())
+                time.sleep(3)
+                kept = Path(tempfile.gettempdir()) / f"{out.name}.job.out"
+                shutil.copy(out / "job.out", kept)
+                failures[name].append(f"hang: {exc} (the workers' stacks: {kept})")
             finally:
                 code = _stop(proc)
                 if code is not None:
@@ -579,12 +597,15 @@ def changes(env: dict[str, str], n: int, out_path: Path) -> None:
             _resumed(out, died, (2, 3), -1)
         )
 
-    kind("kill a worker (3 -> 2)", 3, kill(3))
-    kind("kill a worker (2 -> 1)", 2, kill(2))
-    kind("host removed (3 -> 2)", 3, removed_then_added)
-    times.setdefault("host added (2 -> 3, a new worker starts)", [])
-    kind("a worker dies in init(), before the first world (3 -> 2)", 3, before_first_world,
-         fresh=True, extra={"ELASTIC_BENCH_DIE": "2"})  # fmt: skip
+    if "kill" in kinds:
+        kind("kill a worker (3 -> 2)", 3, kill(3))
+        kind("kill a worker (2 -> 1)", 2, kill(2))
+    if "hosts" in kinds:
+        kind("host removed (3 -> 2)", 3, removed_then_added)
+        times.setdefault("host added (2 -> 3, a new worker starts)", [])
+    if "init" in kinds:
+        kind("a worker dies in init(), before the first world (3 -> 2)", 3, before_first_world,
+             fresh=True, extra={"ELASTIC_BENCH_DIE": "2"})  # fmt: skip
     crashes = sum(f.startswith("crash") for fs in failures.values() for f in fs)
     hangs = sum(f.startswith("hang") for fs in failures.values() for f in fs)
     lines = [
@@ -622,6 +643,7 @@ def main() -> None:
     parser.add_argument("--burst", action="store_true", help="training during a connection burst")
     parser.add_argument("--connections", type=int, default=200, help="--burst's connections")
     parser.add_argument("--changes", action="store_true", help="recovery per kind of change")
+    parser.add_argument("--kinds", default=",".join(CHANGES), help="--changes': which kinds")
     parser.add_argument("--out", help="default: results/elastic_recovery.md, elastic_burst.md")
     args = parser.parse_args()
     name = "elastic_burst.md" if args.burst else "elastic_recovery.md"
@@ -644,7 +666,7 @@ def main() -> None:
                 "--max-restarts", str(args.trials + 1), *me[1:]]  # fmt: skip
 
     if args.changes:
-        changes(env, args.trials, Path(args.out))
+        changes(env, args.trials, Path(args.out), tuple(args.kinds.split(",")))
         return
     if args.burst:
         burst(lambda out: job("elastic", out), env, args.np, args.connections, args.window,

@@ -151,8 +151,8 @@ def _start_engine(
     world when a worker of this one dies meanwhile (their set-up is collective: it would fail,
     or wait for the dead worker)."""
     while True:
-        backend = _start_backend_once_prefixed(comm, cfg)
         try:
+            backend = _start_backend_once_prefixed(comm, cfg)
             engine = Engine(backend, cfg)
             _topology.clear()
             _topology.update(_derive_topology(backend.rank, backend.nodes()))
@@ -271,9 +271,10 @@ def _start_backend(comm: Any, cfg: Config) -> Backend:
             )
         join = _elastic_rendezvous.join  # this generation's world
     module = chosen.load()
-    backend = module.start(comm, cfg, launch, join)
+    # before start: a start that fails midway (an elastic world that broke in new_group) is
+    # finished through it, as _start_engine does
     _backend_name, _backend_module = chosen.name, module
-    return backend
+    return module.start(comm, cfg, launch, join)
 
 
 def _ranges(ranks: Sequence[int]) -> str:

@@ -193,7 +193,13 @@ _joined = True
 _formed = 0.0
 _skip_sync_ok = False
 _state_lost = False
-_broken = False  # a worker of the world this one is joining or in died (the driver said so)
+# set when a worker of the world this one is joining or in died (the driver said so)
+_broken_event = threading.Event()
+# How long an elastic worker whose world's set-up failed waits for the driver's word that a
+# worker of it died (world_broken) before taking the error as its own: the driver reaps every
+# 0.2 s and tells at once; a peer on a host cut off is known after --heartbeat-timeout only,
+# and its world fails its set-up's store waits itself.
+BROKEN_WAIT_S = 5.0
 _dead_ranks: set[int] = set()  # those workers' ranks
 _host_notices: list[tuple[float, bool]] = []  # the driver's host changes since the world formed
 
@@ -230,10 +236,13 @@ def generation() -> int:
     return _generation
 
 
-def world_broken() -> bool:
+def world_broken(wait_s: float = BROKEN_WAIT_S) -> bool:
     """Whether the driver reported a worker of this worker's current world dead: an error while
-    that world starts is then the death's, and the rendezvous starts over."""
-    return _broken
+    that world starts is then the death's, and the rendezvous starts over. Waits up to
+    ``wait_s`` for the report: the others see a peer's death in gloo ("Connection reset by
+    peer") before the driver reaps it and sends its notice (every 0.2 s), and an elastic
+    worker's first world crashed so (benchmarks/elastic_recovery.py --changes, 1 of 30)."""
+    return _broken_event.wait(wait_s)
 
 
 def init_process_group(timeout_s: float) -> None:
@@ -288,9 +297,10 @@ def init_process_group(timeout_s: float) -> None:
 def _enter(reply: dict[str, Any], gen: int) -> None:
     """This worker is in world ``gen`` from now: notices of older worlds are stale (under the
     lock the notices' thread applies them with)."""
-    global _generation, _joined, _formed, _skip_sync_ok, _state_lost, _broken
+    global _generation, _joined, _formed, _skip_sync_ok, _state_lost
     with _lock:
-        _generation, _broken = gen, False
+        _generation = gen
+        _broken_event.clear()
         _dead_ranks.clear()
         torch_distributed.report_dead([])
         _joined, _formed = bool(reply.get("joined", True)), float(reply["timestamp"])
@@ -341,11 +351,10 @@ def _notices(events: Client) -> None:
 def _dead(gen: int, ranks: list[int]) -> None:
     """The driver's notice that ``ranks`` of world ``gen`` died: for this worker's current
     world only (a notice of an older world, arriving late, names other workers)."""
-    global _broken
     with _lock:
         if gen != _generation:
             return
-        _broken = True
+        _broken_event.set()
         _dead_ranks.update(ranks)  # every death of this world, not the newest one only
         torch_distributed.report_dead(sorted(_dead_ranks))
 

@@ -196,12 +196,13 @@ def test_notices_of_another_world_are_stale_and_host_changes_are_replayed_on_joi
     reported: list[list[int]] = []
     monkeypatch.setattr(torch_distributed, "report_dead", lambda ranks: reported.append(ranks))
     for name, value in [("_generation", -1), ("_joined", True), ("_formed", 0.0),
-                        ("_skip_sync_ok", False), ("_state_lost", False), ("_broken", False),
+                        ("_skip_sync_ok", False), ("_state_lost", False),
+                        ("_broken_event", threading.Event()),
                         ("_dead_ranks", set()), ("_host_notices", [])]:  # fmt: skip
         monkeypatch.setattr(rendezvous, name, value)  # restored after the test
     rendezvous._enter({"timestamp": 100.0, "joined": False}, 3)
     rendezvous._dead(2, [1])  # a notice of world 2, late
-    assert not rendezvous.world_broken() and reported == [[]]
+    assert not rendezvous.world_broken(0.0) and reported == [[]]
     rendezvous._dead(3, [2])
     rendezvous._dead(3, [0])
     assert rendezvous.world_broken() and reported[-1] == [0, 2]
@@ -214,4 +215,7 @@ def test_notices_of_another_world_are_stale_and_host_changes_are_replayed_on_joi
     assert state._host_messages.get_nowait() == (105.0, False)
     # entering the next world keeps only what is newer than its formation
     rendezvous._enter({"timestamp": 110.0}, 4)
-    assert rendezvous._host_notices == [] and not rendezvous.world_broken()
+    assert rendezvous._host_notices == [] and not rendezvous.world_broken(0.0)
+    # a report that comes while a failed set-up waits for it
+    threading.Timer(0.2, rendezvous._dead, (4, [1])).start()
+    assert rendezvous.world_broken(5.0)
