@@ -19,6 +19,11 @@ the compressor declares (compression/base.py):
    (``sparse_algorithm`` other than allgather) are reduced sparse through the engine instead
    (sparse_reduction.py), on the process set's topology; gtopk's dropped entries go to the
    compressor's error feedback.
+4. Per host (``per_host=True``, with the ``levels`` of comm/hierarchy.py, where the process
+   set spans several hosts): the host's ranks sum the tensors uncompressed, the bucket's
+   leader scales the sum (``Average``: by 1 / size) and compresses it once for the host, the
+   leaders move their payloads among themselves as 1.-3. say (``Sum``), the leader decompresses
+   and shares the result inside the host. comm/hierarchy.py has the steps and why.
 The payload of an ``identity`` compressor (none; auto before it decides) is the tensors
 themselves: they are reduced where they lie, with no compress, decompress or callback.
 
@@ -45,6 +50,7 @@ commlayer.ops); ``commlayer.compression`` itself does not import it.
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -159,6 +165,20 @@ class EngineTransport:
         return chain(reduction.handle, reduction.advance, lambda: reduction.value)
 
 
+class Levels(Protocol):
+    """The transports of the per-host path (4.) as this rank sees them (comm/hierarchy.py):
+    its host's ranks (None: alone on its host), the ranks of the other hosts with its index on
+    theirs (None: this index leads no bucket), that index, and which index leads a bucket."""
+
+    intra: Transport | None
+    across: Transport | None
+    local_index: int
+
+    def leader(self, name: str) -> int:
+        """The local index of the rank that compresses bucket ``name`` on every host."""
+        ...
+
+
 def chain(
     first: FutureLike, advance: Callable[[Any], FutureLike | None], final: Callable[[], Any]
 ) -> Future:
@@ -199,7 +219,7 @@ class Communicator:
     the tensor ("gradient").
     """
 
-    __slots__ = ("transport", "op", "predivide", "what")
+    __slots__ = ("transport", "op", "predivide", "what", "levels")
 
     def __init__(
         self,
@@ -207,8 +227,11 @@ class Communicator:
         op: ReduceOp = ReduceOp.Average,
         predivide: float = 1.0,
         what: str = "tensor",
+        levels: Levels | None = None,
     ) -> None:
+        """``levels``: the per-host path's transports (4.), None where it does not apply."""
         self.transport, self.op, self.predivide, self.what = transport, op, predivide, what
+        self.levels = levels
 
     def reduce(
         self,
@@ -216,11 +239,14 @@ class Communicator:
         compressor: Compressor,
         name: str,
         names: Sequence[str] | None = None,
+        per_host: bool = False,
     ) -> Future:
         """Reduce ``tensors`` in place; a future whose value is the list of them. Several
         tensors travel together (one collective a round, named ``name``); each is compressed
         alone under its own name (``names``; default ``<name>.p<j>``, or ``name`` for a single
-        one), which keys the compressor's state (error-feedback residuals, warm starts)."""
+        one), which keys the compressor's state (error-feedback residuals, warm starts).
+        ``per_host``: compressed once per host (4.) where this communicator has ``levels``;
+        every rank of the process set must pass the same."""
         tensors = list(tensors)
         # The payload is the tensors: reduce them where they lie ("auto" before or without a
         # decision sends them as they are: compression/auto.py).
@@ -229,6 +255,8 @@ class Communicator:
         if names is None:
             names = [name] if len(tensors) == 1 else [f"{name}.p{j}" for j in range(len(tensors))]
         names = list(names)
+        if per_host and self.levels is not None:
+            return self._per_host(tensors, names, compressor, name, self.levels)
         defer = getattr(self.transport, "defer", None)
         if defer is None or any(t.device.type != "cpu" for t in tensors):
             return self._compressed(tensors, names, compressor, name)
@@ -324,6 +352,54 @@ class Communicator:
                 assert following is not None  # a round that was not final has a next one
                 first = following
         return chain(first, advance, lambda: tensors)
+
+    # -- 4. per host -------------------------------------------------------------------------------
+    def _per_host(
+        self,
+        tensors: list[torch.Tensor],
+        names: list[str],
+        compressor: Compressor,
+        name: str,
+        levels: Levels,
+    ) -> Future:
+        """Sum inside the host, compress once on the bucket's leader, exchange among the
+        leaders, share inside the host (comm/hierarchy.py): stages started one from the
+        previous one's callback, or, where the transport does not chain rounds (gloo), all but
+        the share waited for in the caller, which starts every collective of a group in the
+        order the other ranks do."""
+        lead = levels.local_index == levels.leader(name)
+        scale = 1.0 / self.transport.size if self.op == ReduceOp.Average else 1.0
+        intra = levels.intra
+
+        def host_sum() -> FutureLike | None:
+            if intra is None:
+                return None
+            return intra.allreduce_(tensors, f"{name}.host", ReduceOp.Sum, 1.0, 1.0)
+
+        def exchange() -> FutureLike | None:
+            assert levels.across is not None  # a leading index has its leaders' transport
+            if scale != 1.0:
+                for tensor in tensors:
+                    tensor.mul_(scale)
+            across = Communicator(levels.across, ReduceOp.Sum, what=self.what)
+            return across._compressed(tensors, names, compressor, name)
+
+        def share() -> FutureLike | None:
+            if intra is None:
+                return None
+            if not lead:
+                for tensor in tensors:
+                    tensor.zero_()
+            return intra.allreduce_(tensors, f"{name}.share", ReduceOp.Sum, 1.0, 1.0)
+
+        stages = [host_sum, exchange, share] if lead else [host_sum, share]
+        if self.transport.chains_rounds:
+            return _staged(name, stages, tensors)
+        for stage in stages[:-1]:
+            pending = stage()
+            if pending is not None:
+                pending.wait()
+        return _staged(name, stages[-1:], tensors)
 
     # -- 2. and 3. gathered, or sparse -----------------------------------------------------------
     def _gathered(
@@ -476,6 +552,37 @@ def _decompress_into(compressor: Compressor, compressed: Compressed, tensor: tor
         _write(tensor, compressor.decompress(compressed))
 
 
+def _staged(name: str, stages: Sequence[Callable[[], FutureLike | None]], result: Any) -> Future:
+    """A future of ``result`` once ``stages`` ran in order: each returns the future of what it
+    started (the next stage runs from its callback, on the thread that completes it) or None
+    when it had nothing to wait for. A stage's error, or its future's, fails the whole."""
+    out = Future(name)
+
+    def run(index: int) -> None:
+        while index < len(stages):
+            try:
+                pending = stages[index]()
+            except BaseException as exc:  # noqa: BLE001 - the staged future's outcome
+                out.set_exception(exc)
+                return
+            index += 1
+            if pending is not None:
+                pending.add_done_callback(functools.partial(after, index))
+                return
+        out.set_result(result)
+
+    def after(index: int, done: Any) -> None:
+        try:
+            done.wait()  # done: returns at once, or raises the stage's error
+        except BaseException as exc:  # noqa: BLE001 - the staged future's outcome
+            out.set_exception(exc)
+            return
+        run(index)
+
+    run(0)
+    return out
+
+
 def _forward(out: Future, done: Any) -> None:
     """``done``'s outcome (a commlayer or torch future) onto ``out``."""
     try:
@@ -520,11 +627,14 @@ class Loopback:
         return None
 
 
-def measure_cpu(spec: str, tensors: Sequence[torch.Tensor], ranks: int, repeats: int = 2) -> float:
+def measure_cpu(
+    spec: str | Compressor, tensors: Sequence[torch.Tensor], ranks: int, repeats: int = 2
+) -> float:
     """Seconds ``Communicator.reduce`` spends on (clones of) ``tensors`` with ``spec`` as a rank
     of ``ranks`` does, communication left out: the fastest of ``repeats`` calls after a first
-    (numba's compile, error feedback's first residual). compression="auto" reads it."""
-    compressor = create(spec, rank=0, seed=0)
+    (numba's compile, error feedback's first residual). compression="auto" reads it. A
+    compressor object is measured on a copy: its own state (residuals) is the job's."""
+    compressor = create(spec, rank=0, seed=0) if isinstance(spec, str) else copy.deepcopy(spec)
     comm = Communicator(Loopback(ranks))
     work = [t.detach().clone() for t in tensors]
     names = [f"auto.measure.{j}" for j in range(len(work))]

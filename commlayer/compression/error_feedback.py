@@ -50,12 +50,13 @@ _FORWARDED = frozenset(
 class ErrorFeedback:
     """Wraps ``inner``: adds the residual before compressing, keeps the new residual."""
 
-    __slots__ = ("inner", "residuals", "_corrected")
+    __slots__ = ("inner", "residuals", "_corrected", "hierarchy")
 
     def __init__(self, inner: Compressor) -> None:
         if isinstance(inner, ErrorFeedback):
             raise ValueError("ErrorFeedback(ErrorFeedback(...)): error feedback is already on")
         self.inner = inner
+        self.hierarchy: str | None = None  # a spec's hierarchy= (factory.py)
         self.residuals: dict[str, torch.Tensor] = {}
         self._corrected: dict[str, torch.Tensor] = {}  # between rounds of a multi-round inner
 
