@@ -21,9 +21,10 @@ the compressor declares (compression/base.py):
    compressor's error feedback.
 4. Per host (``per_host=True``, with the ``levels`` of comm/hierarchy.py, where the process
    set spans several hosts): the host's ranks sum the tensors uncompressed, the bucket's
-   leader scales the sum (``Average``: by 1 / size) and compresses it once for the host, the
-   leaders move their payloads among themselves as 1.-3. say (``Sum``), the leader decompresses
-   and shares the result inside the host. comm/hierarchy.py has the steps and why.
+   leader compresses the sum once for the host, the leaders move their payloads among
+   themselves as 1.-3. say (``Average`` over the whole set's ranks: ``average_over``), the
+   leader decompresses and shares the result inside the host. comm/hierarchy.py has the steps
+   and why.
 The payload of an ``identity`` compressor (none; auto before it decides) is the tensors
 themselves: they are reduced where they lie, with no compress, decompress or callback.
 
@@ -219,7 +220,7 @@ class Communicator:
     the tensor ("gradient").
     """
 
-    __slots__ = ("transport", "op", "predivide", "what", "levels")
+    __slots__ = ("transport", "op", "predivide", "what", "levels", "average_over")
 
     def __init__(
         self,
@@ -228,10 +229,14 @@ class Communicator:
         predivide: float = 1.0,
         what: str = "tensor",
         levels: Levels | None = None,
+        average_over: int | None = None,
     ) -> None:
-        """``levels``: the per-host path's transports (4.), None where it does not apply."""
+        """``levels``: the per-host path's transports (4.), None where it does not apply.
+        ``average_over``: the ranks ``Average`` divides by (the per-host path's leaders stand
+        for all of them); None: the transport's, or the records received."""
         self.transport, self.op, self.predivide, self.what = transport, op, predivide, what
         self.levels = levels
+        self.average_over = average_over
 
     def reduce(
         self,
@@ -283,12 +288,19 @@ class Communicator:
 
     def scaling(self, dtype: torch.dtype) -> tuple[ReduceOp, float, float]:
         """(op, prescale, postscale) of a summed payload of ``dtype``."""
-        if self.op == ReduceOp.Average and dtype == torch.float16:
+        if self.op != ReduceOp.Average:
+            return self.op, 1.0, 1.0
+        ranks = self.average_over or self.transport.size
+        if dtype == torch.float16:
             # Divide before summing: n float16 gradients can overflow 65504 when summed.
-            return ReduceOp.Sum, 1.0 / self.transport.size, 1.0
-        if self.op == ReduceOp.Average:
+            return ReduceOp.Sum, 1.0 / ranks, 1.0
+        if self.average_over is None:  # the engine's Average divides by the set's size
             return self.op, 1.0 / self.predivide, self.predivide
-        return self.op, 1.0, 1.0
+        return ReduceOp.Sum, 1.0 / self.predivide, self.predivide / ranks
+
+    def _divisor(self, records: int) -> float:
+        """What ``Average`` divides a gathered sum of ``records`` by."""
+        return float(self.average_over or records)
 
     def _identity(self, tensors: list[torch.Tensor], name: str) -> Future:
         """Uncompressed: one grouped in-place allreduce, no compress, decompress or callback of
@@ -368,20 +380,21 @@ class Communicator:
         the share waited for in the caller, which starts every collective of a group in the
         order the other ranks do."""
         lead = levels.local_index == levels.leader(name)
-        scale = 1.0 / self.transport.size if self.op == ReduceOp.Average else 1.0
         intra = levels.intra
 
         def host_sum() -> FutureLike | None:
+            if not lead:
+                _fold_residuals(compressor, tensors, names)
             if intra is None:
                 return None
             return intra.allreduce_(tensors, f"{name}.host", ReduceOp.Sum, 1.0, 1.0)
 
         def exchange() -> FutureLike | None:
             assert levels.across is not None  # a leading index has its leaders' transport
-            if scale != 1.0:
-                for tensor in tensors:
-                    tensor.mul_(scale)
-            across = Communicator(levels.across, ReduceOp.Sum, what=self.what)
+            across = Communicator(
+                levels.across, self.op, self.predivide, self.what,
+                average_over=self.transport.size,
+            )  # fmt: skip
             return across._compressed(tensors, names, compressor, name)
 
         def share() -> FutureLike | None:
@@ -413,14 +426,19 @@ class Communicator:
         parts: list[FutureLike] = []
         rest = []  # tensors not reduced sparse: gathered together
         declared_sparse = getattr(compressor, "sparse", False)
+        # Average over other ranks than the set's (average_over): summed, then scaled
+        sparse_op, sparse_scale = self.op, 1.0
+        if self.op == ReduceOp.Average and self.average_over is not None:
+            sparse_op, sparse_scale = ReduceOp.Sum, 1.0 / self.average_over
         for j, tensor in enumerate(tensors):
             sparse = None
             if declared_sparse:
-                sparse = self.transport.sparse(names[j], compressed[j], compressor, self.op)
+                sparse = self.transport.sparse(names[j], compressed[j], compressor, sparse_op)
             if sparse is None:
                 rest.append(j)
             else:
-                parts.append(chain(sparse, functools.partial(_write, tensor), lambda: None))
+                write = functools.partial(_write, tensor, scale=sparse_scale)
+                parts.append(chain(sparse, write, lambda: None))
         if rest:
             record = wire.pack([t for j in rest for t in compressed[j].payload])
             gathered = self.transport.allgather_bytes(record, name)
@@ -476,7 +494,7 @@ class Communicator:
         together = getattr(compressor, "decompress_sum_", None)
         if together is None or not tensor.is_contiguous():
             return False
-        divisor = float(len(parts)) if self.op == ReduceOp.Average else 1.0
+        divisor = self._divisor(len(parts)) if self.op == ReduceOp.Average else 1.0
         try:
             together([Compressed(p, local.ctx) for p in parts], tensor.view(-1), divisor)
         except RecordError as exc:
@@ -497,7 +515,7 @@ class Communicator:
         add = getattr(compressor, "decompress_add_", None)
         if add is None or not tensor.is_contiguous():
             return False
-        alpha = 1.0 / len(parts) if self.op == ReduceOp.Average else 1.0
+        alpha = 1.0 / self._divisor(len(parts)) if self.op == ReduceOp.Average else 1.0
         flat = tensor.view(-1)
         # Check every record before the gradient is touched: a malformed one leaves it as is.
         for source, payload in enumerate(parts):
@@ -526,7 +544,7 @@ class Communicator:
             total = part.clone() if total is None else total.add_(part)
         assert total is not None  # this rank's own record is always there
         if self.op == ReduceOp.Average:
-            total.div_(len(parts))
+            total.div_(self._divisor(len(parts)))
         _write(tensor, total)
 
     def _malformed(self, name: str, exc: PayloadError) -> PayloadError:
@@ -550,6 +568,20 @@ def _decompress_into(compressor: Compressor, compressed: Compressed, tensor: tor
         into(compressed, tensor)
     else:
         _write(tensor, compressor.decompress(compressed))
+
+
+def _fold_residuals(compressor: Compressor, tensors: list[torch.Tensor], names: list[str]) -> None:
+    """Before the sum inside the host, on a rank that does not lead the bucket: the residuals
+    it keeps for its tensors (error feedback's ``take_residual``: the flat path's, or its own
+    from when it led them), added to them so that they are delayed, not lost. A residual is a
+    rank's delayed part of the sum on either path, so it goes in as it is."""
+    take = getattr(compressor, "take_residual", None)
+    if take is None:
+        return
+    for tensor, name in zip(tensors, names):
+        kept = take(name)
+        if kept is not None and kept.numel() == tensor.numel():
+            tensor.add_(kept.to(tensor.device, tensor.dtype).view_as(tensor))
 
 
 def _staged(name: str, stages: Sequence[Callable[[], FutureLike | None]], result: Any) -> Future:
@@ -593,10 +625,13 @@ def _forward(out: Future, done: Any) -> None:
         out.set_result(result)
 
 
-def _write(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """The reduced value into the caller's tensor (nothing to do when reduced in place)."""
+def _write(tensor: torch.Tensor, value: torch.Tensor, scale: float = 1.0) -> None:
+    """The reduced value into the caller's tensor (nothing to do when reduced in place),
+    times ``scale``."""
     if value is not tensor:
         tensor.copy_(value.reshape(tensor.shape))
+    if scale != 1.0:
+        tensor.mul_(scale)
 
 
 class Loopback:

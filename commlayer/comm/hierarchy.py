@@ -9,12 +9,13 @@ several hosts with more than one on some, does instead, per bucket:
 1. the ranks of a host sum the bucket uncompressed (``<name>.host``: an allreduce over the
    host's process set, which the engine runs through the shared-memory window, or the
    backend's own path inside a node);
-2. one of them, the bucket's leader, scales the sum (``Average``: by 1 / the set's size) and
-   compresses it: error feedback's residual, PowerSGD's warm start and random-k's step
-   counter of the bucket live on the leader only, one state a host;
+2. one of them, the bucket's leader, compresses the sum: error feedback's residual,
+   PowerSGD's warm start and random-k's step counter of the bucket live on the leader only,
+   one state a host, under the names the flat path uses;
 3. the leaders of all hosts move their payloads as the compressor declares (allreduce,
-   allgather or a sparse algorithm), as ``Sum``, over the process set of the ranks that hold
-   the leader's index on their host, and decompress into the bucket;
+   allgather or a sparse algorithm), over the process set of the ranks that hold the
+   leader's index on their host, ``Average`` dividing by the whole set's ranks (a float16
+   payload divided before its sum, as on the flat path), and decompress into the bucket;
 4. the leader shares the result inside its host (``<name>.share``): an allreduce in which
    every other rank adds zeros (x + 0 is x, bit for bit), one fused collective through the
    window, where a broadcast is one collective per gradient.
@@ -25,9 +26,14 @@ so far; a bucket it was not told of goes by a hash of its name. Only indices bel
 host's rank count lead (``HostLayout.leaders``), so every host has every bucket's leader.
 
 State: a rank's ``state_dict`` (DistributedOptimizer's, CommState's) holds the residuals of
-the buckets it leads, saved and restored on that rank as on the flat path. Restored on
-another layout, a residual whose bucket another rank leads now is never added: the delayed
-part of that bucket's gradient is dropped once, as on a restart without the checkpoint.
+the buckets it leads, saved and restored on that rank as on the flat path. A residual is a
+rank's delayed part of the sum on either path, so one that a rank keeps but will not apply
+(the flat path's from before the plan under ``auto``; one kept as the leader of a bucket
+another rank leads since the plan, or since a checkpoint restored on another layout) is added
+to its gradient before its host's sum (error feedback's ``take_residual``): delayed, not lost.
+Random-k and PowerSGD keep their state under the same names as on the flat path, so a bucket
+whose leader never changes draws the positions the flat path draws (``groups=`` fixes buckets,
+and so leaders, from the first step).
 
 Process sets: the hosts' sets (of more than one rank) and one set per leading index, made once
 per process set for the engine's life and shared by every optimizer on it. Registering a set is

@@ -37,6 +37,8 @@ Optional declarations (absent: the default in brackets):
   each round's bytes, where they depend on the tensor's shape (PowerSGD). ``auto`` and the
   oracle cost payloads with them; a compressor declaring neither is not costed.
 - ``state_dict``/``load_state_dict``: state saved with the optimizer.
+- ``take_residual(name)``: a residual kept for ``name`` (error feedback), removed, or None: the
+  per-host path adds it to what this rank sends where the rank no longer compresses ``name``.
 - ``hierarchy`` [None: COMMLAYER_COMPRESSION_HIERARCHY]: ``flat``, ``host`` or ``auto``, set
   by a spec's ``hierarchy=`` (factory.py): where this compressor's buckets are compressed when
   a process set spans several hosts (comm/hierarchy.py). Error feedback needs nothing of the
