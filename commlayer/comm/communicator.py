@@ -100,6 +100,10 @@ class Transport(Protocol):
         """Every rank's uint8 ``record``, concatenated in rank order."""
         ...
 
+    def broadcast_(self, tensors: list[torch.Tensor], root: int, name: str) -> FutureLike:
+        """Each tensor overwritten with rank ``root``'s (of this transport's ranks), in place."""
+        ...
+
     def sparse(
         self, name: str, compressed: Compressed, compressor: Compressor, op: ReduceOp
     ) -> FutureLike | None:
@@ -139,6 +143,18 @@ class EngineTransport:
 
     def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
         return ops.allgather_async(record, name=self.prefix + name, process_set=self.process_set)
+
+    def broadcast_(self, tensors: list[torch.Tensor], root: int, name: str) -> Future:
+        """One broadcast a tensor (``<name>.<j>``), submitted together."""
+        source = self.process_set.ranks[root]  # a global rank, as ops takes it
+        with ops.batch():
+            handles = [
+                ops.broadcast_async_(
+                    t, source, name=f"{self.prefix}{name}.{j}", process_set=self.process_set
+                )
+                for j, t in enumerate(tensors)
+            ]
+        return combined(name, handles, lambda _: tensors)
 
     @staticmethod
     def defer(task: Callable[[], None]) -> None:
@@ -400,10 +416,7 @@ class Communicator:
         def share() -> FutureLike | None:
             if intra is None:
                 return None
-            if not lead:
-                for tensor in tensors:
-                    tensor.zero_()
-            return intra.allreduce_(tensors, f"{name}.share", ReduceOp.Sum, 1.0, 1.0)
+            return intra.broadcast_(tensors, levels.leader(name), f"{name}.share")
 
         stages = [host_sum, exchange, share] if lead else [host_sum, share]
         if self.transport.chains_rounds:
@@ -657,6 +670,9 @@ class Loopback:
 
     def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
         return self._done(record.repeat(self.size))
+
+    def broadcast_(self, tensors: list[torch.Tensor], root: int, name: str) -> Future:
+        return self._done(tensors)
 
     def sparse(self, *args: Any) -> None:
         return None

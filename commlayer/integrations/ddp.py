@@ -231,6 +231,26 @@ class _TorchTransport:
 
         return future.then(unpack)
 
+    def broadcast_(
+        self, tensors: list[torch.Tensor], root: int, name: str
+    ) -> torch.futures.Future[Any]:
+        """Each tensor overwritten with the group's rank ``root``'s, in one broadcast (a flat
+        copy where there are several)."""
+        source = dist.get_global_rank(self.group, root)
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            flat = tensors[0]
+        else:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        future = dist.broadcast(flat, source, group=self.group, async_op=True).get_future()
+        if flat is tensors[0]:
+            return future
+
+        def unpack(_: Any) -> None:
+            for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                tensor.copy_(part.view(tensor.shape))
+
+        return future.then(unpack)
+
     def allgather_bytes(self, record: torch.Tensor, name: str) -> torch.futures.Future[Any]:
         """Every rank's record (the same length on every rank for one compressor and bucket)."""
         out = [torch.empty_like(record) for _ in range(self.size)]

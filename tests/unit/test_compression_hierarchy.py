@@ -132,7 +132,8 @@ def test_plan_with_hosts_measures_the_leader_as_a_rank_of_as_many_ranks_as_hosts
 # -- the communicator's stages -------------------------------------------------------------------
 class _Recorder:
     """A transport that completes at once: an allreduce doubles its tensors (as if a peer
-    held the same), an allgather returns the record twice; every call is logged."""
+    held the same), an allgather returns the record twice, a broadcast leaves the tensors as
+    they are; every call is logged."""
 
     chains_rounds = True
 
@@ -149,6 +150,10 @@ class _Recorder:
     def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
         self.log.append(f"{self.label} allgather {name}")
         return self._done(record.repeat(self.size))
+
+    def broadcast_(self, tensors: list[torch.Tensor], root: int, name: str) -> Future:
+        self.log.append(f"{self.label} broadcast {name} from {root}")
+        return self._done(tensors)
 
     def sparse(self, *args: Any) -> None:
         return None
@@ -181,7 +186,7 @@ def _levels(rank: int, log: list[str]) -> HostLevels:
     return HostLevels(layout, rank, _Recorder(log, "host"), _Recorder(log, f"leaders{index}"))
 
 
-def test_the_leader_compresses_once_and_the_others_share_zeros() -> None:
+def test_the_leader_compresses_once_and_shares_the_result() -> None:
     log: list[str] = []
     compressor = _Counting()
     leader = _levels(0, log)
@@ -189,11 +194,10 @@ def test_the_leader_compresses_once_and_the_others_share_zeros() -> None:
     tensor = torch.arange(4.0)
     comm = Communicator(_Recorder(log, "job", size=4), ReduceOp.Average, levels=leader)
     comm.reduce([tensor], compressor, "b", per_host=True).wait()  # type: ignore[arg-type]
-    assert log == ["host allreduce b.host", "leaders0 allgather b", "host allreduce b.share"]
+    assert log == ["host allreduce b.host", "leaders0 allgather b", "host broadcast b.share from 0"]
     assert compressor.calls == 1
-    # host sum 2 x, top-2 of it (4, 6 at 2, 3), gathered twice, / 4 ranks; the share doubles
-    # it here (the recorder cannot know the others added zeros)
-    assert torch.equal(tensor, torch.tensor([0.0, 0.0, 4.0, 6.0]))
+    # host sum 2 x, top-2 of it (4, 6 at 2, 3), gathered twice, / 4 ranks
+    assert torch.equal(tensor, torch.tensor([0.0, 0.0, 2.0, 3.0]))
 
     log.clear()
     other = _levels(1, log)
@@ -202,9 +206,10 @@ def test_the_leader_compresses_once_and_the_others_share_zeros() -> None:
     compressor.inner.residuals["b"] = torch.ones(4)  # kept from when it led "b"
     comm = Communicator(_Recorder(log, "job", size=4), ReduceOp.Average, levels=other)
     comm.reduce([mine], compressor, "b", per_host=True).wait()  # type: ignore[arg-type]
-    assert log == ["host allreduce b.host", "host allreduce b.share"]
-    assert compressor.calls == 1 and torch.equal(mine, torch.zeros(4))  # zeros to the share
-    assert "b" not in compressor.inner.residuals  # folded into what it summed, not kept
+    assert log == ["host allreduce b.host", "host broadcast b.share from 0"]
+    assert compressor.calls == 1  # it compressed nothing: the leader's result comes to it
+    # what it summed is its tensor and the residual it kept, folded in rather than kept
+    assert torch.equal(mine, 2 * (torch.arange(4.0) + 1)) and "b" not in compressor.inner.residuals
 
 
 def test_a_stage_that_fails_fails_the_future() -> None:
