@@ -191,13 +191,14 @@ def engine_levels(
     the job's topology (COMMLAYER_TOPOLOGY or the detected nodes); None where its layout does
     not pay (``HostLayout.pays``) or this rank is outside it. Collective over every rank of
     the job the first time for a layout (module docstring)."""
+    member = process_set.included()  # first: it brings the global set's ranks up to date
     layout = HostLayout.of(process_set.ranks, ops.topology(global_process_set).node_of)
     if not layout.pays():
         return None
     hosts = {ranks: _process_set(ranks) for ranks in layout.host_sets()}
     leaders = {ranks: _process_set(ranks) for ranks in layout.leader_sets()}
     rank = runtime.rank()
-    if not process_set.included():
+    if not member:
         return None
     host = layout.hosts[layout.where(rank)[0]]
     index = layout.where(rank)[1]

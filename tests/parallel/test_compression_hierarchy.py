@@ -292,11 +292,11 @@ def gloo() -> None:
     )
 
 
-def _ddp(spec: str, hierarchy: str) -> tuple[torch.Tensor, ddp.CommState]:
+def _ddp(spec: str, hierarchy: str, algorithm: str = "auto") -> tuple[torch.Tensor, ddp.CommState]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 40)).to(F64)
     wrapped = DDP(model, bucket_cap_mb=1e-6)  # a bucket per parameter
-    state = ddp.CommState(compression=spec, hierarchy=hierarchy, dense_iters=0)
+    state = ddp.CommState(compression=spec, algorithm=algorithm, hierarchy=hierarchy, dense_iters=0)
     wrapped.register_comm_hook(state, ddp.hook)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(cl.rank())
@@ -319,3 +319,17 @@ def test_ddp_hook_per_host(gloo: None) -> None:
     assert (state.levels is not None) == _pays(), state.levels
     torch.testing.assert_close(host, flat, **EXACT)
     assert all(torch.equal(gathered[r], gathered[0]) for r in range(cl.size()))
+
+
+def test_ddp_hook_per_host_through_commlayers_engine(gloo: None, posed: str) -> None:
+    """CommState(algorithm="ring"): the hook's collectives and the per-host path's process sets
+    are commlayer's engine's; random-k per host gives the flat hook's parameters."""
+    reinit(topology=posed, allreduce_algorithm="ring")
+    try:
+        flat, _ = _ddp("randomk:ratio=0.2", "flat", "ring")
+        host, state = _ddp("randomk:ratio=0.2", "host", "ring")
+    finally:
+        reinit(topology=posed)
+
+    assert (state.levels is not None) == _pays(), state.levels
+    torch.testing.assert_close(host, flat, **EXACT)
