@@ -63,7 +63,10 @@ def summary(results: list[Result]) -> list[str]:
         "flat MB out of a node | per host MB | per host / flat |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for (spec, per_host, platform, ranks, size), flat in sorted(by.items(), key=str):
+    order = sorted(
+        by.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][2]).split(":")[0], *kv[0][3:])
+    )
+    for (spec, per_host, platform, ranks, size), flat in order:
         host = by.get((spec, True, platform, ranks, size))
         if per_host or host is None:
             continue
@@ -114,7 +117,11 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--replot", action="store_true", help="render OUT.md and OUT.png again")
     args = parser.parse_args()
-    command = "python benchmarks/simulate_compressed.py " + " ".join(sys.argv[1:])
+    # the run's command (a --replot renders what such a run wrote)
+    given = [a for a in sys.argv[1:] if a != "--replot"]
+    command = "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/simulate_compressed.py " + " ".join(
+        given
+    )
     lines = args.out.with_suffix(".jsonl")
     results = load(lines)
     if not args.replot:
