@@ -51,9 +51,11 @@ Once per host (``hierarchy="host"``, or COMMLAYER_COMPRESSION_HIERARCHY=host, or
 group spans several hosts with more than one rank on some, a bucket is summed inside the host,
 compressed by one leader (its residual kept there), exchanged among the leaders and shared
 inside the host (comm/hierarchy.py). The CommState makes the groups it needs: of each host's
-ranks and of the ranks with the same index on their host (``dist.new_group`` with
-``use_local_synchronization``: only their members take part), hosts told by the ranks' host
-names (COMMLAYER_TOPOLOGY, fitting the world, poses them). Leaders rotate by bucket, in the
+ranks and of the ranks with the same index on their host (``dist.new_group``, on every rank
+of the world in the same order, once per job), hosts told by the ranks' host names
+(COMMLAYER_TOPOLOGY, fitting the world, poses them). Over a torch.distributed group smaller
+than the world it refuses: groups its ranks made alone would be named by how many groups each
+process made before, which differs between them. Leaders rotate by bucket, in the
 order DDP reduces them (the same on every rank). Over torch.distributed a leader waits in the
 hook for the sum inside its host and the exchange (gloo takes a group's collectives in the
 order they are started, which callbacks do not keep), so backward pauses on it for the
@@ -140,10 +142,13 @@ class CommState:
         # environment's where commlayer is not initialised (algorithm "auto" needs no init()).
         settings = runtime.config() if runtime.is_initialized() else config.load()
         self.full_path = settings.force_full_path == "1"
-        self._id = next(_state_ids)
         chosen = hierarchy or hierarchy_of(self.compressor, settings.compression_hierarchy)
+        per_host = chosen == HOST and not getattr(self.compressor, "identity", False)
+        if per_host and algorithm == algorithms.AUTO:
+            _check_world(process_group)  # before the id: a refused state numbers nothing
+        self._id = next(_state_ids)
         self.levels: HostLevels | None = None
-        if chosen == HOST and not getattr(self.compressor, "identity", False):
+        if per_host:
             self.levels = _levels(self, settings.topology)
 
     def __repr__(self) -> str:
@@ -287,21 +292,37 @@ def _levels(state: CommState, posed: str) -> HostLevels | None:
     if state.algorithm != algorithms.AUTO:
         return engine_levels(prefix=f"ddp{state._id}.")
     group = state.process_group if state.process_group is not None else dist.group.WORLD
+    rank = dist.get_rank()
     ranks = dist.get_process_group_ranks(group)
     layout = HostLayout.of(ranks, _node_of(group, ranks, posed))
     if not layout.pays():
         return None
-    rank = dist.get_rank()
+    # every rank makes every group, in the same order (dist.new_group's contract)
+    groups = {members: _group(members) for members in layout.host_sets() + layout.leader_sets()}
     host, index = layout.where(rank)
-    mine = layout.hosts[host]
-    intra = _group(mine) if len(mine) > 1 else None
-    across = _group(layout.leader_sets()[index]) if index < layout.leaders else None
+    intra = groups.get(layout.hosts[host])
+    across = groups[layout.leader_sets()[index]] if index < layout.leaders else None
     return HostLevels(
         layout,
         rank,
         None if intra is None else _TorchTransport(intra),
         None if across is None else _TorchTransport(across),
     )
+
+
+def _check_world(process_group: Any) -> None:
+    """ValueError unless ``process_group`` (None: the world) spans the world: the per-host
+    path's groups are made by every rank of the world (``_group``)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(
+            f"rank {dist.get_rank()}: CommState(hierarchy='host') over a torch.distributed "
+            f"group of {dist.get_world_size(group)} of the world's {dist.get_world_size()} "
+            "ranks: its per-host groups would be made by its ranks alone, and torch.distributed "
+            "names a group made so by how many groups each process made before (they differ "
+            "where hosts hold different numbers of the group's ranks); use the world group, "
+            "hierarchy='flat', or DistributedOptimizer(process_set=...)"
+        )
 
 
 def _node_of(group: Any, ranks: Sequence[int], posed: str) -> list[int]:
@@ -325,10 +346,11 @@ def _node_of(group: Any, ranks: Sequence[int], posed: str) -> list[int]:
 
 
 def _group(ranks: tuple[int, ...]) -> Any:
-    """The torch.distributed group of ``ranks`` (this rank among them), made by them alone."""
+    """The torch.distributed group of ``ranks`` (collective over the world the first time;
+    ranks outside it get torch's non-member marker)."""
     known = _groups.setdefault(dist.group.WORLD, {})
     if ranks not in known:
-        known[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        known[ranks] = dist.new_group(list(ranks))
     return known[ranks]
 
 

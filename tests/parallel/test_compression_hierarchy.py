@@ -312,15 +312,25 @@ def _ddp(spec: str, hierarchy: str, algorithm: str = "auto") -> tuple[torch.Tens
 
 def test_ddp_hook_per_host(gloo: None) -> None:
     """Random-k per host gives the flat hook's parameters; top-k per host trains alike on
-    every rank; the state keeps its levels where the layout pays."""
+    every rank; the state keeps its levels where the layout pays; over a group smaller than
+    the world the hook's per-host path is refused (its groups could not be made there)."""
     flat, _ = _ddp("randomk:ratio=0.2", "flat")
     host, state = _ddp("randomk:ratio=0.2", "host")
     topk, _ = _ddp("topk:ratio=0.1", "host")
     gathered = cl.allgather(topk[None], name="ddp.topk")
+    smaller = dist.new_group(list(range(cl.size() - 1)))  # every rank makes it
+    refused = None
+    if cl.rank() < cl.size() - 1:
+        try:
+            ddp.CommState(process_group=smaller, compression="topk", hierarchy="host")
+        except ValueError as exc:
+            refused = str(exc)
 
     assert (state.levels is not None) == _pays(), state.levels
     torch.testing.assert_close(host, flat, **EXACT)
     assert all(torch.equal(gathered[r], gathered[0]) for r in range(cl.size()))
+    if cl.rank() < cl.size() - 1:  # a group smaller than the world: refused, said why
+        assert refused is not None and "use the world group" in refused, refused
 
 
 def test_ddp_hook_per_host_through_commlayers_engine(gloo: None, posed: str) -> None:
