@@ -308,12 +308,7 @@ def trials(job: list[str], env: dict[str, str], out: Path, np: int, n: int, wind
         print((out / "job.out").read_text()[-3000:], file=sys.stderr)
         raise
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the driver, torchrun's agent: they stop theirs
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)  # the driver, torchrun's agent: they stop theirs
 
 
 # -- --burst --------------------------------------------------------------------------------
@@ -416,12 +411,7 @@ def burst(job: Callable[[Path], list[str]], env: dict[str, str], np: int, n: int
         print((out / "job.out").read_text()[-3000:], file=sys.stderr)
         raise
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
     log = (out / "job.out").read_text()
     refused = log.count("refused a connection")
     worlds = set().union(*(r[3] for r in rows))

@@ -8,10 +8,13 @@ multi-node), Horovod and commlayer with every compressor, on rate-limited links 
    down whatever happens. Systems start as users start them on real machines: DDP with one
    ``torchrun`` agent per host (``cluster.sh exec nodeK torchrun --nnodes H --rdzv-backend c10d
    --rdzv-endpoint node1:29400``), Horovod and commlayer with ``commlayerrun -H node1:R,...``
-   (MPICH's hydra through the cluster's launcher); commlayer's compressor and sparse algorithm
-   come from ``COMMLAYER_COMPRESSION`` / ``COMMLAYER_SPARSE_ALGORITHM``. The ``torchrun ...``
-   systems are commlayer started as DDP is (one torchrun agent per host), its engine over gloo
-   (issue 25).
+   (MPICH's hydra through the cluster's launcher); commlayer's compressor, sparse algorithm and
+   hierarchy come from ``COMMLAYER_COMPRESSION`` / ``COMMLAYER_SPARSE_ALGORITHM`` /
+   ``COMMLAYER_COMPRESSION_HIERARCHY`` (``flat`` for the systems measured before issue 51:
+   every rank compresses its own gradients; ``... host``: once per host, the host's ranks
+   summing the bucket over shared memory first; ``... auto``: decided per bucket). The
+   ``torchrun ...`` systems are commlayer started as DDP is (one torchrun agent per host), its
+   engine over gloo (issue 25).
 2. Task ``throughput``: benchmarks/train.py's ``mlp`` (6.69 M parameters, 26.8 MB of float32
    gradients; ``--model resnet``: its small ResNet, compute-bound on a CPU) on random inputs,
    ``--batch`` samples per rank, SGD momentum 0.9: median step time over ``--steps`` after
@@ -65,16 +68,17 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "examples")]
 from network import CLUSTER, layout, rate_bits, require_no_cluster  # noqa: E402
 
 TORCHRUN = "commlayer-torchrun"  # commlayer's worker under torchrun (its engine over gloo)
-# (label, system, COMMLAYER_COMPRESSION, COMMLAYER_SPARSE_ALGORITHM)
-SYSTEMS: list[tuple[str, str, str, str]] = [
-    ("ddp", "ddp", "", ""),
-    ("horovod", "horovod", "", ""),
-    ("none", "commlayer", "none", ""),
-    ("fp16", "commlayer", "fp16", ""),
-    ("qsgd 8-bit", "commlayer", "qsgd:levels=127", ""),
-    ("qsgd 4-bit", "commlayer", "qsgd:levels=7", ""),
+# (label, system, COMMLAYER_COMPRESSION, COMMLAYER_SPARSE_ALGORITHM,
+#  COMMLAYER_COMPRESSION_HIERARCHY)
+SYSTEMS: list[tuple[str, str, str, str, str]] = [
+    ("ddp", "ddp", "", "", ""),
+    ("horovod", "horovod", "", "", ""),
+    ("none", "commlayer", "none", "", "flat"),
+    ("fp16", "commlayer", "fp16", "", "flat"),
+    ("qsgd 8-bit", "commlayer", "qsgd:levels=127", "", "flat"),
+    ("qsgd 4-bit", "commlayer", "qsgd:levels=7", "", "flat"),
     *[
-        (f"topk 1% {alg}", "commlayer", "topk:ratio=0.01", alg)
+        (f"topk 1% {alg}", "commlayer", "topk:ratio=0.01", alg, "flat")
         for alg in (
             "allgather",
             "dsar",
@@ -84,19 +88,39 @@ SYSTEMS: list[tuple[str, str, str, str]] = [
             "topo_sparse",
         )
     ],  # fmt: skip
-    ("topk 1% sampled", "commlayer", "topk:ratio=0.01,mode=sampled", "allgather"),
-    ("randomk 1%", "commlayer", "randomk:ratio=0.01", ""),
-    ("powersgd r2", "commlayer", "powersgd:rank=2", ""),
-    ("powersgd r4", "commlayer", "powersgd:rank=4", ""),
-    ("efsignsgd", "commlayer", "efsignsgd", ""),
+    ("topk 1% sampled", "commlayer", "topk:ratio=0.01,mode=sampled", "allgather", "flat"),
+    ("randomk 1%", "commlayer", "randomk:ratio=0.01", "", "flat"),
+    ("powersgd r2", "commlayer", "powersgd:rank=2", "", "flat"),
+    ("powersgd r4", "commlayer", "powersgd:rank=4", "", "flat"),
+    ("efsignsgd", "commlayer", "efsignsgd", "", "flat"),
     # issue 39: per bucket none / a cast (auto), or a lossy one with error feedback too
-    ("auto", "commlayer", "auto", ""),
-    ("auto lossy", "commlayer", "auto:lossy=1", ""),
+    ("auto", "commlayer", "auto", "", "flat"),
+    ("auto lossy", "commlayer", "auto:lossy=1", "", "flat"),
+    # issue 51: compressed once per host (each the flat row above it in PER_HOST's pairs)
+    ("fp16 host", "commlayer", "fp16", "", "host"),
+    ("qsgd 8-bit host", "commlayer", "qsgd:levels=127", "", "host"),
+    ("qsgd 4-bit host", "commlayer", "qsgd:levels=7", "", "host"),
+    ("topk 1% allgather host", "commlayer", "topk:ratio=0.01", "allgather", "host"),
+    ("topk 1% sampled host", "commlayer", "topk:ratio=0.01,mode=sampled", "allgather", "host"),
+    ("randomk 1% host", "commlayer", "randomk:ratio=0.01", "", "host"),
+    ("powersgd r2 host", "commlayer", "powersgd:rank=2", "", "host"),
+    ("powersgd r4 host", "commlayer", "powersgd:rank=4", "", "host"),
+    ("efsignsgd host", "commlayer", "efsignsgd", "", "host"),
+    ("topk 1% allgather auto", "commlayer", "topk:ratio=0.01", "allgather", "auto"),
+    ("auto lossy auto", "commlayer", "auto:lossy=1", "", "auto"),
     # commlayer launched as DDP is (torchrun, one agent per host), its engine over gloo
-    ("torchrun none", TORCHRUN, "none", ""),
-    ("torchrun fp16", TORCHRUN, "fp16", ""),
-    ("torchrun powersgd r2", TORCHRUN, "powersgd:rank=2", ""),
-    ("torchrun topk 1% allgather", TORCHRUN, "topk:ratio=0.01", "allgather"),
+    ("torchrun none", TORCHRUN, "none", "", "flat"),
+    ("torchrun fp16", TORCHRUN, "fp16", "", "flat"),
+    ("torchrun powersgd r2", TORCHRUN, "powersgd:rank=2", "", "flat"),
+    ("torchrun topk 1% allgather", TORCHRUN, "topk:ratio=0.01", "allgather", "flat"),
+    ("torchrun powersgd r2 host", TORCHRUN, "powersgd:rank=2", "", "host"),
+    ("torchrun topk 1% allgather host", TORCHRUN, "topk:ratio=0.01", "allgather", "host"),
+]
+# issue 51: (per host or auto, the same compressor flat), compared run by run in the tables
+PER_HOST = [
+    (label, label.rsplit(" ", 1)[0])
+    for label, *_, hierarchy in SYSTEMS
+    if hierarchy in ("host", "auto") and label.rsplit(" ", 1)[0] in {s[0] for s in SYSTEMS}
 ]
 TASKS = ("throughput", "accuracy", "tta")
 
@@ -411,11 +435,14 @@ def launch(args: argparse.Namespace, system: str, task: str, env: dict[str, str]
     return "\n".join(outputs)
 
 
-def run_one(args: argparse.Namespace, entry: tuple[str, str, str, str], task: str) -> dict:
-    label, system, spec, sparse = entry
+def run_one(
+    args: argparse.Namespace, entry: tuple[str, str, str, str, str], task: str
+) -> dict[str, Any]:
+    label, system, spec, sparse, hierarchy = entry
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
     if system.startswith("commlayer"):
         env["COMMLAYER_COMPRESSION"] = spec
+        env["COMMLAYER_COMPRESSION_HIERARCHY"] = hierarchy
         if sparse:
             env["COMMLAYER_SPARSE_ALGORITHM"] = sparse
     t0 = time.perf_counter()
@@ -428,6 +455,7 @@ def run_one(args: argparse.Namespace, entry: tuple[str, str, str, str], task: st
         if line.startswith(RESULT_PREFIX):
             result = dict(json.loads(line.removeprefix(RESULT_PREFIX)))
             result.update(label=label, system=system, compression=spec, sparse=sparse)
+            result.update(hierarchy=hierarchy)
             result.update(task=task, wall_s=wall)
             return result
     tail = "\n".join(output.splitlines()[-15:])
@@ -527,6 +555,7 @@ def tables(result: dict[str, Any]) -> list[str]:
                 f"{agg['link_sent_mb_per_step']:.2f} | {agg['link_received_mb_per_step']:.2f} | "
                 f"{', '.join(choices)} |"
             )
+        lines += _per_host_table(rows)
         acc_rows = [r for r in rows if r["task"] == "accuracy"]
         if acc_rows:
             base_t = ddp.get("accuracy", {}).get("time_to_target_s")
@@ -546,6 +575,45 @@ def tables(result: dict[str, Any]) -> list[str]:
             ))  # fmt: skip
         lines += _tta_table(result, rows)
         lines.append("")
+    return lines
+
+
+def _per_host_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 51 at one rate: each compressor once per host (or decided per bucket: auto)
+    against itself flat and against uncompressed commlayer (none), samples/s per round, and
+    the accuracy task's final accuracy of both where it ran."""
+    speeds = throughputs(rows)
+    pairs = [(host, flat) for host, flat in PER_HOST if host in speeds and flat in speeds]
+    if not pairs:
+        return []
+    accuracy = {r["label"]: r for r in rows if r["task"] == "accuracy" and "error" not in r}
+    lines = [
+        "",
+        "Once per host (issue 51): a compressor with the host's ranks summing each bucket "
+        "first (host) or deciding per bucket (auto), against itself flat (every rank its own "
+        "gradients) and against uncompressed commlayer, samples/s over the baseline's in the "
+        "same round: median [min-max].",
+        "",
+        "| compressor | samples/s | flat samples/s | vs flat per round | vs none per round | "
+        "link MB/step out (vs flat) | final accuracy (flat) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for host, flat in pairs:
+        h, f = speeds[host], speeds[flat]
+        if "error" in h or "error" in f:
+            lines.append(f"| {host} | failed | | | | | |")
+            continue
+        scored = host in accuracy and flat in accuracy
+        final = (
+            f"{accuracy[host]['final_accuracy']:.2%} ({accuracy[flat]['final_accuracy']:.2%})"
+            if scored
+            else "—"
+        )
+        lines.append(
+            f"| {host} | {h['samples_per_s']:.0f} | {f['samples_per_s']:.0f} | "
+            f"{_paired(rows, host, flat)} | {_paired(rows, host, 'none')} | "
+            f"{h['link_sent_mb_per_step']:.2f} ({f['link_sent_mb_per_step']:.2f}) | {final} |"
+        )
     return lines
 
 

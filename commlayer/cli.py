@@ -6,6 +6,8 @@ mpiexec -n 2 commlayer calibrate [--quick] [--out FILE]
 commlayer algorithms --size 64MiB [--ranks 2] [--file FILE]
 commlayer algorithms --platform torus:8x8x4 --gpus-per-node 4 --size 1MiB,64MiB \
     [--sim-table simulated.jsonl]
+commlayer algorithms --compression topk:ratio=0.01 --platform fat-tree:gpus-per-node=4 \
+    --ranks 256 --size 64MiB
 commlayer simulate --algorithm ring,shd,auto --platform fat-tree:gpus-per-node=4 \
     --ranks 64,256 --size 1MiB,32MiB [--out r.md] [--plot r.png] [--format json]
 commlayer oracle --net resnet50.net --plat abci.plat --gpus 1-1024 --batch-per-gpu 64
@@ -113,6 +115,8 @@ def calibrate(args: argparse.Namespace) -> int:
 def algorithms_table(args: argparse.Namespace) -> int:
     from commlayer.sim import cli as sim_cli
 
+    if args.compression:
+        return compressed_table(args)
     if args.platform:
         return sim_cli.predict(args)
     if args.sim_table or args.hostfile or args.gpus_per_node or args.format != "table":
@@ -137,6 +141,62 @@ def algorithms_table(args: argparse.Namespace) -> int:
         return 1
     for cal in found:
         _print_table(cal, args.size)
+    return 0
+
+
+def compressed_table(args: argparse.Namespace) -> int:
+    """``commlayer algorithms --compression SPEC``: one bucket's reduction under each spec, flat
+    and once per host: the cost model's time (network only) and the most bytes a node sends to
+    the others (costmodel/compressed.py), on a platform or the local calibrations."""
+    from commlayer.core.topology import Topology
+    from commlayer.costmodel import compressed
+    from commlayer.sim import cli as sim_cli
+    from commlayer.sim import simulate as sim
+
+    try:
+        for spec in args.compression:
+            compressed.payload(spec, 1 << 10)
+        targets: list[tuple[str, costmodel.Calibration, Topology]] = []
+        if args.platform:
+            single = argparse.Namespace(hostfile=args.hostfile, gpus_per_node=args.gpus_per_node)
+            platform = sim_cli._platform(args.platform, single, args.ranks)
+            cal = sim.calibration(platform)
+            if cal is None:
+                raise ValueError(f"{args.platform}: a platform file's links are not known")
+            targets.append((platform.name, cal, platform.topology()))
+        for cal in (
+            [] if args.platform else costmodel.load_all(Path(args.file) if args.file else None)
+        ):
+            if args.ranks is None or cal.size == args.ranks:
+                topo = costmodel.node_major(cal) or Topology.flat(cal.size)
+                targets.append((f"calibration of {cal.host or 'this machine'}", cal, topo))
+    except (ValueError, OSError) as exc:
+        print(f"commlayer algorithms: {exc}", file=sys.stderr)
+        return 2
+    if not targets:
+        print("no calibration found; run: mpiexec -n N commlayer calibrate, or give --platform",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    for name, cal, topo in targets:
+        print(
+            f"# one bucket compressed, {topo.size} ranks on {topo.nodes} node(s), {name}: the "
+            "cost model's time (the network alone) and the most MB a node sends to the others, "
+            "flat and once per host"
+        )
+        for nbytes in args.size:
+            for spec in args.compression:
+                flat = compressed.predict(spec, max(nbytes // 4, 1), cal, topo, False)
+                host = compressed.predict(spec, max(nbytes // 4, 1), cal, topo, True)
+                cell = f"{nbytes:>14,} B {spec}: flat {flat.seconds * 1e3:,.3f} ms, "
+                cell += f"{flat.cross_bytes / 1e6:,.2f} MB"
+                if host == flat and topo.nodes in (1, topo.size):
+                    print(cell + "; per host: the same (one node, or one rank a node)")
+                    continue
+                print(
+                    f"{cell}; per host {host.seconds * 1e3:,.3f} ms "
+                    f"({host.seconds / flat.seconds:.2f}x), {host.cross_bytes / 1e6:,.2f} MB "
+                    f"({host.cross_bytes / max(flat.cross_bytes, 1):.2f}x)"
+                )
     return 0
 
 
@@ -188,6 +248,13 @@ def parser() -> argparse.ArgumentParser:
         "the ranks placed on it"
     )  # fmt: skip
     table.add_argument("--file", help="calibration file to read")
+    table.add_argument(
+        "--compression",
+        action="append",
+        default=[],
+        help="a compressor spec (repeatable): one bucket of --size reduced under it, flat and "
+        "once per host, instead of the allreduce algorithms",
+    )
     sim_cli.add_predict_arguments(table)
     table.set_defaults(run=algorithms_table)
 

@@ -25,7 +25,11 @@
    travels is the communicator's business (comm/communicator.py: allreduce for
    summable payloads, PowerSGD's rounds chained as they complete, one gathered record for the
    others, or the configured sparse algorithm for top-k). The compressors' state
-   (error-feedback residuals, keyed by gradient name) travels in ``state_dict()``.
+   (error-feedback residuals, keyed by gradient name) travels in ``state_dict()``. Across
+   hosts a bucket can be compressed once per host (COMMLAYER_COMPRESSION_HIERARCHY,
+   comm/hierarchy.py): the host's process sets are registered here, at construction (a
+   collective over every rank), and with ``auto`` the plan decides per bucket, from the links
+   measured then; a bucket's residual is then kept by its leader, in that rank's state.
 5. The wrapper is a dynamic subclass of the optimizer's own class that shares the original
    object's state, so ``isinstance``, ``param_groups``, ``state_dict``, ``add_param_group``, LR
    schedulers, step hooks and custom subclasses keep working; LBFGS is refused (its closure
@@ -55,11 +59,13 @@ from typing import Any
 import torch
 
 from commlayer import ops
+from commlayer.comm import hierarchy
 from commlayer.comm.bucketer import Bucket, Bucketer, Part, cut, split_groups
-from commlayer.comm.communicator import Communicator, EngineTransport, measure_cpu
+from commlayer.comm.communicator import Communicator, EngineTransport, Transport, measure_cpu
+from commlayer.comm.hierarchy import HostLevels
 from commlayer.compression import Compressor, Policy, create
 from commlayer.compression import auto as auto_compression
-from commlayer.compression.auto import AutoCompressor, Link
+from commlayer.compression.auto import AutoCompressor, Hosts, Link
 from commlayer.core import runtime
 from commlayer.core.errors import CommlayerError, TensorMismatchError
 from commlayer.core.future import Future
@@ -83,7 +89,7 @@ class _Reducer:
         "owner", "named", "names", "policy", "comm", "passes_per_step", "op", "sparse_as_dense",
         "process_set", "reduces", "handles", "passes", "ready", "bucketer", "sparse_dims",
         "resparsify", "hooks", "synchronized", "user_synchronized", "should_synchronize",
-        "wait_s", "__weakref__",
+        "wait_s", "levels", "hierarchy_decisions", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -101,16 +107,19 @@ class _Reducer:
         self.named = named
         self.names = _parameter_names(self.params(), named)
         self.policy = _checked_policy(policy, op, self.names, named)
+        self.process_set = process_set
+        # before anything else: on every rank of the job alike (a collective, hierarchy.py)
+        self.levels = self.host_levels()
         self.comm = Communicator(
             EngineTransport(process_set, runtime.config().sparse_algorithm),
             op,
             gradient_predivide_factor,
             what="gradient",
+            levels=self.levels,
         )
         self.passes_per_step = backward_passes_per_step
         self.op = op
         self.sparse_as_dense = sparse_as_dense
-        self.process_set = process_set
         self.reduces = self.reduces_here()
         # In flight since the last synchronize, outside buckets: a parameter's future, and
         # whether its gradient is sparse (the sum replaces p.grad); dense ones are reduced in
@@ -133,9 +142,29 @@ class _Reducer:
         # passed meanwhile (what backward did not hide) plus the wait outside collectives
         # (negotiation, queueing). The optimizer's synchronize_wait_s.
         self.wait_s = 0.0
+        # COMMLAYER_COMPRESSION_HIERARCHY=auto's decisions for compressors given outright
+        self.hierarchy_decisions: list[dict[str, Any]] = []
 
     def params(self) -> list[Param]:
         return [p for group in self.owner["param_groups"] for p in group["params"]]
+
+    def level(self, compressor: Compressor) -> str:
+        """Where ``compressor``'s buckets are compressed (hierarchy.mode): flat wherever this
+        optimizer has no per-host levels."""
+        if self.comm.levels is None:
+            return hierarchy.FLAT
+        setting = runtime.config().compression_hierarchy
+        return hierarchy.mode(compressor, setting, self.process_set.size() == runtime.size())
+
+    def host_levels(self) -> HostLevels | None:
+        """The per-host path's levels where a compressor of the policy may take it (a
+        collective over every rank of the job where it registers their sets: hierarchy.py)."""
+        setting = runtime.config().compression_hierarchy
+        whole = self.process_set.size() == runtime.size()
+        levels = {hierarchy.mode(c, setting, whole) for c in self.policy.compressors().values()}
+        if levels <= {hierarchy.FLAT}:
+            return None
+        return hierarchy.engine_levels(self.process_set, runtime.config().sparse_algorithm)
 
     def reduces_here(self) -> bool:
         """Whether this rank reduces at all (module docstring, 6.): as in Horovod, ranks outside
@@ -166,10 +195,9 @@ class _Reducer:
         else:
             lists = [[p for p in group if p.requires_grad] for group in self.checked_groups(groups)]
         compressor_of = {p: self.choose(p) for members in lists for p in members}
-        self.bucketer = Bucketer(
-            self.bucketer.bucket_bytes,
-            [self.bucket(members, compressor_of) for members in lists if members],
-        )
+        fixed = [self.bucket(members, compressor_of) for members in lists if members]
+        self.bucketer = Bucketer(self.bucketer.bucket_bytes, fixed)
+        self.assign_leaders(fixed)
 
     def root_order(self) -> list[Param]:
         """The parameters that require grad, in the order of the optimizer's on the process
@@ -225,14 +253,36 @@ class _Reducer:
     def choose(self, p: Param) -> Compressor:
         return self.policy.choose(self.names[p].removeprefix("grad."), p)
 
-    def bucket(self, params: list[Param], compressor_of: dict[Param, Compressor]) -> Bucket:
+    def bucket(
+        self,
+        params: list[Param],
+        compressor_of: dict[Param, Compressor],
+        per_host: bool | None = None,
+    ) -> Bucket:
         """``params`` as one bucket, a part (one collective) per dtype and compressor, each
-        named ``grad.bucket[first..last]`` after its first and last gradients."""
+        named ``grad.bucket[first..last]`` after its first and last gradients; compressed once
+        per host where ``per_host`` says (None: where its compressor's level is ``host``)."""
         parts = []
         for members in cut(params, math.inf, compressor_of):
             first, last = (self.names[p].removeprefix("grad.") for p in (members[0], members[-1]))
-            parts.append(Part(members, f"grad.bucket[{first}..{last}]", compressor_of[members[0]]))
+            compressor = compressor_of[members[0]]
+            here = self.level(compressor) == hierarchy.HOST if per_host is None else per_host
+            parts.append(Part(members, f"grad.bucket[{first}..{last}]", compressor, here))
         return Bucket(parts)
+
+    def assign_leaders(self, buckets: list[Bucket]) -> None:
+        """The leading index of each part compressed per host, by bytes (every rank alike:
+        the buckets are the same everywhere)."""
+        if self.levels is None:
+            return
+        self.levels.assign(
+            [
+                (part.name, sum(p.numel() * p.element_size() for p in part.params))
+                for bucket in buckets
+                for part in bucket.parts
+                if part.per_host
+            ]
+        )
 
     # -- backward side ---------------------------------------------------------------------------
     def hook(self, params: list[Param]) -> None:
@@ -294,7 +344,10 @@ class _Reducer:
                 return
             grad = p.grad = grad.to_dense()
             self.resparsify.add(p)
-        self.handles[p] = (self.comm.reduce([grad], self.choose(p), self.names[p]), False)
+        compressor = self.choose(p)
+        per_host = self.level(compressor) == hierarchy.HOST
+        reduced = self.comm.reduce([grad], compressor, self.names[p], None, per_host)
+        self.handles[p] = (reduced, False)
 
     def send_bucket(self, bucket: Bucket) -> None:
         """The bucket's gradients reduced together (the communicator: one grouped allreduce a
@@ -321,6 +374,7 @@ class _Reducer:
                     part.compressor,
                     part.name,
                     [self.names[p] for p in part.params],
+                    part.per_host,
                 )
                 for part in bucket.parts
             ]
@@ -345,6 +399,7 @@ class _Reducer:
             handle.remove()
         self.hooks = []
         self.reduces = self.reduces_here()
+        self.levels = self.comm.levels = None  # their process sets belonged to the world gone
         self.handles.clear()
         self.passes.clear()
         self.ready = 0
@@ -415,7 +470,10 @@ class _Reducer:
     def plan_buckets(self, ready: list[Param], late: list[Param]) -> None:
         """After the first complete step (on every rank alike: a collective): buckets in rank
         0's ready order. Sparse gradients stay on their own path; parameters that got no
-        gradient come last, in buckets of their own."""
+        gradient come last, in buckets of their own. Where a bucket's compressor is auto, or
+        its level is (COMMLAYER_COMPRESSION_HIERARCHY=auto), every rank times the links now
+        (collectives), rank 0 decides each such bucket's compressor and whether it is
+        compressed per host, and its decisions travel with the plan (compression/auto.py)."""
         names = [self.names[p] for p in ready + late if p not in self.sparse_dims]
         split = sum(1 for p in ready if p not in self.sparse_dims)
         from commlayer import state_sync  # imports the ops layer, as this module does
@@ -423,13 +481,11 @@ class _Reducer:
         root = min(self.process_set.ranks or [0])  # the set's first rank (a global rank)
         by_name = {name: p for p, name in self.names.items()}
         compressor_of = {p: self.choose(p) for p in self.names}
-        autos = self.autos()
-        # compression="auto": every rank times the link now (a collective), rank 0 decides
-        # each bucket's compressor and its decisions travel with the plan (compression/auto.py).
-        link = self.measure_link() if autos else None
+        deciding = any(self.decided(c) for c in compressor_of.values())
+        links = self.measure_links() if deciding else None
         decisions = None
-        if link is not None and runtime.rank() == root:
-            decisions = self.decide(self.plan(names, split, by_name, compressor_of), link)
+        if links is not None and runtime.rank() == root:
+            decisions = self.decide(self.plan(names, split, by_name, compressor_of), *links)
         names, split, decisions = state_sync.broadcast_object(
             (names, split, decisions),
             root,
@@ -439,16 +495,28 @@ class _Reducer:
         planned = []
         for index, params in enumerate(self.plan(names, split, by_name, compressor_of)):
             compressor = compressor_of[params[0]]
+            if not self.decided(compressor):
+                planned.append(self.bucket(params, dict.fromkeys(params, compressor)))
+                continue
+            decided = decisions[index] if decisions is not None else None
+            if decided is None:
+                raise CommlayerError(
+                    f"rank {runtime.rank()}: bucket {index} is decided by rank {root} "
+                    "(compression='auto' or COMMLAYER_COMPRESSION_HIERARCHY=auto here), which "
+                    "sent no decision for it: every rank must pass the same compression and "
+                    "settings"
+                )
+            spec, per_host = decided
             if isinstance(compressor, AutoCompressor):
-                spec = decisions[index] if decisions is not None else None
-                if spec is None:
-                    raise CommlayerError(
-                        f"rank {runtime.rank()}: compression='auto' here but rank {root} sent no "
-                        f"decision for bucket {index}: every rank must pass the same compression"
-                    )
                 compressor = compressor.compressor(spec, runtime.rank())
-            planned.append(self.bucket(params, dict.fromkeys(params, compressor)))
+            planned.append(self.bucket(params, dict.fromkeys(params, compressor), per_host))
         self.bucketer.install(planned)
+        self.assign_leaders(planned)
+
+    def decided(self, compressor: Compressor) -> bool:
+        """Whether rank 0 decides at the plan for buckets of ``compressor``: auto, or its level
+        is auto."""
+        return isinstance(compressor, AutoCompressor) or self.level(compressor) == hierarchy.AUTO
 
     def plan(
         self,
@@ -464,44 +532,75 @@ class _Reducer:
             buckets += cut(members, self.bucketer.bucket_bytes, compressor_of)
         return buckets
 
-    def measure_link(self) -> Link:
-        """The engine's allreduce time over this process set, ``alpha + beta B``, from the
-        fastest of a few blocking allreduces at two sizes (every rank: a collective)."""
-        prefix = f"{next(iter(self.names.values()))}.auto_link"
+    def measure_links(self) -> tuple[Link, Hosts | None]:
+        """The process set's link and, with per-host levels, the links inside this rank's
+        host and among the first leaders (compression/auto.py 1. and 4.): collectives, each
+        rank in the sets it belongs to. Hosts is None on a rank that is not in both (rank 0
+        is, unless alone on its host: its decisions are then flat)."""
+        link = self.measure_link(self.comm.transport, "")
+        levels = self.levels
+        if levels is None:
+            return link, None
+        intra = None if levels.intra is None else self.measure_link(levels.intra, ".host")
+        across = None
+        if levels.local_index == 0 and levels.across is not None:
+            across = self.measure_link(levels.across, ".across")
+        if intra is None or across is None:
+            return link, None
+        return link, Hosts(intra, across, levels.layout.leaders)
+
+    def measure_link(self, transport: Transport, what: str) -> Link:
+        """The engine's allreduce time over ``transport``'s ranks, ``alpha + beta B``, from the
+        fastest of a few blocking allreduces at two sizes (every rank of it: a collective)."""
+        prefix = f"{next(iter(self.names.values()))}.auto_link{what}"
         points = []
         for nbytes in auto_compression.LINK_SIZES:
             buffer = torch.zeros(nbytes // 4)
             best = math.inf
             for repeat in range(auto_compression.LINK_REPEATS):
                 start = time.perf_counter()
-                ops.allreduce_(
-                    buffer, name=f"{prefix}.{nbytes}.{repeat}", op=ReduceOp.Sum,
-                    process_set=self.process_set,
-                )  # fmt: skip
+                name = f"{prefix}.{nbytes}.{repeat}"
+                transport.allreduce_([buffer], name, ReduceOp.Sum, 1.0, 1.0).wait()
                 best = min(best, time.perf_counter() - start)
             points.append((nbytes, best))
-        return Link.fit(points, self.process_set.size())
+        return Link.fit(points, transport.size)
 
-    def decide(self, buckets: list[list[Param]], link: Link) -> list[str | None]:
-        """Rank 0: each bucket's spec where the policy said auto (None elsewhere)."""
+    def decide(
+        self, buckets: list[list[Param]], link: Link, hosts: Hosts | None
+    ) -> list[tuple[str, bool] | None]:
+        """Rank 0: (spec, compressed per host) for each bucket it decides (``decided``; the
+        spec empty for a compressor given outright), None for the others."""
         size = self.process_set.size()
-        out: list[str | None] = [None] * len(buckets)
-        by_auto: dict[AutoCompressor, list[int]] = {}
+        out: list[tuple[str, bool] | None] = [None] * len(buckets)
+        groups: dict[Compressor, list[int]] = {}
         for index, params in enumerate(buckets):
             chosen = self.choose(params[0])
-            if isinstance(chosen, AutoCompressor):
-                by_auto.setdefault(chosen, []).append(index)
-        for auto, indices in by_auto.items():
-            used = self.calibrated_link(link) if auto.link == "calibration" else link
+            if self.decided(chosen):
+                groups.setdefault(chosen, []).append(index)
+        for chosen, indices in groups.items():
             grads = [
                 [p.grad if p.grad is not None and not p.grad.is_sparse else torch.zeros_like(p)
                  for p in buckets[i]]
                 for i in indices
             ]  # fmt: skip
-            for i, spec in zip(
-                indices, auto_compression.plan(auto, grads, used, size, measure_cpu)
-            ):
-                out[i] = spec
+            picks: list[tuple[str, bool]]
+            if isinstance(chosen, AutoCompressor):
+                level = self.level(chosen)
+                used = self.calibrated_link(link) if chosen.link == "calibration" else link
+                labels = auto_compression.plan(
+                    chosen, grads, used, size, measure_cpu,
+                    None if level == hierarchy.FLAT else hosts, flat=level != hierarchy.HOST,
+                )  # fmt: skip
+                picks = [auto_compression.split(label) for label in labels]
+            elif hosts is None:  # no host links measured here: flat
+                picks = [("", False)] * len(indices)
+            else:
+                flags = auto_compression.plan_levels(
+                    chosen, grads, link, size, measure_cpu, hosts, self.hierarchy_decisions
+                )
+                picks = [("", flag) for flag in flags]
+            for i, pick in zip(indices, picks):
+                out[i] = pick
         return out
 
     def calibrated_link(self, measured: Link) -> Link:
@@ -548,8 +647,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """What ``compression="auto"`` chose, one entry per bucket class (rank 0's decisions,
         kept on rank 0; empty before the second step and without auto): the choice, the
         bucket's bytes and tensors, the predicted seconds and measured CPU seconds of each
-        candidate, and the link it was decided for."""
-        return [d for c in self._commlayer.autos() for d in c.decisions]
+        candidate, and the link it was decided for; then, as ``kind`` "compression
+        hierarchy", COMMLAYER_COMPRESSION_HIERARCHY=auto's for compressors given outright (a
+        choice ``<name>@host``: compressed once per host)."""
+        reducer = self._commlayer
+        return [d for c in reducer.autos() for d in c.decisions] + reducer.hierarchy_decisions
 
     def synchronize(self) -> None:
         """Wait for every gradient's reduction and write the results into ``p.grad``. Then

@@ -34,11 +34,13 @@ Param = torch.nn.Parameter
 
 
 class Part(NamedTuple):
-    """Gradients of one dtype and one compressor: one collective, named ``name``."""
+    """Gradients of one dtype and one compressor: one collective, named ``name``; compressed
+    once per host where ``per_host`` (comm/hierarchy.py)."""
 
     params: list[Param]
     name: str
     compressor: Compressor
+    per_host: bool = False
 
 
 class Bucket:

@@ -19,6 +19,12 @@ the compressor declares (compression/base.py):
    (``sparse_algorithm`` other than allgather) are reduced sparse through the engine instead
    (sparse_reduction.py), on the process set's topology; gtopk's dropped entries go to the
    compressor's error feedback.
+4. Per host (``per_host=True``, with the ``levels`` of comm/hierarchy.py, where the process
+   set spans several hosts): the host's ranks sum the tensors uncompressed, the bucket's
+   leader compresses the sum once for the host, the leaders move their payloads among
+   themselves as 1.-3. say (``Average`` over the whole set's ranks: ``average_over``), the
+   leader decompresses and shares the result inside the host. comm/hierarchy.py has the steps
+   and why.
 The payload of an ``identity`` compressor (none; auto before it decides) is the tensors
 themselves: they are reduced where they lie, with no compress, decompress or callback.
 
@@ -45,6 +51,7 @@ commlayer.ops); ``commlayer.compression`` itself does not import it.
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -93,6 +100,10 @@ class Transport(Protocol):
         """Every rank's uint8 ``record``, concatenated in rank order."""
         ...
 
+    def broadcast_(self, tensors: list[torch.Tensor], root: int, name: str) -> FutureLike:
+        """Each tensor overwritten with rank ``root``'s (of this transport's ranks), in place."""
+        ...
+
     def sparse(
         self, name: str, compressed: Compressed, compressor: Compressor, op: ReduceOp
     ) -> FutureLike | None:
@@ -133,6 +144,18 @@ class EngineTransport:
     def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
         return ops.allgather_async(record, name=self.prefix + name, process_set=self.process_set)
 
+    def broadcast_(self, tensors: list[torch.Tensor], root: int, name: str) -> Future:
+        """One broadcast a tensor (``<name>.<j>``), submitted together."""
+        source = self.process_set.ranks[root]  # a global rank, as ops takes it
+        with ops.batch():
+            handles = [
+                ops.broadcast_async_(
+                    t, source, name=f"{self.prefix}{name}.{j}", process_set=self.process_set
+                )
+                for j, t in enumerate(tensors)
+            ]
+        return combined(name, handles, lambda _: tensors)
+
     @staticmethod
     def defer(task: Callable[[], None]) -> None:
         """Run ``task`` (compress, then start the collectives) on the engine's thread."""
@@ -157,6 +180,20 @@ class EngineTransport:
             sink=compressor, topology=self._topology,
         )  # fmt: skip
         return chain(reduction.handle, reduction.advance, lambda: reduction.value)
+
+
+class Levels(Protocol):
+    """The transports of the per-host path (4.) as this rank sees them (comm/hierarchy.py):
+    its host's ranks (None: alone on its host), the ranks of the other hosts with its index on
+    theirs (None: this index leads no bucket), that index, and which index leads a bucket."""
+
+    intra: Transport | None
+    across: Transport | None
+    local_index: int
+
+    def leader(self, name: str) -> int:
+        """The local index of the rank that compresses bucket ``name`` on every host."""
+        ...
 
 
 def chain(
@@ -199,7 +236,7 @@ class Communicator:
     the tensor ("gradient").
     """
 
-    __slots__ = ("transport", "op", "predivide", "what")
+    __slots__ = ("transport", "op", "predivide", "what", "levels", "average_over")
 
     def __init__(
         self,
@@ -207,8 +244,15 @@ class Communicator:
         op: ReduceOp = ReduceOp.Average,
         predivide: float = 1.0,
         what: str = "tensor",
+        levels: Levels | None = None,
+        average_over: int | None = None,
     ) -> None:
+        """``levels``: the per-host path's transports (4.), None where it does not apply.
+        ``average_over``: the ranks ``Average`` divides by (the per-host path's leaders stand
+        for all of them); None: the transport's, or the records received."""
         self.transport, self.op, self.predivide, self.what = transport, op, predivide, what
+        self.levels = levels
+        self.average_over = average_over
 
     def reduce(
         self,
@@ -216,11 +260,14 @@ class Communicator:
         compressor: Compressor,
         name: str,
         names: Sequence[str] | None = None,
+        per_host: bool = False,
     ) -> Future:
         """Reduce ``tensors`` in place; a future whose value is the list of them. Several
         tensors travel together (one collective a round, named ``name``); each is compressed
         alone under its own name (``names``; default ``<name>.p<j>``, or ``name`` for a single
-        one), which keys the compressor's state (error-feedback residuals, warm starts)."""
+        one), which keys the compressor's state (error-feedback residuals, warm starts).
+        ``per_host``: compressed once per host (4.) where this communicator has ``levels``;
+        every rank of the process set must pass the same."""
         tensors = list(tensors)
         # The payload is the tensors: reduce them where they lie ("auto" before or without a
         # decision sends them as they are: compression/auto.py).
@@ -229,6 +276,8 @@ class Communicator:
         if names is None:
             names = [name] if len(tensors) == 1 else [f"{name}.p{j}" for j in range(len(tensors))]
         names = list(names)
+        if per_host and self.levels is not None:
+            return self._per_host(tensors, names, compressor, name, self.levels)
         defer = getattr(self.transport, "defer", None)
         if defer is None or any(t.device.type != "cpu" for t in tensors):
             return self._compressed(tensors, names, compressor, name)
@@ -255,12 +304,19 @@ class Communicator:
 
     def scaling(self, dtype: torch.dtype) -> tuple[ReduceOp, float, float]:
         """(op, prescale, postscale) of a summed payload of ``dtype``."""
-        if self.op == ReduceOp.Average and dtype == torch.float16:
+        if self.op != ReduceOp.Average:
+            return self.op, 1.0, 1.0
+        ranks = self.average_over or self.transport.size
+        if dtype == torch.float16:
             # Divide before summing: n float16 gradients can overflow 65504 when summed.
-            return ReduceOp.Sum, 1.0 / self.transport.size, 1.0
-        if self.op == ReduceOp.Average:
+            return ReduceOp.Sum, 1.0 / ranks, 1.0
+        if self.average_over is None:  # the engine's Average divides by the set's size
             return self.op, 1.0 / self.predivide, self.predivide
-        return self.op, 1.0, 1.0
+        return ReduceOp.Sum, 1.0 / self.predivide, self.predivide / ranks
+
+    def _divisor(self, records: int) -> float:
+        """What ``Average`` divides a gathered sum of ``records`` by."""
+        return float(self.average_over or records)
 
     def _identity(self, tensors: list[torch.Tensor], name: str) -> Future:
         """Uncompressed: one grouped in-place allreduce, no compress, decompress or callback of
@@ -325,6 +381,52 @@ class Communicator:
                 first = following
         return chain(first, advance, lambda: tensors)
 
+    # -- 4. per host -------------------------------------------------------------------------------
+    def _per_host(
+        self,
+        tensors: list[torch.Tensor],
+        names: list[str],
+        compressor: Compressor,
+        name: str,
+        levels: Levels,
+    ) -> Future:
+        """Sum inside the host, compress once on the bucket's leader, exchange among the
+        leaders, share inside the host (comm/hierarchy.py): stages started one from the
+        previous one's callback, or, where the transport does not chain rounds (gloo), all but
+        the share waited for in the caller, which starts every collective of a group in the
+        order the other ranks do."""
+        lead = levels.local_index == levels.leader(name)
+        intra = levels.intra
+
+        def host_sum() -> FutureLike | None:
+            if not lead:
+                _fold_residuals(compressor, tensors, names)
+            if intra is None:
+                return None
+            return intra.allreduce_(tensors, f"{name}.host", ReduceOp.Sum, 1.0, 1.0)
+
+        def exchange() -> FutureLike | None:
+            assert levels.across is not None  # a leading index has its leaders' transport
+            across = Communicator(
+                levels.across, self.op, self.predivide, self.what,
+                average_over=self.transport.size,
+            )  # fmt: skip
+            return across._compressed(tensors, names, compressor, name)
+
+        def share() -> FutureLike | None:
+            if intra is None:
+                return None
+            return intra.broadcast_(tensors, levels.leader(name), f"{name}.share")
+
+        stages = [host_sum, exchange, share] if lead else [host_sum, share]
+        if self.transport.chains_rounds:
+            return _staged(name, stages, tensors)
+        for stage in stages[:-1]:
+            pending = stage()
+            if pending is not None:
+                pending.wait()
+        return _staged(name, stages[-1:], tensors)
+
     # -- 2. and 3. gathered, or sparse -----------------------------------------------------------
     def _gathered(
         self,
@@ -337,14 +439,19 @@ class Communicator:
         parts: list[FutureLike] = []
         rest = []  # tensors not reduced sparse: gathered together
         declared_sparse = getattr(compressor, "sparse", False)
+        # Average over other ranks than the set's (average_over): summed, then scaled
+        sparse_op, sparse_scale = self.op, 1.0
+        if self.op == ReduceOp.Average and self.average_over is not None:
+            sparse_op, sparse_scale = ReduceOp.Sum, 1.0 / self.average_over
         for j, tensor in enumerate(tensors):
             sparse = None
             if declared_sparse:
-                sparse = self.transport.sparse(names[j], compressed[j], compressor, self.op)
+                sparse = self.transport.sparse(names[j], compressed[j], compressor, sparse_op)
             if sparse is None:
                 rest.append(j)
             else:
-                parts.append(chain(sparse, functools.partial(_write, tensor), lambda: None))
+                write = functools.partial(_write, tensor, scale=sparse_scale)
+                parts.append(chain(sparse, write, lambda: None))
         if rest:
             record = wire.pack([t for j in rest for t in compressed[j].payload])
             gathered = self.transport.allgather_bytes(record, name)
@@ -400,7 +507,7 @@ class Communicator:
         together = getattr(compressor, "decompress_sum_", None)
         if together is None or not tensor.is_contiguous():
             return False
-        divisor = float(len(parts)) if self.op == ReduceOp.Average else 1.0
+        divisor = self._divisor(len(parts)) if self.op == ReduceOp.Average else 1.0
         try:
             together([Compressed(p, local.ctx) for p in parts], tensor.view(-1), divisor)
         except RecordError as exc:
@@ -421,7 +528,7 @@ class Communicator:
         add = getattr(compressor, "decompress_add_", None)
         if add is None or not tensor.is_contiguous():
             return False
-        alpha = 1.0 / len(parts) if self.op == ReduceOp.Average else 1.0
+        alpha = 1.0 / self._divisor(len(parts)) if self.op == ReduceOp.Average else 1.0
         flat = tensor.view(-1)
         # Check every record before the gradient is touched: a malformed one leaves it as is.
         for source, payload in enumerate(parts):
@@ -450,7 +557,7 @@ class Communicator:
             total = part.clone() if total is None else total.add_(part)
         assert total is not None  # this rank's own record is always there
         if self.op == ReduceOp.Average:
-            total.div_(len(parts))
+            total.div_(self._divisor(len(parts)))
         _write(tensor, total)
 
     def _malformed(self, name: str, exc: PayloadError) -> PayloadError:
@@ -476,6 +583,51 @@ def _decompress_into(compressor: Compressor, compressed: Compressed, tensor: tor
         _write(tensor, compressor.decompress(compressed))
 
 
+def _fold_residuals(compressor: Compressor, tensors: list[torch.Tensor], names: list[str]) -> None:
+    """Before the sum inside the host, on a rank that does not lead the bucket: the residuals
+    it keeps for its tensors (error feedback's ``take_residual``: the flat path's, or its own
+    from when it led them), added to them so that they are delayed, not lost. A residual is a
+    rank's delayed part of the sum on either path, so it goes in as it is."""
+    take = getattr(compressor, "take_residual", None)
+    if take is None:
+        return
+    for tensor, name in zip(tensors, names):
+        kept = take(name)
+        if kept is not None and kept.numel() == tensor.numel():
+            tensor.add_(kept.to(tensor.device, tensor.dtype).view_as(tensor))
+
+
+def _staged(name: str, stages: Sequence[Callable[[], FutureLike | None]], result: Any) -> Future:
+    """A future of ``result`` once ``stages`` ran in order: each returns the future of what it
+    started (the next stage runs from its callback, on the thread that completes it) or None
+    when it had nothing to wait for. A stage's error, or its future's, fails the whole."""
+    out = Future(name)
+
+    def run(index: int) -> None:
+        while index < len(stages):
+            try:
+                pending = stages[index]()
+            except BaseException as exc:  # noqa: BLE001 - the staged future's outcome
+                out.set_exception(exc)
+                return
+            index += 1
+            if pending is not None:
+                pending.add_done_callback(functools.partial(after, index))
+                return
+        out.set_result(result)
+
+    def after(index: int, done: Any) -> None:
+        try:
+            done.wait()  # done: returns at once, or raises the stage's error
+        except BaseException as exc:  # noqa: BLE001 - the staged future's outcome
+            out.set_exception(exc)
+            return
+        run(index)
+
+    run(0)
+    return out
+
+
 def _forward(out: Future, done: Any) -> None:
     """``done``'s outcome (a commlayer or torch future) onto ``out``."""
     try:
@@ -486,10 +638,13 @@ def _forward(out: Future, done: Any) -> None:
         out.set_result(result)
 
 
-def _write(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """The reduced value into the caller's tensor (nothing to do when reduced in place)."""
+def _write(tensor: torch.Tensor, value: torch.Tensor, scale: float = 1.0) -> None:
+    """The reduced value into the caller's tensor (nothing to do when reduced in place),
+    times ``scale``."""
     if value is not tensor:
         tensor.copy_(value.reshape(tensor.shape))
+    if scale != 1.0:
+        tensor.mul_(scale)
 
 
 class Loopback:
@@ -516,15 +671,21 @@ class Loopback:
     def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
         return self._done(record.repeat(self.size))
 
+    def broadcast_(self, tensors: list[torch.Tensor], root: int, name: str) -> Future:
+        return self._done(tensors)
+
     def sparse(self, *args: Any) -> None:
         return None
 
 
-def measure_cpu(spec: str, tensors: Sequence[torch.Tensor], ranks: int, repeats: int = 2) -> float:
+def measure_cpu(
+    spec: str | Compressor, tensors: Sequence[torch.Tensor], ranks: int, repeats: int = 2
+) -> float:
     """Seconds ``Communicator.reduce`` spends on (clones of) ``tensors`` with ``spec`` as a rank
     of ``ranks`` does, communication left out: the fastest of ``repeats`` calls after a first
-    (numba's compile, error feedback's first residual). compression="auto" reads it."""
-    compressor = create(spec, rank=0, seed=0)
+    (numba's compile, error feedback's first residual). compression="auto" reads it. A
+    compressor object is measured on a copy: its own state (residuals) is the job's."""
+    compressor = create(spec, rank=0, seed=0) if isinstance(spec, str) else copy.deepcopy(spec)
     comm = Communicator(Loopback(ranks))
     work = [t.detach().clone() for t in tensors]
     names = [f"auto.measure.{j}" for j in range(len(work))]

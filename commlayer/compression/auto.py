@@ -24,9 +24,22 @@ bucket whatever its own measurements. Rank 0's facts:
    of p bytes a rank ``t(n p / 2)`` (an allgather moves (n - 1) p bytes through each rank, the
    allreduce of B bytes 2 (n - 1) B / n).
 
+4. Per host (COMMLAYER_COMPRESSION_HIERARCHY ``auto`` or ``host``, a process set over several
+   hosts with more than one rank on some: comm/hierarchy.py): each compressing candidate is
+   also costed compressed once per host (``<spec>@host``): two allreduces of the whole bucket
+   among a host's ranks (the sum and the share; link ``Hosts.intra``), the leader's CPU
+   measured as a rank of as many ranks as there are hosts, divided by the ranks a host
+   (leaders rotate by bucket: each rank compresses that share of a step's buckets), and the
+   payload's link time among one rank a host (``Hosts.across``). The links are measured as
+   the job's is, over the host's ranks and over the first leaders. ``host`` keeps only the
+   per-host forms of compressing candidates, ``auto`` weighs both.
+
 A candidate replaces the one before it (none, then the casts, then the lossy ones) only when
 predicted at most ``margin`` (``auto:margin=``, default 0.85) of its time: noise in the
-measurements must not buy a cast or a lossy compressor where the link is fast. Lossy
+measurements must not buy a cast or a lossy compressor where the link is fast. A compressor
+given outright (not auto) under COMMLAYER_COMPRESSION_HIERARCHY=auto is weighed the same way,
+flat against per host, the flat form kept unless the other is at most ``MARGIN`` of it
+(``plan_levels``), logged as "compression hierarchy auto". Lossy
 candidates (PowerSGD rank 4, top-k 1% by sampled threshold) come with error feedback and only
 with ``lossy=1``; tensors under the policy's ``min_numel`` then travel uncompressed (the casts
 take every tensor otherwise).
@@ -55,6 +68,7 @@ LOSSY = ("powersgd:rank=4", "topk:ratio=0.01")
 LINK_SIZES = (16 << 10, 2 << 20)  # bytes of the timed allreduces (the link's alpha and beta)
 LINK_REPEATS = 3
 LINKS = ("measure", "calibration")
+HOST = "@host"  # a candidate compressed once per host: "topk:ratio=0.01@host"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +128,24 @@ class Link:
 
 
 @dataclasses.dataclass(frozen=True)
+class Hosts:
+    """The per-host path's links (module docstring, 4.): an allreduce among a host's ranks,
+    one among a rank of each host (``across.ranks`` hosts), and the ranks a host (the
+    smallest host's: as many leaders rotate)."""
+
+    intra: Link
+    across: Link
+    local: int
+
+    def describe(self) -> str:
+        return f"inside a host {self.intra.describe()}; across hosts {self.across.describe()}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Decision:
-    """What ``auto`` chose for one bucket class, and why (seconds predicted per candidate)."""
+    """What ``auto`` chose for one bucket class, and why (seconds predicted per candidate).
+    ``kind``: "compression" (which compressor) or "compression hierarchy" (flat or per host
+    for a compressor given outright)."""
 
     choice: str
     nbytes: int
@@ -123,6 +153,7 @@ class Decision:
     predicted_s: dict[str, float]
     cpu_s: dict[str, float]
     link: str
+    kind: str = "compression"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -130,12 +161,19 @@ class Decision:
     def describe(self) -> str:
         times = ", ".join(f"{spec} {t * 1e3:.1f} ms" for spec, t in self.predicted_s.items())
         return (
-            f"compression auto: {self.choice} for buckets of {self.nbytes / 1e6:.2f} MB "
+            f"{self.kind} auto: {self.choice} for buckets of {self.nbytes / 1e6:.2f} MB "
             f"({self.tensors} tensor(s)); predicted a step's reduce: {times}; link: {self.link}"
         )
 
 
-def payload_time(spec: str, tensors: Sequence[torch.Tensor], link: Link) -> float:
+def split(choice: str) -> tuple[str, bool]:
+    """(spec, compressed once per host) of a candidate's label."""
+    if choice.endswith(HOST):
+        return choice[: -len(HOST)], True
+    return choice, False
+
+
+def payload_time(spec: str | Compressor, tensors: Sequence[torch.Tensor], link: Link) -> float:
     """Link seconds of ``spec``'s payload for these tensors (module docstring, 3.), from what
     its compressor declares: each round's bytes (``base.payload_bytes``), summed over the
     tensors, allreduced round by round when ``summable``, else gathered."""
@@ -155,10 +193,11 @@ def choose(
     predicted: dict[str, float], lossy: bool, margin: float = MARGIN
 ) -> str:  # fmt: skip
     """The candidate to use, from predicted seconds (module docstring): none, then each cast,
-    then (``lossy``) each lossy spec replaces the pick only at ``margin`` of its time or less."""
+    then (``lossy``) each lossy spec replaces the pick only at ``margin`` of its time or less;
+    a spec's per-host form (``<spec>@host``) stands beside it in its group."""
     pick = "none"
     for group in (CASTS, LOSSY if lossy else ()):
-        present = [spec for spec in group if spec in predicted]
+        present = [label for spec in group for label in (spec, spec + HOST) if label in predicted]
         if not present:
             continue
         best = min(present, key=lambda spec: predicted[spec])
@@ -167,29 +206,78 @@ def choose(
     return pick
 
 
+def host_time(
+    spec: str | Compressor, tensors: Sequence[torch.Tensor], hosts: Hosts, cpu_s: float
+) -> float:
+    """Predicted seconds of ``spec`` compressed once per host (module docstring, 4.), its
+    leader's measured CPU seconds ``cpu_s``."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return (
+        2 * hosts.intra.allreduce_s(nbytes)
+        + cpu_s / hosts.local
+        + payload_time(spec, tensors, hosts.across)
+    )
+
+
 def decide(
     tensors: Sequence[torch.Tensor],
     link: Link,
     cpu_s: dict[str, float],
     lossy: bool,
     margin: float = MARGIN,
+    hosts: Hosts | None = None,
+    host_cpu_s: dict[str, float] | None = None,
+    flat: bool = True,
 ) -> Decision:
     """The decision for a bucket of ``tensors`` given the link and each candidate's measured
-    CPU seconds (``cpu_s``: the candidates; "none" costs nothing). Pure: unit-testable with
-    fake numbers."""
+    CPU seconds (``cpu_s``: the candidates; "none" costs nothing). With ``hosts``, each
+    candidate of ``host_cpu_s`` (its leader's CPU seconds) is costed per host too; ``flat``
+    False leaves only none flat (COMMLAYER_COMPRESSION_HIERARCHY=host). Pure:
+    unit-testable with fake numbers."""
     candidates = ["none", *CASTS, *(LOSSY if lossy else ())]
     predicted = {
         spec: cpu_s.get(spec, 0.0) + payload_time(spec, tensors, link)
         for spec in candidates
-        if spec == "none" or spec in cpu_s
+        if spec == "none" or (spec in cpu_s and (flat or hosts is None))
     }
+    if hosts is not None:
+        for spec, seconds in (host_cpu_s or {}).items():
+            predicted[spec + HOST] = host_time(spec, tensors, hosts, seconds)
     return Decision(
         choose(predicted, lossy, margin),
         sum(t.numel() * t.element_size() for t in tensors),
         len(tensors),
         predicted,
-        dict(cpu_s),
-        link.describe(),
+        {**cpu_s, **{spec + HOST: t for spec, t in (host_cpu_s or {}).items()}},
+        link.describe() + ("" if hosts is None else f"; {hosts.describe()}"),
+    )
+
+
+def decide_level(
+    label: str,
+    compressor: Compressor,
+    tensors: Sequence[torch.Tensor],
+    link: Link,
+    hosts: Hosts,
+    cpu_s: float,
+    host_cpu_s: float,
+    margin: float = MARGIN,
+) -> Decision:
+    """Flat or per host for a compressor given outright (``label``, its name): per host where
+    predicted at most ``margin`` of flat. Pure, as ``decide``."""
+    predicted = {
+        label: cpu_s + payload_time(compressor, tensors, link),
+        label + HOST: host_time(compressor, tensors, hosts, host_cpu_s),
+    }
+    per_host = predicted[label + HOST] <= margin * predicted[label]
+    return Decision(
+        label + HOST if per_host else label,
+        sum(t.numel() * t.element_size() for t in tensors),
+        len(tensors),
+        predicted,
+        {label: cpu_s, label + HOST: host_cpu_s},
+        f"{link.describe()}; {hosts.describe()}",
+        "compression hierarchy",
     )
 
 
@@ -220,7 +308,8 @@ class AutoCompressor:
         return f"AutoCompressor(lossy={int(self.lossy)}, link={self.link!r}, margin={self.margin})"
 
     def compressor(self, spec: str, rank: int) -> Compressor:
-        """The one compressor of ``spec`` every bucket given it shares (its state: residuals)."""
+        """The one compressor of ``spec`` every bucket given it shares (its state: residuals;
+        a bucket compressed per host shares it too: its residual is keyed by its name)."""
         if spec not in self.chosen:
             self.chosen[spec] = create(spec, rank=rank)
         return self.chosen[spec]
@@ -246,27 +335,68 @@ class AutoCompressor:
             target.load_state_dict(value)  # type: ignore[attr-defined]
 
 
+Measure = Callable[[Any, Sequence[torch.Tensor], int], float]
+
+
+def _bucket_class(tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+
 def plan(
     auto: AutoCompressor,
     buckets: Sequence[Sequence[torch.Tensor]],
     link: Link,
     ranks: int,
-    measure: Callable[[str, Sequence[torch.Tensor], int], float],
+    measure: Measure,
+    hosts: Hosts | None = None,
+    flat: bool = True,
 ) -> list[str]:
-    """Rank 0: the spec for each bucket (tensors: step 1's gradients), logging each bucket
-    class's decision once and recording it in ``auto.decisions``. ``measure(spec, tensors,
-    ranks)``: the CPU seconds of a candidate (communicator.measure_cpu)."""
+    """Rank 0: the choice for each bucket (tensors: step 1's gradients; a spec, or
+    ``<spec>@host`` with ``hosts``: ``split`` it), logging each bucket class's decision once and
+    recording it in ``auto.decisions``. ``measure(spec, tensors, ranks)``: the CPU seconds of a
+    candidate (communicator.measure_cpu); per host, as a rank of ``hosts.across.ranks``.
+    ``flat`` False: only none stays flat (``decide``)."""
     by_class: dict[tuple[Any, ...], str] = {}
     out = []
     for tensors in buckets:
-        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        key = _bucket_class(tensors)
         if key not in by_class:
             candidates = [*CASTS, *(LOSSY if auto.lossy else ())]
             floating = all(t.is_floating_point() for t in tensors)
             cpu = {spec: measure(spec, tensors, ranks) for spec in candidates} if floating else {}
-            decision = decide(tensors, link, cpu, auto.lossy, auto.margin)
+            host_cpu = None
+            if hosts is not None and floating:
+                host_cpu = {spec: measure(spec, tensors, hosts.across.ranks) for spec in candidates}
+            decision = decide(tensors, link, cpu, auto.lossy, auto.margin, hosts, host_cpu, flat)
             by_class[key] = decision.choice
             auto.decisions.append(decision.as_dict())
+            _log.info("commlayer: %s", decision.describe())
+        out.append(by_class[key])
+    return out
+
+
+def plan_levels(
+    compressor: Compressor,
+    buckets: Sequence[Sequence[torch.Tensor]],
+    link: Link,
+    ranks: int,
+    measure: Measure,
+    hosts: Hosts,
+    decisions: list[dict[str, Any]],
+) -> list[bool]:
+    """Rank 0: for a compressor given outright, whether each bucket is compressed per host
+    (``decide_level``), each bucket class's decision logged once and appended to
+    ``decisions``. ``measure`` as ``plan``'s, given the compressor itself."""
+    by_class: dict[tuple[Any, ...], bool] = {}
+    out = []
+    for tensors in buckets:
+        key = _bucket_class(tensors)
+        if key not in by_class:
+            cpu = measure(compressor, tensors, ranks)
+            leader = measure(compressor, tensors, hosts.across.ranks)
+            decision = decide_level(compressor.name, compressor, tensors, link, hosts, cpu, leader)
+            by_class[key] = split(decision.choice)[1]
+            decisions.append(decision.as_dict())
             _log.info("commlayer: %s", decision.describe())
         out.append(by_class[key])
     return out

@@ -37,6 +37,12 @@ Optional declarations (absent: the default in brackets):
   each round's bytes, where they depend on the tensor's shape (PowerSGD). ``auto`` and the
   oracle cost payloads with them; a compressor declaring neither is not costed.
 - ``state_dict``/``load_state_dict``: state saved with the optimizer.
+- ``take_residual(name)``: a residual kept for ``name`` (error feedback), removed, or None: the
+  per-host path adds it to what this rank sends where the rank no longer compresses ``name``.
+- ``hierarchy`` [None: COMMLAYER_COMPRESSION_HIERARCHY]: ``flat``, ``host`` or ``auto``, set
+  by a spec's ``hierarchy=`` (factory.py): where this compressor's buckets are compressed when
+  a process set spans several hosts (comm/hierarchy.py). Error feedback needs nothing of the
+  compressor there: its residual is kept by the one rank that compresses the bucket.
 
 A built-in compressor is one file (its ``name`` the file's) and one line of ``BUILTINS`` in
 ``commlayer/compression/__init__.py``, which registers it. Users add their own with
@@ -162,6 +168,13 @@ def lookup(name: str) -> Callable[..., Compressor]:
     if factory is None:
         raise ValueError(f"unknown compressor {name!r}; available: {', '.join(available())}")
     return factory
+
+
+def hierarchy_of(compressor: Compressor, default: str) -> str:
+    """Where ``compressor``'s buckets are compressed across hosts: its spec's ``hierarchy=``,
+    else ``default`` (the setting)."""
+    chosen: str | None = getattr(compressor, "hierarchy", None)
+    return chosen or default
 
 
 def payload_bytes(compressor: Compressor, shape: torch.Size, element_bytes: int) -> list[int]:

@@ -20,7 +20,10 @@ step further (``compress_sum_(e, g)``): the addition and its selection's read of
 kernel.
 
 State: one residual per tensor name (the name the optimizer gives each gradient), returned by
-``state_dict()`` so a checkpoint keeps it; residuals are per rank.
+``state_dict()`` so a checkpoint keeps it; residuals are per rank. Compressed once per host
+(comm/hierarchy.py), a gradient's residual is kept by the bucket's leader (what it compresses
+is its host's sum: the residual is still a part of the sum delayed); ``take_residual`` hands
+one over where a rank stopped compressing a name.
 """
 
 from __future__ import annotations
@@ -50,12 +53,13 @@ _FORWARDED = frozenset(
 class ErrorFeedback:
     """Wraps ``inner``: adds the residual before compressing, keeps the new residual."""
 
-    __slots__ = ("inner", "residuals", "_corrected")
+    __slots__ = ("inner", "residuals", "_corrected", "hierarchy")
 
     def __init__(self, inner: Compressor) -> None:
         if isinstance(inner, ErrorFeedback):
             raise ValueError("ErrorFeedback(ErrorFeedback(...)): error feedback is already on")
         self.inner = inner
+        self.hierarchy: str | None = None  # a spec's hierarchy= (factory.py)
         self.residuals: dict[str, torch.Tensor] = {}
         self._corrected: dict[str, torch.Tensor] = {}  # between rounds of a multi-round inner
 
@@ -170,6 +174,12 @@ class ErrorFeedback:
         values = values.to(residual.device, residual.dtype)
         flat = residual.reshape(-1).index_add(0, indices, values)
         self.residuals[name] = flat.view(residual.shape)
+
+    def take_residual(self, name: str) -> torch.Tensor | None:
+        """The residual kept for ``name``, removed (None if none): a rank that no longer
+        compresses ``name`` adds it to what it sends instead (comm/hierarchy.py), so it is
+        delayed, not lost."""
+        return self.residuals.pop(name, None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {name: r.clone() for name, r in self.residuals.items()}}

@@ -10,6 +10,10 @@
    ``seed`` unless the spec sets one. Compressors call no runtime function: the caller (the
    optimizer, the DDP hook) knows the rank.
 4. Biased compressors come wrapped in :class:`ErrorFeedback` unless the spec says ``ef=0``.
+5. ``hierarchy=flat|host|auto`` (any compressor) is where its buckets are compressed when a
+   process set spans several hosts (COMMLAYER_COMPRESSION_HIERARCHY, which it overrides for
+   this compressor): kept on the compressor as ``hierarchy`` (base.py), read by the optimizer
+   and the DDP hook (comm/hierarchy.py).
 
 Here, not in base.py, because it needs ErrorFeedback, which needs the contract: base.py imports
 neither, so the import graph has no cycle.
@@ -23,6 +27,7 @@ from typing import Any
 
 from commlayer.compression.base import Compressor, available, lookup
 from commlayer.compression.error_feedback import ErrorFeedback
+from commlayer.core.config import HIERARCHIES
 
 # Constructor keywords create() fills itself; a spec may not set them.
 _PASSED_IN = ("process_rank",)
@@ -44,12 +49,13 @@ def create(
     name, kwargs = split_spec(spec)
     factory = lookup(name)
     error_feedback = kwargs.pop("ef", None)
+    hierarchy = kwargs.pop("hierarchy", None)
     allowed = _parameters(factory)
     unknown = sorted(set(kwargs) - set(allowed)) if allowed is not None else []
     if unknown:
         raise ValueError(
             f"compressor {name!r} does not take parameter(s) {unknown}; allowed: "
-            f"{', '.join([*allowed, 'ef'] if allowed else ['ef'])}"
+            f"{', '.join([*allowed, 'ef', 'hierarchy'] if allowed else ['ef', 'hierarchy'])}"
         )
     _pass_in(kwargs, factory, process_rank=rank, seed=seed)
     try:
@@ -58,9 +64,23 @@ def create(
         raise ValueError(f"compressor {name!r} does not take parameters {kwargs}: {exc}") from None
     if error_feedback not in (None, 0, 1):
         raise ValueError(f"ef={error_feedback!r} in {spec!r}: allowed 0 (off) or 1 (on)")
+    if hierarchy is not None and hierarchy not in HIERARCHIES:
+        raise ValueError(f"hierarchy={hierarchy!r} in {spec!r}: allowed {', '.join(HIERARCHIES)}")
     if error_feedback if error_feedback is not None else getattr(compressor, "biased", False):
-        return ErrorFeedback(compressor)
+        compressor = ErrorFeedback(compressor)
+    if hierarchy is not None:
+        _set_hierarchy(compressor, hierarchy, spec)
     return compressor
+
+
+def _set_hierarchy(compressor: Compressor, hierarchy: str, spec: str) -> None:
+    try:
+        compressor.hierarchy = hierarchy  # type: ignore[attr-defined]
+    except AttributeError:
+        raise ValueError(
+            f"hierarchy= in {spec!r}: {type(compressor).__name__} has no attribute to keep it "
+            "in (a class with __slots__ needs a 'hierarchy' slot)"
+        ) from None
 
 
 def spec_help() -> str:

@@ -32,6 +32,7 @@ JOIN_MODES = ("horovod", "active")
 ON_OFF = ("on", "off")
 AUTO_OFF_ON = ("auto", "0", "1")
 OFF_ON = ("0", "1")
+HIERARCHIES = ("auto", "flat", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Config:
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     compression: str = "none"
+    compression_hierarchy: str = "auto"
     timeline_path: str = ""
     stall_check_time_s: float = 60.0
     # 10 minutes, NCCL's watchdog default: above a slow rank's first step (torch.compile), a
@@ -200,6 +202,7 @@ _JOIN_MODE = _fixed(one_of(lambda: JOIN_MODES), f"one of {', '.join(JOIN_MODES)}
 _ON_OFF = _fixed(one_of(lambda: ON_OFF), f"one of {', '.join(ON_OFF)}")
 _AUTO_OFF_ON = _fixed(one_of(lambda: AUTO_OFF_ON), f"one of {', '.join(AUTO_OFF_ON)}")
 _OFF_ON = _fixed(one_of(lambda: OFF_ON), f"one of {', '.join(OFF_ON)}")
+_HIERARCHY = _fixed(one_of(lambda: HIERARCHIES), f"one of {', '.join(HIERARCHIES)}")
 _PATH = _fixed(str, "a path")
 # In _VARIABLES: a setting whose allowed values are names other modules own (algorithms,
 # compressors, ...); config imports none of them, their Validators are passed in.
@@ -241,6 +244,18 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "DistributedOptimizer's default gradient compressor, e.g. 'fp16', 'topk:ratio=0.01', "
         "'qsgd:levels=127,bucket=512', or 'auto' (per bucket from the measured link; "
         "'auto:lossy=1' allows lossy ones); default none",
+    ),
+    (
+        "COMMLAYER_COMPRESSION_HIERARCHY",
+        "compression_hierarchy",
+        _HIERARCHY,
+        "where a compressed bucket is compressed when its process set spans several hosts and "
+        "some host holds more than one of its ranks: flat (every rank its own gradients), host "
+        "(the host's ranks sum the bucket uncompressed, one leader a bucket compresses, the "
+        "leaders exchange across hosts, the result is shared inside the host), or auto "
+        "(default: DistributedOptimizer decides per bucket from the links it measures and the "
+        "compressor's cost; flat for a process set other than the global one and in the DDP "
+        "hook); a spec's hierarchy= wins for its compressor",
     ),
     (
         "COMMLAYER_TIMELINE",

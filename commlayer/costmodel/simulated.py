@@ -60,8 +60,8 @@ def _gpus(spec: str, raw: dict[str, object]) -> int:
 
 
 def parse_line(line: str, where: str) -> Row | None:
-    """A row from one JSON line (None for a sparse row, a blank line or SMPI's own
-    algorithm); ValueError naming ``where`` and what is wrong."""
+    """A row from one JSON line (None for a sparse or compressed row, a blank line or SMPI's
+    own algorithm); ValueError naming ``where`` and what is wrong."""
     if not line.strip():
         return None
     try:
@@ -75,8 +75,12 @@ def parse_line(line: str, where: str) -> Row | None:
     if missing:
         raise ValueError(f"{where}: no {', '.join(missing)} (a row of `commlayer simulate "
                          "--format json` has them)")  # fmt: skip
-    if raw.get("density") is not None or str(raw["algorithm"]).startswith(SMPI_PREFIX):
-        return None  # sparse, or SMPI's own: nothing auto or the dense model can use
+    if (
+        raw.get("density") is not None
+        or raw.get("compression") is not None
+        or str(raw["algorithm"]).startswith(SMPI_PREFIX)
+    ):
+        return None  # sparse, compressed, or SMPI's own: nothing auto or the dense model uses
     try:
         spec, ranks, size = str(raw["platform"]), int(raw["ranks"]), int(raw["size_bytes"])
         seconds, gpus = float(raw["simulated_s"]), _gpus(spec, raw)

@@ -46,6 +46,21 @@ Error-feedback residuals (and PowerSGD's warm start) are keyed by ``bucket.index
 ``"bucket3"`` (whole buffer) or ``"bucket3.p1"`` (per parameter, multi-round).
 ``CommState.state_dict()`` returns them for a checkpoint.
 
+Once per host (``hierarchy="host"``, or COMMLAYER_COMPRESSION_HIERARCHY=host, or a spec's
+``hierarchy=host``; ``auto`` is flat here: nothing measures the links): where the process
+group spans several hosts with more than one rank on some, a bucket is summed inside the host,
+compressed by one leader (its residual kept there), exchanged among the leaders and shared
+inside the host (comm/hierarchy.py). The CommState makes the groups it needs: of each host's
+ranks and of the ranks with the same index on their host (``dist.new_group``, on every rank
+of the world in the same order, once per job), hosts told by the ranks' host names
+(COMMLAYER_TOPOLOGY, fitting the world, poses them). Over a torch.distributed group smaller
+than the world it refuses: groups its ranks made alone would be named by how many groups each
+process made before, which differs between them. Leaders rotate by bucket, in the
+order DDP reduces them (the same on every rank). Over torch.distributed a leader waits in the
+hook for the sum inside its host and the exchange (gloo takes a group's collectives in the
+order they are started, which callbacks do not keep), so backward pauses on it for the
+buckets it leads; only the share is left in flight.
+
 Round order: commlayer's engine negotiates an order every rank shares, so there each round
 starts from the previous one's callback. gloo does not: torch's ``powerSGD_hook`` launches its
 second allreduce in a future's callback, whose timing differs between ranks, and with several
@@ -58,7 +73,9 @@ annotation with the real ``torch.futures.Future[torch.Tensor]`` object, not a st
 """
 
 import itertools
-from collections.abc import Callable
+import socket
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,9 +84,12 @@ import torch.distributed as dist
 import commlayer
 from commlayer import algorithms
 from commlayer.comm.communicator import Communicator, EngineTransport
+from commlayer.comm.hierarchy import HOST, HostLayout, HostLevels, engine_levels
 from commlayer.compression import Compressed, Compressor, create
+from commlayer.compression.base import hierarchy_of
 from commlayer.compression.none import NoneCompressor
-from commlayer.core import config, device, runtime
+from commlayer.core import config, device, runtime, topology
+from commlayer.core.config import HIERARCHIES
 from commlayer.core.reduce_ops import ReduceOp
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -86,12 +106,15 @@ class CommState:
     stateful compressor, as torch's ``PowerSGDState.start_powerSGD_iter``).
     ``algorithm``: ``"auto"`` (torch.distributed's allreduce / all_gather of the group), or a
     name of ``commlayer.algorithms.available()``: commlayer's collectives, with commlayer
-    initialised with that algorithm (module docstring). Create CommStates in the same order on
-    every rank (their commlayer operation names are numbered).
+    initialised with that algorithm (module docstring). ``hierarchy``: ``"flat"`` or ``"host"``
+    (module docstring; None: the compressor's spec's, else COMMLAYER_COMPRESSION_HIERARCHY;
+    ``"auto"`` is flat here). Create CommStates in the same order on every rank of the group
+    (their commlayer operation names are numbered; the per-host path's groups are made here).
     """
 
     __slots__ = (
-        "process_group", "compressor", "algorithm", "dense_iters", "iteration", "full_path", "_id",
+        "process_group", "compressor", "algorithm", "dense_iters", "iteration", "full_path",
+        "levels", "_id",
     )  # fmt: skip
 
     def __init__(
@@ -100,10 +123,15 @@ class CommState:
         compression: str | Compressor = "none",
         algorithm: str = "auto",
         dense_iters: int = 2,
+        hierarchy: str | None = None,
     ) -> None:
         _check_algorithm(algorithm)
         if isinstance(dense_iters, bool) or not isinstance(dense_iters, int) or dense_iters < 0:
             raise ValueError(f"CommState(dense_iters={dense_iters!r}): must be an integer >= 0")
+        if hierarchy is not None and hierarchy not in HIERARCHIES:
+            raise ValueError(
+                f"CommState(hierarchy={hierarchy!r}): allowed None, {', '.join(HIERARCHIES)}"
+            )
         self.process_group = process_group
         rank = dist.get_rank() if dist.is_initialized() else None  # QSGD's noise per rank
         self.compressor: Compressor = create(compression, rank=rank)
@@ -114,7 +142,14 @@ class CommState:
         # environment's where commlayer is not initialised (algorithm "auto" needs no init()).
         settings = runtime.config() if runtime.is_initialized() else config.load()
         self.full_path = settings.force_full_path == "1"
+        chosen = hierarchy or hierarchy_of(self.compressor, settings.compression_hierarchy)
+        per_host = chosen == HOST and not getattr(self.compressor, "identity", False)
+        if per_host and algorithm == algorithms.AUTO:
+            _check_world(process_group)  # before the id: a refused state numbers nothing
         self._id = next(_state_ids)
+        self.levels: HostLevels | None = None
+        if per_host:
+            self.levels = _levels(self, settings.topology)
 
     def __repr__(self) -> str:
         return (
@@ -201,6 +236,26 @@ class _TorchTransport:
 
         return future.then(unpack)
 
+    def broadcast_(
+        self, tensors: list[torch.Tensor], root: int, name: str
+    ) -> torch.futures.Future[Any]:
+        """Each tensor overwritten with the group's rank ``root``'s, in one broadcast (a flat
+        copy where there are several)."""
+        source = dist.get_global_rank(self.group, root)
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            flat = tensors[0]
+        else:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        future = dist.broadcast(flat, source, group=self.group, async_op=True).get_future()
+        if flat is tensors[0]:
+            return future
+
+        def unpack(_: Any) -> None:
+            for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                tensor.copy_(part.view(tensor.shape))
+
+        return future.then(unpack)
+
     def allgather_bytes(self, record: torch.Tensor, name: str) -> torch.futures.Future[Any]:
         """Every rank's record (the same length on every rank for one compressor and bucket)."""
         out = [torch.empty_like(record) for _ in range(self.size)]
@@ -225,6 +280,80 @@ def _transport(state: CommState) -> _TorchTransport | EngineTransport:
     return EngineTransport(prefix=f"ddp{state._id}.")
 
 
+# torch.distributed groups of the per-host path, by their ranks, per default group (a new
+# init_process_group makes a new one): made once, shared by every CommState.
+_groups: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def _levels(state: CommState, posed: str) -> HostLevels | None:
+    """The per-host path's levels of the state's group (a collective over its ranks): over
+    commlayer's engine for a named algorithm, else over torch.distributed groups of the
+    hosts' ranks, hosts from the ranks' host names or ``posed`` (COMMLAYER_TOPOLOGY)."""
+    if state.algorithm != algorithms.AUTO:
+        return engine_levels(prefix=f"ddp{state._id}.")
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    rank = dist.get_rank()
+    ranks = dist.get_process_group_ranks(group)
+    layout = HostLayout.of(ranks, _node_of(group, ranks, posed))
+    if not layout.pays():
+        return None
+    # every rank makes every group, in the same order (dist.new_group's contract)
+    groups = {members: _group(members) for members in layout.host_sets() + layout.leader_sets()}
+    host, index = layout.where(rank)
+    intra = groups.get(layout.hosts[host])
+    across = groups[layout.leader_sets()[index]] if index < layout.leaders else None
+    return HostLevels(
+        layout,
+        rank,
+        None if intra is None else _TorchTransport(intra),
+        None if across is None else _TorchTransport(across),
+    )
+
+
+def _check_world(process_group: Any) -> None:
+    """ValueError unless ``process_group`` (None: the world) spans the world: the per-host
+    path's groups are made by every rank of the world (``_group``)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(
+            f"rank {dist.get_rank()}: CommState(hierarchy='host') over a torch.distributed "
+            f"group of {dist.get_world_size(group)} of the world's {dist.get_world_size()} "
+            "ranks: its per-host groups would be made by its ranks alone, and torch.distributed "
+            "names a group made so by how many groups each process made before (they differ "
+            "where hosts hold different numbers of the group's ranks); use the world group, "
+            "hierarchy='flat', or DistributedOptimizer(process_set=...)"
+        )
+
+
+def _node_of(group: Any, ranks: Sequence[int], posed: str) -> list[int]:
+    """The node of every rank of the world: as COMMLAYER_TOPOLOGY poses it where it fits the
+    world, else by host name (gathered over ``group``; -1 for ranks outside it)."""
+    names: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    first: dict[str, int] = {}
+    detected = [-1] * dist.get_world_size()
+    for rank, name in zip(ranks, names):
+        detected[rank] = first.setdefault(name, len(first))
+    if posed:
+        try:
+            return list(topology.build(posed, len(detected), detected).node_of)
+        except ValueError as exc:
+            raise ValueError(
+                f"rank {dist.get_rank()}: COMMLAYER_TOPOLOGY={posed!r} does not fit the "
+                f"{len(detected)} ranks of torch.distributed's world: {exc}"
+            ) from None
+    return detected
+
+
+def _group(ranks: tuple[int, ...]) -> Any:
+    """The torch.distributed group of ``ranks`` (collective over the world the first time;
+    ranks outside it get torch's non-member marker)."""
+    known = _groups.setdefault(dist.group.WORLD, {})
+    if ranks not in known:
+        known[ranks] = dist.new_group(list(ranks))
+    return known[ranks]
+
+
 def _alone(state: Any) -> bool:
     """Whether ``state``'s hook reduces over one rank and takes no full path (module doc, 0.)."""
     if not isinstance(state, CommState) or state.full_path:
@@ -245,7 +374,7 @@ def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         if bucket.is_last():
             state.iteration += 1
         return _completed(bucket.buffer())
-    communicator = Communicator(_transport(state), ReduceOp.Sum, what="bucket")
+    communicator = Communicator(_transport(state), ReduceOp.Sum, what="bucket", levels=state.levels)
     buffer = bucket.buffer()
     if buffer.is_cuda:  # its futures order DDP's stream after the work queued for them
         device.mark_futures_on(buffer.device)
@@ -258,7 +387,10 @@ def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         reduced = communicator.reduce([buffer], _NONE, name + ".dense")
     else:
         views = _views(state.compressor, buffer, bucket)
-        reduced = communicator.reduce(views, state.compressor, name)
+        if state.levels is not None:  # leaders by bytes, in DDP's bucket order
+            state.levels.assign([(name, buffer.numel() * buffer.element_size())])
+        per_host = state.levels is not None
+        reduced = communicator.reduce(views, state.compressor, name, per_host=per_host)
     return reduced.then(lambda _: buffer).to_torch()
 
 

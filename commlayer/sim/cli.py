@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from commlayer import algorithms
-from commlayer.sim import learn, platforms, report, smpi
+from commlayer.sim import compressed, learn, platforms, report, smpi
 from commlayer.sim.platforms import Platform
 from commlayer.sim.simulate import (
     Result,
@@ -75,6 +75,22 @@ def add_arguments(parser: argparse.ArgumentParser, size: Callable[[str], int]) -
         help="with --sparse: comma list of nnz/numel per rank, 0.01 or 1%% (default 0.01)",
     )
     parser.add_argument(
+        "--compression",
+        action="append",
+        default=[],
+        help="a compressor spec (repeatable: specs hold commas), e.g. topk:ratio=0.01, "
+        "powersgd:rank=4, qsgd:levels=7: one bucket of --size reduced under it, flat and once "
+        "per host (--hierarchy), in place of --algorithm and --sparse; the table adds the most "
+        "MB a node sends to the others (sim/compressed.py)",
+    )
+    parser.add_argument(
+        "--hierarchy",
+        type=_list(str, "hierarchy"),
+        default=list(compressed.HIERARCHIES),
+        help="with --compression: comma list of flat, host (default both; host only where "
+        "nodes hold several ranks)",
+    )
+    parser.add_argument(
         "--max-streams",
         type=int,
         default=MAX_STREAMS,
@@ -128,15 +144,23 @@ def _platform(spec: str, args: argparse.Namespace, ranks: int | None) -> Platfor
 def _checked(args: argparse.Namespace) -> list[Platform]:
     """Every input checked before the first simulation (ValueError or OSError naming it):
     names, sizes, counts, the plot's matplotlib, and every platform built once."""
+    if args.compression and (args.algorithm or args.sparse):
+        raise ValueError("--compression replays compressed reductions alone: drop --algorithm "
+                         "and --sparse, or run them separately")  # fmt: skip
+    for spec in args.compression:
+        compressed.check(spec)
+    for level in args.hierarchy:
+        if level not in compressed.HIERARCHIES:
+            raise ValueError(f"--hierarchy {level!r}: allowed {', '.join(compressed.HIERARCHIES)}")
     if args.algorithm is None:
-        args.algorithm = [] if args.sparse else DENSE
+        args.algorithm = [] if args.sparse or args.compression else DENSE
     for name in args.algorithm:
         check(name)
     for name in args.sparse:
         for density in args.density:
             check_sparse(name, density)
-    if not args.algorithm and not args.sparse:
-        raise ValueError("nothing to simulate: give --algorithm or --sparse")
+    if not args.algorithm and not args.sparse and not args.compression:
+        raise ValueError("nothing to simulate: give --algorithm, --sparse or --compression")
     if args.max_streams < 0:
         raise ValueError(f"--max-streams {args.max_streams}: must be 0 (never cut) or more")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
@@ -161,6 +185,14 @@ def _results(args: argparse.Namespace, machines: list[Platform]) -> Iterator[Res
                         name, platform, nbytes, density, args.factors, args.timeout_s,
                         args.max_streams or None,
                     )  # fmt: skip
+            several = gpus_per_node(platform) != 1  # else per host is the flat reduction
+            for spec in args.compression:
+                for level in args.hierarchy:
+                    if level == "flat" or several:
+                        yield compressed.simulate_compressed(
+                            spec, platform, nbytes, level == "host", args.factors,
+                            args.timeout_s,
+                        )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,13 +203,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"commlayer simulate: {exc}", file=sys.stderr)
         return 2
     results: list[Result] = []
+    row = report.compressed_row if args.compression else report.markdown_row
     if args.format == "table":
-        print(report.HEADER, flush=True)
+        print(report.COMPRESSED_HEADER if args.compression else report.HEADER, flush=True)
     try:
         for result in _results(args, machines):
             results.append(result)
             line = report.json_line(result) if args.format == "json" else None
-            print(line or report.markdown_row(result), flush=True)
+            print(line or row(result), flush=True)
     except (ValueError, RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"commlayer simulate: {exc}", file=sys.stderr)
         return 2

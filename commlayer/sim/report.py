@@ -1,5 +1,5 @@
 """Simulation results as a Markdown table, JSON lines, and a plot (against ranks, or bars at
-one rank count)."""
+one rank count; compressed reductions: time and cross-host bytes against ranks)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,34 @@ def markdown_row(r: Result) -> str:
     )
 
 
+COMPRESSED_HEADER = (
+    "| compressor | hierarchy | platform | ranks | size | cross-host MB | simulated ms | "
+    "model ms | model/sim | messages | wall s |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def compressed_row(r: Result) -> str:
+    """A compressed reduction's row (sim/compressed.py): cross-host MB is the most a node sent
+    to the others."""
+    ratio = "-" if r.model_s is None else f"{r.model_s / r.simulated_s:.3f}"
+    return (
+        f"| {r.compression} | {'per host' if r.per_host else 'flat'} | {r.platform} | "
+        f"{r.ranks} | {_size(r.size_bytes)} | {(r.cross_bytes or 0) / 1e6:,.1f} | "
+        f"{_ms(r.simulated_s)} | {_ms(r.model_s)} | {ratio} | {r.messages} | {r.wall_s:.1f} |"
+    )
+
+
 def markdown(results: Sequence[Result]) -> str:
-    return "\n".join([HEADER, *map(markdown_row, results)]) + "\n"
+    """The results as a table: a compressed reduction's columns for compressed rows."""
+    dense = [r for r in results if r.compression is None]
+    packed = [r for r in results if r.compression is not None]
+    tables = []
+    if dense or not packed:
+        tables.append("\n".join([HEADER, *map(markdown_row, dense)]))
+    if packed:
+        tables.append("\n".join([COMPRESSED_HEADER, *map(compressed_row, packed)]))
+    return "\n\n".join(tables) + "\n"
 
 
 def json_line(r: Result) -> str:
@@ -170,15 +196,72 @@ def _bars(
     ax.grid(True, axis="x", alpha=0.3)
 
 
+def compressed_figure(
+    results: Sequence[Result],
+    title: str = "",
+    kind: Callable[[Result], str] = lambda r: r.platform.split(":")[0],
+) -> Any:
+    """Compressed reductions (sim/compressed.py), a column per platform kind and size: above,
+    simulated time against ranks; below, the most MB a node sent to the others; a colour per
+    compressor, solid once per host, dashed flat (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = sorted({(kind(r), r.size_bytes) for r in results})
+    specs = sorted({str(r.compression) for r in results})
+    colours = {spec: f"C{i % 10}" for i, spec in enumerate(specs)}
+    fig, axes = plt.subplots(
+        2, len(columns), figsize=(4.6 * len(columns), 8), squeeze=False, sharex="col"
+    )
+    for c, (platform, size) in enumerate(columns):
+        here = [r for r in results if kind(r) == platform and r.size_bytes == size]
+        for spec in specs:
+            for per_host in (False, True):
+                rows = sorted(
+                    (r for r in here if r.compression == spec and bool(r.per_host) == per_host),
+                    key=lambda r: r.ranks,
+                )
+                if not rows:
+                    continue
+                style = {
+                    "color": colours[spec],
+                    "linestyle": "-" if per_host else "--",
+                    "marker": "o" if per_host else "s",
+                    "markerfacecolor": colours[spec] if per_host else "none",
+                    "label": f"{spec} {'per host' if per_host else 'flat'}",
+                }
+                xs = [r.ranks for r in rows]
+                axes[0][c].plot(xs, [r.simulated_s * 1e3 for r in rows], **style)
+                axes[1][c].plot(xs, [(r.cross_bytes or 0) / 1e6 for r in rows], **style)
+        axes[0][c].set_title(f"{platform}, {_size(size)} bucket")
+        axes[1][c].set_xlabel("ranks")
+        for ax in (axes[0][c], axes[1][c]):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("simulated time of one bucket (ms)")
+    axes[1][0].set_ylabel("MB a node sends to the others")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8)
+    fig.subplots_adjust(bottom=0.08 + 0.03 * -(-len(labels) // 6), hspace=0.12)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
 def plot(
     results: Sequence[Result],
     path: Path,
     title: str = "",
     kind: Callable[[Result], str] = lambda r: r.platform.split(":")[0],
 ) -> None:
-    """:func:`figure` saved as a PNG at ``path``. Needs matplotlib (pip install '.[bench]')."""
+    """:func:`figure` (:func:`compressed_figure` for compressed reductions) saved as a PNG at
+    ``path``. Needs matplotlib (pip install '.[bench]')."""
     import matplotlib.pyplot as plt
 
-    fig = figure(results, title, kind)
+    packed = all(r.compression is not None for r in results) and results
+    fig = compressed_figure(results, title, kind) if packed else figure(results, title, kind)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -34,6 +34,7 @@ from commlayer.algorithms import hierarchical, sparse
 from commlayer.algorithms.schedule import Schedule
 from commlayer.algorithms.sparse import cost as sparse_cost
 from commlayer.core.topology import Topology
+from commlayer.costmodel import compressed
 from commlayer.costmodel.simulated import SMPI_PREFIX
 from commlayer.sim import export, smpi
 from commlayer.sim.platforms import Platform
@@ -60,6 +61,11 @@ class Result:
     # what a table read back (sim/learn.py) needs beside a spec that leaves it to the option
     gpus_per_node: int = 0
     pairwise: bool = False  # a sparse step's streams replayed in rounds (export.pairwise)
+    # a compressed reduction (sim/compressed.py): its compressor spec, whether once per host,
+    # and the most bytes a host sent to the others
+    compression: str | None = None
+    per_host: bool | None = None
+    cross_bytes: int | None = None
 
     @property
     def label(self) -> str:
@@ -230,21 +236,11 @@ def allgather_streams(
 ) -> list[list[tuple[list[tuple[int, float]], list[tuple[int, float]]]]]:
     """Every rank's ``nbytes`` to every rank, as MPI libraries' allgather moves them: recursive
     doubling on a power of two (step k: 2^k lists with the partner r XOR 2^k; SMPI's ``rdb``,
-    the sparse cost model's log2 p rounds), a ring otherwise (p - 1 steps of one list). A trace
-    rather than SMPI's MPI_Allgather, whose receive buffers of p lists per rank are real
-    memory (256 ranks at 10% of 64 MiB: 3.4 GB each)."""
-    if ranks & (ranks - 1) == 0:
-        return [
-            [
-                ([(r ^ (1 << k), nbytes << k)], [(r ^ (1 << k), nbytes << k)])
-                for k in range(ranks.bit_length() - 1)
-            ]  # fmt: skip
-            for r in range(ranks)
-        ]
-    return [
-        [([((r + 1) % ranks, nbytes)], [((r - 1) % ranks, nbytes)])] * (ranks - 1)
-        for r in range(ranks)
-    ]
+    the sparse cost model's log2 p rounds), a ring otherwise (p - 1 steps of one list)
+    (costmodel/compressed.py ``allgather``). A trace rather than SMPI's MPI_Allgather, whose
+    receive buffers of p lists per rank are real memory (256 ranks at 10% of 64 MiB: 3.4 GB
+    each)."""
+    return compressed.allgather(list(range(ranks)), nbytes, ranks)
 
 
 def simulate_sparse(

@@ -14,12 +14,43 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import TESTS, worker_env
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "elastic"
+
+
+def _run(
+    command: list[str], env: dict[str, str], tmp_path: Path, mark: str, act: Callable[[int], None]
+) -> tuple[int, str]:
+    """(exit code, output) of the elastic job ``command``, ``act(driver pid)`` done once rank 0
+    printed ``mark``."""
+    log = tmp_path / "log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=TESTS.parent
+        )
+        try:
+            deadline = time.monotonic() + 90
+            while mark not in log.read_text() and proc.poll() is None:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            act(proc.pid)
+            proc.wait(150)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return proc.returncode, log.read_text()
+
+
+def _same_checksums(output: str) -> None:
+    """Each of the two remaining workers printed its parameters' checksum: the same."""
+    sums = re.findall(r"rank (\d) of 2: parameter checksum (-?\d+\.\d+)", output)
+    assert sorted(r for r, _ in sums) == ["0", "1"] and len({s for _, s in sums}) == 1, output
 
 
 @pytest.mark.slow  # 35 s on the loaded 2-core machine; test_elastic_driver.py covers the driver
@@ -37,27 +68,13 @@ def test_elastic_example_trains_through_a_host_removal(tmp_path: Path) -> None:
         *(sys.executable, str(EXAMPLE / "train.py"), "--epochs", "12", "--batch-size", "2"),
     ]
     env = worker_env(tmp_path, 120, {"ELASTIC_HOSTS_FILE": str(hosts)})
-    log = tmp_path / "log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=TESTS.parent
-        )
-        try:
-            deadline = time.monotonic() + 90
-            while "epoch 1:" not in log.read_text() and proc.poll() is None:
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
-            hosts.write_text("localhost:2\n")  # a host's slot goes away mid-training
-            proc.wait(150)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    output = log.read_text()
-    assert proc.returncode == 0, output
+    # a host's slot goes away mid-training
+    code, output = _run(
+        command, env, tmp_path, "epoch 1:", lambda _: hosts.write_text("localhost:2\n")
+    )
+    assert code == 0, output
     assert "removed from the job; exiting" in output, output
-    sums = re.findall(r"rank (\d) of 2: parameter checksum (-?\d+\.\d+)", output)
-    assert sorted(r for r, _ in sums) == ["0", "1"] and len({s for _, s in sums}) == 1, output
+    _same_checksums(output)
     assert re.search(r"epoch 11: loss \S+ on 2 workers", output), output
 
 
@@ -88,29 +105,16 @@ def _workers(parent: int) -> list[int]:
 def test_the_docstring_scenario_two_workers_kill_one_grow_back(tmp_path: Path) -> None:
     command = _docstring_command()
     env = worker_env(tmp_path, 150, {})
-    log = tmp_path / "log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=TESTS.parent
-        )
-        try:
-            deadline = time.monotonic() + 90
-            while "epoch 2:" not in log.read_text() and proc.poll() is None:
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
-            victims = _workers(proc.pid)
-            assert len(victims) == 2, (victims, log.read_text())
-            os.kill(max(victims), signal.SIGKILL)
-            proc.wait(150)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    output = log.read_text()
-    assert proc.returncode == 0, output
+
+    def kill_one(driver: int) -> None:
+        victims = _workers(driver)
+        assert len(victims) == 2, victims
+        os.kill(max(victims), signal.SIGKILL)
+
+    code, output = _run(command, env, tmp_path, "epoch 2:", kill_one)
+    assert code == 0, output
     assert "blacklisted for 4.0 s" in output, output
     # 2 -> 1 -> 2 workers, training at each size
     shrunk = output.index(" on 1 workers")
     assert " on 2 workers" in output[:shrunk] and " on 2 workers" in output[shrunk:], output
-    sums = re.findall(r"rank (\d) of 2: parameter checksum (-?\d+\.\d+)", output)
-    assert sorted(r for r, _ in sums) == ["0", "1"] and len({s for _, s in sums}) == 1, output
+    _same_checksums(output)

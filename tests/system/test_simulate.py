@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from commlayer import cli
-from commlayer.sim import learn, platforms, simulate
+from commlayer.sim import compressed, learn, platforms, simulate
 
 MISSING = [tool for tool in ("smpicc", "smpirun") if shutil.which(tool) is None]
 pytestmark = pytest.mark.skipif(
@@ -214,3 +214,41 @@ def test_pairwise_rounds_cost_little_more_than_posting_every_stream(name: str) -
     assert rounds.pairwise and not together.pairwise
     assert rounds.messages == together.messages
     assert together.simulated_s < rounds.simulated_s < 1.05 * together.simulated_s
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "powersgd:rank=2"])
+def test_compressed_flat_and_per_host_replay_as_the_model_costs_them(spec: str) -> None:
+    """16 ranks, 4 a node (issue 51): top-k's allgather sends 12 payloads out of a node flat
+    (recursive doubling: 4 and 8 by each of its 4 ranks), 3 per host (its leader: 1 and 2)."""
+    p = platforms.generate("fat-tree:nodes=4,gpus-per-node=4")
+    flat = compressed.simulate_compressed(spec, p, 4 * MiB, per_host=False)
+    host = compressed.simulate_compressed(spec, p, 4 * MiB, per_host=True)
+    assert (flat.per_host, host.per_host) == (False, True)
+    assert host.label == f"{spec} per host" and host.compression == spec
+    for r in (flat, host):
+        assert r.model_s == pytest.approx(r.simulated_s, rel=0.05)
+    if spec.startswith("topk"):
+        assert flat.cross_bytes == 16 * host.cross_bytes
+        assert host.simulated_s < flat.simulated_s
+
+
+def test_cli_compression_json_and_its_refusals(capsys: pytest.CaptureFixture[str]) -> None:
+    command = [
+        "simulate", "--compression", "qsgd:levels=7", "--compression", "topk:ratio=0.01",
+        "--platform", "fat-tree:nodes=2,gpus-per-node=2", "--size", "1MiB", "--format", "json",
+    ]  # fmt: skip
+    assert cli.main(command) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["compression"], r["per_host"]) for r in rows] == [
+        ("qsgd:levels=7", False), ("qsgd:levels=7", True),
+        ("topk:ratio=0.01", False), ("topk:ratio=0.01", True),
+    ]  # fmt: skip
+    assert all(r["cross_bytes"] > 0 for r in rows)
+    assert cli.main([*command, "--algorithm", "ring"]) == 2
+    assert "--compression replays compressed reductions alone" in capsys.readouterr().err
+    assert cli.main([*command[:3], "--compression", "auto"]) == 2  # nothing declares its size
+    assert "'auto' declares no wire_bytes" in capsys.readouterr().err
+    assert cli.main(["algorithms", "--compression", "topk:ratio=0.01", "--platform",
+                     "fat-tree:nodes=2,gpus-per-node=2", "--size", "1MiB"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "flat" in out and "per host" in out and "MB" in out

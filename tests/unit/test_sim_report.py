@@ -76,3 +76,41 @@ def test_several_rank_counts_draw_auto_over_the_line_it_equals() -> None:
     assert auto.get_marker() != shd.get_marker() and auto.get_linestyle() == "None"
     assert [t.get_text() for t in ax.texts] == ["shd", "shd"]
     plt.close(fig)
+
+
+def _compressed(spec: str, per_host: bool, ranks: int, ms: float, mb: float) -> Result:
+    label = f"{spec} {'per host' if per_host else 'flat'}"
+    return Result(
+        label, "torus:4x4,gpus-per-node=4", ranks, 64 * MIB, ms / 1e3, ms / 1e3, 0, 0.0,
+        compression=spec, per_host=per_host, cross_bytes=int(mb * 1e6),
+    )  # fmt: skip
+
+
+COMPRESSED = [
+    _compressed(spec, per_host, ranks, ms * ranks / 64, mb * ranks / 64)
+    for spec, ms, mb in (("topk:ratio=0.01", 25.0, 322.0), ("qsgd:levels=7", 164.0, 2045.0))
+    for per_host in (False, True)
+    for ranks in (64, 256)
+]
+
+
+def test_compressed_rows_get_their_own_table_and_plot() -> None:
+    text = report.markdown([*ONE_COUNT[:1], *COMPRESSED])
+    dense, packed = text.split("\n\n")
+    assert dense.startswith(report.HEADER) and "| ring |" in dense
+    assert packed.startswith(report.COMPRESSED_HEADER)
+    row = "| topk:ratio=0.01 | per host | torus:4x4,gpus-per-node=4 | 64 | 64 MiB | 322.0 |"
+    assert row in packed
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    fig = report.compressed_figure(COMPRESSED)
+    time_axis, bytes_axis = fig.axes[0], fig.axes[1]
+    lines = {line.get_label(): line for line in time_axis.get_lines()}
+    assert set(lines) == {f"{s} {h}" for s in ("topk:ratio=0.01", "qsgd:levels=7")
+                          for h in ("flat", "per host")}  # fmt: skip
+    assert lines["qsgd:levels=7 flat"].get_linestyle() == "--"
+    assert lines["qsgd:levels=7 per host"].get_linestyle() == "-"
+    mb = {line.get_label(): list(line.get_ydata()) for line in bytes_axis.get_lines()}
+    assert mb["topk:ratio=0.01 flat"] == [322.0, 1288.0]  # against ranks 64, 256
+    plt.close(fig)
