@@ -57,7 +57,7 @@ from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.mpi import MPI, MPIBackend, library_version
 from commlayer.core import config, topology
 from commlayer.core.reduce_ops import ReduceOp
-from commlayer.costmodel import measure as costmodel_measure
+from commlayer.launch import calibrate as costmodel_measure
 
 
 def parse_bytes(text: str) -> int:

@@ -90,7 +90,7 @@ def worker(mode: str, out: Path) -> None:
 
     profile = _Profile(out, mode)
     if mode == "elastic":
-        from commlayer.core import rendezvous
+        from commlayer.elastic import rendezvous
 
         state = elastic.TorchState(model, optimizer, step=0)
         if hvd.rank() == 0:  # where --burst connects

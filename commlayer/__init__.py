@@ -4,6 +4,7 @@
 """
 
 import sys as _sys
+import types as _types
 from importlib.util import find_spec as _find_spec
 
 import torch as _torch
@@ -183,4 +184,12 @@ def allreduce_algorithm() -> str:
     return _runtime.engine().config.allreduce_algorithm
 
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+# The public API: every function, class and constant above, and the two subpackages Horovod's
+# users reach through hvd (hvd.elastic.run, hvd.compression); not the submodules the imports
+# above bring in as attributes (runtime, config, ops, core, ...), which are internal.
+__all__ = [
+    name
+    for name, value in dict(globals()).items()
+    if not name.startswith("_")
+    and (not isinstance(value, _types.ModuleType) or name in ("elastic", "compression"))
+]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from commlayer import costmodel
 from commlayer.core.config import parse_variable
-from commlayer.costmodel import measure
+from commlayer.launch import calibrate as measure
 
 
 def _bytes(text: str) -> int:

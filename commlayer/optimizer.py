@@ -22,7 +22,7 @@
 4. Compression (``compression=``: a compressor, a spec such as ``"topk:ratio=0.01"``, a
    ``compression.Policy``, or None for the ``compression`` init() resolved, default
    COMMLAYER_COMPRESSION): the policy picks a compressor per gradient, and how its payload
-   travels is the communicator's business (compression/communicator.py: allreduce for
+   travels is the communicator's business (comm/communicator.py: allreduce for
    summable payloads, PowerSGD's rounds chained as they complete, one gathered record for the
    others, or the configured sparse algorithm for top-k). The compressors' state
    (error-feedback residuals, keyed by gradient name) travels in ``state_dict()``. Across

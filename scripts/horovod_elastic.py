@@ -36,7 +36,7 @@ from horovod_suite import _SHIM as _SUITE_SHIM  # horovod.torch, horovod.runner.
 
 _IMPORT = "import horovod.torch as hvd"
 
-_LAUNCH = '''import shutil
+_LAUNCH = """import shutil
 import subprocess
 import sys
 import types
@@ -61,7 +61,7 @@ def _run_elastic(args):
             "Horovod detected that one or more processes exited with non-zero status "
             f"(commlayerrun exited with {proc.returncode}: {' '.join(why) or 'no reason given'})"
         )
-'''
+"""
 
 _SHIM = {
     **_SUITE_SHIM,

@@ -6,7 +6,7 @@ memory and its sends straight from the buffer (zero-copy slices of a contiguous 
 applies the receives in order (reduce into the buffer or copy over it), each as soon as it and
 those before it arrived when the step's sends do not overlap them, else once everything of the
 step completed. It knows no algorithm and no cost model: selection.py picks the schedule, and
-the calibration (costmodel/measure.py) times exchanges through it.
+the calibration (launch/calibrate.py) times exchanges through it.
 """
 
 from __future__ import annotations

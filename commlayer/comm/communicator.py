@@ -11,7 +11,7 @@ the compressor declares (compression/base.py):
    previous one completes, named ``<name>.round<k>``. ``Average`` of float16 payloads sums
    values divided before the sum, so n ranks cannot overflow 65504.
 2. Not summable (qsgd, topk, efsignsgd, onebit): every payload tensor of the call is packed
-   into one byte record (compression/wire.py) and gathered; each rank's record is decoded with
+   into one byte record (comm/wire.py) and gathered; each rank's record is decoded with
    the local context and summed; ``Average`` divides by the records received (a joined rank
    sends none). A peer's malformed payload is a PayloadError naming this rank, the tensor and
    the peer.

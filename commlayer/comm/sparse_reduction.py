@@ -1,5 +1,5 @@
 """Top-k payloads reduced sparse through the engine's collectives (the communicator's sparse
-path: compression/communicator.py, its only caller; API layer, like the communicator).
+path: comm/communicator.py, its only caller; API layer, like the communicator).
 
 The engine negotiates and runs whole collectives (it has no point-to-point operations), so
 every sparse algorithm is cast as a sequence of them:

@@ -491,7 +491,7 @@ class SlurmAllocation:
 
 @dataclasses.dataclass(frozen=True)
 class ElasticWorker:
-    """A worker started by commlayerrun's elastic driver (commlayer/elastic/driver.py): the
+    """A worker started by commlayerrun's elastic driver (commlayer/launch/driver.py): the
     driver's ``host:port``, the job key and this worker's name. Set by the driver only."""
 
     driver: str

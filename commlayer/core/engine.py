@@ -225,10 +225,6 @@ class Engine:
         state = self._sets.get(set_id)
         return state.backend if state else None
 
-    def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
-        state = self._sets.get(set_id)
-        return state.ranks if state else None
-
     def topology(self, set_id: int) -> Topology:
         """The topology the algorithms use for a process set this rank belongs to."""
         return self._allreduce.topology(self._sets[set_id].backend)
@@ -263,7 +259,7 @@ class Engine:
         """Run ``task`` on the engine thread at the start of its next cycle, before the
         operations queued so far are negotiated (what it submits joins them): work that must
         not delay the caller, such as compressing a gradient during backward
-        (compression/communicator.py). ``task`` must not raise: it reports its own errors
+        (comm/communicator.py). ``task`` must not raise: it reports its own errors
         (its future's). Raises as ``submit`` does once the engine stopped; a task queued
         before that runs all the same (its submissions then fail with the engine's error)."""
         with self._cv:
@@ -434,7 +430,7 @@ class Engine:
                 self._stop_after_stall(result.stalled)
             for op, error in result.failed:
                 self.complete(op, error=error)
-            self._execute(set_id, state, result)
+            self._execute(state, result)
             if set_id == 0:
                 if result.all_joined_last is not None:
                     self._finish_join(result.all_joined_last)
@@ -602,7 +598,7 @@ class Engine:
                 error = exc
         op.handle._set(result, error)
 
-    def _execute(self, set_id: int, state: _SetState, result: CycleResult) -> None:
+    def _execute(self, state: _SetState, result: CycleResult) -> None:
         self._executing = [op for _, op in result.ready if op is not None]
         for staged in self._executing:
             if staged.ready is not None:  # device tensors: copied to the host, or produced

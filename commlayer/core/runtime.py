@@ -18,7 +18,7 @@ import gc
 import logging
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from commlayer import backends, kernels
@@ -28,7 +28,7 @@ from commlayer.core import malloc
 from commlayer.core import process_sets as process_sets_module
 from commlayer.core.config import Config
 from commlayer.core.engine import Engine
-from commlayer.core.errors import NotInitializedError
+from commlayer.core.errors import ConfigError, NotInitializedError
 from commlayer.core.process_sets import ProcessSet, check_ranks, global_process_set
 from commlayer.core.registries import REGISTRIES
 
@@ -178,13 +178,31 @@ def _start_engine(
         return backend, engine
 
 
-def _elastic_world_broken() -> bool:
-    """Whether this is an elastic driver's worker whose world lost a worker (rendezvous.py)."""
-    if config_module.elastic_worker() is None:
-        return False
-    from commlayer.core import rendezvous
+@dataclasses.dataclass(frozen=True)
+class ElasticRendezvous:
+    """How an elastic driver's worker joins its world (commlayer/elastic/rendezvous.py, which
+    registers it with ``use_elastic_rendezvous``: the API layer's elastic package, which the
+    core does not import): ``join(timeout_s)`` starts torch.distributed over the next world;
+    ``broken()``, whether a worker of the current one died."""
 
-    return rendezvous.world_broken()
+    join: Callable[[float], None]
+    broken: Callable[[], bool]
+
+
+_elastic_rendezvous: ElasticRendezvous | None = None
+
+
+def use_elastic_rendezvous(rendezvous: ElasticRendezvous) -> None:
+    """The elastic worker's rendezvous (``import commlayer`` registers it)."""
+    global _elastic_rendezvous
+    _elastic_rendezvous = rendezvous
+
+
+def _elastic_world_broken() -> bool:
+    """Whether this is an elastic driver's worker whose world lost a worker."""
+    if config_module.elastic_worker() is None or _elastic_rendezvous is None:
+        return False
+    return _elastic_rendezvous.broken()
 
 
 # sys.excepthook: ``_excepthook`` prints the traceback with ``_hook_below`` (Python's, or the
@@ -246,9 +264,12 @@ def _start_backend(comm: Any, cfg: Config) -> Backend:
     chosen = backends.choose(cfg.backend, launch, elastic)
     join = None
     if elastic:
-        from commlayer.core import rendezvous
-
-        join = rendezvous.init_process_group  # this generation's world
+        if _elastic_rendezvous is None:  # commlayer/__init__ imports elastic, which registers
+            raise ConfigError(
+                "started by commlayerrun's elastic driver, but commlayer.elastic is not "
+                "imported: import commlayer (or commlayer.elastic) before init()"
+            )
+        join = _elastic_rendezvous.join  # this generation's world
     module = chosen.load()
     # before start: a start that fails midway (an elastic world that broke in new_group) is
     # finished through it, as _start_engine does

@@ -1,12 +1,12 @@
 """Cost model of the allreduce algorithms, calibrated on this machine; it decides ``auto``.
 
-Four parts: model.py, the alpha-beta-gamma sums of a schedule (pure: every registered schedule
+Three parts: model.py, the alpha-beta-gamma sums of a schedule (pure: every registered schedule
 algorithm is costed from its steps, so a new one needs no table); calibration.py, the stored
-``Calibration``; simulated.py, COMMLAYER_SIM_TABLE as ``auto`` reads it; measure.py,
-``calibrate`` and the timing behind it (needs a backend and the executor: a side system, which
-the runtime never imports; ``from commlayer.costmodel import measure``). ``commlayer calibrate``
-(under mpiexec) measures and saves; ``commlayer algorithms --size 64MiB`` prints the predicted
-table. The names below are re-exported from model.py and calibration.py.
+``Calibration``; simulated.py, COMMLAYER_SIM_TABLE as ``auto`` reads it. Measuring a
+calibration needs a backend and the executor: it is a side system the runtime never imports,
+``commlayer.launch.calibrate``. ``commlayer calibrate`` (under mpiexec) measures and saves;
+``commlayer algorithms --size 64MiB`` prints the predicted table. The names below are
+re-exported from model.py and calibration.py.
 """
 
 from __future__ import annotations

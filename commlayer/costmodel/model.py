@@ -11,7 +11,7 @@ piece while later ones are in flight, so up to (m - 1)/m of the local work can h
 transfers). ``overlap`` in [0, 1], T(n) (the time of one message each way, read off a measured
 curve: MPI's eager and rendezvous protocols have different alphas and betas, which one line
 cannot follow) and the local gamma and copy curves come from a ``Calibration``
-(calibration.py, measured by measure.py). An algorithm's time is the largest sum over the
+(calibration.py, measured by launch/calibrate.py). An algorithm's time is the largest sum over the
 ranks' schedules (ranks are sampled at large sizes). The two native algorithms (``mpi``,
 ``shm``) are not schedules: their measured times are interpolated (log-log) between the
 measured sizes and extrapolated at constant bandwidth beyond them.

@@ -49,7 +49,7 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -685,10 +685,3 @@ def _number(file: Path) -> int | None:
         return int(file.stem)
     except ValueError:
         return None
-
-
-def decode_with(decode: Callable[[bytes], Any], data: bytes, sample_id: int, where: Path) -> Any:
-    try:
-        return decode(data)
-    except Exception as exc:
-        raise LayoutError(f"cannot decode sample {sample_id} from {str(where)!r}: {exc}") from exc

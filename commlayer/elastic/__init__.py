@@ -13,7 +13,7 @@ train(state)
 ```
 
 Under commlayerrun's elastic driver (``commlayerrun --min-np/--max-np/--host-discovery-script``,
-commlayer/elastic/driver.py) the world changes as in Horovod. ``run`` does, in a loop:
+commlayer/launch/driver.py) the world changes as in Horovod. ``run`` does, in a loop:
 
 1. ``state.sync()`` (unless the last interrupt said to skip it), then call the function.
 2. On a ``HorovodInternalError`` (a peer died: RankDiedError; or any commlayer error): shut the
@@ -55,6 +55,7 @@ from typing import Any, TypeVar
 
 from commlayer.core import config, runtime
 from commlayer.core.errors import HorovodInternalError, HostsUpdatedInterrupt, ShutdownError
+from commlayer.elastic import rendezvous  # registers the worker's rendezvous with the runtime
 from commlayer.elastic.sampler import ElasticSampler
 from commlayer.elastic.state import ObjectState, State, TorchState
 
@@ -84,8 +85,6 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
             )
         elastic = config.elastic_worker() is not None
         if elastic:
-            from commlayer.core import rendezvous
-
             rendezvous.register_state(state)
             rendezvous.join(state)
             _restore_lost(state)
@@ -148,7 +147,6 @@ def _reform_once(state: State) -> None:
     dropped, and every DistributedOptimizer starts over at the new size (its one-rank
     identity on or off with it)."""
     from commlayer import optimizer
-    from commlayer.core import rendezvous
 
     added = runtime.added_process_sets()
     runtime.shutdown()
@@ -162,8 +160,6 @@ def _reform_once(state: State) -> None:
 def _restore_lost(state: State) -> None:
     """A world with no worker of the last one (commlayerrun --on-state-lost reset): the reset
     callbacks restore the state from the user's own checkpoint before the sync."""
-    from commlayer.core import rendezvous
-
     if rendezvous.state_lost():
         log.warning(
             "commlayer rank %d: this world has no worker of the last one (which held the last "
@@ -178,7 +174,6 @@ def _add_again(added: list[Any]) -> None:
     (collective) where every rank of the new one had them, that is no worker joined and each
     set's ranks exist; else dropped (unregistered: using one is a clear error), saying so."""
     from commlayer import ops
-    from commlayer.core import rendezvous
 
     size, fits = runtime.size(), [ps for ps in added if max(ps.ranks) < runtime.size()]
     kept = fits if not rendezvous.joined() else []

@@ -23,7 +23,7 @@ The GradBucket contract (torch ``ddp_comm_hooks``): the hook gets a bucket whose
    after the first iteration, so a residual or a warm start kept for bucket ``i`` before then
    would belong to other parameters.
 3. Otherwise hand the buffer to commlayer's compression communicator
-   (compression/communicator.py, the one DistributedOptimizer uses), which compresses, moves the
+   (comm/communicator.py, the one DistributedOptimizer uses), which compresses, moves the
    payload as the compressor declares (allreduce for summable ones, one gathered record for the
    others) and decompresses into the buffer. A multi-round compressor (PowerSGD) gets each
    parameter's view of the buffer (it needs the matrix shapes), all views' payloads in one

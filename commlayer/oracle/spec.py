@@ -308,4 +308,3 @@ def parse_lc(path: str | Path, net: Net) -> tuple[bool, ...]:
 def full_mask(net: Net) -> tuple[bool, ...]:
     """Every layer split (ParaDL's default without ``--lc``)."""
     return tuple(True for _ in net.layers)
-

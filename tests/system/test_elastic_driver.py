@@ -29,7 +29,7 @@ import torch
 from conftest import SCRIPTS, run_limited, worker_env
 from torch import nn
 
-from commlayer.core import elastic_protocol as protocol
+from commlayer.elastic import protocol
 
 pytestmark = pytest.mark.timeout(240) if hasattr(pytest.mark, "timeout") else []
 
@@ -38,7 +38,7 @@ _TIMEOUT_S = 150.0
 
 def _commlayerrun() -> list[str]:
     path = Path(sysconfig.get_path("scripts")) / "commlayerrun"
-    return [str(path)] if path.exists() else [sys.executable, "-m", "commlayer.launcher"]
+    return [str(path)] if path.exists() else [sys.executable, "-m", "commlayer.launch.launcher"]
 
 
 def _job(

@@ -30,7 +30,7 @@ _FAILED = "elastic job failed"
 
 def _commlayerrun() -> list[str]:
     path = Path(sysconfig.get_path("scripts")) / "commlayerrun"
-    return [str(path)] if path.exists() else [sys.executable, "-m", "commlayer.launcher"]
+    return [str(path)] if path.exists() else [sys.executable, "-m", "commlayer.launch.launcher"]
 
 
 def _discovery(path: Path, logfile: Path, schedule: list[tuple[int | None, list[str]]]) -> None:

@@ -1,6 +1,6 @@
 """commlayerrun removes the MPICH shared-memory files of a job whose rank was SIGKILLed
-(commlayer/mpich_shm.py): MPICH unlinks them in MPI_Finalize, which a killed job never reaches,
-and they filled /dev/shm run after run (27 files, 55 MB after a run of fault tests)."""
+(commlayer/launch/mpich_shm.py): MPICH unlinks them in MPI_Finalize, which a killed job never
+reaches, and they filled /dev/shm run after run (27 files, 55 MB after a run of fault tests)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from conftest import SCRIPTS
 
 def _commlayerrun() -> list[str]:
     path = Path(sysconfig.get_path("scripts")) / "commlayerrun"
-    return [str(path)] if path.exists() else [sys.executable, "-m", "commlayer.launcher"]
+    return [str(path)] if path.exists() else [sys.executable, "-m", "commlayer.launch.launcher"]
 
 
 def test_a_killed_jobs_shared_memory_files_are_removed(harness: ModuleType, tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.core.engine import agreed_calibrations
 from commlayer.core.topology import Topology
-from commlayer.costmodel import Calibration, measure
+from commlayer.costmodel import Calibration
+from commlayer.launch import calibrate as measure
 
 CAL = Calibration(
     size=4,

@@ -1,4 +1,4 @@
-"""The elastic driver's policy, without processes (commlayer/elastic/driver.py, issue 48): the
+"""The elastic driver's policy, without processes (commlayer/launch/driver.py, issue 48): the
 ranks of a new world (Horovod's get_host_assignments, survivors kept and first), the blacklist's
 cooldown (Horovod's exponential backoff), and host discovery that fails or hangs."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from commlayer.elastic import driver
-from commlayer.elastic.driver import Blacklist, Slot, assign
+from commlayer.launch import driver
+from commlayer.launch.driver import Blacklist, Slot, assign
 
 
 def _free(host: str, slot: int) -> bool:
@@ -186,11 +186,11 @@ def test_the_driver_refuses_a_bad_policy() -> None:
 def test_notices_of_another_world_are_stale_and_host_changes_are_replayed_on_joining(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The worker's side (core/rendezvous.py): a death notice counts for the world it names
+    """The worker's side (elastic/rendezvous.py): a death notice counts for the world it names
     only, every death of that world is kept, and host changes the driver reported since the
     world formed reach a state that joins it later."""
     from commlayer.backends import torch_distributed
-    from commlayer.core import rendezvous
+    from commlayer.elastic import rendezvous
     from commlayer.elastic.state import State
 
     reported: list[list[int]] = []

@@ -1,4 +1,4 @@
-"""The elastic driver's control channel (commlayer/core/elastic_protocol.py): message signing, and a
+"""The elastic driver's control channel (commlayer/elastic/protocol.py): message signing, and a
 driver in this process that refuses what does not carry the job key, replays included, without
 a silent client holding up the job's workers (issue 38)."""
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from commlayer.core import elastic_protocol as protocol
-from commlayer.elastic import driver as driver_module
+from commlayer.elastic import protocol
+from commlayer.launch import driver as driver_module
 
 KEY = b"k" * 32
 NONCE = b"n" * protocol.NONCE_BYTES
@@ -81,7 +81,7 @@ def test_driver_refuses_without_the_key_and_a_silent_client_blocks_nobody(
     monkeypatch.setattr(protocol, "HANDSHAKE_TIMEOUT_S", 1.0)
     job = _driver()
     try:
-        with caplog.at_level(logging.WARNING, logger="commlayer.elastic.driver"):
+        with caplog.at_level(logging.WARNING, logger="commlayer.launch.driver"):
             silent = socket.create_connection(("127.0.0.1", _port(job)))  # never says a word
             # the job's worker is served at once meanwhile
             began = time.monotonic()
@@ -136,7 +136,7 @@ def test_parse_hosts() -> None:
 def test_commlayerrun_refuses_elastic_mode_over_mpi(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from commlayer import launcher
+    from commlayer.launch import launcher
 
     monkeypatch.setenv("COMMLAYER_BACKEND", "mpi")
     assert launcher.main(["-np", "2", "--min-np", "1", "-H", "localhost:2", "true"]) == 2

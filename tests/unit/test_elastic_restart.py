@@ -15,7 +15,7 @@ import torch
 
 import commlayer
 from commlayer import elastic, kernels
-from commlayer.core import rendezvous, runtime
+from commlayer.elastic import rendezvous, runtime
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The elastic driver's control channel server (commlayer/elastic/server.py) under what knocked
+"""The elastic driver's control channel server (commlayer/launch/server.py) under what knocked
 the driver over or held it (issue 48): a burst of connections at a low descriptor limit, a
 client trickling its greeting, a first frame announced too large, more unauthenticated
 connections than the cap, a session thread that cannot start; and where the driver listens.
@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from commlayer.core import elastic_protocol as protocol
-from commlayer.elastic import driver as driver_module
-from commlayer.elastic import server as server_module
+from commlayer.elastic import protocol
+from commlayer.launch import driver as driver_module
+from commlayer.launch import server as server_module
 
 KEY = b"k" * 32
-_LOG = "commlayer.elastic.driver"
+_LOG = "commlayer.launch.driver"
 
 
 class Echo:
@@ -179,8 +179,8 @@ def test_close_ends_the_greetings_in_progress(echo: Echo) -> None:
 _SERVER = textwrap.dedent(
     """
     import logging, resource, sys
-    from commlayer.core import elastic_protocol as protocol
-    from commlayer.elastic import server
+    from commlayer.elastic import protocol
+    from commlayer.launch import server
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     protocol.HANDSHAKE_TIMEOUT_S = 2.0

@@ -45,12 +45,9 @@ SIDE = (
     "commlayer.sim",
     "commlayer.oracle",
     "commlayer.cli",
-    "commlayer.launcher",
-    "commlayer.costmodel.measure",
-    "commlayer.elastic.driver",
-    "commlayer.elastic.server",
-    "commlayer.hosts",
-    "commlayer.mpich_shm",
+    # commlayerrun, the elastic driver, host lists, the calibration's measuring
+    "commlayer.launch",
+    "commlayer.launcher",  # the old path of commlayer.launch.launcher
 )
 # What users add around training: they may use the API layer; the layers never import them.
 EXTRAS = ("commlayer.data", "commlayer.model_parallel")

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 import commlayer
-from commlayer import hosts as hostlist
-from commlayer import launcher, mpich_shm
 from commlayer.core import config
+from commlayer.launch import hosts as hostlist
+from commlayer.launch import launcher, mpich_shm
 
 OPEN_MPI_VERSION = (
     "mpirun (Open MPI) 4.1.2\n\nReport bugs to http://www.open-mpi.org/community/help/"
@@ -532,7 +532,7 @@ def test_main_without_np_outside_slurm_is_refused(
     assert calls.calls == []
 
 
-# host lists (commlayer/hosts.py) --------------------------------------------------------------
+# host lists (commlayer/launch/hosts.py) -----------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -582,7 +582,7 @@ def test_host_list_bad_entry_is_named(text: str, entry: str, why: str) -> None:
 
 
 def test_driver_parses_hosts_with_the_same_parser() -> None:
-    from commlayer.elastic import driver
+    from commlayer.launch import driver
 
     assert driver.parse_hosts("a:2\nb", 3) == {"a": 2, "b": 3}
     assert driver.parse_hosts("") == {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from commlayer import launcher
+from commlayer.launch import launcher
 
 HYDRA_VERSION = "HYDRA build details:\n    Version:                                 4.1.2"
 OPEN_MPI_VERSION = "mpirun (Open MPI) 4.1.2"

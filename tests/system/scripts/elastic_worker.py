@@ -55,7 +55,7 @@ from torch import nn
 
 import commlayer as hvd
 from commlayer import elastic
-from commlayer.core import rendezvous
+from commlayer.elastic import rendezvous
 
 out, steps, events = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 log = out / f"{os.getpid()}.jsonl"

@@ -1,4 +1,4 @@
-"""The worker's side of the elastic driver (commlayer/elastic/driver.py): rendezvous, the
+"""The worker's side of the elastic driver (commlayer/launch/driver.py): rendezvous, the
 torch.distributed store, and the driver's notices.
 
 A worker the driver started has COMMLAYER_ELASTIC_DRIVER (the driver's address),
@@ -38,9 +38,9 @@ from typing import Any
 import torch.distributed as dist
 
 from commlayer.backends import torch_distributed
-from commlayer.core import config
-from commlayer.core import elastic_protocol as protocol
+from commlayer.core import config, runtime
 from commlayer.core.errors import CommlayerError
+from commlayer.elastic import protocol
 
 log = logging.getLogger("commlayer")
 
@@ -357,3 +357,6 @@ def _dead(gen: int, ranks: list[int]) -> None:
         _broken_event.set()
         _dead_ranks.update(ranks)  # every death of this world, not the newest one only
         torch_distributed.report_dead(sorted(_dead_ranks))
+
+
+runtime.use_elastic_rendezvous(runtime.ElasticRendezvous(init_process_group, world_broken))

@@ -17,7 +17,7 @@ made by the driver and handed to the workers it starts).
   driver then logs the refusal and closes the connection.
 - The greeting has one deadline: the client's first message must arrive, signed, within
   ``HANDSHAKE_TIMEOUT_S`` of the connect, however it trickles in. The driver's side is
-  ``Handshake``, driven by a non-blocking socket (commlayer/elastic/server.py runs every
+  ``Handshake``, driven by a non-blocking socket (commlayer/launch/server.py runs every
   connection's handshake in one thread); a client waits for the driver's nonce at most its
   connect timeout.
 

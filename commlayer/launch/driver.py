@@ -58,11 +58,11 @@ It follows Horovod's elastic driver where Horovod's own tests state its behaviou
 8. Lost workers: each worker sends a heartbeat every second on its event connection; one not
    heard from for ``--heartbeat-timeout`` seconds (default 10: its host's link is down, or it
    is frozen) is SIGKILLed and is dead as in 3.
-9. Security (elastic_protocol.py): a job key of 32 random bytes, handed to the workers in their
+9. Security (elastic/protocol.py): a job key of 32 random bytes, handed to the workers in their
    environment (to a cluster host on the launcher's stdin, never on a command line); every
    message signed (HMAC-SHA256, per-connection nonce and counters); a connection that fails the
    handshake, or names no worker this driver started, is refused and logged. The rendezvous
-   store is the driver's dictionary reached over that channel (core/rendezvous.py), not an open
+   store is the driver's dictionary reached over that channel (elastic/rendezvous.py), not an open
    TCPStore.
 """
 
@@ -86,11 +86,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from commlayer import hosts as hostlist
-from commlayer.core import elastic_protocol as protocol
-from commlayer.elastic.server import Server
+from commlayer.elastic import protocol
+from commlayer.launch import hosts as hostlist
+from commlayer.launch.server import Server
 
-log = logging.getLogger("commlayer.elastic.driver")
+log = logging.getLogger("commlayer.launch.driver")
 
 _POLL_S = 0.2
 _DISCOVERY_S = 1.0  # Horovod's DISCOVER_HOSTS_FREQUENCY_SECS
@@ -101,7 +101,7 @@ _DISCOVERY_BACKOFF_MAX_S = 30.0
 HEARTBEAT_TIMEOUT_S = 10.0
 SCOPES = ("host", "slot")
 ON_STATE_LOST = ("fail", "reset")
-_STORE_PREFIX = "commlayer/elastic/"  # + generation + "/": core/rendezvous.py's DriverStore
+_STORE_PREFIX = "commlayer/elastic/"  # + generation + "/": elastic/rendezvous.py's DriverStore
 
 
 def local_names() -> set[str]:
@@ -144,8 +144,8 @@ def _loopback(address: str) -> bool:
 
 
 def parse_hosts(text: str, default_slots: int = 1, what: str = "hosts") -> dict[str, int]:
-    """``{host: slots}`` from ``host:slots`` entries (lines or commas; commlayer/hosts.py); {}
-    for none; ValueError naming the bad entry."""
+    """``{host: slots}`` from ``host:slots`` entries (lines or commas; launch/hosts.py); {} for
+    none; ValueError naming the bad entry."""
     return hostlist.parse(text, what, default_slots)
 
 
@@ -390,7 +390,7 @@ class Driver:
         self._server: Server | None = None  # listening from the first worker's start
         self._update_order(time.monotonic())
 
-    # -- control channel (the server: commlayer/elastic/server.py) --------------------------
+    # -- control channel (the server: commlayer/launch/server.py) --------------------------
     def _refuse(self, peer: str, why: object) -> None:
         with self._cv:
             self.refused += 1

@@ -1,5 +1,5 @@
 """The elastic driver's control channel server: listens, accepts, authenticates each
-connection's greeting (core/elastic_protocol.py) and hands the authenticated channel with its
+connection's greeting (elastic/protocol.py) and hands the authenticated channel with its
 greeting to the driver's ``serve``, in a thread of that connection's own.
 
 1. Connections not yet authenticated cost no thread: one selector loop, this server's thread,
@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from commlayer.core import elastic_protocol as protocol
+from commlayer.elastic import protocol
 
-log = logging.getLogger("commlayer.elastic.driver")  # the driver's log: its channel's words
+log = logging.getLogger("commlayer.launch.driver")  # the driver's log: its channel's words
 
 MAX_HANDSHAKES = 64
 _MIN_BACKOFF_S = 0.01
