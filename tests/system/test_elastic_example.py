@@ -104,7 +104,9 @@ def _workers(parent: int) -> list[int]:
 
 def test_the_docstring_scenario_two_workers_kill_one_grow_back(tmp_path: Path) -> None:
     command = _docstring_command()
-    env = worker_env(tmp_path, 150, {})
+    # the command's "python" is this environment's, first on PATH as in a user's activated venv
+    path = os.pathsep.join(filter(None, [sysconfig.get_path("scripts"), os.environ.get("PATH")]))
+    env = worker_env(tmp_path, 150, {"PATH": path})
 
     def kill_one(driver: int) -> None:
         victims = _workers(driver)
