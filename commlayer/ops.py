@@ -19,9 +19,11 @@ import torch
 
 from commlayer.algorithms import adasum
 from commlayer.comm import wire
+from commlayer.common.errors import UnsupportedOpError
+from commlayer.common.reduce_ops import SUPPORTED_OPS, ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.core import device, runtime
 from commlayer.core.engine import Operation
-from commlayer.core.errors import UnsupportedOpError
 from commlayer.core.future import Future, Handle, combined
 from commlayer.core.negotiation import (
     ALLGATHER,
@@ -36,8 +38,6 @@ from commlayer.core.negotiation import (
     shapes_of,
 )
 from commlayer.core.process_sets import ProcessSet, check_ranks, global_process_set
-from commlayer.core.reduce_ops import SUPPORTED_OPS, ReduceOp
-from commlayer.core.topology import Topology
 
 ALLREDUCE_OPS = (*SUPPORTED_OPS, ReduceOp.Adasum)  # Adasum: allreduce only (adasum.py)
 SUPPORTED_DTYPES = (

@@ -15,7 +15,7 @@ import torch
 
 from commlayer.algorithms.schedule import Schedule
 from commlayer.backends.base import Backend, Request
-from commlayer.core.reduce_ops import ReduceOp, reduce_into
+from commlayer.common.reduce_ops import ReduceOp, reduce_into
 
 _CPU = torch.device("cpu")
 

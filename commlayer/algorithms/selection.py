@@ -27,8 +27,8 @@ from commlayer.backends.base import (
     SharedMemory,
     TwoLevel,
 )
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.costmodel import model as costmodel
 from commlayer.costmodel.calibration import Calibration
 

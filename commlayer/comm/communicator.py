@@ -62,14 +62,14 @@ import torch
 from commlayer import ops
 from commlayer.comm import wire
 from commlayer.comm.sparse_reduction import SparseReduction, engine_algorithm
+from commlayer.common.errors import PayloadError
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.compression.base import Compressed, Compressor, RecordError
 from commlayer.compression.factory import create
 from commlayer.core import runtime
-from commlayer.core.errors import PayloadError
 from commlayer.core.future import Future, combined
 from commlayer.core.process_sets import ProcessSet, global_process_set
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
 
 
 class FutureLike(Protocol):

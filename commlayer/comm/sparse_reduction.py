@@ -56,11 +56,11 @@ from commlayer.algorithms.sparse.executor import (
     with_residual_step,
 )
 from commlayer.comm import wire
-from commlayer.core.errors import PayloadError
+from commlayer.common.errors import PayloadError
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.core.future import Handle
 from commlayer.core.process_sets import ProcessSet
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
 
 ENGINE_ALGORITHMS = ("ssar_split_allgather", "dsar")  # the two-collective ones
 

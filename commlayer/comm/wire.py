@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from commlayer.core.errors import PayloadError
+from commlayer.common.errors import PayloadError
 
 _ALIGN = 8
 

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from commlayer import algorithms
+from commlayer.common.topology import Topology
 from commlayer.compression import create
 from commlayer.compression.base import payload_bytes
-from commlayer.core.topology import Topology
 from commlayer.costmodel.calibration import Calibration
 from commlayer.costmodel.model import message_time, table
 

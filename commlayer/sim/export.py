@@ -40,7 +40,7 @@ from pathlib import Path
 
 from commlayer import algorithms
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 VERSION = 1
 

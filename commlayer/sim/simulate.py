@@ -33,7 +33,7 @@ from commlayer import algorithms, costmodel
 from commlayer.algorithms import hierarchical, sparse
 from commlayer.algorithms.schedule import Schedule
 from commlayer.algorithms.sparse import cost as sparse_cost
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 from commlayer.costmodel import compressed
 from commlayer.costmodel.simulated import SMPI_PREFIX
 from commlayer.sim import export, smpi

@@ -30,9 +30,9 @@ from commlayer import algorithms
 from commlayer.algorithms import autotune
 from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.base import Backend
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.core import runtime
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
 
 NAMES = [n for n in algorithms.available() if n != algorithms.AUTO]
 OPS = (cl.Sum, cl.Min, cl.Max, cl.Product)

@@ -33,9 +33,9 @@ import commlayer as cl
 from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.mpi import MPIBackend
 from commlayer.backends.shm import CHUNK_BYTES
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.core import runtime
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
 
 pytestmark = mpi_only
 

@@ -33,10 +33,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "bottom",
         (
-            "commlayer.core.config",
-            "commlayer.core.errors",
-            "commlayer.core.reduce_ops",
-            "commlayer.core.topology",
+            "commlayer.common.config",
+            "commlayer.common.errors",
+            "commlayer.common.reduce_ops",
+            "commlayer.common.topology",
         ),
     ),
 )
@@ -182,7 +182,7 @@ def test_every_module_has_a_layer() -> None:
 def test_the_checker_sees_an_upward_import() -> None:
     graph = {
         "commlayer.core.engine": {"commlayer.ops", "commlayer.backends.base"},
-        "commlayer.backends.mpi": {"commlayer.core.errors", "commlayer.sim.learn"},
+        "commlayer.backends.mpi": {"commlayer.common.errors", "commlayer.sim.learn"},
         "commlayer.sim.learn": {"commlayer.core.engine"},
     }
     assert _upward(graph) == [

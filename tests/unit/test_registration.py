@@ -17,8 +17,8 @@ from commlayer.algorithms.selection import Allreducer
 from commlayer.algorithms.sparse import cost
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.comm.sparse_reduction import engine_algorithm
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.costmodel import Calibration
 
 TOY = "toy_direct"

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from commlayer.algorithms.registry import Registry, build
 from commlayer.algorithms.schedule import Schedule
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 AUTO = "auto"
 NATIVE = ("allgather",)  # run by the backend's allgatherv, not as a schedule
