@@ -117,7 +117,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_config_imports_no_commlayer_module_but_errors() -> None:
-    imported = _imports(PACKAGE / "core" / "config.py")
+    imported = _imports(PACKAGE / "common" / "config.py")
     ours = {name for name in imported if name.startswith("commlayer")}
     assert ours <= {"commlayer.common.errors", "commlayer.common.errors.ConfigError"}, ours
 
