@@ -98,7 +98,7 @@ def calibrate(args: argparse.Namespace) -> int:
     if backend.rank == 0:
         path = costmodel.save(cal, Path(args.out) if args.out else None)
         print(f"saved to {path}")
-        from commlayer.algorithms.sparse import cost as sparse_cost
+        from commlayer.costmodel import sparse as sparse_cost
 
         # With --out everything measured goes beside that file, not into this machine's cache
         # (where it would steer later runs: the system tests calibrate with --out).

@@ -617,7 +617,9 @@ class _Reducer:
                 self.process_set.size(), nodes,
             )  # fmt: skip
             return measured
-        return Link.from_calibration(cal)
+        from commlayer.costmodel import compressed
+
+        return compressed.link(cal)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

@@ -59,7 +59,6 @@ from typing import Any, cast
 import torch
 
 from commlayer import costmodel
-from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.base import PROGRESS_THREADS, Backend, ProgressThreads, Request
 from commlayer.common import topology
 from commlayer.common.config import Config
@@ -92,6 +91,7 @@ from commlayer.core.negotiation import (
     joined_error,
 )
 from commlayer.core.runners import allgather, allreduce, alltoall, broadcast, reducescatter
+from commlayer.core.selection import Allreducer
 from commlayer.core.timeline import NullTimeline, Timeline, open_timeline
 from commlayer.costmodel import simulated
 

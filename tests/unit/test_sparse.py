@@ -10,9 +10,9 @@ import torch
 from sparse_harness import allreduce_in_rounds
 
 from commlayer.algorithms import sparse
-from commlayer.algorithms.sparse import cost
 from commlayer.algorithms.sparse.executor import SparseResult, prepare
 from commlayer.common.topology import Topology
+from commlayer.costmodel import sparse as cost
 
 N = 97
 EXACT = sparse.exact()

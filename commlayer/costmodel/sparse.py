@@ -49,7 +49,7 @@ from commlayer.algorithms import sparse
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
 from commlayer.common import config
 from commlayer.common.topology import Topology
-from commlayer.costmodel import Calibration, load
+from commlayer.costmodel.calibration import Calibration, load
 
 
 @dataclass(frozen=True)
