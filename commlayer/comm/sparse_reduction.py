@@ -54,10 +54,10 @@ from commlayer.algorithms.sparse.executor import (
     prepare,
     with_residual_step,
 )
-from commlayer.comm import wire
 from commlayer.common.errors import PayloadError
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.common.topology import Topology
+from commlayer.core import wire
 from commlayer.core.future import Handle
 from commlayer.core.process_sets import ProcessSet
 from commlayer.costmodel import sparse as cost
