@@ -81,7 +81,8 @@ def _helps(parser: argparse.ArgumentParser, words: list[str]) -> list[tuple[str,
 
 
 def cli_page() -> str:
-    from commlayer import cli, launcher
+    from commlayer import cli
+    from commlayer.launch import launcher
 
     os.environ["COLUMNS"] = "100"  # argparse wraps to this width
     lines = [
