@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 
 import commlayer
-from commlayer import cli, launcher
+from commlayer import cli
 from commlayer.common import config
 from commlayer.integrations import ddp
+from commlayer.launch import launcher
 
 REPO = Path(__file__).resolve().parents[2]
 
