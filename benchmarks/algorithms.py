@@ -53,10 +53,10 @@ import torch
 
 from commlayer import algorithms, costmodel
 from commlayer.algorithms import autotune
-from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.mpi import MPI, MPIBackend, library_version
-from commlayer.core import config, topology
-from commlayer.core.reduce_ops import ReduceOp
+from commlayer.common import config, topology
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.core.selection import Allreducer
 from commlayer.launch import calibrate as costmodel_measure
 
 

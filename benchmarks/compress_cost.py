@@ -42,9 +42,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from commlayer.comm.communicator import Communicator  # noqa: E402
+from commlayer.common.reduce_ops import ReduceOp  # noqa: E402
 from commlayer.compression import Policy  # noqa: E402
 from commlayer.core.future import Future  # noqa: E402
-from commlayer.core.reduce_ops import ReduceOp  # noqa: E402
 
 SPECS = [
     "none",

@@ -378,7 +378,7 @@ def one_rank_worker(args: argparse.Namespace) -> None:
     """The three of ``ONE_RANK`` in one process, a step of each in turn (module docstring, 4.):
     the engine runs for all three (its idle heartbeat is charged to every one's steps)."""
     import commlayer as cl
-    from commlayer.core import config
+    from commlayer.common import config
 
     cl.init()
     build, input_shape, classes = MODELS[args.model]

@@ -10,10 +10,8 @@ from importlib.util import find_spec as _find_spec
 import torch as _torch
 
 from commlayer import compression, elastic
-from commlayer.compression import Compression
-from commlayer.core import config
-from commlayer.core import runtime as _runtime
-from commlayer.core.errors import (
+from commlayer.common import config
+from commlayer.common.errors import (
     CollectiveTimeoutError,
     CommlayerError,
     ConfigError,
@@ -27,9 +25,11 @@ from commlayer.core.errors import (
     TensorMismatchError,
     UnsupportedOpError,
 )
+from commlayer.common.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from commlayer.compression import Compression
+from commlayer.core import runtime as _runtime
 from commlayer.core.future import Future, Handle
 from commlayer.core.process_sets import ProcessSet, global_process_set
-from commlayer.core.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from commlayer.core.runtime import (
     backend_name,
     communication_stats,
@@ -93,16 +93,23 @@ from commlayer.sync_batch_norm import SyncBatchNorm
 __version__ = "0.1.0"
 
 # Paths that README and scripts written before the core/ folder existed import
-# (``commlayer.config.describe``, ``from commlayer.errors import ...``): the same module objects.
-from commlayer.core import errors as _errors  # noqa: E402
+# (``commlayer.config.describe``, ``from commlayer.errors import ...``), and the core/ paths of
+# the modules that moved down to common/ (``commlayer.core.errors``): the same module objects.
+from commlayer import core as _core  # noqa: E402
+from commlayer.common import errors as _errors  # noqa: E402
+from commlayer.common import reduce_ops as _reduce_ops  # noqa: E402
+from commlayer.common import topology as _topology  # noqa: E402
 from commlayer.core import future as _future  # noqa: E402
 from commlayer.core import process_sets as _process_sets  # noqa: E402
-from commlayer.core import reduce_ops as _reduce_ops  # noqa: E402
 
 for _module in (config, _errors, _future, _process_sets, _reduce_ops, _runtime):
     _name = _module.__name__.rpartition(".")[2]
     _sys.modules.setdefault(f"commlayer.{_name}", _module)
     globals().setdefault(_name, _module)
+for _module in (config, _errors, _reduce_ops, _topology):
+    _name = _module.__name__.rpartition(".")[2]
+    _sys.modules.setdefault(f"commlayer.core.{_name}", _module)
+    setattr(_core, _name, _module)
 
 
 def mpi_built() -> bool:

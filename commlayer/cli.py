@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from commlayer import costmodel
-from commlayer.core.config import parse_variable
+from commlayer.common.config import parse_variable
 from commlayer.launch import calibrate as measure
 
 
@@ -80,7 +80,7 @@ def _engine_op_latency_s(cal: costmodel.Calibration, quick: bool) -> float:
 
 def calibrate(args: argparse.Namespace) -> int:
     from commlayer.backends.mpi import MPIBackend
-    from commlayer.core import config, topology
+    from commlayer.common import config, topology
     from commlayer.core.registries import REGISTRIES
 
     backend = MPIBackend()
@@ -98,7 +98,7 @@ def calibrate(args: argparse.Namespace) -> int:
     if backend.rank == 0:
         path = costmodel.save(cal, Path(args.out) if args.out else None)
         print(f"saved to {path}")
-        from commlayer.algorithms.sparse import cost as sparse_cost
+        from commlayer.costmodel import sparse as sparse_cost
 
         # With --out everything measured goes beside that file, not into this machine's cache
         # (where it would steer later runs: the system tests calibrate with --out).
@@ -148,7 +148,7 @@ def compressed_table(args: argparse.Namespace) -> int:
     """``commlayer algorithms --compression SPEC``: one bucket's reduction under each spec, flat
     and once per host: the cost model's time (network only) and the most bytes a node sends to
     the others (costmodel/compressed.py), on a platform or the local calibrations."""
-    from commlayer.core.topology import Topology
+    from commlayer.common.topology import Topology
     from commlayer.costmodel import compressed
     from commlayer.sim import cli as sim_cli
     from commlayer.sim import simulate as sim

@@ -13,12 +13,12 @@ import torch
 
 from commlayer import compression as compression_
 from commlayer import ops
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import Compressed, Compression, Compressor
 from commlayer.compression.cast import CastCompressor
 from commlayer.compression.none import NoneCompressor
 from commlayer.core import runtime
 from commlayer.core.process_sets import ProcessSet, global_process_set
-from commlayer.core.reduce_ops import ReduceOp
 
 
 class _Allreduce(torch.autograd.Function):

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from commlayer import functions, ops
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.core import runtime
 from commlayer.core.process_sets import ProcessSet, global_process_set
-from commlayer.core.reduce_ops import ReduceOp
 
 
 def shard(n: int, rank: int, size: int) -> tuple[int, int]:

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from commlayer.algorithms import adasum
-from commlayer.comm import wire
-from commlayer.core import device, runtime
+from commlayer.common.errors import UnsupportedOpError
+from commlayer.common.reduce_ops import SUPPORTED_OPS, ReduceOp
+from commlayer.common.topology import Topology
+from commlayer.core import device, runtime, wire
 from commlayer.core.engine import Operation
-from commlayer.core.errors import UnsupportedOpError
 from commlayer.core.future import Future, Handle, combined
 from commlayer.core.negotiation import (
     ALLGATHER,
@@ -36,8 +37,6 @@ from commlayer.core.negotiation import (
     shapes_of,
 )
 from commlayer.core.process_sets import ProcessSet, check_ranks, global_process_set
-from commlayer.core.reduce_ops import SUPPORTED_OPS, ReduceOp
-from commlayer.core.topology import Topology
 
 ALLREDUCE_OPS = (*SUPPORTED_OPS, ReduceOp.Adasum)  # Adasum: allreduce only (adasum.py)
 SUPPORTED_DTYPES = (
@@ -685,7 +684,7 @@ def sparse_allreduce_async(
     sparse sum (entries at one index added), divided by the set's size for Average (integer
     values truncated toward zero, as the dense Average).
 
-    The entries travel as rows of index and value bytes (comm/wire.py ``pack_rows``, as the
+    The entries travel as rows of index and value bytes (core/wire.py ``pack_rows``, as the
     sparse reduction of top-k payloads moves them) in one allgather named ``name``: one
     operation of that name, so a rank that submits another kind under it (a dense gradient
     where the others have a sparse one) is a mismatch negotiation reports."""

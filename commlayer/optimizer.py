@@ -63,14 +63,14 @@ from commlayer.comm import hierarchy
 from commlayer.comm.bucketer import Bucket, Bucketer, Part, cut, split_groups
 from commlayer.comm.communicator import Communicator, EngineTransport, Transport, measure_cpu
 from commlayer.comm.hierarchy import HostLevels
+from commlayer.common.errors import CommlayerError, TensorMismatchError
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import Compressor, Policy, create
 from commlayer.compression import auto as auto_compression
 from commlayer.compression.auto import AutoCompressor, Hosts, Link
 from commlayer.core import runtime
-from commlayer.core.errors import CommlayerError, TensorMismatchError
 from commlayer.core.future import Future
 from commlayer.core.process_sets import ProcessSet, global_process_set
-from commlayer.core.reduce_ops import ReduceOp
 
 _log = logging.getLogger("commlayer")
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
@@ -617,7 +617,9 @@ class _Reducer:
                 self.process_set.size(), nodes,
             )  # fmt: skip
             return measured
-        return Link.from_calibration(cal)
+        from commlayer.costmodel import compressed
+
+        return compressed.link(cal)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

@@ -28,8 +28,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from commlayer import ops
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.core import runtime
-from commlayer.core.reduce_ops import ReduceOp
 
 
 class SyncBatchNorm(_BatchNorm):

@@ -40,7 +40,7 @@ def _cell(text: str) -> str:
 
 
 def configuration_page() -> str:
-    from commlayer.core import config
+    from commlayer.common import config
     from commlayer.core.registries import REGISTRIES
 
     lines = [

@@ -3,7 +3,7 @@
 Most are schedules (schedule.py: per-rank lists of send/receive/reduce steps run by one
 executor, executor.py); two are not: ``mpi`` (the MPI library's own MPI_Allreduce, the baseline
 every other is measured against) and ``shm`` (ranks of one node reducing through an MPI-3
-shared-memory window, backends/shm.py). ``auto`` picks one per buffer size (selection.py).
+shared-memory window, backends/shm.py). ``auto`` picks one per buffer size (core/selection.py).
 
 The registry is registry.py; this package re-exports it and imports every plug-in, one module
 per algorithm, each registering itself under its module's name.

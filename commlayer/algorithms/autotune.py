@@ -41,7 +41,7 @@ from collections.abc import Hashable
 import torch
 
 from commlayer.backends.base import Backend, Request
-from commlayer.core.reduce_ops import ReduceOp
+from commlayer.common.reduce_ops import ReduceOp
 
 log = logging.getLogger("commlayer")
 

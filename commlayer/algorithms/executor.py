@@ -5,8 +5,8 @@
 memory and its sends straight from the buffer (zero-copy slices of a contiguous tensor), and
 applies the receives in order (reduce into the buffer or copy over it), each as soon as it and
 those before it arrived when the step's sends do not overlap them, else once everything of the
-step completed. It knows no algorithm and no cost model: selection.py picks the schedule, and
-the calibration (launch/calibrate.py) times exchanges through it.
+step completed. It knows no algorithm and no cost model: core/selection.py picks the schedule,
+and the calibration (launch/calibrate.py) times exchanges through it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from commlayer.algorithms.schedule import Schedule
 from commlayer.backends.base import Backend, Request
-from commlayer.core.reduce_ops import ReduceOp, reduce_into
+from commlayer.common.reduce_ops import ReduceOp, reduce_into
 
 _CPU = torch.device("cpu")
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from commlayer.algorithms import registry
 from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Schedule, blocks, relabel, ring_phases
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 INTER = "ring"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Fold, Schedule, halving_doubling
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 
 @register("rabenseifner")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Fold, Schedule, compact, step
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 
 @register("recursive_doubling")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from commlayer.algorithms.schedule import Schedule
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 Builder = Callable[[int, int, int, Topology], Schedule]  # (rank, size, numel, topology)
 B = TypeVar("B", bound=Builder)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Schedule, blocks, ring_phases
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 
 @register("ring")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commlayer.core.reduce_ops import ReduceOp, reduce_into
+from commlayer.common.reduce_ops import ReduceOp, reduce_into
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from commlayer.algorithms.registry import register
 from commlayer.algorithms.schedule import Fold, Schedule, halving_doubling, relabel
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 
 @register("shd")

@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from commlayer.core.reduce_ops import ReduceOp
+from commlayer.common.reduce_ops import ReduceOp
 
 
 @runtime_checkable

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from commlayer.backends.peers import indices
-from commlayer.core.config import Config, Launch
-from commlayer.core.errors import CommlayerError, ShutdownError
-from commlayer.core.reduce_ops import SUPPORTED_OPS, ReduceOp, reduce_into
+from commlayer.common.config import Config, Launch
+from commlayer.common.errors import CommlayerError, ShutdownError
+from commlayer.common.reduce_ops import SUPPORTED_OPS, ReduceOp, reduce_into
 
 if TYPE_CHECKING:
     from commlayer.backends.base import Backend

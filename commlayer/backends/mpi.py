@@ -40,10 +40,10 @@ from commlayer.backends.base import (  # noqa: E402
     sync_before_host_call,
 )
 from commlayer.backends.peers import PeerTable, me  # noqa: E402
-from commlayer.core import config  # noqa: E402
-from commlayer.core.errors import CommlayerError  # noqa: E402
-from commlayer.core.reduce_ops import ReduceOp  # noqa: E402
-from commlayer.core.topology import Topology  # noqa: E402
+from commlayer.common import config  # noqa: E402
+from commlayer.common.errors import CommlayerError  # noqa: E402
+from commlayer.common.reduce_ops import ReduceOp  # noqa: E402
+from commlayer.common.topology import Topology  # noqa: E402
 
 if TYPE_CHECKING:
     from commlayer.backends.shm import SharedMemoryAllreduce
@@ -74,7 +74,7 @@ _BUILTIN_OPS = {
 
 
 def _make_half_op(dtype: torch.dtype, op: ReduceOp) -> MPI.Op:
-    from commlayer.core.reduce_ops import reduce_into
+    from commlayer.common.reduce_ops import reduce_into
 
     def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
         reduce_into(

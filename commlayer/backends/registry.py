@@ -16,8 +16,8 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from commlayer.core.config import Config, Launch
-from commlayer.core.errors import ConfigError
+from commlayer.common.config import Config, Launch
+from commlayer.common.errors import ConfigError
 
 if TYPE_CHECKING:
     from commlayer.backends.base import Backend

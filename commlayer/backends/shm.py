@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from commlayer.backends.base import Request
-from commlayer.core.reduce_ops import ReduceOp, reduce_into, reduce_out, scale_into
+from commlayer.common.reduce_ops import ReduceOp, reduce_into, reduce_out, scale_into
 
 _FLAG_BYTES = 128  # one flag per rank, alone in its cache lines (no false sharing)
 _ALIGN = 64  # slice boundaries on cache lines

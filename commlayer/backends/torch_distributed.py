@@ -71,10 +71,10 @@ from commlayer.backends.base import (
 )
 from commlayer.backends.peers import PeerTable, addresses, indices, me
 from commlayer.backends.shm import CHUNK_BYTES, FileWindow, SharedMemoryAllreduce
-from commlayer.core import config
-from commlayer.core.config import Config, Launch
-from commlayer.core.errors import CommlayerError, RankDiedError
-from commlayer.core.reduce_ops import ReduceOp, scale_into
+from commlayer.common import config
+from commlayer.common.config import Config, Launch
+from commlayer.common.errors import CommlayerError, RankDiedError
+from commlayer.common.reduce_ops import ReduceOp, scale_into
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated there); torch 2.1-2.12 have only it.
 log = logging.getLogger("commlayer")

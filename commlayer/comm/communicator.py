@@ -11,7 +11,7 @@ the compressor declares (compression/base.py):
    previous one completes, named ``<name>.round<k>``. ``Average`` of float16 payloads sums
    values divided before the sum, so n ranks cannot overflow 65504.
 2. Not summable (qsgd, topk, efsignsgd, onebit): every payload tensor of the call is packed
-   into one byte record (comm/wire.py) and gathered; each rank's record is decoded with
+   into one byte record (core/wire.py) and gathered; each rank's record is decoded with
    the local context and summed; ``Average`` divides by the records received (a joined rank
    sends none). A peer's malformed payload is a PayloadError naming this rank, the tensor and
    the peer.
@@ -60,16 +60,15 @@ from typing import Any, Protocol
 import torch
 
 from commlayer import ops
-from commlayer.comm import wire
 from commlayer.comm.sparse_reduction import SparseReduction, engine_algorithm
+from commlayer.common.errors import PayloadError
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.compression.base import Compressed, Compressor, RecordError
 from commlayer.compression.factory import create
-from commlayer.core import runtime
-from commlayer.core.errors import PayloadError
+from commlayer.core import runtime, wire
 from commlayer.core.future import Future, combined
 from commlayer.core.process_sets import ProcessSet, global_process_set
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
 
 
 class FutureLike(Protocol):

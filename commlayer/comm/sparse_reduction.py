@@ -46,7 +46,6 @@ import torch
 from commlayer import kernels, ops
 from commlayer.algorithms import sparse
 from commlayer.algorithms.schedule import Step, blocks
-from commlayer.algorithms.sparse import cost
 from commlayer.algorithms.sparse.executor import (
     ScheduleRun,
     SparseResult,
@@ -55,12 +54,13 @@ from commlayer.algorithms.sparse.executor import (
     prepare,
     with_residual_step,
 )
-from commlayer.comm import wire
-from commlayer.core.errors import PayloadError
+from commlayer.common.errors import PayloadError
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
+from commlayer.core import wire
 from commlayer.core.future import Handle
 from commlayer.core.process_sets import ProcessSet
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
+from commlayer.costmodel import sparse as cost
 
 ENGINE_ALGORITHMS = ("ssar_split_allgather", "dsar")  # the two-collective ones
 

@@ -11,9 +11,10 @@ bucket whatever its own measurements. Rank 0's facts:
    at that moment: the path a bucket takes (algorithm, engine, the link's rate now), measured
    on the job's own ranks. With ``auto:link=calibration``, the stored calibration
    (``commlayer calibrate``) for this rank count and node layout predicts ``t(B)`` instead
-   (the cost model's fastest algorithm, plus the engine's measured op latency); without one
-   that fits, the measurement. (A calibration does not know the rate a link has today: the
-   measurement is the default.)
+   (the cost model's fastest algorithm, plus the engine's measured op latency:
+   costmodel/compressed.py ``link``, which the optimizer calls; this package imports no cost
+   model); without one that fits, the measurement. (A calibration does not know the rate a
+   link has today: the measurement is the default.)
 2. Each candidate's CPU cost on this machine, measured on the bucket's own gradients (step 1's,
    cloned; the candidate made as ``create`` makes it, error feedback included, its second call
    timed so the residual is there): the whole of ``Communicator.reduce`` over a transport that
@@ -93,18 +94,6 @@ class Link:
         """An allgather of ``nbytes_per_rank`` from each rank: the allreduce moving as many
         bytes through each rank."""
         return self.allreduce_s(self.ranks * nbytes_per_rank / 2)
-
-    @staticmethod
-    def from_calibration(cal: Any, op_latency: bool = True) -> Link:
-        """``t(B)`` from a stored calibration: the cost model's fastest algorithm for B bytes
-        (costmodel.table) plus the engine's measured latency per call."""
-        from commlayer import costmodel
-
-        def curve(nbytes: int) -> float:
-            rows = costmodel.table(max(nbytes, 4), cal)
-            return (rows[0][1] if rows else 0.0) + (cal.op_latency_s if op_latency else 0.0)
-
-        return Link(cal.alpha_s, cal.beta_s_per_byte, cal.size, "calibration", curve)
 
     @staticmethod
     def fit(points: Sequence[tuple[int, float]], ranks: int) -> Link:

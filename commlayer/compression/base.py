@@ -16,7 +16,7 @@ code that moves, chooses and costs payloads (the communicator, the factory, the 
 2. ``summable=False`` (qsgd, topk, efsignsgd, onebit): every rank's payload is gathered and
    each is decompressed with the *local* ``ctx``, so ``ctx`` may depend only on the tensor's
    shape and dtype, never on its values. ``decompress`` must check a peer's payload (lengths,
-   index range, finite scales) and raise :class:`~commlayer.core.errors.PayloadError`.
+   index range, finite scales) and raise :class:`~commlayer.common.errors.PayloadError`.
 
 Optional declarations (absent: the default in brackets):
 
@@ -64,7 +64,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from commlayer.core.errors import PayloadError
+from commlayer.common.errors import PayloadError
 
 ENTRY_POINT_GROUP = "commlayer.compressors"
 _log = logging.getLogger("commlayer")

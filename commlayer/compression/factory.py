@@ -25,9 +25,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from commlayer.common.config import HIERARCHIES
 from commlayer.compression.base import Compressor, available, lookup
 from commlayer.compression.error_feedback import ErrorFeedback
-from commlayer.core.config import HIERARCHIES
 
 # Constructor keywords create() fills itself; a spec may not set them.
 _PASSED_IN = ("process_rank",)

@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from commlayer import kernels
+from commlayer.common.errors import PayloadError
 from commlayer.compression import bitpack
 from commlayer.compression.base import (
     Compressed,
@@ -25,7 +26,6 @@ from commlayer.compression.base import (
     expect_finite,
     expect_numel,
 )
-from commlayer.core.errors import PayloadError
 
 
 class OneBitCompressor:

@@ -41,6 +41,7 @@ from typing import ClassVar
 import torch
 
 from commlayer import kernels
+from commlayer.common.errors import PayloadError
 from commlayer.compression import bitpack
 from commlayer.compression.base import (
     Compressed,
@@ -51,7 +52,6 @@ from commlayer.compression.base import (
     expect_numel,
     stable_seed,
 )
-from commlayer.core.errors import PayloadError
 
 
 def _bits_for(levels: int) -> int:

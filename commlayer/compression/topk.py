@@ -39,6 +39,7 @@ from typing import ClassVar
 import torch
 
 from commlayer import kernels
+from commlayer.common.errors import PayloadError
 from commlayer.compression.base import (
     Compressed,
     check_ratio,
@@ -46,7 +47,6 @@ from commlayer.compression.base import (
     host_work,
     kept,
 )
-from commlayer.core.errors import PayloadError
 
 MODES = ("exact", "sampled")
 _SAMPLE_FRACTION = 0.01  # DGC samples 0.1-1% of the gradient

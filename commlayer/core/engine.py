@@ -59,11 +59,10 @@ from typing import Any, cast
 import torch
 
 from commlayer import costmodel
-from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.base import PROGRESS_THREADS, Backend, ProgressThreads, Request
-from commlayer.core import device, fusion, topology
-from commlayer.core.config import Config
-from commlayer.core.errors import (
+from commlayer.common import topology
+from commlayer.common.config import Config
+from commlayer.common.errors import (
     CollectiveTimeoutError,
     CommlayerError,
     ConfigError,
@@ -73,6 +72,9 @@ from commlayer.core.errors import (
     StallError,
     TensorMismatchError,
 )
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
+from commlayer.core import device, fusion
 from commlayer.core.future import Future, mark_engine_thread
 from commlayer.core.negotiation import (
     ALLGATHER,
@@ -88,10 +90,9 @@ from commlayer.core.negotiation import (
     Response,
     joined_error,
 )
-from commlayer.core.reduce_ops import ReduceOp
 from commlayer.core.runners import allgather, allreduce, alltoall, broadcast, reducescatter
+from commlayer.core.selection import Allreducer
 from commlayer.core.timeline import NullTimeline, Timeline, open_timeline
-from commlayer.core.topology import Topology
 from commlayer.costmodel import simulated
 
 log = logging.getLogger("commlayer")

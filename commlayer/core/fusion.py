@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from commlayer.core.reduce_ops import scale_into
+from commlayer.common.reduce_ops import scale_into
 
 
 @dataclasses.dataclass

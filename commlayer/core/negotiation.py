@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from commlayer.backends.base import Backend, Request
-from commlayer.core.errors import CommlayerError, StallError
-from commlayer.core.reduce_ops import ReduceOp
+from commlayer.common.errors import CommlayerError, StallError
+from commlayer.common.reduce_ops import ReduceOp
 
 log = logging.getLogger("commlayer")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from commlayer.core.errors import NotInitializedError
+from commlayer.common.errors import NotInitializedError
 
 # (rank, size) of this process in the running job, told by runtime.init() and cleared by
 # shutdown(): the sets answer rank() and included() without importing the runtime above them.

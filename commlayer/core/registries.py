@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 
 from commlayer import algorithms, backends, compression, kernels
 from commlayer.algorithms import sparse
-from commlayer.core import malloc, topology
-from commlayer.core.config import InvalidValue, Registries, Validator, one_of
+from commlayer.common import topology
+from commlayer.common.config import InvalidValue, Registries, Validator, one_of
+from commlayer.core import malloc
 from commlayer.costmodel import simulated
 
 

@@ -23,12 +23,12 @@ from typing import Any
 
 from commlayer import backends, kernels
 from commlayer.backends.base import Backend
-from commlayer.core import config as config_module
+from commlayer.common import config as config_module
+from commlayer.common.config import Config
+from commlayer.common.errors import ConfigError, NotInitializedError
 from commlayer.core import malloc
 from commlayer.core import process_sets as process_sets_module
-from commlayer.core.config import Config
 from commlayer.core.engine import Engine
-from commlayer.core.errors import ConfigError, NotInitializedError
 from commlayer.core.process_sets import ProcessSet, check_ranks, global_process_set
 from commlayer.core.registries import REGISTRIES
 

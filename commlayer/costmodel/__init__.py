@@ -1,8 +1,11 @@
 """Cost model of the allreduce algorithms, calibrated on this machine; it decides ``auto``.
 
-Three parts: model.py, the alpha-beta-gamma sums of a schedule (pure: every registered schedule
-algorithm is costed from its steps, so a new one needs no table); calibration.py, the stored
-``Calibration``; simulated.py, COMMLAYER_SIM_TABLE as ``auto`` reads it. Measuring a
+Its parts: model.py, the alpha-beta-gamma sums of a schedule (pure: every registered schedule
+algorithm is costed from its steps, so a new one needs no table); sparse.py, the same for the
+sparse algorithms (and sparse ``auto``'s pick); compressed.py, a compressed bucket's cost;
+calibration.py, the stored ``Calibration``; simulated.py, COMMLAYER_SIM_TABLE as ``auto`` reads
+it. The package sits above the algorithms and compressors it costs and below what decides by it
+(core/selection.py, the engine's allreduce; DESIGN.md's layers). Measuring a
 calibration needs a backend and the executor: it is a side system the runtime never imports,
 ``commlayer.launch.calibrate``. ``commlayer calibrate`` (under mpiexec) measures and saves;
 ``commlayer algorithms --size 64MiB`` prints the predicted table. The names below are

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from commlayer.core import config
+from commlayer.common import config
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,10 @@ across (the inter curve, its bytes times the ranks of its node that send across 
 they share the node's link), as model.py's contention factor; local work (reducing,
 compressing) is not counted: the simulation (sim/compressed.py) replays the same phases and
 times the network alone. ``cross_bytes`` is the most any host sends to the others.
+
+``link`` is the link ``compression=auto`` weighs its candidates over when told to read it from
+a stored calibration (``auto:link=calibration``): the compressors know no cost model, the cost
+model knows the compressors.
 """
 
 from __future__ import annotations
@@ -32,15 +36,27 @@ from typing import Any
 import torch
 
 from commlayer import algorithms
+from commlayer.common.topology import Topology
 from commlayer.compression import create
+from commlayer.compression.auto import Link
 from commlayer.compression.base import payload_bytes
-from commlayer.core.topology import Topology
 from commlayer.costmodel.calibration import Calibration
 from commlayer.costmodel.model import message_time, table
 
 Transfers = list[tuple[int, float]]  # (peer, bytes)
 Steps = list[tuple[Transfers, Transfers]]  # a rank's steps: (sends, receives)
 Phase = list[Steps]  # every rank of the job (empty where a rank takes no part)
+
+
+def link(cal: Calibration, op_latency: bool = True) -> Link:
+    """``t(B)`` from a stored calibration: the cost model's fastest algorithm for B bytes
+    (``model.table``) plus the engine's measured latency per call."""
+
+    def curve(nbytes: int) -> float:
+        rows = table(max(nbytes, 4), cal)
+        return (rows[0][1] if rows else 0.0) + (cal.op_latency_s if op_latency else 0.0)
+
+    return Link(cal.alpha_s, cal.beta_s_per_byte, cal.size, "calibration", curve)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ from typing import Protocol
 
 from commlayer import algorithms
 from commlayer.algorithms.schedule import Schedule, Step
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 from commlayer.costmodel.calibration import Calibration
 
 # Without a calibration, one node uses the shared-memory window from 1 MiB: it was level with

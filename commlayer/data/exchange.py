@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from commlayer import ops
-from commlayer.core.errors import ShardStoreError
+from commlayer.common.errors import ShardStoreError
 from commlayer.data.plan import Plan
 from commlayer.data.store import ShardStore
 

@@ -35,9 +35,9 @@ import torch
 import torch.utils.data
 
 from commlayer import ops, state_sync
+from commlayer.common.errors import ShardStoreError, ShuffleMismatchError
+from commlayer.common.reduce_ops import Sum
 from commlayer.core import runtime
-from commlayer.core.errors import ShardStoreError, ShuffleMismatchError
-from commlayer.core.reduce_ops import Sum
 from commlayer.data.exchange import Exchange, io_thread
 from commlayer.data.plan import Plan, local_order, make_plan
 from commlayer.data.store import ShardStore

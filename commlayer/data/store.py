@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from commlayer import state_sync
+from commlayer.common.errors import ShardStoreError, ShuffleMismatchError
 from commlayer.core import runtime
-from commlayer.core.errors import ShardStoreError, ShuffleMismatchError
 from commlayer.data import packs as packs_mod
 from commlayer.data.layouts import (
     ARRAY_SUFFIXES,

@@ -53,8 +53,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from commlayer.core import config, runtime
-from commlayer.core.errors import HorovodInternalError, HostsUpdatedInterrupt, ShutdownError
+from commlayer.common import config
+from commlayer.common.errors import HorovodInternalError, HostsUpdatedInterrupt, ShutdownError
+from commlayer.core import runtime
 from commlayer.elastic import rendezvous  # registers the worker's rendezvous with the runtime
 from commlayer.elastic.sampler import ElasticSampler
 from commlayer.elastic.state import ObjectState, State, TorchState

@@ -38,8 +38,9 @@ from typing import Any
 import torch.distributed as dist
 
 from commlayer.backends import torch_distributed
-from commlayer.core import config, runtime
-from commlayer.core.errors import CommlayerError
+from commlayer.common import config
+from commlayer.common.errors import CommlayerError
+from commlayer.core import runtime
 from commlayer.elastic import protocol
 
 log = logging.getLogger("commlayer")

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from commlayer import ops, state_sync
-from commlayer.core import config, runtime
-from commlayer.core.errors import HostsUpdatedInterrupt
-from commlayer.core.reduce_ops import Max
+from commlayer.common import config
+from commlayer.common.errors import HostsUpdatedInterrupt
+from commlayer.common.reduce_ops import Max
+from commlayer.core import runtime
 from commlayer.elastic.sampler import ElasticSampler
 
 

@@ -85,12 +85,13 @@ import commlayer
 from commlayer import algorithms
 from commlayer.comm.communicator import Communicator, EngineTransport
 from commlayer.comm.hierarchy import HOST, HostLayout, HostLevels, engine_levels
+from commlayer.common import config, topology
+from commlayer.common.config import HIERARCHIES
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import Compressed, Compressor, create
 from commlayer.compression.base import hierarchy_of
 from commlayer.compression.none import NoneCompressor
-from commlayer.core import config, device, runtime, topology
-from commlayer.core.config import HIERARCHIES
-from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core import device, runtime
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 _state_ids = itertools.count()

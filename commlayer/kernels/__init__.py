@@ -30,7 +30,7 @@ from types import ModuleType
 
 import torch
 
-from commlayer.core import config
+from commlayer.common import config
 from commlayer.kernels import reference
 from commlayer.kernels.reference import densify, index_dtype, topk
 

@@ -31,8 +31,8 @@ import torch
 from commlayer.algorithms.executor import BufferPool, ScheduleRequest
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
 from commlayer.backends.base import SHARED_MEMORY
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.costmodel.calibration import Calibration
 from commlayer.costmodel.model import local_curve_time
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO
 
 from commlayer import backends
-from commlayer.core import config
+from commlayer.common import config
 from commlayer.core.registries import REGISTRIES
 from commlayer.launch import hosts as hostlist
 from commlayer.launch import mpich_shm

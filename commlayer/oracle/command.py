@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from commlayer import oracle
-from commlayer.core.errors import SpecError
+from commlayer.common.errors import SpecError
 from commlayer.oracle import report
 
 DESCRIPTION = (

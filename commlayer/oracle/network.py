@@ -35,9 +35,9 @@ from collections.abc import Callable
 from typing import Any
 
 from commlayer import algorithms, compression, costmodel
+from commlayer.common.topology import Topology
 from commlayer.compression.base import lookup
 from commlayer.compression.factory import split_spec
-from commlayer.core.topology import Topology
 from commlayer.costmodel import Calibration
 from commlayer.oracle.spec import Platform
 

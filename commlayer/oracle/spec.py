@@ -26,7 +26,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from commlayer.core.errors import SpecError
+from commlayer.common.errors import SpecError
 
 # Layer types, matched as substrings of the name in this order (ParaDL's order: "CONV" wins).
 LAYER_TYPES = ("CONV", "MPOOL", "APOOL", "RELU", "FC", "BNORM", "ADD", "DROPOUT")

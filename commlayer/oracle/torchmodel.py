@@ -17,7 +17,7 @@ import importlib
 import math
 from typing import Any
 
-from commlayer.core.errors import SpecError
+from commlayer.common.errors import SpecError
 from commlayer.oracle.spec import Layer, Net
 
 _KINDS = (

@@ -19,7 +19,7 @@ transfer, which the replay does not model, and a 1024-rank ring at 1 GiB would o
 hundreds of thousands of extra messages.
 
 A sparse schedule (``write_sparse``) is written in the same format from the streams the sparse
-cost model expects (``algorithms/sparse/cost.py`` ``streams``: each rank holding nnz random
+cost model expects (``costmodel/sparse.py`` ``streams``: each rank holding nnz random
 indices, ranges filling in as they merge, a stream turning dense where its policy says): the
 peers and order are the schedule's, the bytes the expected (index, value) pairs.
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from commlayer import algorithms
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 VERSION = 1
 
@@ -79,7 +79,7 @@ def step_line(
 
 
 def stream_line(sends: Sequence[tuple[int, float]], recvs: Sequence[tuple[int, float]]) -> str:
-    """A sparse step (``sparse.cost.streams``): (peer, expected bytes) of each stream, rounded
+    """A sparse step (``costmodel.sparse.streams``): (peer, expected bytes) of each stream, rounded
     to whole bytes the same way at both ends; merging costs nothing (COMPUTE_S 0)."""
     pairs = " ".join(f"{peer} {round(nbytes)}" for peer, nbytes in (*sends, *recvs))
     return f"{len(sends)} {len(recvs)} 0.0 {pairs}"
@@ -150,5 +150,5 @@ def pairwise(streams: Streams, max_streams: int) -> tuple[Streams, bool]:
 def write_sparse(
     streams: list[list[tuple[list[tuple[int, float]], list[tuple[int, float]]]]], directory: Path
 ) -> int:
-    """Traces of a sparse schedule's streams (``sparse.cost.streams``); the message count."""
+    """Traces of a sparse schedule's streams (``costmodel.sparse.streams``); the message count."""
     return _write(([stream_line(s, r) for s, r in rank] for rank in streams), directory)

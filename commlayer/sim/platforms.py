@@ -73,7 +73,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 _BANDWIDTH = {"bps": 1 / 8, "Bps": 1.0}
 _PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}

@@ -32,9 +32,9 @@ from pathlib import Path
 from commlayer import algorithms, costmodel
 from commlayer.algorithms import hierarchical, sparse
 from commlayer.algorithms.schedule import Schedule
-from commlayer.algorithms.sparse import cost as sparse_cost
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 from commlayer.costmodel import compressed
+from commlayer.costmodel import sparse as sparse_cost
 from commlayer.costmodel.simulated import SMPI_PREFIX
 from commlayer.sim import export, smpi
 from commlayer.sim.platforms import Platform
@@ -214,7 +214,7 @@ def check_sparse(name: str, density: float) -> None:
 
 
 def sparse_model_time(name: str, platform: Platform, numel: int, nnz: int) -> float | None:
-    """The sparse cost model (algorithms/sparse/cost.py) on the platform's inter-node and
+    """The sparse cost model (costmodel/sparse.py) on the platform's inter-node and
     intra-node alpha and beta, merges free as in the replay (None for an XML file)."""
     links = platform.links
     if links is None:

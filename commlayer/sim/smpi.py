@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from commlayer.core import config
+from commlayer.common import config
 from commlayer.sim.platforms import Platform
 
 SOURCE = Path(__file__).resolve().parents[2] / "ext" / "sim" / "replay.c"

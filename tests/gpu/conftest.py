@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from commlayer.core import config
+from commlayer.common import config
 
 NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"
 _HERE = Path(__file__).resolve().parent

@@ -169,7 +169,7 @@ def _commlayer_session() -> Iterator[None]:
     if not hasattr(commlayer, "init"):
         yield
         return
-    with commlayer.core.config.override(force_full_path=1):  # 5. in the module docstring
+    with commlayer.common.config.override(force_full_path=1):  # 5. in the module docstring
         commlayer.init()
         yield
         commlayer.shutdown()

@@ -14,7 +14,7 @@ import commlayer
 def under_torchrun() -> bool:
     """Whether torchrun started this run: commlayer (COMMLAYER_BACKEND=auto) and the harness
     then run over torch.distributed."""
-    return commlayer.core.config.launch().launcher == "torchrun"
+    return commlayer.common.config.launch().launcher == "torchrun"
 
 
 def own_backend() -> Any:

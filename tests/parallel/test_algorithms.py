@@ -28,11 +28,11 @@ from waiting import wait_until
 import commlayer as cl
 from commlayer import algorithms
 from commlayer.algorithms import autotune
-from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.base import Backend
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.core import runtime
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
+from commlayer.core.selection import Allreducer
 
 NAMES = [n for n in algorithms.available() if n != algorithms.AUTO]
 OPS = (cl.Sum, cl.Min, cl.Max, cl.Product)

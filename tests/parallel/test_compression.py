@@ -21,6 +21,7 @@ from restart import reinit
 from torch import nn
 
 import commlayer as cl
+from commlayer.common.errors import PayloadError
 from commlayer.compression import (
     Compressed,
     Compressor,
@@ -30,7 +31,6 @@ from commlayer.compression import (
     TopKCompressor,
     register,
 )
-from commlayer.core.errors import PayloadError
 
 F64 = torch.float64
 SHAPES = {"w": (48, 50), "v": (1500,), "b": (30,)}  # b: below the 1024-element threshold

@@ -30,12 +30,12 @@ from restart import reinit
 from waiting import wait_until
 
 import commlayer as cl
-from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.mpi import MPIBackend
 from commlayer.backends.shm import CHUNK_BYTES
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.core import runtime
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
+from commlayer.core.selection import Allreducer
 
 pytestmark = mpi_only
 

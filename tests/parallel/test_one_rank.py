@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import commlayer as cl
-from commlayer.core import config
+from commlayer.common import config
 
 F64 = torch.float64
 

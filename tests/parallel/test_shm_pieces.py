@@ -34,8 +34,8 @@ import commlayer as cl
 from commlayer import ops
 from commlayer.backends import shm
 from commlayer.backends.shm import CHUNK_BYTES
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.core import fusion
-from commlayer.core.reduce_ops import ReduceOp
 
 OPS = (cl.Sum, cl.Min, cl.Max, cl.Product)
 SCALES = (1.0, 0.5, 0.25, 1.0, 2.0, 1.0, 0.5)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import commlayer as cl
-from commlayer.core.errors import ShardStoreError, ShuffleMismatchError
+from commlayer.common.errors import ShardStoreError, ShuffleMismatchError
 from commlayer.data import PartialLocalShuffler, ShardStore
 from commlayer.data.exchange import Exchange
 

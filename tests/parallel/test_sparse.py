@@ -33,7 +33,7 @@ def test_distributed_optimizer_reduces_topk_sparse(
 
     from commlayer.comm import communicator
     from commlayer.comm.sparse_reduction import SparseReduction
-    from commlayer.core import config
+    from commlayer.common import config
 
     made: list[str] = []
 
@@ -94,7 +94,7 @@ def test_distributed_optimizer_gtopk_keeps_dropped_mass_in_the_residual() -> Non
     residual after, where the residual holds what top-k and gtopk's re-selection dropped; the
     result keeps at most k entries."""
     from commlayer import compression
-    from commlayer.core import config
+    from commlayer.common import config
 
     numel, ratio = 1500, 0.02
     k = compression.base.kept(numel, ratio)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from commlayer import ConfigError
-from commlayer.core import config
+from commlayer.common import config
 
 if TYPE_CHECKING:
     from conftest import RunMPI

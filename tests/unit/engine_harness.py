@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 import torch
 
 from commlayer.backends.loopback import LoopbackBackend, LoopbackRequest, run_ranks
-from commlayer.core import config
+from commlayer.common import config
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.core.engine import Engine, Operation
 from commlayer.core.future import Handle
 from commlayer.core.negotiation import (
@@ -35,7 +36,6 @@ from commlayer.core.negotiation import (
     dtype_name,
     shapes_of,
 )
-from commlayer.core.reduce_ops import ReduceOp
 
 T = TypeVar("T")
 WAIT_S = 10.0  # per handle: far above any healthy run (ms), far below the pytest timeout

@@ -24,7 +24,7 @@ from commlayer.algorithms.sparse.executor import (
     prepare,
 )
 from commlayer.comm.sparse_reduction import rounds
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 Inputs = list[tuple[torch.Tensor, torch.Tensor]]
 Outcome = tuple[SparseResult, "SparseResult | None", int]

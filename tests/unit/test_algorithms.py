@@ -16,14 +16,14 @@ from waiting import Deadline, wait_until
 
 from commlayer import algorithms
 from commlayer.algorithms.schedule import Step, Transfer, blocks, simulate, traffic
-from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
-from commlayer.core import config
-from commlayer.core import topology as topology_module
+from commlayer.common import config
+from commlayer.common import topology as topology_module
+from commlayer.common.errors import ConfigError
+from commlayer.common.reduce_ops import ReduceOp, reduce_into
+from commlayer.common.topology import Topology
 from commlayer.core.engine import Engine
-from commlayer.core.errors import ConfigError
-from commlayer.core.reduce_ops import ReduceOp, reduce_into
-from commlayer.core.topology import Topology
+from commlayer.core.selection import Allreducer
 
 # the module (``algorithms.schedule`` is the function of the same name)
 schedule_module = importlib.import_module("commlayer.algorithms.schedule")

@@ -13,11 +13,11 @@ from waiting import wait_until
 
 from commlayer.algorithms import autotune
 from commlayer.algorithms.autotune import SAMPLES, Tuner
-from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.base import COMPLETED, Backend, Request
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
+from commlayer.core.selection import Allreducer
 
 FIRST = autotune.CALLS_PER_RUN * SAMPLES  # calls before the first new round, 1 MiB and more
 

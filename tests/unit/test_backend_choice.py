@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from commlayer import backends
-from commlayer.core import config, runtime
-from commlayer.core.errors import ConfigError
+from commlayer.common import config
+from commlayer.common.errors import ConfigError
+from commlayer.core import runtime
 
 TORCHRUN = {
     "RANK": "1",

@@ -9,7 +9,8 @@ import importlib.util
 
 import pytest
 
-from commlayer import cli, launcher, oracle
+from commlayer import cli, oracle
+from commlayer.launch import launcher
 
 
 def test_help_shows_the_whole_description(capsys: pytest.CaptureFixture[str]) -> None:

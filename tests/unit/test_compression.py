@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from commlayer import compression
-from commlayer.comm import wire
+from commlayer.common.errors import PayloadError
 from commlayer.compression import (
     Compressed,
     ErrorFeedback,
@@ -25,7 +25,7 @@ from commlayer.compression import (
 from commlayer.compression import base as compression_base
 from commlayer.compression import topk as topk_module
 from commlayer.compression.base import _REGISTRY, Compressor
-from commlayer.core.errors import PayloadError
+from commlayer.core import wire
 
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 ODD_SIZES = [1, 7, 513, 4099]

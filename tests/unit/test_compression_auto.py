@@ -129,12 +129,12 @@ def test_measure_cpu_times_the_real_path() -> None:
 
 def test_link_from_a_calibration_follows_the_cost_model() -> None:
     """auto:link=calibration: t(B) is the cost model's fastest algorithm plus the op latency."""
-    from commlayer.costmodel import Calibration
+    from commlayer.costmodel import Calibration, compressed
 
     def cal(beta: float) -> Calibration:
         return Calibration(2, 1, 20e-6, beta, 1e-10, 1e-10, {}, op_latency_s=1e-4)
 
-    slow, fast = Link.from_calibration(cal(8e-8)), Link.from_calibration(cal(8e-12))
+    slow, fast = compressed.link(cal(8e-8)), compressed.link(cal(8e-12))
     assert slow.allreduce_s(4 << 20) > 100 * fast.allreduce_s(4 << 20) > 0
     assert fast.allreduce_s(4) >= 1e-4  # the engine's latency per call
     assert decide(MLP_LAYER, slow, CPU, lossy=True).choice != "none"

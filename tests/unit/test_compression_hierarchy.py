@@ -14,10 +14,10 @@ from commlayer import compression
 from commlayer.comm import hierarchy
 from commlayer.comm.communicator import Communicator
 from commlayer.comm.hierarchy import HostLayout, HostLevels
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import AutoCompressor, ErrorFeedback
 from commlayer.compression.auto import Hosts, Link, decide, decide_level, host_time, plan, split
 from commlayer.core.future import Future
-from commlayer.core.reduce_ops import ReduceOp
 
 MLP_LAYER = [torch.zeros(768, 768), torch.zeros(768)]
 CPU = {"fp16": 0.0006, "bf16": 0.0006, "powersgd:rank=4": 0.004, "topk:ratio=0.01": 0.003}

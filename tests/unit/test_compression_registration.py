@@ -13,10 +13,10 @@ import torch
 
 from commlayer import compression
 from commlayer.comm.communicator import Communicator, Loopback
+from commlayer.common import config
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import Compressed, Compressor
-from commlayer.core import config
 from commlayer.core.future import Future
-from commlayer.core.reduce_ops import ReduceOp
 from commlayer.oracle import parse_plat
 from commlayer.oracle.network import Compression, Network
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from commlayer.core import config
-from commlayer.core.config import Config
-from commlayer.core.errors import ConfigError
+from commlayer.common import config
+from commlayer.common.config import Config
+from commlayer.common.errors import ConfigError
 
 SIM_TABLE = Path(__file__).with_name("sim_table_one_node.jsonl")
 DEFAULTS = {

@@ -13,10 +13,11 @@ import torch
 
 import commlayer
 from commlayer import compression, kernels
+from commlayer.common import config
+from commlayer.common.config import Validator
+from commlayer.common.errors import ConfigError, NotInitializedError
 from commlayer.compression import ErrorFeedback, Policy, QSGDCompressor
-from commlayer.core import config, runtime
-from commlayer.core.config import Validator
-from commlayer.core.errors import ConfigError, NotInitializedError
+from commlayer.core import runtime
 from commlayer.core.registries import REGISTRIES
 from commlayer.kernels import reference
 
@@ -116,9 +117,9 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_config_imports_no_commlayer_module_but_errors() -> None:
-    imported = _imports(PACKAGE / "core" / "config.py")
+    imported = _imports(PACKAGE / "common" / "config.py")
     ours = {name for name in imported if name.startswith("commlayer")}
-    assert ours <= {"commlayer.core.errors", "commlayer.core.errors.ConfigError"}, ours
+    assert ours <= {"commlayer.common.errors", "commlayer.common.errors.ConfigError"}, ours
 
 
 def test_kernels_and_compressors_do_not_import_the_runtime() -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from commlayer import algorithms, cli, costmodel
-from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
+from commlayer.common.topology import Topology
 from commlayer.core.engine import agreed_calibrations
-from commlayer.core.topology import Topology
+from commlayer.core.selection import Allreducer
 from commlayer.costmodel import Calibration
 from commlayer.launch import calibrate as measure
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 from commlayer.costmodel import Calibration, compressed
 
 NUMEL = 1 << 20  # a 4 MiB bucket

@@ -14,8 +14,9 @@ import torch
 from commlayer.backends import cuda_aware
 from commlayer.backends.base import DIRECT_PATHS
 from commlayer.backends.torch_distributed import nccl_wanted
-from commlayer.core import config, device
-from commlayer.core.errors import CommlayerError
+from commlayer.common import config
+from commlayer.common.errors import CommlayerError
+from commlayer.core import device
 
 
 def _says(answer: bool | None, name: str = "q"):  # type: ignore[no-untyped-def]

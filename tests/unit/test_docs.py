@@ -1,5 +1,5 @@
 """The documentation's generated pages (scripts/docs_hooks.py): the configuration reference
-lists every variable with its default and unit from commlayer.core.config, the CLI page every
+lists every variable with its default and unit from commlayer.common.config, the CLI page every
 command's --help, the examples page every example. The build's own checks: the code's colours,
 a list that would render inline fails it. Every code block of README.md and docs/ says what it
 is (scripts/docs_blocks.py), and what can be checked without running it is: a fragment's lines
@@ -22,9 +22,10 @@ from typing import Any
 import pytest
 
 import commlayer
-from commlayer import cli, launcher
-from commlayer.core import config
+from commlayer import cli
+from commlayer.common import config
 from commlayer.integrations import ddp
+from commlayer.launch import launcher
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,17 +21,17 @@ from waiting import wait_until
 
 from commlayer.backends.base import PROGRESS_THREADS
 from commlayer.backends.loopback import LoopbackBackend, LoopbackWorld
-from commlayer.core import engine as engine_module
-from commlayer.core.engine import Engine
-from commlayer.core.errors import (
+from commlayer.common.errors import (
     CollectiveTimeoutError,
     CommlayerError,
     DuplicateNameError,
     RankDiedError,
     ShutdownError,
 )
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.core import engine as engine_module
+from commlayer.core.engine import Engine
 from commlayer.core.future import Handle
-from commlayer.core.reduce_ops import ReduceOp
 
 FUSED = {"fusion_threshold_bytes": 1 << 20}
 UNFUSED = {"fusion_threshold_bytes": 0}

@@ -10,10 +10,10 @@ import torch
 from engine_harness import allreduce, grouped_allreduce, run_engines, wait
 
 from commlayer.algorithms.executor import BufferPool
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.core import fusion
 from commlayer.core.engine import Engine
 from commlayer.core.fusion import Entry, pack, plan_buckets, unpack
-from commlayer.core.reduce_ops import ReduceOp
 
 DTYPES = [
     torch.float32,

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
+from commlayer.common.errors import TensorMismatchError
 from commlayer.core import future as future_module
-from commlayer.core.errors import TensorMismatchError
 from commlayer.core.future import Future, Handle
 
 

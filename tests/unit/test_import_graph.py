@@ -1,13 +1,16 @@
-"""The import graph of commlayer/, built from the source (function-level imports included): no
-cycle anywhere, no import up a layer, and the side systems never imported by the runtime
-(DESIGN.md: data flows down, nothing reaches up)."""
+"""The import graph of commlayer/, built from the source (function-level imports included), at
+two grains: modules, and packages (package A imports B when any module of A imports one of B's).
+At both: no cycle, no import up a layer, and the side systems never imported by the runtime
+(DESIGN.md: data flows down, nothing reaches up). No exceptions: a package is in one layer."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "commlayer"
+DESIGN = ROOT.parent / "docs" / "design.md"
 # DESIGN.md's layers, top to bottom: a module imports its own layer and those below, never one
 # above. The longest prefix names a module's layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -25,20 +28,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "commlayer.comm",
         ),
     ),
+    # the engine, and auto's selection of an allreduce algorithm (core/selection.py)
     ("core", ("commlayer.core",)),
-    ("algorithms", ("commlayer.algorithms", "commlayer.compression", "commlayer.costmodel")),
+    # sums schedules and sizes payloads: above what it costs
+    ("costmodel", ("commlayer.costmodel",)),
+    ("algorithms", ("commlayer.algorithms", "commlayer.compression")),
     ("backends", ("commlayer.backends",)),
     ("kernels", ("commlayer.kernels",)),
     # the vocabulary every layer shares: settings, errors, reduction operators, machine shape
-    (
-        "bottom",
-        (
-            "commlayer.core.config",
-            "commlayer.core.errors",
-            "commlayer.core.reduce_ops",
-            "commlayer.core.topology",
-        ),
-    ),
+    ("common", ("commlayer.common",)),
 )
 # Side systems use the runtime without the engine running; no layer above imports them.
 SIDE = (
@@ -149,9 +147,29 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def package_of(module: str) -> str:
+    """The package a module belongs to: ``commlayer.<first part>`` (a subpackage, or a module
+    directly under commlayer/, which is a package of its own here), or ``commlayer`` itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def _packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """package -> the packages it imports: A -> B when any module of A imports one of B."""
+    packages: dict[str, set[str]] = {package_of(m): set() for m in graph}
+    for module, targets in graph.items():
+        mine = package_of(module)
+        packages[mine] |= {package_of(t) for t in targets} - {mine}
+    return packages
+
+
 def test_no_import_cycle_in_commlayer() -> None:
     cycles = _cycles(_graph())
     assert not cycles, f"import cycles (each a set of modules that import each other): {cycles}"
+
+
+def test_no_import_cycle_between_packages() -> None:
+    cycles = _cycles(_packages(_graph()))
+    assert not cycles, f"package cycles (each a set of packages that import each other): {cycles}"
 
 
 def _upward(graph: dict[str, set[str]]) -> list[str]:
@@ -162,8 +180,8 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
         mine = layer_of(module)
         for target in targets:
             theirs = layer_of(target)
-            if mine in ("side", "extras") or target == "commlayer":
-                continue  # they may use anything; a package's own __init__ is not a layer edge
+            if mine in ("side", "extras"):
+                continue  # they may use anything
             if theirs in ("side", "extras") or order.index(theirs) < order.index(mine):
                 found.append(f"{module} ({mine}) -> {target} ({theirs})")
     return sorted(found)
@@ -174,15 +192,35 @@ def test_no_import_points_up_a_layer_or_into_a_side_system() -> None:
     assert not upward, "imports that point up a layer (DESIGN.md):\n" + "\n".join(upward)
 
 
+def test_no_package_imports_a_package_above_it() -> None:
+    upward = _upward(_packages(_graph()))
+    assert not upward, "packages that import one a layer up (DESIGN.md):\n" + "\n".join(upward)
+
+
 def test_every_module_has_a_layer() -> None:
     for module in _graph():
         assert layer_of(module), module
 
 
+def test_design_md_draws_the_layers_in_this_order() -> None:
+    """The layer picture in DESIGN.md names commlayer's packages (``core/``, ``costmodel/``...)
+    top to bottom in the order of LAYERS, and every layer's packages."""
+    text = DESIGN.read_text()
+    picture = text[text.index("```text") : text.index("```", text.index("```text") + 7)]
+    named = [f"commlayer.{m}" for m in re.findall(r"(?<![\w/])(\w+)/", picture)]
+    order = [name for name, _ in LAYERS]
+    named = [m for m in named if (ROOT / m.split(".")[1]).is_dir() and layer_of(m) in order]
+    drawn = [order.index(layer_of(m)) for m in named]
+    assert drawn == sorted(drawn), list(zip(named, drawn))
+    folders = {p for _, prefixes in LAYERS for p in prefixes if p.count(".") == 1}
+    folders = {p for p in folders if (ROOT / p.split(".")[1]).is_dir()}
+    assert folders <= set(named), f"not in the picture: {sorted(folders - set(named))}"
+
+
 def test_the_checker_sees_an_upward_import() -> None:
     graph = {
         "commlayer.core.engine": {"commlayer.ops", "commlayer.backends.base"},
-        "commlayer.backends.mpi": {"commlayer.core.errors", "commlayer.sim.learn"},
+        "commlayer.backends.mpi": {"commlayer.common.errors", "commlayer.sim.learn"},
         "commlayer.sim.learn": {"commlayer.core.engine"},
     }
     assert _upward(graph) == [

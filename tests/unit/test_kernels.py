@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from commlayer import kernels
-from commlayer.core import config
+from commlayer.common import config
 from commlayer.kernels import reference
 
 SIZES = (0, 1, 7, 1001, 65537)

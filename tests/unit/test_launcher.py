@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import commlayer
-from commlayer.core import config
+from commlayer.common import config
 from commlayer.launch import hosts as hostlist
 from commlayer.launch import launcher, mpich_shm
 

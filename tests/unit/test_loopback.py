@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from commlayer.backends.loopback import LoopbackBackend, LoopbackRequest, LoopbackWorld, run_ranks
-from commlayer.core.errors import ShutdownError
-from commlayer.core.reduce_ops import Average, Max, Min, Product, ReduceOp, Sum
+from commlayer.common.errors import ShutdownError
+from commlayer.common.reduce_ops import Average, Max, Min, Product, ReduceOp, Sum
 
 SIZES = [1, 2, 3, 4, 5]
 DTYPES = [

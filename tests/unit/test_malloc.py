@@ -11,9 +11,11 @@ import sys
 
 import pytest
 
-from commlayer.core import config, malloc
+from commlayer.common import config
 
 # 22 training steps of an MLP like benchmarks/train.py's (10 x Linear(768, 768), 24 MB of
+from commlayer.core import malloc
+
 # gradients freed by zero_grad and allocated again by backward every step); prints the minor
 # page faults of steps 3-22 after the tuning named on the command line.
 _STEPS = """

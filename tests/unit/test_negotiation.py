@@ -28,10 +28,10 @@ from engine_harness import (
 from waiting import wait_until
 
 from commlayer.backends.loopback import LoopbackBackend
+from commlayer.common.errors import ShutdownError, StallError, TensorMismatchError
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.core import negotiation
 from commlayer.core.engine import Engine, Operation
-from commlayer.core.errors import ShutdownError, StallError, TensorMismatchError
-from commlayer.core.reduce_ops import ReduceOp
 
 SIZE = 3
 ROUNDS = 3

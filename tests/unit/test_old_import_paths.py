@@ -1,6 +1,7 @@
 """The import paths scripts used before the layers became folders (README's
-``commlayer.config.describe``, ``from commlayer.errors import ...``) give the same module
-objects as the new ones, by every spelling of an import."""
+``commlayer.config.describe``, ``from commlayer.errors import ...``), and the core/ paths of the
+modules that moved down to common/ (``commlayer.core.errors``), give the same module objects as
+the new ones, by every spelling of an import."""
 
 from __future__ import annotations
 
@@ -11,16 +12,32 @@ import sys
 import pytest
 
 import commlayer
-from commlayer import core
+from commlayer import common, core
 
-OLD = ("config", "errors", "future", "process_sets", "reduce_ops", "runtime")
+# the old path commlayer.<name> -> where the module is now
+OLD = {
+    "config": "commlayer.common.config",
+    "errors": "commlayer.common.errors",
+    "reduce_ops": "commlayer.common.reduce_ops",
+    "future": "commlayer.core.future",
+    "process_sets": "commlayer.core.process_sets",
+    "runtime": "commlayer.core.runtime",
+}
+MOVED_DOWN = ("config", "errors", "reduce_ops", "topology")  # from core/ to common/
 
 
-@pytest.mark.parametrize("name", OLD)
+@pytest.mark.parametrize("name", sorted(OLD))
 def test_an_old_path_is_the_new_module(name: str) -> None:
-    new = importlib.import_module(f"commlayer.core.{name}")
+    new = importlib.import_module(OLD[name])
     assert importlib.import_module(f"commlayer.{name}") is new
-    assert getattr(commlayer, name) is new is getattr(core, name)
+    assert getattr(commlayer, name) is new
+
+
+@pytest.mark.parametrize("name", MOVED_DOWN)
+def test_a_core_path_of_a_module_moved_to_common_is_the_module(name: str) -> None:
+    new = importlib.import_module(f"commlayer.common.{name}")
+    assert importlib.import_module(f"commlayer.core.{name}") is new
+    assert getattr(core, name) is new is getattr(common, name)
 
 
 def test_old_paths_work_in_a_fresh_interpreter() -> None:
@@ -31,8 +48,11 @@ def test_old_paths_work_in_a_fresh_interpreter() -> None:
         "from commlayer.reduce_ops import ReduceOp\n"
         "from commlayer.process_sets import ProcessSet\n"
         "from commlayer.core import config, errors\n"
-        "assert commlayer.config is config and describe is config.describe\n"
+        "import commlayer.core.topology\n"
+        "from commlayer.common import config as moved, topology\n"
+        "assert commlayer.config is config is moved and describe is config.describe\n"
         "assert TensorMismatchError is errors.TensorMismatchError\n"
+        "assert commlayer.core.topology is topology\n"
         "print('ok')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from commlayer import cli, costmodel, oracle
-from commlayer.core.errors import SpecError
+from commlayer.common.errors import SpecError
 from commlayer.oracle import model, paradl, report
 from commlayer.oracle.network import Compression, Network
 

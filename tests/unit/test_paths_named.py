@@ -3,7 +3,7 @@ a file moved or renamed without its mentions leaves readers looking for what is 
 (``compression/communicator.py`` was named in four docstrings a restructuring after it moved).
 
 Checked: names with a folder whose first part is a folder of this repository or a package of
-commlayer (``core/engine.py``, ``commlayer/comm/wire.py``, ``benchmarks/train.py``), relative
+commlayer (``core/engine.py``, ``commlayer/core/wire.py``, ``benchmarks/train.py``), relative
 to the repository, to commlayer/, to the naming file's folder, or to docs/; and the bare
 ``name.py`` of a module in commlayer's docstrings. Not checked: files a command writes
 (``out.png``), the generated documentation pages, and other projects' files, listed below.

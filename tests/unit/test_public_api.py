@@ -20,6 +20,7 @@ def test_all_lists_the_public_api_and_no_internal_module() -> None:
 
 
 def test_the_internal_modules_still_import_by_their_paths() -> None:
-    from commlayer.core import config, runtime
+    from commlayer.common import config
+    from commlayer.core import runtime
 
     assert commlayer.runtime is runtime and commlayer.config is config

@@ -13,13 +13,13 @@ from waiting import wait_until
 from commlayer import algorithms, costmodel
 from commlayer.algorithms import sparse
 from commlayer.algorithms.schedule import Schedule, compact, simulate, step
-from commlayer.algorithms.selection import Allreducer
-from commlayer.algorithms.sparse import cost
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.comm.sparse_reduction import engine_algorithm
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
+from commlayer.core.selection import Allreducer
 from commlayer.costmodel import Calibration
+from commlayer.costmodel import sparse as cost
 
 TOY = "toy_direct"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from commlayer import cli, costmodel
-from commlayer.core import config
-from commlayer.core.errors import ConfigError
+from commlayer.common import config
+from commlayer.common.errors import ConfigError
 from commlayer.core.registries import REGISTRIES
 from commlayer.costmodel import simulated
 from commlayer.sim import learn

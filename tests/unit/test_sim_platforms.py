@@ -9,8 +9,8 @@ import pytest
 
 from commlayer import algorithms, cli
 from commlayer.algorithms import hierarchical
-from commlayer.algorithms.sparse import cost as sparse_cost
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
+from commlayer.costmodel import sparse as sparse_cost
 from commlayer.sim import export, platforms, simulate, smpi
 
 MiB = 1 << 20

@@ -10,9 +10,9 @@ import torch
 from sparse_harness import allreduce_in_rounds
 
 from commlayer.algorithms import sparse
-from commlayer.algorithms.sparse import cost
 from commlayer.algorithms.sparse.executor import SparseResult, prepare
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
+from commlayer.costmodel import sparse as cost
 
 N = 97
 EXACT = sparse.exact()
@@ -242,7 +242,7 @@ def test_bad_arguments() -> None:
 def test_sparse_schedules_are_valid_dense_schedules(size: int) -> None:
     """The schedules are data: run densely by simulate() (no communication), each one sums."""
     from commlayer.algorithms.schedule import simulate
-    from commlayer.core.reduce_ops import ReduceOp
+    from commlayer.common.reduce_ops import ReduceOp
 
     g = torch.Generator().manual_seed(size)
     dense = [torch.randint(-9, 10, (N,), generator=g).float() for _ in range(size)]

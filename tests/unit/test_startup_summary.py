@@ -8,9 +8,9 @@ import pytest
 
 import commlayer
 from commlayer import kernels
+from commlayer.common.config import Config
+from commlayer.common.errors import NotInitializedError
 from commlayer.core import runtime
-from commlayer.core.config import Config
-from commlayer.core.errors import NotInitializedError
 
 
 def test_one_node() -> None:

@@ -16,9 +16,10 @@ whether a stream turns dense once that is smaller, and whether each step re-sele
 | ``gtopk`` | recursive doubling, top k re-selected each step (Shi et al. 2019) | no | k-sparse |
 | ``topo_sparse`` | hierarchical ring-ring on the topology (Nguyen et al. 2019) | yes | exact |
 
-``auto`` picks the exact algorithm the cost model (cost.py) predicts fastest for the largest
-nnz of any rank (one small allreduce first, so every rank picks the same); it costs every
-registered schedule from its steps, so a new one needs no table. The registry is registry.py;
+``auto`` picks the exact algorithm the sparse cost model (costmodel/sparse.py, above this
+package) predicts fastest for the largest nnz of any rank (one small allreduce first, so every
+rank picks the same); it costs every registered schedule from its steps, so a new one needs no
+table. The registry is registry.py;
 this package re-exports it and imports every plug-in.
 """
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from commlayer.algorithms.schedule import Schedule
 from commlayer.algorithms.sparse.registry import Policy, register
 from commlayer.algorithms.sparse.ssar_split_allgather import split_allgather
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 
 @register("dsar", Policy(switch=True))

@@ -29,7 +29,7 @@ import torch
 from commlayer import kernels
 from commlayer.algorithms import sparse
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
-from commlayer.core.errors import CommlayerError
+from commlayer.common.errors import CommlayerError
 
 
 @dataclass(slots=True)

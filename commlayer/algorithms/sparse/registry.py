@@ -1,9 +1,9 @@
 """The registry of sparse allreduce algorithms: names to (schedule builder, policy).
 
 A plug-in module registers its builder with ``@register("name", Policy(...))``;
-``commlayer.algorithms.sparse`` imports every plug-in. The cost model (cost.py) costs any
-registered schedule from its steps and policy, so ``auto`` considers a new exact algorithm
-with no table to edit.
+``commlayer.algorithms.sparse`` imports every plug-in. The sparse cost model
+(costmodel/sparse.py) costs any registered schedule from its steps and policy, so ``auto``
+considers a new exact algorithm with no table to edit.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from commlayer.algorithms.registry import Registry, build
 from commlayer.algorithms.schedule import Schedule
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 AUTO = "auto"
 NATIVE = ("allgather",)  # run by the backend's allgatherv, not as a schedule

@@ -14,7 +14,7 @@ from __future__ import annotations
 from commlayer.algorithms import registry as dense
 from commlayer.algorithms.schedule import Schedule
 from commlayer.algorithms.sparse.registry import Policy, register
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 
 @register("ssar_recursive_doubling", Policy(switch=False))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from commlayer.algorithms.schedule import Schedule, blocks, compact, step
 from commlayer.algorithms.sparse.registry import Policy, register
-from commlayer.core.topology import Topology
+from commlayer.common.topology import Topology
 
 
 def split_allgather(rank: int, size: int, numel: int) -> Schedule:

@@ -34,11 +34,11 @@ from typing import Any, Protocol, cast
 import torch
 
 from commlayer.algorithms.executor import BufferPool
-from commlayer.algorithms.selection import Allreducer
 from commlayer.backends.base import PROGRESS_THREADS, Backend, ProgressThreads, Request
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.core import fusion
 from commlayer.core.negotiation import Response
-from commlayer.core.reduce_ops import ReduceOp
+from commlayer.core.selection import Allreducer
 
 
 class Host(Protocol):

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from commlayer.backends.base import Backend, Request
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.core import fusion
 from commlayer.core.negotiation import Response
-from commlayer.core.reduce_ops import ReduceOp
 from commlayer.core.runners import Submitted, place, row_numel
 
 

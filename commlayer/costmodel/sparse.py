@@ -47,9 +47,9 @@ import torch
 from commlayer import kernels
 from commlayer.algorithms import sparse
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
-from commlayer.core import config
-from commlayer.core.topology import Topology
-from commlayer.costmodel import Calibration, load
+from commlayer.common import config
+from commlayer.common.topology import Topology
+from commlayer.costmodel.calibration import Calibration, load
 
 
 @dataclass(frozen=True)

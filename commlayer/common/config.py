@@ -2,7 +2,7 @@
 
 Each knob is declared once in ``_VARIABLES`` (environment name, field, Validator, help);
 ``load()`` parses the environment into a frozen :class:`Config`; a bad value raises
-:class:`~commlayer.core.errors.ConfigError` naming the variable, the value and what is allowed.
+:class:`~commlayer.common.errors.ConfigError` naming the variable, the value and what is allowed.
 Settings that name something another module owns (an algorithm, a compressor, the kernels, a
 topology) are checked by the :class:`Validator` that module supplies, passed in as
 ``registries`` (commlayer.core.registries): config imports no commlayer module but errors, and holds
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from commlayer.core.errors import ConfigError
+from commlayer.common.errors import ConfigError
 
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 WAIT_POLICIES = ("auto", "active", "passive")

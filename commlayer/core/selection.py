@@ -3,8 +3,10 @@
 ``Allreducer(algorithm)(backend, send, buf, op)`` returns a Request like the backend's own
 ``iallreduce``, so the engine waits on every algorithm the same way (yield, then sleep; a dead
 peer noticed): the backend's own for ``mpi`` and ``shm``, else the algorithm's schedule run by
-executor.py's ``ScheduleRequest``. ``auto`` asks the cost model
-(costmodel/model.py) and, with online tuning, measures its best candidates (autotune.py).
+algorithms/executor.py's ``ScheduleRequest``. ``auto`` asks the cost model
+(costmodel/model.py) and, with online tuning, measures its best candidates
+(algorithms/autotune.py). It is the core's, above the cost model it asks and the algorithms
+it runs (DESIGN.md's layers).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from commlayer.backends.base import (
     SharedMemory,
     TwoLevel,
 )
-from commlayer.core.reduce_ops import ReduceOp
-from commlayer.core.topology import Topology
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.topology import Topology
 from commlayer.costmodel import model as costmodel
 from commlayer.costmodel.calibration import Calibration
 

@@ -19,7 +19,8 @@ entry, its index bytes then its value bytes, so that a collective moving whole r
 allgather concatenating every rank's, an alltoall sending each peer a slice) keeps every index
 with its value in one tensor and one operation. ``ops.sparse_allreduce_async`` (COO tensors:
 int64 index tuples, value slices) and the sparse reduction of top-k payloads
-(comm/sparse_reduction.py: int32 flat indices, scalar values) both use them.
+(comm/sparse_reduction.py: int32 flat indices, scalar values) both use them, which is why the
+format is the core's: the API layer's two users import it from below, not from each other.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import math
 
 import torch
 
-from commlayer.core.errors import PayloadError
+from commlayer.common.errors import PayloadError
 
 _ALIGN = 8
 
