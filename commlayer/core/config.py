@@ -291,7 +291,8 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "COMMLAYER_ALLREDUCE_ALGORITHM",
         "allreduce_algorithm",
         _REGISTERED,
-        "allreduce algorithm for fused buffers: auto (default), mpi, shm, or a schedule "
+        "allreduce algorithm for fused buffers: auto (default), native (the backend's own; mpi, "
+        "its former name, is an alias), shm, or a schedule "
         "(hierarchical, rabenseifner, recursive_doubling, ring, shd, swing, torus2d, tree); "
         "the same on every rank",
     ),

@@ -45,7 +45,10 @@ def _sim_table(text: str) -> str:
 
 # One per config.REGISTERED_FIELDS (tests/unit/test_config_consumers.py checks the two agree).
 REGISTRIES: Registries = {
-    "allreduce_algorithm": _names(algorithms.available),
+    "allreduce_algorithm": Validator(
+        lambda text: algorithms.canonical(one_of(algorithms.accepted)(text)),
+        lambda: f"one of {', '.join(algorithms.available())} (mpi: native's former name)",
+    ),
     "sparse_algorithm": _names(sparse.available),
     "backend": _names(backends.available),
     "kernels": _names(lambda: kernels.CHOICES),

@@ -131,6 +131,7 @@ class CommState:
         dense_iters: int = 2,
         hierarchy: str | None = None,
     ) -> None:
+        algorithm = algorithms.canonical(algorithm)  # "mpi": "native"
         _check_algorithm(algorithm)
         if isinstance(dense_iters, bool) or not isinstance(dense_iters, int) or dense_iters < 0:
             raise ValueError(f"CommState(dense_iters={dense_iters!r}): must be an integer >= 0")

@@ -5,7 +5,7 @@ node-major topology of p GPUs with ``gpus_per_node`` a node, the contention of r
 node's link included. The curves it reads come from
 
 1. a measured calibration for exactly this (ranks, nodes), when ``--calibration`` has one: its
-   own curves, and its measured native algorithms (``mpi``, ``shm``) as candidates too;
+   own curves, and its measured native algorithms (``native``, ``shm``) as candidates too;
 2. else a calibration's curves carried to p ranks (the largest one in the file: its exchange
    curves inside and across nodes, its local reduce and copy rates, its overlap);
 3. else the platform file: alpha + n beta inside a node (INTRA_LATENCY, INTRA_BANDWIDTH, the
