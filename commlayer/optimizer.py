@@ -170,7 +170,7 @@ class _Reducer:
         """Whether this rank reduces at all (module docstring, 6.): as in Horovod, ranks outside
         the process set do not (their gradients stay local), nor does a set of one rank, unless
         COMMLAYER_FORCE_FULL_PATH says to; synchronize() then returns at once."""
-        alone = self.process_set.size() == 1 and runtime.config().force_full_path != "1"
+        alone = self.process_set.size() == 1 and not runtime.config().force_full_path
         return self.process_set.included() and not alone
 
     # -- groups= ---------------------------------------------------------------------------------
@@ -883,7 +883,7 @@ def _check_arguments(
         raise ValueError("gradient_predivide_factor needs op=Average")
     # Over one rank the wrapper is the identity (module docstring, 6.), whatever the op
     # (Horovod's too: at size 1 it wraps even op=Adasum in its plain optimizer).
-    alone = process_set.size() == 1 and runtime.config().force_full_path != "1"
+    alone = process_set.size() == 1 and not runtime.config().force_full_path
     if op == ReduceOp.Adasum and not alone:
         raise ValueError(
             f"rank {runtime.rank()}: DistributedOptimizer(op=Adasum) is not supported: "

@@ -189,7 +189,7 @@ class Engine:
             config.allreduce_algorithm,
             agreed_calibrations(backend, costmodel.load_all()) if auto else None,
             topo,
-            tuning=config.auto_tuning == "on",
+            tuning=config.auto_tuning,
             simulated=agreed_sim_table(backend, config.sim_table) if auto else None,
         )
         self._fused = allreduce.FusedAllreduce(self._allreduce, config.fusion_threshold_bytes, self)

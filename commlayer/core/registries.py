@@ -1,7 +1,7 @@
 """Registries: the names each setting may take, collected from the modules that own them.
 
 config.py checks a setting that names an algorithm, a sparse algorithm, a backend, a kernel
-implementation, a compressor, a topology or the malloc tuning against the :class:`Validator`
+implementation, a compressor or a topology against the :class:`Validator`
 given here, and imports none of those modules (they sit above it). ``REGISTRIES`` goes to
 ``config.load(registries=...)`` from ``init()``, the launcher and the CLI; core/runtime.py also
 installs it as config's default, for ``config.load()`` and ``config.override()`` called bare.
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from commlayer import algorithms, backends, compression, kernels
 from commlayer.algorithms import sparse
-from commlayer.core import malloc, topology
+from commlayer.core import topology
 from commlayer.core.config import InvalidValue, Registries, Validator, one_of
 from commlayer.costmodel import simulated
 
@@ -57,7 +57,6 @@ REGISTRIES: Registries = {
         _topology,
         lambda: "comma-separated nodes=N, local=L, torus=RxC (e.g. nodes=2,local=2)",
     ),
-    "malloc_tuning": _names(lambda: malloc.CHOICES),
     "sim_table": Validator(
         _sim_table,
         lambda: (

@@ -148,7 +148,7 @@ class CommState:
         # Reduce over one rank too (module docstring, 0.): the setting init() resolved, or the
         # environment's where commlayer is not initialised (algorithm "auto" needs no init()).
         settings = runtime.config() if runtime.is_initialized() else config.load()
-        self.full_path = settings.force_full_path == "1"
+        self.full_path = settings.force_full_path
         chosen = hierarchy or hierarchy_of(self.compressor, settings.compression_hierarchy)
         per_host = chosen == HOST and not self.compressor.identity
         if per_host and algorithm == algorithms.AUTO:
