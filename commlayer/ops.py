@@ -32,6 +32,7 @@ from commlayer.core.negotiation import (
     REDUCESCATTER,
     REGISTER,
     Announce,
+    Registration,
     dtype_name,
     shapes_of,
 )
@@ -169,6 +170,7 @@ def _submit(
     postscale: float = 1.0,
     finish: Callable[[Any], Any] | None = None,
     shapes: tuple[tuple[int, ...], ...] | None = None,
+    registration: Registration | None = None,
 ) -> Handle:
     if kind == ALLREDUCE and op == ReduceOp.Adasum:
         return _adasum(name, inputs, outputs, process_set, prescale, postscale, finish)
@@ -193,6 +195,7 @@ def _submit(
         root,
         splits,
         channel,
+        registration,
     )
     operation = Operation(
         announce,
@@ -597,13 +600,15 @@ def topology(process_set: ProcessSet = global_process_set) -> Topology:
 
 
 def register_process_set(ranks: Sequence[int]) -> int:
+    change = Registration(ranks=tuple(ranks))
     return int(
-        synchronize(_submit(REGISTER, None, [], [], global_process_set, shapes=(tuple(ranks),)))
+        synchronize(_submit(REGISTER, None, [], [], global_process_set, registration=change))
     )
 
 
 def unregister_process_set(set_id: int) -> None:
-    synchronize(_submit(REGISTER, None, [], [], global_process_set, shapes=((), (set_id,))))
+    change = Registration(removed=set_id)
+    synchronize(_submit(REGISTER, None, [], [], global_process_set, registration=change))
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
