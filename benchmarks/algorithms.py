@@ -225,7 +225,7 @@ def main() -> int:
         f"GB/s, copy {1 / cal.copy_s_per_byte / 1e9:.2f} GB/s.",
         "",
         "| bytes | "
-        + " | ".join(f"{name} µs (busbw GB/s, vs mpi)" for name in names)
+        + " | ".join(f"{name} µs (busbw GB/s, vs native)" for name in names)
         + " | model picks | vs best | tuned auto picks | vs best | tuned auto µs (own run) "
         "| own run vs best | tuned auto vs best two, in turn |",
         "| ---: | "
@@ -242,7 +242,8 @@ def main() -> int:
         print("\n".join(lines), flush=True)
     measured: list[dict[str, object]] = []  # --json
     accuracies: dict[str, list[float]] = {name: [] for name in names}
-    relative: dict[str, list[float]] = {name: [] for name in names if name != "mpi"}
+    native = algorithms.NATIVE_ALLREDUCE  # the backend's own (MPI_Allreduce here)
+    relative: dict[str, list[float]] = {name: [] for name in names if name != native}
     for nbytes in sizes:
         buf = torch.ones(nbytes // 4)
         times: dict[str, float] = {}
@@ -257,19 +258,19 @@ def main() -> int:
         best = min(times[name] for name in names)
         in_turn = auto_in_turn(run_auto, times, names, backend, buf, args, world, nodes)
         cells, acc_cells = [], []
-        mpi_predicted = costmodel.predict("mpi", nbytes // 4, 4, cal)
+        mpi_predicted = costmodel.predict(native, nbytes // 4, 4, cal)
         for name in names:
             t = times[name]
             cells.append(
-                f"{t * 1e6:,.0f} ({nbytes / t * factor / 1e9:.2f}, {times['mpi'] / t:.2f}x)"
+                f"{t * 1e6:,.0f} ({nbytes / t * factor / 1e9:.2f}, {times[native] / t:.2f}x)"
             )
             predicted = costmodel.predict(name, nbytes // 4, 4, cal)
             assert predicted is not None
             accuracy = 1 - abs(predicted - t) / t
             if nbytes >= 64 << 10:
                 accuracies[name].append(accuracy)
-                if name != "mpi" and mpi_predicted:
-                    ratio = t / times["mpi"]
+                if name != native and mpi_predicted:
+                    ratio = t / times[native]
                     relative[name].append(1 - abs(predicted / mpi_predicted - ratio) / ratio)
             acc_cells.append(f"{predicted * 1e6:,.0f} / {t * 1e6:,.0f} ({accuracy:.0%})")
         first = model.choose(backend, nbytes // 4, 4)

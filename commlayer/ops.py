@@ -33,6 +33,7 @@ from commlayer.core.negotiation import (
     REDUCESCATTER,
     REGISTER,
     Announce,
+    Registration,
     dtype_name,
     shapes_of,
 )
@@ -168,6 +169,7 @@ def _submit(
     postscale: float = 1.0,
     finish: Callable[[Any], Any] | None = None,
     shapes: tuple[tuple[int, ...], ...] | None = None,
+    registration: Registration | None = None,
 ) -> Handle:
     if kind == ALLREDUCE and op == ReduceOp.Adasum:
         return _adasum(name, inputs, outputs, process_set, prescale, postscale, finish)
@@ -192,6 +194,7 @@ def _submit(
         root,
         splits,
         channel,
+        registration,
     )
     operation = Operation(
         announce,
@@ -596,13 +599,15 @@ def topology(process_set: ProcessSet = global_process_set) -> Topology:
 
 
 def register_process_set(ranks: Sequence[int]) -> int:
+    change = Registration(ranks=tuple(ranks))
     return int(
-        synchronize(_submit(REGISTER, None, [], [], global_process_set, shapes=(tuple(ranks),)))
+        synchronize(_submit(REGISTER, None, [], [], global_process_set, registration=change))
     )
 
 
 def unregister_process_set(set_id: int) -> None:
-    synchronize(_submit(REGISTER, None, [], [], global_process_set, shapes=((), (set_id,))))
+    change = Registration(removed=set_id)
+    synchronize(_submit(REGISTER, None, [], [], global_process_set, registration=change))
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:

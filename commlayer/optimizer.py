@@ -65,7 +65,7 @@ from commlayer.comm.communicator import Communicator, EngineTransport, Transport
 from commlayer.comm.hierarchy import HostLevels
 from commlayer.common.errors import CommlayerError, TensorMismatchError
 from commlayer.common.reduce_ops import ReduceOp
-from commlayer.compression import Compressor, Policy, create
+from commlayer.compression import Compressor, CompressorBase, Policy, create
 from commlayer.compression import auto as auto_compression
 from commlayer.compression.auto import AutoCompressor, Hosts, Link
 from commlayer.core import runtime
@@ -148,7 +148,7 @@ class _Reducer:
     def params(self) -> list[Param]:
         return [p for group in self.owner["param_groups"] for p in group["params"]]
 
-    def level(self, compressor: Compressor) -> str:
+    def level(self, compressor: CompressorBase) -> str:
         """Where ``compressor``'s buckets are compressed (hierarchy.mode): flat wherever this
         optimizer has no per-host levels."""
         if self.comm.levels is None:
@@ -170,7 +170,7 @@ class _Reducer:
         """Whether this rank reduces at all (module docstring, 6.): as in Horovod, ranks outside
         the process set do not (their gradients stay local), nor does a set of one rank, unless
         COMMLAYER_FORCE_FULL_PATH says to; synchronize() then returns at once."""
-        alone = self.process_set.size() == 1 and runtime.config().force_full_path != "1"
+        alone = self.process_set.size() == 1 and not runtime.config().force_full_path
         return self.process_set.included() and not alone
 
     # -- groups= ---------------------------------------------------------------------------------
@@ -250,13 +250,13 @@ class _Reducer:
             lists.append(list(members))
         return lists
 
-    def choose(self, p: Param) -> Compressor:
+    def choose(self, p: Param) -> CompressorBase:
         return self.policy.choose(self.names[p].removeprefix("grad."), p)
 
     def bucket(
         self,
         params: list[Param],
-        compressor_of: dict[Param, Compressor],
+        compressor_of: dict[Param, CompressorBase],
         per_host: bool | None = None,
     ) -> Bucket:
         """``params`` as one bucket, a part (one collective) per dtype and compressor, each
@@ -513,7 +513,7 @@ class _Reducer:
         self.bucketer.install(planned)
         self.assign_leaders(planned)
 
-    def decided(self, compressor: Compressor) -> bool:
+    def decided(self, compressor: CompressorBase) -> bool:
         """Whether rank 0 decides at the plan for buckets of ``compressor``: auto, or its level
         is auto."""
         return isinstance(compressor, AutoCompressor) or self.level(compressor) == hierarchy.AUTO
@@ -523,7 +523,7 @@ class _Reducer:
         names: list[str],
         split: int,
         by_name: dict[str, Param],
-        compressor_of: dict[Param, Compressor],
+        compressor_of: dict[Param, CompressorBase],
     ) -> list[list[Param]]:
         """The buckets of a plan: the gradients backward made ready, then the late ones."""
         buckets: list[list[Param]] = []
@@ -572,7 +572,7 @@ class _Reducer:
         spec empty for a compressor given outright), None for the others."""
         size = self.process_set.size()
         out: list[tuple[str, bool] | None] = [None] * len(buckets)
-        groups: dict[Compressor, list[int]] = {}
+        groups: dict[CompressorBase, list[int]] = {}
         for index, params in enumerate(buckets):
             chosen = self.choose(params[0])
             if self.decided(chosen):
@@ -885,7 +885,7 @@ def _check_arguments(
         raise ValueError("gradient_predivide_factor needs op=Average")
     # Over one rank the wrapper is the identity (module docstring, 6.), whatever the op
     # (Horovod's too: at size 1 it wraps even op=Adasum in its plain optimizer).
-    alone = process_set.size() == 1 and runtime.config().force_full_path != "1"
+    alone = process_set.size() == 1 and not runtime.config().force_full_path
     if op == ReduceOp.Adasum and not alone:
         raise ValueError(
             f"rank {runtime.rank()}: DistributedOptimizer(op=Adasum) is not supported: "
@@ -936,11 +936,7 @@ def _checked_policy(
             f"compression per_parameter names {unknown} are not parameters; known: "
             f"{sorted(known)[:20]}"
         )
-    lossy = [
-        c.name
-        for c in policy.compressors().values()
-        if not getattr(c, "compresses_small_tensors", False)
-    ]
+    lossy = [c.name for c in policy.compressors().values() if not c.compresses_small_tensors]
     if lossy and op not in (ReduceOp.Average, ReduceOp.Sum):
         raise ValueError(
             f"compression {sorted(set(lossy))} needs op=Average or op=Sum, got {op.name}"

@@ -1,9 +1,10 @@
 """Allreduce algorithms, registered by name (``COMMLAYER_ALLREDUCE_ALGORITHM``).
 
 Most are schedules (schedule.py: per-rank lists of send/receive/reduce steps run by one
-executor, executor.py); two are not: ``mpi`` (the MPI library's own MPI_Allreduce, the baseline
-every other is measured against) and ``shm`` (ranks of one node reducing through an MPI-3
-shared-memory window, backends/shm.py). ``auto`` picks one per buffer size (core/selection.py).
+executor, executor.py); two are not: ``native`` (the backend's own allreduce: MPI_Allreduce,
+gloo's or NCCL's; the baseline every other is measured against; ``mpi`` is its former name, an
+alias) and ``shm`` (ranks of one node reducing through an MPI-3 shared-memory window,
+backends/shm.py). ``auto`` picks one per buffer size (core/selection.py).
 
 The registry is registry.py; this package re-exports it and imports every plug-in, one module
 per algorithm, each registering itself under its module's name.
@@ -21,11 +22,15 @@ from commlayer.algorithms import (  # noqa: F401  (plug-ins: importing one regis
     tree,
 )
 from commlayer.algorithms.registry import (
+    ALIASES,
     AUTO,
     NATIVE,
+    NATIVE_ALLREDUCE,
     ONE_NODE,
     Builder,
+    accepted,
     available,
+    canonical,
     check_name,
     generation,
     register,
@@ -36,11 +41,15 @@ from commlayer.algorithms.registry import (
 )
 
 __all__ = [
+    "ALIASES",
     "AUTO",
     "NATIVE",
+    "NATIVE_ALLREDUCE",
     "ONE_NODE",
     "Builder",
+    "accepted",
     "available",
+    "canonical",
     "check_name",
     "generation",
     "register",

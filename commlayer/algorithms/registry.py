@@ -19,7 +19,11 @@ Builder = Callable[[int, int, int, Topology], Schedule]  # (rank, size, numel, t
 B = TypeVar("B", bound=Builder)
 V = TypeVar("V")
 
-NATIVE = ("mpi", "shm")  # run by the backend, not as a schedule
+# The backend's own allreduce (MPI_Allreduce, gloo's, NCCL's): "mpi" before it was named for
+# what it is on every backend, still accepted as an alias wherever an algorithm is named.
+NATIVE_ALLREDUCE = "native"
+ALIASES = {"mpi": NATIVE_ALLREDUCE}
+NATIVE = (NATIVE_ALLREDUCE, "shm")  # run by the backend, not as a schedule
 ONE_NODE = ("shm",)  # natives that need every rank on one node
 AUTO = "auto"
 
@@ -61,7 +65,7 @@ class Registry(Generic[V]):
             self.remove(name)
 
 
-_SCHEDULES: Registry[Builder] = Registry("allreduce algorithm", (*NATIVE, AUTO))
+_SCHEDULES: Registry[Builder] = Registry("allreduce algorithm", (*NATIVE, *ALIASES, AUTO))
 
 
 def register(name: str) -> Callable[[B], B]:
@@ -95,8 +99,18 @@ def schedules() -> list[str]:
 
 
 def available() -> list[str]:
-    """Every name COMMLAYER_ALLREDUCE_ALGORITHM accepts."""
+    """Every algorithm's name (COMMLAYER_ALLREDUCE_ALGORITHM also accepts the ``ALIASES``)."""
     return [AUTO, *NATIVE, *sorted(_SCHEDULES.entries)]
+
+
+def canonical(name: str) -> str:
+    """The algorithm's name for ``name``, an alias (``mpi``: ``native``) or a name."""
+    return ALIASES.get(name, name)
+
+
+def accepted() -> list[str]:
+    """Every name an algorithm may be given by: ``available()`` and the aliases."""
+    return [*available(), *ALIASES]
 
 
 def schedule(
@@ -126,6 +140,8 @@ def build(
 
 
 def check_name(name: str) -> str:
-    if name not in available():
+    """The algorithm's name for ``name`` (an alias made its name); ValueError if unknown."""
+    found = canonical(name)
+    if found not in available():
         raise ValueError(f"unknown allreduce algorithm {name!r}; allowed: {', '.join(available())}")
-    return name
+    return found

@@ -24,15 +24,13 @@ MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's enum value (mpi.h: MPIX_GPU_SUPPORT_CUDA, _
 Query = Callable[[], "bool | None"]  # True/False, or None: this query cannot tell
 
 
-def decide(setting: str, environ: Mapping[str, str], queries: list[Query]) -> tuple[bool, str]:
-    """(CUDA-aware, why) from the setting ("auto", "0", "1"), the environment and the
+def decide(
+    setting: bool | None, environ: Mapping[str, str], queries: list[Query]
+) -> tuple[bool, str]:
+    """(CUDA-aware, why) from the setting (on, off, or None: auto), the environment and the
     library's queries (tried in order; the first that tells decides)."""
-    if setting == "1":
-        return True, "COMMLAYER_CUDA_AWARE_MPI=1"
-    if setting == "0":
-        return False, "COMMLAYER_CUDA_AWARE_MPI=0"
-    if setting != "auto":
-        raise ValueError(f"COMMLAYER_CUDA_AWARE_MPI={setting!r}: expected one of auto, 0, 1")
+    if setting is not None:
+        return setting, f"COMMLAYER_CUDA_AWARE_MPI={'on' if setting else 'off'}"
     gpu = environ.get("MPIR_CVAR_ENABLE_GPU", "").strip().lower()
     if gpu in ("0", "false", "no", "off"):
         return False, f"MPIR_CVAR_ENABLE_GPU={environ['MPIR_CVAR_ENABLE_GPU']} (MPICH's GPU off)"
@@ -44,7 +42,7 @@ def decide(setting: str, environ: Mapping[str, str], queries: list[Query]) -> tu
         if answer is not None:
             name = getattr(query, "__name__", "query")
             return bool(answer), f"{name}() says {'yes' if answer else 'no'}"
-    return False, "the MPI library cannot tell (COMMLAYER_CUDA_AWARE_MPI=1 to force)"
+    return False, "the MPI library cannot tell (COMMLAYER_CUDA_AWARE_MPI=on to force)"
 
 
 def library_queries(mpi: Any) -> list[Query]:

@@ -105,8 +105,9 @@ _DIRECT = Path("host", "cuda-mpi")
 _STAGED_DTYPES = (torch.float16, torch.bfloat16)  # reduced by user ops on host memory
 
 
-def detect_cuda_aware(setting: str) -> tuple[bool, str]:
-    """(CUDA-aware, why) for ``COMMLAYER_CUDA_AWARE_MPI``'s value (MPI initialized)."""
+def detect_cuda_aware(setting: bool | None) -> tuple[bool, str]:
+    """(CUDA-aware, why) for ``COMMLAYER_CUDA_AWARE_MPI``'s value (None: auto; MPI
+    initialized)."""
     return cuda_aware.decide(setting, config.mpi_gpu_variables(), cuda_aware.library_queries(MPI))
 
 
@@ -207,10 +208,11 @@ class MPIBackend:
     capabilities = frozenset({SHARED_MEMORY, TWO_LEVEL, DIRECT_PATHS})
 
     def __init__(
-        self, comm: MPI.Comm | None = None, timeout_s: float = 60.0, cuda_aware: str = "auto"
+        self, comm: MPI.Comm | None = None, timeout_s: float = 60.0, cuda_aware: bool | None = None
     ) -> None:
         """Over ``comm``, or over a duplicate of COMM_WORLD made within ``timeout_s``;
-        ``cuda_aware``: COMMLAYER_CUDA_AWARE_MPI's value, read by the first backend made."""
+        ``cuda_aware``: COMMLAYER_CUDA_AWARE_MPI's value (None: auto), read by the first
+        backend made."""
         global _cuda_aware
         self._comm: MPI.Comm = comm if comm is not None else dup_world(timeout_s)
         if _cuda_aware is None:

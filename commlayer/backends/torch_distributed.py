@@ -657,15 +657,13 @@ class _Then:
         return True
 
 
-def nccl_wanted(setting: str, cuda: bool, nccl: bool, crowded: list[str]) -> bool:
+def nccl_wanted(setting: bool | None, cuda: bool, nccl: bool, crowded: list[str]) -> bool:
     """Whether the torch backend moves CUDA tensors over an NCCL group (``COMMLAYER_NCCL``):
-    "auto" when torch has CUDA and NCCL and no host runs more ranks than it has GPUs
-    (``crowded`` names those hosts: NCCL refuses two ranks on one GPU); "1" the same, or an
-    error saying what is missing; "0" never. The same on every rank (``crowded`` is)."""
-    if setting == "0":
+    None (auto) when torch has CUDA and NCCL and no host runs more ranks than it has GPUs
+    (``crowded`` names those hosts: NCCL refuses two ranks on one GPU); True the same, or an
+    error saying what is missing; False never. The same on every rank (``crowded`` is)."""
+    if setting is False:
         return False
-    if setting not in ("auto", "1"):
-        raise CommlayerError(f"COMMLAYER_NCCL={setting!r}: expected one of auto, 0, 1")
     missing = (
         "CUDA (torch.cuda.is_available() is False)"
         if not cuda
@@ -673,12 +671,12 @@ def nccl_wanted(setting: str, cuda: bool, nccl: bool, crowded: list[str]) -> boo
         if not nccl
         else ""
     )
-    if setting == "1" and missing:
-        raise CommlayerError(f"COMMLAYER_NCCL=1, but this torch has no {missing}")
-    if setting == "1" and crowded:
+    if setting and missing:
+        raise CommlayerError(f"COMMLAYER_NCCL=on, but this torch has no {missing}")
+    if setting and crowded:
         raise CommlayerError(
-            f"COMMLAYER_NCCL=1, but {'; '.join(crowded)}: NCCL needs a GPU per rank (use "
-            "COMMLAYER_NCCL=auto or 0 to stage CUDA tensors over gloo)"
+            f"COMMLAYER_NCCL=on, but {'; '.join(crowded)}: NCCL needs a GPU per rank (use "
+            "COMMLAYER_NCCL=auto or off to stage CUDA tensors over gloo)"
         )
     return not missing and not crowded
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from commlayer.compression import Compressor
+from commlayer.compression import CompressorBase
 
 Param = torch.nn.Parameter
 
@@ -39,7 +39,7 @@ class Part(NamedTuple):
 
     params: list[Param]
     name: str
-    compressor: Compressor
+    compressor: CompressorBase
     per_host: bool = False
 
 
@@ -55,14 +55,14 @@ class Bucket:
         self.handles: list[Any] = []  # one future a part while in flight
 
     @property
-    def compressors(self) -> list[Compressor]:
+    def compressors(self) -> list[CompressorBase]:
         return [part.compressor for part in self.parts]
 
 
 def cut(
     params: list[Param],
     bucket_bytes: float,
-    compressor_of: dict[Param, Compressor] | None = None,
+    compressor_of: dict[Param, CompressorBase] | None = None,
 ) -> list[list[Param]]:
     """``params`` in order, per dtype and compressor, cut into buckets of at least
     ``bucket_bytes`` (the last of each kind may be smaller; 0: one parameter a bucket)."""

@@ -55,7 +55,7 @@ import copy
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -64,7 +64,23 @@ from commlayer.comm.sparse_reduction import SparseReduction, engine_algorithm
 from commlayer.common.errors import PayloadError
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.common.topology import Topology
-from commlayer.compression.base import Compressed, Compressor, RecordError
+from commlayer.compression.base import (
+    DECOMPRESS_ADD,
+    DECOMPRESS_INTO,
+    DECOMPRESS_SUM,
+    MULTI_ROUND,
+    RESIDUALS,
+    Compressed,
+    Compressor,
+    CompressorBase,
+    DecompressAdd,
+    DecompressInto,
+    DecompressSum,
+    MultiRound,
+    RecordError,
+    Residuals,
+    declared,
+)
 from commlayer.compression.factory import create
 from commlayer.core import runtime, wire
 from commlayer.core.future import Future, combined
@@ -104,7 +120,7 @@ class Transport(Protocol):
         ...
 
     def sparse(
-        self, name: str, compressed: Compressed, compressor: Compressor, op: ReduceOp
+        self, name: str, compressed: Compressed, compressor: CompressorBase, op: ReduceOp
     ) -> FutureLike | None:
         """A ``sparse`` compressor's payload (values, int32 indices) reduced sparse (future of
         the dense result), or None: gather it."""
@@ -161,7 +177,7 @@ class EngineTransport:
         runtime.engine().call_soon(task)
 
     def sparse(
-        self, name: str, compressed: Compressed, compressor: Compressor, op: ReduceOp
+        self, name: str, compressed: Compressed, compressor: CompressorBase, op: ReduceOp
     ) -> Future | None:
         if self.sparse_algorithm == "allgather":
             return None
@@ -176,7 +192,8 @@ class EngineTransport:
             self._topology = ops.topology(self.process_set)
         reduction = SparseReduction(
             name, values, indices, shape, algorithm, self.process_set, op,
-            sink=compressor, topology=self._topology,
+            sink=cast(Residuals, compressor) if RESIDUALS in compressor.capabilities else None,
+            topology=self._topology,
         )  # fmt: skip
         return chain(reduction.handle, reduction.advance, lambda: reduction.value)
 
@@ -256,7 +273,7 @@ class Communicator:
     def reduce(
         self,
         tensors: Sequence[torch.Tensor],
-        compressor: Compressor,
+        compressor: Compressor | CompressorBase,
         name: str,
         names: Sequence[str] | None = None,
         per_host: bool = False,
@@ -268,9 +285,10 @@ class Communicator:
         ``per_host``: compressed once per host (4.) where this communicator has ``levels``;
         every rank of the process set must pass the same."""
         tensors = list(tensors)
+        compressor = declared(compressor)  # itself where made by create (the default)
         # The payload is the tensors: reduce them where they lie ("auto" before or without a
         # decision sends them as they are: compression/auto.py).
-        if getattr(compressor, "identity", False):
+        if compressor.identity:
             return self._identity(tensors, name)
         if names is None:
             names = [name] if len(tensors) == 1 else [f"{name}.p{j}" for j in range(len(tensors))]
@@ -294,7 +312,7 @@ class Communicator:
         return out
 
     def _compressed(
-        self, tensors: list[torch.Tensor], names: list[str], compressor: Compressor, name: str
+        self, tensors: list[torch.Tensor], names: list[str], compressor: CompressorBase, name: str
     ) -> Future:
         compressed = [compressor.compress(t, n) for t, n in zip(tensors, names)]
         if compressor.summable:
@@ -333,7 +351,7 @@ class Communicator:
         tensors: list[torch.Tensor],
         names: list[str],
         compressed: list[Compressed],
-        compressor: Compressor,
+        compressor: CompressorBase,
         name: str,
     ) -> Future:
         pending = list(enumerate(compressed))
@@ -360,12 +378,20 @@ class Communicator:
                 else:
                     more.append((j, c))
             rounds = [(c, names[j]) for j, c in more]
-            together = getattr(compressor, "next_rounds", None)  # PowerSGD: one batched QR
-            if together is not None:
-                following = together(rounds)
-            else:
-                following = [compressor.next_round(c, n) for c, n in rounds]  # type: ignore[attr-defined]
-            pending[:] = [(j, nxt) for (j, _), nxt in zip(more, following)]
+            following: list[Compressed | None] = []
+            if rounds:
+                if MULTI_ROUND not in compressor.capabilities:
+                    raise TypeError(
+                        f"compressor {compressor.name!r} returned a payload that is not final "
+                        "but does not declare MULTI_ROUND (next_round)"
+                    )
+                # PowerSGD: one batched QR
+                following = cast(MultiRound, compressor).next_rounds(rounds)
+            if any(nxt is None for nxt in following):
+                raise RuntimeError(
+                    f"compressor {compressor.name!r} ended a round that was not final"
+                )
+            pending[:] = [(j, nxt) for (j, _), nxt in zip(more, following) if nxt is not None]
             if not pending:
                 return None
             round_index[0] += 1
@@ -385,7 +411,7 @@ class Communicator:
         self,
         tensors: list[torch.Tensor],
         names: list[str],
-        compressor: Compressor,
+        compressor: CompressorBase,
         name: str,
         levels: Levels,
     ) -> Future:
@@ -432,12 +458,12 @@ class Communicator:
         tensors: list[torch.Tensor],
         names: list[str],
         compressed: list[Compressed],
-        compressor: Compressor,
+        compressor: CompressorBase,
         name: str,
     ) -> Future:
         parts: list[FutureLike] = []
         rest = []  # tensors not reduced sparse: gathered together
-        declared_sparse = getattr(compressor, "sparse", False)
+        declared_sparse = compressor.sparse
         # Average over other ranks than the set's (average_over): summed, then scaled
         sparse_op, sparse_scale = self.op, 1.0
         if self.op == ReduceOp.Average and self.average_over is not None:
@@ -468,7 +494,7 @@ class Communicator:
         gathered: torch.Tensor,
         tensors: list[torch.Tensor],
         compressed: list[Compressed],
-        compressor: Compressor,
+        compressor: CompressorBase,
         name: str,
     ) -> None:
         """Decode every rank's record and sum, per tensor, into the tensors."""
@@ -498,14 +524,14 @@ class Communicator:
         tensor: torch.Tensor,
         parts: list[list[torch.Tensor]],
         local: Compressed,
-        compressor: Compressor,
+        compressor: CompressorBase,
     ) -> bool:
         """Every record decoded and summed into ``tensor`` by the compressor's
         ``decompress_sum_`` (QSGD: one write of the tensor, the bits of ``_sum_dense``): False
         where it has none or the tensor is not one flat block."""
-        together = getattr(compressor, "decompress_sum_", None)
-        if together is None or not tensor.is_contiguous():
+        if DECOMPRESS_SUM not in compressor.capabilities or not tensor.is_contiguous():
             return False
+        together = cast(DecompressSum, compressor).decompress_sum_
         divisor = self._divisor(len(parts)) if self.op == ReduceOp.Average else 1.0
         try:
             together([Compressed(p, local.ctx) for p in parts], tensor.view(-1), divisor)
@@ -518,26 +544,26 @@ class Communicator:
         tensor: torch.Tensor,
         parts: list[list[torch.Tensor]],
         local: Compressed,
-        compressor: Compressor,
+        compressor: CompressorBase,
     ) -> bool:
         """Sum the records into ``tensor`` itself with the compressor's ``decompress_add_``
         (top-k: k entries a record, no dense tensor per rank): False where it has none or the
         tensor is not one flat block. The tensor's own values were read by ``compress``
         already; it is zeroed and each record added, scaled by 1 / records under Average."""
-        add = getattr(compressor, "decompress_add_", None)
-        if add is None or not tensor.is_contiguous():
+        if DECOMPRESS_ADD not in compressor.capabilities or not tensor.is_contiguous():
             return False
+        adding = cast(DecompressAdd, compressor)
         alpha = 1.0 / self._divisor(len(parts)) if self.op == ReduceOp.Average else 1.0
         flat = tensor.view(-1)
         # Check every record before the gradient is touched: a malformed one leaves it as is.
         for source, payload in enumerate(parts):
             try:
-                compressor.check_payload(Compressed(payload, local.ctx))  # type: ignore[attr-defined]
+                adding.check_payload(Compressed(payload, local.ctx))
             except PayloadError as exc:
                 raise _FromRank(source, str(exc)) from None
         flat.zero_()
         for payload in parts:
-            add(Compressed(payload, local.ctx), flat, alpha)
+            adding.decompress_add_(Compressed(payload, local.ctx), flat, alpha)
         return True
 
     def _sum_dense(
@@ -545,7 +571,7 @@ class Communicator:
         tensor: torch.Tensor,
         parts: list[list[torch.Tensor]],
         local: Compressed,
-        compressor: Compressor,
+        compressor: CompressorBase,
     ) -> None:
         total: torch.Tensor | None = None
         for source, payload in enumerate(parts):
@@ -571,25 +597,28 @@ class _FromRank(PayloadError):
         self.rank = rank
 
 
-def _decompress_into(compressor: Compressor, compressed: Compressed, tensor: torch.Tensor) -> None:
+def _decompress_into(
+    compressor: CompressorBase, compressed: Compressed, tensor: torch.Tensor
+) -> None:
     """The reduced payload decompressed into ``tensor``: by the compressor's
     ``decompress_into`` where it has one (casts: one converting copy; PowerSGD: the product
     written in place), else ``decompress`` and a copy."""
-    into = getattr(compressor, "decompress_into", None)
-    if into is not None:
-        into(compressed, tensor)
+    if DECOMPRESS_INTO in compressor.capabilities:
+        cast(DecompressInto, compressor).decompress_into(compressed, tensor)
     else:
         _write(tensor, compressor.decompress(compressed))
 
 
-def _fold_residuals(compressor: Compressor, tensors: list[torch.Tensor], names: list[str]) -> None:
+def _fold_residuals(
+    compressor: CompressorBase, tensors: list[torch.Tensor], names: list[str]
+) -> None:
     """Before the sum inside the host, on a rank that does not lead the bucket: the residuals
     it keeps for its tensors (error feedback's ``take_residual``: the flat path's, or its own
     from when it led them), added to them so that they are delayed, not lost. A residual is a
     rank's delayed part of the sum on either path, so it goes in as it is."""
-    take = getattr(compressor, "take_residual", None)
-    if take is None:
+    if RESIDUALS not in compressor.capabilities:
         return
+    take = cast(Residuals, compressor).take_residual
     for tensor, name in zip(tensors, names):
         kept = take(name)
         if kept is not None and kept.numel() == tensor.numel():
@@ -678,7 +707,7 @@ class Loopback:
 
 
 def measure_cpu(
-    spec: str | Compressor, tensors: Sequence[torch.Tensor], ranks: int, repeats: int = 2
+    spec: str | CompressorBase, tensors: Sequence[torch.Tensor], ranks: int, repeats: int = 2
 ) -> float:
     """Seconds ``Communicator.reduce`` spends on (clones of) ``tensors`` with ``spec`` as a rank
     of ``ranks`` does, communication left out: the fastest of ``repeats`` calls after a first

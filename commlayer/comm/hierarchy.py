@@ -55,7 +55,7 @@ from typing import Any
 
 from commlayer import ops
 from commlayer.comm.communicator import EngineTransport, Transport
-from commlayer.compression import AutoCompressor, Compressor
+from commlayer.compression import AutoCompressor, CompressorBase
 from commlayer.compression.base import hierarchy_of, stable_seed
 from commlayer.core import runtime
 from commlayer.core.process_sets import ProcessSet, global_process_set
@@ -149,12 +149,12 @@ class HostLevels:
             self._load[index] += nbytes
 
 
-def compresses(compressor: Compressor) -> bool:
+def compresses(compressor: CompressorBase) -> bool:
     """Whether a bucket given ``compressor`` can be compressed (auto may pick a compressor)."""
-    return isinstance(compressor, AutoCompressor) or not getattr(compressor, "identity", False)
+    return isinstance(compressor, AutoCompressor) or not compressor.identity
 
 
-def mode(compressor: Compressor, setting: str, whole_job: bool) -> str:
+def mode(compressor: CompressorBase, setting: str, whole_job: bool) -> str:
     """``flat``, ``host`` or ``auto`` for ``compressor``'s buckets: its spec's ``hierarchy=``,
     else the setting; ``auto`` is ``flat`` on a process set other than the global one (the
     sets would be registered at construction, which ranks outside it may not reach), and for

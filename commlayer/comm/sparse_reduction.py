@@ -215,14 +215,14 @@ class SparseReduction:
         algorithm: str,
         process_set: ProcessSet,
         op: ReduceOp,
-        sink: object = None,
+        sink: DroppedSink | None = None,
         topology: Topology | None = None,
     ) -> None:
         self.name, self.shape, self.op, self.process_set = name, shape, op, process_set
         self.numel, self.dtype, self.device = shape.numel(), values.dtype, values.device
         self.switch = sparse.policy(algorithm).switch
         self.value: torch.Tensor | None = None
-        self._sink = sink if hasattr(sink, "add_dropped") else None
+        self._sink = sink
         self._rounds: _Rounds | None = None
         if algorithm not in ENGINE_ALGORITHMS:
             idx, val = prepare(indices, values, self.numel)
@@ -277,7 +277,7 @@ class SparseReduction:
             out /= self.process_set.size()
         dropped = run.dropped
         if self._sink is not None and dropped is not None and dropped.indices is not None:
-            cast(DroppedSink, self._sink).add_dropped(self.name, dropped.indices, dropped.values)
+            self._sink.add_dropped(self.name, dropped.indices, dropped.values)
         self.value = out.view(self.shape)
 
     def _merge(self, rows: torch.Tensor, received: list[int]) -> torch.Tensor:

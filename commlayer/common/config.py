@@ -29,9 +29,9 @@ from commlayer.common.errors import ConfigError
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
 WAIT_POLICIES = ("auto", "active", "passive")
 JOIN_MODES = ("horovod", "active")
-ON_OFF = ("on", "off")
-AUTO_OFF_ON = ("auto", "0", "1")
-OFF_ON = ("0", "1")
+# A boolean setting's words, any case (parse_bool): one vocabulary for every on/off setting.
+TRUE_WORDS = ("1", "true", "on", "yes")
+FALSE_WORDS = ("0", "false", "off", "no")
 HIERARCHIES = ("auto", "flat", "host")
 
 
@@ -59,17 +59,17 @@ class Config:
     kernels: str = "auto"
     cuda_ptx_dir: str = ""
     wait_policy: str = "auto"
-    malloc_tuning: str = "on"
-    auto_tuning: str = "on"
+    malloc_tuning: bool = True
+    auto_tuning: bool = True
     join_mode: str = "horovod"
     init_timeout_s: float = 60.0
     collective_timeout_s: float = 60.0
     backend: str = "auto"
-    cuda_aware_mpi: str = "auto"
-    nccl: str = "auto"
+    cuda_aware_mpi: bool | None = None  # None: auto
+    nccl: bool | None = None  # None: auto
     sim_table: str = ""
-    force_full_path: str = "0"
-    line_output: str = "off"
+    force_full_path: bool = False
+    line_output: bool = False
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -148,6 +148,20 @@ def _parse_log_level(text: str) -> str:
     return value
 
 
+def parse_bool(text: str) -> bool:
+    """A boolean setting's value: 1, true, on, yes or 0, false, off, no (any case, spaces
+    ignored); ValueError otherwise."""
+    value = text.strip().lower()
+    if value in TRUE_WORDS or value in FALSE_WORDS:
+        return value in TRUE_WORDS
+    raise ValueError(value)
+
+
+def parse_auto_bool(text: str) -> bool | None:
+    """``auto`` (None: decided at run time) or a boolean (``parse_bool``)."""
+    return None if text.strip().lower() == "auto" else parse_bool(text)
+
+
 class InvalidValue(ValueError):
     """A parser's ValueError that says why (a file that cannot be read): the ConfigError
     quotes it; other ValueErrors only say what is allowed."""
@@ -199,9 +213,9 @@ _TIMEOUT_OR_OFF = _fixed(
 _LOG_LEVEL = _fixed(_parse_log_level, f"one of {', '.join(_LOG_LEVELS)}")
 _WAIT_POLICY = _fixed(one_of(lambda: WAIT_POLICIES), f"one of {', '.join(WAIT_POLICIES)}")
 _JOIN_MODE = _fixed(one_of(lambda: JOIN_MODES), f"one of {', '.join(JOIN_MODES)}")
-_ON_OFF = _fixed(one_of(lambda: ON_OFF), f"one of {', '.join(ON_OFF)}")
-_AUTO_OFF_ON = _fixed(one_of(lambda: AUTO_OFF_ON), f"one of {', '.join(AUTO_OFF_ON)}")
-_OFF_ON = _fixed(one_of(lambda: OFF_ON), f"one of {', '.join(OFF_ON)}")
+_BOOLEAN = f"{', '.join(TRUE_WORDS)} or {', '.join(FALSE_WORDS)} (any case)"
+_BOOL = _fixed(parse_bool, f"a boolean: {_BOOLEAN}")
+_AUTO_BOOL = _fixed(parse_auto_bool, f"auto or a boolean: {_BOOLEAN}")
 _HIERARCHY = _fixed(one_of(lambda: HIERARCHIES), f"one of {', '.join(HIERARCHIES)}")
 _PATH = _fixed(str, "a path")
 # In _VARIABLES: a setting whose allowed values are names other modules own (algorithms,
@@ -291,7 +305,8 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "COMMLAYER_ALLREDUCE_ALGORITHM",
         "allreduce_algorithm",
         _REGISTERED,
-        "allreduce algorithm for fused buffers: auto (default), mpi, shm, or a schedule "
+        "allreduce algorithm for fused buffers: auto (default), native (the backend's own; mpi, "
+        "its former name, is an alias), shm, or a schedule "
         "(hierarchical, rabenseifner, recursive_doubling, ring, shd, swing, torus2d, tree); "
         "the same on every rank",
     ),
@@ -335,7 +350,7 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
     (
         "COMMLAYER_MALLOC_TUNING",
         "malloc_tuning",
-        _REGISTERED,
+        _BOOL,
         "on (default): init() sets glibc's mmap threshold to 32 MiB and its trim threshold to "
         "64 MiB, so the memory a training step frees serves the next step without page faults "
         "(skipped when glibc's own MALLOC_*_ or GLIBC_TUNABLES malloc settings are set); off",
@@ -343,7 +358,7 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
     (
         "COMMLAYER_LINE_OUTPUT",
         "line_output",
-        _ON_OFF,
+        _BOOL,
         "on: init() makes sys.stdout and sys.stderr line-buffered, so that each printed line "
         "reaches the launcher in one write; commlayerrun sets it when MPICH's launcher puts the "
         "rank before each write of a rank's output (--prefix-output: under PYTHONUNBUFFERED=1 "
@@ -352,7 +367,7 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
     (
         "COMMLAYER_AUTO_TUNING",
         "auto_tuning",
-        _ON_OFF,
+        _BOOL,
         "on (default): the auto algorithm times the cost model's pick, the native algorithms "
         "and the two schedules predicted fastest on the first calls of each buffer size class "
         "and keeps the fastest, agreed by all ranks, measuring it against the runner-up again "
@@ -394,27 +409,27 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
     (
         "COMMLAYER_CUDA_AWARE_MPI",
         "cuda_aware_mpi",
-        _AUTO_OFF_ON,
-        "whether the MPI backend hands CUDA tensors to MPI directly: 1 (the MPI is CUDA-aware), "
-        "0 (stage them through pinned host buffers), or auto (default): ask the MPI library "
+        _AUTO_BOOL,
+        "whether the MPI backend hands CUDA tensors to MPI directly: on (the MPI is CUDA-aware), "
+        "off (stage them through pinned host buffers), or auto (default): ask the MPI library "
         "(MPIX_Query_cuda_support, MPICH's MPIX_GPU_query_support; MPIR_CVAR_ENABLE_GPU=0 "
         "says no), staging when it cannot tell",
     ),
     (
         "COMMLAYER_NCCL",
         "nccl",
-        _AUTO_OFF_ON,
-        "whether the torch backend moves CUDA tensors over NCCL directly: auto (default) and 1 "
-        "when torch has CUDA and NCCL and every rank a GPU of its own (1: an error otherwise), "
-        "0: stage them through pinned host buffers over gloo",
+        _AUTO_BOOL,
+        "whether the torch backend moves CUDA tensors over NCCL directly: auto (default) and on "
+        "when torch has CUDA and NCCL and every rank a GPU of its own (on: an error otherwise), "
+        "off: stage them through pinned host buffers over gloo",
     ),
     (
         "COMMLAYER_FORCE_FULL_PATH",
         "force_full_path",
-        _OFF_ON,
-        "0 (default): over one rank (a process set or DDP group of size 1) DistributedOptimizer "
+        _BOOL,
+        "off (default): over one rank (a process set or DDP group of size 1) DistributedOptimizer "
         "and the DDP hook leave gradients as backward made them, as Horovod does at size 1 (no "
-        "hooks, nothing sent, no compression); 1: they take the whole path there too (hooks, "
+        "hooks, nothing sent, no compression); on: they take the whole path there too (hooks, "
         "buckets, compression, the engine), for benchmarks and tests. Collectives called "
         "directly run through the engine at any size",
     ),
@@ -628,7 +643,7 @@ def describe(registries: Registries | None = None) -> list[Variable]:
 
 def show_default(variable: Variable) -> str:
     """The default as a user writes it: '64 MiB' for 67108864 bytes, '60' for 60.0 seconds,
-    'none' for an empty path."""
+    'none' for an empty path, 'on'/'off' for a boolean, 'auto' for an auto boolean's None."""
     value = variable.default
     if variable.unit == "bytes" and isinstance(value, int):
         for shift, suffix in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
@@ -637,6 +652,8 @@ def show_default(variable: Variable) -> str:
         return f"{value} B"
     if isinstance(value, float):
         return f"{value:g}"
+    if isinstance(value, bool) or value is None:  # a boolean setting; None: an auto one's
+        return "auto" if value is None else "on" if value else "off"
     return str(value) if value != "" else "none"
 
 
@@ -725,7 +742,9 @@ def _check_settings(
             continue
         validator = _validator(field, declared, registries)
         try:
-            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            # True/False only for a boolean setting (True would be 1 to an integer one)
+            misread = isinstance(value, bool) and declared not in (_BOOL, _AUTO_BOOL)
+            if misread or not isinstance(value, (str, int, float)):
                 raise ValueError(value)
             checked[field] = validator.parse(str(value))
         except ValueError as exc:

@@ -7,13 +7,12 @@ math and paper. A built-in compressor is its module, imported here and listed on
 ``BUILTINS``, which registers it: nothing else in commlayer names it.
 """
 
-from typing import Any
-
 from commlayer.compression.auto import AutoCompressor
 from commlayer.compression.base import (
     ENTRY_POINT_GROUP,
     Compressed,
     Compressor,
+    CompressorBase,
     available,
     register,
     registered,
@@ -34,7 +33,7 @@ from commlayer.compression.topk import TopKCompressor
 
 # The built-in compressors, one line each, registered under their ``name`` (the name of their
 # module) in this order, the order error messages list them in.
-BUILTINS: tuple[type[Any], ...] = (
+BUILTINS: tuple[type[CompressorBase], ...] = (
     NoneCompressor,
     FP16Compressor,
     BF16Compressor,
@@ -67,6 +66,7 @@ __all__ = [
     "Compressed",
     "Compression",
     "Compressor",
+    "CompressorBase",
     "EFSignSGDCompressor",
     "ErrorFeedback",
     "FP16Compressor",

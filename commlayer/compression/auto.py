@@ -54,11 +54,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, cast
 
 import torch
 
-from commlayer.compression.base import Compressed, Compressor, horovod_args, payload_bytes
+from commlayer.compression.base import (
+    STATEFUL,
+    Compressed,
+    Compressor,
+    CompressorBase,
+    Stateful,
+    horovod_args,
+    payload_bytes,
+)
 from commlayer.compression.factory import create
 
 _log = logging.getLogger("commlayer")
@@ -270,13 +278,14 @@ def decide_level(
     )
 
 
-class AutoCompressor:
+class AutoCompressor(CompressorBase):
     """Placeholder DistributedOptimizer resolves per bucket (module docstring); until then, and
     anywhere nothing resolves it, it sends tensors as they are."""
 
-    name: ClassVar[str] = "auto"
-    summable: ClassVar[bool] = True
-    identity: ClassVar[bool] = True  # until resolved: the tensors as they are
+    name = "auto"
+    summable = True
+    capabilities = frozenset({STATEFUL})
+    identity = True  # until resolved: the tensors as they are
 
     def __init__(self, lossy: int = 0, link: str = "measure", margin: float = MARGIN) -> None:
         if lossy not in (0, 1) or isinstance(lossy, bool):
@@ -291,12 +300,12 @@ class AutoCompressor:
         # Lossy candidates skip small tensors (Policy's min_numel); casts take every tensor.
         self.compresses_small_tensors = not self.lossy
         self.decisions: list[dict[str, Any]] = []  # one per bucket class, in plan order
-        self.chosen: dict[str, Compressor] = {}  # spec -> the compressor buckets share
+        self.chosen: dict[str, CompressorBase] = {}  # spec -> the compressor buckets share
 
     def __repr__(self) -> str:
         return f"AutoCompressor(lossy={int(self.lossy)}, link={self.link!r}, margin={self.margin})"
 
-    def compressor(self, spec: str, rank: int) -> Compressor:
+    def compressor(self, spec: str, rank: int) -> CompressorBase:
         """The one compressor of ``spec`` every bucket given it shares (its state: residuals;
         a bucket compressed per host shares it too: its residual is keyed by its name)."""
         if spec not in self.chosen:
@@ -311,9 +320,9 @@ class AutoCompressor:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            spec: c.state_dict()  # type: ignore[attr-defined]
+            spec: cast(Stateful, c).state_dict()
             for spec, c in self.chosen.items()
-            if hasattr(c, "state_dict")
+            if STATEFUL in c.capabilities
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -321,7 +330,11 @@ class AutoCompressor:
             target = self.chosen.get(spec)
             if target is None:  # restored before the plan: kept for when it is chosen
                 target = self.chosen[spec] = create(spec)
-            target.load_state_dict(value)  # type: ignore[attr-defined]
+            if STATEFUL not in target.capabilities:
+                raise ValueError(
+                    f"auto: the state for {spec!r} has no stateful compressor to load into"
+                )
+            cast(Stateful, target).load_state_dict(value)
 
 
 Measure = Callable[[Any, Sequence[torch.Tensor], int], float]

@@ -4,21 +4,27 @@ Building one from a spec (parameters, rank and seed, error feedback) is factory.
 imports no compressor and no wrapper, so every compressor can import it.
 
 ``Compressor.compress(tensor, name) -> Compressed(payload, ctx)`` and
-``decompress(Compressed) -> tensor``. A compressor declares what it is in class attributes; the
-code that moves, chooses and costs payloads (the communicator, the factory, the policy,
-``auto``, the oracle) reads these declarations and never a compressor's name:
+``decompress(Compressed) -> tensor``. A compressor declares what it is; the code that moves,
+chooses and costs payloads (the communicator, the factory, the policy, ``auto``, the oracle)
+reads these declarations, typed and checked by mypy, and never a compressor's name, nor probes
+it for members:
 
 1. ``summable=True`` (none, fp16, bf16, randomk, powersgd): the payload is one tensor whose sum
    over ranks is the payload of the sum; it is allreduced **in place**, then decompressed.
    A compressor needing several communication rounds (PowerSGD) returns
-   ``Compressed(..., final=False)`` and implements ``next_round(compressed, name)``, called
-   with the reduced payload and returning the next round's ``Compressed``.
+   ``Compressed(..., final=False)`` and declares ``MULTI_ROUND`` (below).
 2. ``summable=False`` (qsgd, topk, efsignsgd, onebit): every rank's payload is gathered and
    each is decompressed with the *local* ``ctx``, so ``ctx`` may depend only on the tensor's
    shape and dtype, never on its values. ``decompress`` must check a peer's payload (lengths,
    index range, finite scales) and raise :class:`~commlayer.common.errors.PayloadError`.
 
-Optional declarations (absent: the default in brackets):
+The minimum (:class:`Compressor`) is those four members: ``name``, ``summable``, ``compress``
+and ``decompress``. Everything else is declared on :class:`CompressorBase`, which every
+built-in compressor and ErrorFeedback subclass; a compressor that is not one is given
+CompressorBase's defaults by ``declared`` (factory.create calls it), and refused there if it
+has members of the declarations below (they would be ignored: subclass CompressorBase).
+
+Declarations (CompressorBase's default in brackets):
 
 - ``sparse`` [False]: the payload is ``[values, int32 flat indices]`` of distinct positions
   (topk), so a sparse allreduce algorithm (``COMMLAYER_SPARSE_ALGORITHM``) may reduce it
@@ -32,17 +38,40 @@ Optional declarations (absent: the default in brackets):
 - ``wire_dtype`` [None: the tensor's]: the dtype a summable payload is reduced in (casts).
 - ``wire_parameters`` [()]: the spec parameters the payload's size depends on and that a cost
   prediction (the oracle) must be given rather than assume (topk's and randomk's ``ratio``).
-- ``wire_bytes(numel, element_bytes=4)``: bytes of one rank's payload for a tensor of ``numel``
-  elements of ``element_bytes`` each, or ``round_bytes(shape, element_bytes=4)``, a list with
-  each round's bytes, where they depend on the tensor's shape (PowerSGD). ``auto`` and the
-  oracle cost payloads with them; a compressor declaring neither is not costed.
-- ``state_dict``/``load_state_dict``: state saved with the optimizer.
-- ``take_residual(name)``: a residual kept for ``name`` (error feedback), removed, or None: the
-  per-host path adds it to what this rank sends where the rank no longer compresses ``name``.
 - ``hierarchy`` [None: COMMLAYER_COMPRESSION_HIERARCHY]: ``flat``, ``host`` or ``auto``, set
   by a spec's ``hierarchy=`` (factory.py): where this compressor's buckets are compressed when
   a process set spans several hosts (comm/hierarchy.py). Error feedback needs nothing of the
   compressor there: its residual is kept by the one rank that compresses the bucket.
+- ``bind_rank(rank)`` [nothing]: told this process's rank where it was made without one
+  (QSGD's rounding noise differs per rank).
+- ``capabilities`` [empty]: a frozenset naming the optional protocols below that the
+  compressor implements, as backends declare theirs (backends/base.py). A caller checks
+  membership, then casts to the protocol:
+
+  - ``WIRE_BYTES`` (:class:`WireBytes`): ``wire_bytes(numel, element_bytes=4)``, bytes of one
+    rank's payload for a tensor of ``numel`` elements; ``ROUND_BYTES`` (:class:`RoundBytes`):
+    ``round_bytes(shape, element_bytes=4)``, each round's bytes, where they depend on the
+    shape (PowerSGD). ``auto`` and the oracle cost payloads with them (``payload_bytes``); a
+    compressor declaring neither is not costed.
+  - ``MULTI_ROUND`` (:class:`MultiRound`): ``next_round(compressed, name)``, called with the
+    reduced payload of a round that was not final, returning the next round's
+    ``Compressed``, and ``next_rounds`` for several tensors at once (PowerSGD: one batched QR).
+  - ``DECOMPRESS_INTO`` (:class:`DecompressInto`): the reduced payload written into the
+    tensor (casts: one converting copy) instead of ``decompress`` and a copy.
+  - ``DECOMPRESS_ADD`` (:class:`DecompressAdd`): ``check_payload`` and ``decompress_add_``: a
+    gathered record added into the tensor (top-k: no dense tensor per rank).
+  - ``DECOMPRESS_SUM`` (:class:`DecompressSum`): every gathered record decoded and summed in
+    one call (QSGD).
+  - ``STATEFUL`` (:class:`Stateful`): ``state_dict``/``load_state_dict``, state saved with the
+    optimizer.
+  - ``RESIDUALS`` (:class:`Residuals`, error feedback): ``take_residual(name)``, a residual
+    kept for ``name``, removed, or None: the per-host path adds it to what this rank sends
+    where the rank no longer compresses ``name``; ``add_dropped``: entries a sparse
+    reduction dropped, added to the residual.
+  - error feedback's fast paths through the inner compressor (error_feedback.py): ``DROP_SENT``
+    (:class:`DropSent`: the sent entries zeroed in the corrected tensor, top-k, random-k),
+    ``COMPRESS_SUM`` (:class:`CompressSum`: the correction and the selection in one kernel,
+    top-k), ``LOCAL_ERROR`` (:class:`LocalError`: the residual in one fused product, PowerSGD).
 
 A built-in compressor is one file (its ``name`` the file's) and one line of ``BUILTINS`` in
 ``commlayer/compression/__init__.py``, which registers it. Users add their own with
@@ -60,7 +89,7 @@ import logging
 import math
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
@@ -94,7 +123,8 @@ def horovod_args(compressed: Compressed | torch.Tensor, ctx: Any) -> Compressed:
 
 
 class Compressor(Protocol):
-    """A (possibly lossy) encoding of a gradient for communication."""
+    """A (possibly lossy) encoding of a gradient for communication: the minimum a compressor
+    implements (module docstring); :class:`CompressorBase` declares the rest."""
 
     @property
     def name(self) -> str: ...
@@ -105,6 +135,176 @@ class Compressor(Protocol):
     def compress(self, tensor: torch.Tensor, name: str) -> Compressed: ...
 
     def decompress(self, compressed: Compressed) -> torch.Tensor: ...
+
+
+# The optional protocols a compressor's ``capabilities`` may name (module docstring).
+WIRE_BYTES = "wire_bytes"
+ROUND_BYTES = "round_bytes"
+MULTI_ROUND = "multi_round"
+DECOMPRESS_INTO = "decompress_into"
+DECOMPRESS_ADD = "decompress_add"
+DECOMPRESS_SUM = "decompress_sum"
+STATEFUL = "stateful"
+RESIDUALS = "residuals"
+DROP_SENT = "drop_sent"
+COMPRESS_SUM = "compress_sum"
+LOCAL_ERROR = "local_error"
+
+
+class CompressorBase:
+    """A compressor with every declaration (module docstring), each with its default: the
+    built-in compressors and ErrorFeedback subclass it, and so may a user's compressor that
+    declares more than the minimum."""
+
+    name: str
+    summable: bool
+    sparse: bool = False
+    identity: bool = False
+    biased: bool = False
+    compresses_small_tensors: bool = False
+    wire_dtype: torch.dtype | None = None
+    wire_parameters: tuple[str, ...] = ()
+    hierarchy: str | None = None
+    capabilities: frozenset[str] = frozenset()
+
+    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
+        raise NotImplementedError(f"{type(self).__name__}.compress")
+
+    def decompress(self, compressed: Compressed) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__}.decompress")
+
+    def bind_rank(self, rank: int) -> None:
+        """Told this process's rank (``create(compressor, rank=r)``): nothing by default."""
+
+
+class WireBytes(Protocol):
+    """``WIRE_BYTES``: bytes of one rank's payload for ``numel`` elements of ``element_bytes``."""
+
+    def wire_bytes(self, numel: int, element_bytes: int = 4) -> int: ...
+
+
+class RoundBytes(Protocol):
+    """``ROUND_BYTES``: each round's bytes of one rank's payload for a tensor of ``shape``."""
+
+    def round_bytes(self, shape: torch.Size, element_bytes: int = 4) -> list[int]: ...
+
+
+class MultiRound(Protocol):
+    """``MULTI_ROUND``: a payload that is not final has a next round, made from the reduced
+    one (None where there is none)."""
+
+    def next_round(self, compressed: Compressed, name: str = "") -> Compressed | None: ...
+
+    def next_rounds(self, rounds: list[tuple[Compressed, str]]) -> list[Compressed | None]: ...
+
+
+class DecompressInto(Protocol):
+    """``DECOMPRESS_INTO``: the reduced payload decompressed into ``out``."""
+
+    def decompress_into(self, compressed: Compressed, out: torch.Tensor) -> None: ...
+
+
+class DecompressAdd(Protocol):
+    """``DECOMPRESS_ADD``: a gathered record checked, then added (times ``alpha``) into the
+    flat tensor ``out``."""
+
+    def check_payload(self, compressed: Compressed) -> Any: ...
+
+    def decompress_add_(self, compressed: Compressed, out: torch.Tensor, alpha: float) -> None: ...
+
+
+class DecompressSum(Protocol):
+    """``DECOMPRESS_SUM``: every gathered record decoded and summed into the flat tensor
+    ``out``, divided by ``divisor`` (a bad record raises RecordError)."""
+
+    def decompress_sum_(
+        self, records: list[Compressed], out: torch.Tensor, divisor: float
+    ) -> None: ...
+
+
+class Stateful(Protocol):
+    """``STATEFUL``: state saved and restored with the optimizer."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Residuals(Protocol):
+    """``RESIDUALS``: error feedback's residuals, handed over or added to."""
+
+    def take_residual(self, name: str) -> torch.Tensor | None: ...
+
+    def add_dropped(self, name: str, indices: torch.Tensor, values: torch.Tensor) -> None: ...
+
+
+class DropSent(Protocol):
+    """``DROP_SENT``: ``corrected`` with the entries ``compressed`` sends exactly zeroed."""
+
+    def drop_sent_(self, corrected: torch.Tensor, compressed: Compressed) -> torch.Tensor: ...
+
+
+class CompressSum(Protocol):
+    """``COMPRESS_SUM``: compress ``acc + tensor``, the sum made in ``acc``."""
+
+    def compress_sum_(
+        self, acc: torch.Tensor, tensor: torch.Tensor, name: str = ""
+    ) -> Compressed: ...
+
+
+class LocalError(Protocol):
+    """``LOCAL_ERROR``: ``corrected`` minus this rank's own decompression of ``compressed``."""
+
+    def local_error(self, corrected: torch.Tensor, compressed: Compressed) -> torch.Tensor: ...
+
+
+# Members of the declarations only CompressorBase's subclasses are read for: a compressor that
+# is not one and has any of them was written for them, and would silently lose them.
+_DECLARATIONS = (
+    "sparse", "identity", "biased", "compresses_small_tensors", "wire_dtype", "wire_parameters",
+    "capabilities", "wire_bytes", "round_bytes", "next_round", "next_rounds", "decompress_into",
+    "decompress_add_", "decompress_sum_", "state_dict", "load_state_dict", "take_residual",
+)  # fmt: skip
+
+
+class _Minimal(CompressorBase):
+    """A compressor with the minimum only (:class:`Compressor`), given the defaults."""
+
+    def __init__(self, compressor: Compressor) -> None:
+        self.compressor = compressor
+        self.name = compressor.name
+        self.summable = compressor.summable
+
+    def __repr__(self) -> str:
+        return repr(self.compressor)
+
+    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
+        return self.compressor.compress(tensor, name)
+
+    def decompress(self, compressed: Compressed) -> torch.Tensor:
+        return self.compressor.decompress(compressed)
+
+
+def declared(compressor: Compressor | CompressorBase) -> CompressorBase:
+    """``compressor`` as a :class:`CompressorBase`: itself where it is one, else wrapped with
+    the defaults; TypeError where it has members of declarations it would lose that way."""
+    if isinstance(compressor, CompressorBase):
+        return compressor
+    missing = [
+        m for m in ("name", "summable", "compress", "decompress") if not hasattr(compressor, m)
+    ]
+    if missing:
+        raise TypeError(
+            f"{type(compressor).__name__} is not a compressor: it lacks {', '.join(missing)} "
+            "(commlayer.compression.Compressor)"
+        )
+    unread = [m for m in _DECLARATIONS if hasattr(compressor, m)]
+    if unread:
+        raise TypeError(
+            f"compressor {type(compressor).__name__} declares {', '.join(unread)}, which are read "
+            "from subclasses of commlayer.compression.CompressorBase only: subclass it"
+        )
+    return _Minimal(compressor)
 
 
 _REGISTRY: dict[str, Callable[..., Compressor]] = {}
@@ -170,26 +370,28 @@ def lookup(name: str) -> Callable[..., Compressor]:
     return factory
 
 
-def hierarchy_of(compressor: Compressor, default: str) -> str:
+def hierarchy_of(compressor: CompressorBase, default: str) -> str:
     """Where ``compressor``'s buckets are compressed across hosts: its spec's ``hierarchy=``,
     else ``default`` (the setting)."""
-    chosen: str | None = getattr(compressor, "hierarchy", None)
-    return chosen or default
+    return compressor.hierarchy or default
 
 
-def payload_bytes(compressor: Compressor, shape: torch.Size, element_bytes: int) -> list[int]:
+def costed(compressor: CompressorBase) -> bool:
+    """Whether ``compressor`` declares its payload's size (``payload_bytes`` answers)."""
+    return bool(compressor.capabilities & {WIRE_BYTES, ROUND_BYTES})
+
+
+def payload_bytes(compressor: CompressorBase, shape: torch.Size, element_bytes: int) -> list[int]:
     """Bytes of each round's payload one rank sends for a tensor of ``shape`` with
-    ``element_bytes`` an element, as ``compressor`` (an ErrorFeedback's inner one) declares
-    them: ``round_bytes``, else ``wire_bytes`` (one round); ValueError where it declares
-    neither."""
-    target: Any = getattr(compressor, "inner", compressor)
-    rounds = getattr(target, "round_bytes", None)
-    if rounds is not None:
-        return list(rounds(shape, element_bytes))
-    wire_bytes = getattr(target, "wire_bytes", None)
-    if wire_bytes is None:
-        raise ValueError(f"compressor {target.name!r} declares no wire_bytes: its cost is unknown")
-    return [wire_bytes(shape.numel(), element_bytes)]
+    ``element_bytes`` an element, as ``compressor`` declares them: ``round_bytes``, else
+    ``wire_bytes`` (one round); ValueError where it declares neither."""
+    if ROUND_BYTES in compressor.capabilities:
+        return list(cast(RoundBytes, compressor).round_bytes(shape, element_bytes))
+    if WIRE_BYTES not in compressor.capabilities:
+        raise ValueError(
+            f"compressor {compressor.name!r} declares no wire_bytes: its cost is unknown"
+        )
+    return [cast(WireBytes, compressor).wire_bytes(shape.numel(), element_bytes)]
 
 
 # -- helpers the compressors share ---------------------------------------------------------------

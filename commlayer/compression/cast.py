@@ -7,21 +7,27 @@ float16 gradients does not overflow. bfloat16 keeps float32's exponent range (no
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from commlayer.compression.base import Compressed, horovod_args
+from commlayer.compression.base import (
+    DECOMPRESS_INTO,
+    WIRE_BYTES,
+    Compressed,
+    CompressorBase,
+    horovod_args,
+)
 
 
-class CastCompressor:
+class CastCompressor(CompressorBase):
     """Base of compressors that send floating-point tensors in a narrower dtype."""
 
-    name: ClassVar[str]
-    summable: ClassVar[bool] = True
+    summable = True
+    capabilities = frozenset({WIRE_BYTES, DECOMPRESS_INTO})
     # A cast has no per-tensor cost, so (as in Horovod) small tensors are cast too.
-    compresses_small_tensors: ClassVar[bool] = True
-    wire_dtype: ClassVar[torch.dtype]
+    compresses_small_tensors = True
+    wire_dtype: torch.dtype  # the subclass's
 
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
         if not tensor.is_floating_point() or tensor.dtype == self.wire_dtype:

@@ -13,26 +13,27 @@ rank's decoded and summed.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from commlayer import kernels
 from commlayer.compression import bitpack
 from commlayer.compression.base import (
+    WIRE_BYTES,
     Compressed,
+    CompressorBase,
     compute_dtype,
     expect_finite,
     expect_numel,
 )
 
 
-class EFSignSGDCompressor:
+class EFSignSGDCompressor(CompressorBase):
     """sign(x) scaled by mean |x|."""
 
-    name: ClassVar[str] = "efsignsgd"
-    summable: ClassVar[bool] = False
-    biased: ClassVar[bool] = True
+    name = "efsignsgd"
+    summable = False
+    capabilities = frozenset({WIRE_BYTES})
+    biased = True
 
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
         flat = tensor.detach().reshape(-1)

@@ -28,70 +28,96 @@ one over where a rank stopped compressing a name.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
-from commlayer.compression.base import Compressed, Compressor
+from commlayer.compression.base import (
+    COMPRESS_SUM,
+    DECOMPRESS_ADD,
+    DECOMPRESS_INTO,
+    DECOMPRESS_SUM,
+    DROP_SENT,
+    LOCAL_ERROR,
+    MULTI_ROUND,
+    RESIDUALS,
+    ROUND_BYTES,
+    STATEFUL,
+    WIRE_BYTES,
+    Compressed,
+    CompressorBase,
+    CompressSum,
+    DecompressAdd,
+    DecompressInto,
+    DecompressSum,
+    DropSent,
+    LocalError,
+    MultiRound,
+    RoundBytes,
+    WireBytes,
+)
 
-# The inner compressor's optional fast paths, used through the wrapper as they are (they
-# read or write the reduced result, never the residual), and its payload's declarations.
+# The inner compressor's capabilities the wrapper has as they are: its fast paths that read or
+# write the reduced result, never the residual, and its payload's size.
 _FORWARDED = frozenset(
-    {
-        "decompress_add_",
-        "decompress_sum_",
-        "decompress_into",
-        "check_payload",
-        "wire_bytes",
-        "round_bytes",
-        "wire_dtype",
-        "wire_parameters",
-    }
+    {DECOMPRESS_ADD, DECOMPRESS_SUM, DECOMPRESS_INTO, WIRE_BYTES, ROUND_BYTES, MULTI_ROUND}
 )
 
 
-class ErrorFeedback:
+class ErrorFeedback(CompressorBase):
     """Wraps ``inner``: adds the residual before compressing, keeps the new residual."""
 
-    __slots__ = ("inner", "residuals", "_corrected", "hierarchy")
+    __slots__ = (
+        "inner", "residuals", "_corrected", "name", "summable", "sparse", "identity",
+        "wire_dtype", "wire_parameters", "capabilities", "hierarchy",
+    )  # fmt: skip
 
-    def __init__(self, inner: Compressor) -> None:
+    def __init__(self, inner: CompressorBase) -> None:
         if isinstance(inner, ErrorFeedback):
             raise ValueError("ErrorFeedback(ErrorFeedback(...)): error feedback is already on")
         self.inner = inner
+        self.name = inner.name
+        self.summable = inner.summable
+        self.sparse = inner.sparse
+        # the inner compressor's: error feedback around the identity keeps nothing
+        self.identity = inner.identity
+        self.wire_dtype = inner.wire_dtype
+        self.wire_parameters = inner.wire_parameters
+        self.capabilities = (inner.capabilities & _FORWARDED) | {RESIDUALS, STATEFUL}
         self.hierarchy: str | None = None  # a spec's hierarchy= (factory.py)
         self.residuals: dict[str, torch.Tensor] = {}
         self._corrected: dict[str, torch.Tensor] = {}  # between rounds of a multi-round inner
 
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    def __getattr__(self, attribute: str) -> Any:
-        if attribute in _FORWARDED:
-            return getattr(self.inner, attribute)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attribute!r}")
-
-    @property
-    def summable(self) -> bool:
-        return self.inner.summable
-
-    @property
-    def sparse(self) -> bool:
-        return getattr(self.inner, "sparse", False)
-
-    @property
-    def identity(self) -> bool:
-        """The inner compressor's: error feedback around the identity keeps nothing."""
-        return getattr(self.inner, "identity", False)
-
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.inner!r})"
 
-    def compress(self, tensor: torch.Tensor, name: str) -> Compressed:
+    def bind_rank(self, rank: int) -> None:
+        self.inner.bind_rank(rank)
+
+    # -- the inner compressor's, forwarded where its capabilities name them ---------------
+    def wire_bytes(self, numel: int, element_bytes: int = 4) -> int:
+        return cast(WireBytes, self.inner).wire_bytes(numel, element_bytes)
+
+    def round_bytes(self, shape: torch.Size, element_bytes: int = 4) -> list[int]:
+        return cast(RoundBytes, self.inner).round_bytes(shape, element_bytes)
+
+    def decompress_into(self, compressed: Compressed, out: torch.Tensor) -> None:
+        cast(DecompressInto, self.inner).decompress_into(compressed, out)
+
+    def check_payload(self, compressed: Compressed) -> Any:
+        return cast(DecompressAdd, self.inner).check_payload(compressed)
+
+    def decompress_add_(self, compressed: Compressed, out: torch.Tensor, alpha: float) -> None:
+        cast(DecompressAdd, self.inner).decompress_add_(compressed, out, alpha)
+
+    def decompress_sum_(self, records: list[Compressed], out: torch.Tensor, divisor: float) -> None:
+        cast(DecompressSum, self.inner).decompress_sum_(records, out, divisor)
+
+    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
         residual = self.residuals.get(name)
-        drop_sent = getattr(self.inner, "drop_sent_", None)
-        if drop_sent is not None:
+        if DROP_SENT in self.inner.capabilities:
+            drop_sent = cast(DropSent, self.inner).drop_sent_
             return self._compress_in_place(tensor, name, residual, drop_sent)
         corrected = tensor
         if residual is not None and residual.shape == tensor.shape:
@@ -103,7 +129,11 @@ class ErrorFeedback:
         return compressed
 
     def _compress_in_place(
-        self, tensor: torch.Tensor, name: str, residual: torch.Tensor | None, drop_sent: Any
+        self,
+        tensor: torch.Tensor,
+        name: str,
+        residual: torch.Tensor | None,
+        drop_sent: Callable[[torch.Tensor, Compressed], torch.Tensor],
     ) -> Compressed:
         """p_t in the residual's buffer, e_{t+1} = p_t with the sent entries zeroed (module
         docstring): the payload holds copies of the sent values, so the buffer is free."""
@@ -113,13 +143,13 @@ class ErrorFeedback:
             and residual.dtype == tensor.dtype
             and residual.device == tensor.device
         )
-        if usable and hasattr(self.inner, "compress_sum_") and residual.is_contiguous():  # type: ignore[union-attr]
-            # top-k: the correction and the selection's read in one kernel
-            compressed = self.inner.compress_sum_(residual, tensor, name)  # type: ignore[attr-defined]
-            self.residuals[name] = drop_sent(residual, compressed)
-            return compressed
         if usable:
             assert residual is not None
+            if COMPRESS_SUM in self.inner.capabilities and residual.is_contiguous():
+                # top-k: the correction and the selection's read in one kernel
+                compressed = cast(CompressSum, self.inner).compress_sum_(residual, tensor, name)
+                self.residuals[name] = drop_sent(residual, compressed)
+                return compressed
             corrected = residual.add_(tensor.detach())
         elif residual is not None and residual.shape == tensor.shape:
             corrected = (tensor.detach() + residual.to(tensor.device, tensor.dtype)).contiguous()
@@ -129,19 +159,16 @@ class ErrorFeedback:
         self.residuals[name] = drop_sent(corrected, compressed)
         return compressed
 
-    def next_round(self, compressed: Compressed, name: str) -> Compressed | None:
-        following: Compressed | None = self.inner.next_round(compressed, name)  # type: ignore[attr-defined]
+    def next_round(self, compressed: Compressed, name: str = "") -> Compressed | None:
+        following = cast(MultiRound, self.inner).next_round(compressed, name)
         if following is not None:
             self._remember(name, self._corrected.pop(name), following)
         return following
 
     def next_rounds(self, rounds: list[tuple[Compressed, str]]) -> list[Compressed | None]:
-        """``next_round`` of several tensors, by the inner compressor's ``next_rounds`` where
-        it has one (PowerSGD: one batched QR)."""
-        together = getattr(self.inner, "next_rounds", None)
-        if together is None:
-            return [self.next_round(c, name) for c, name in rounds]
-        following: list[Compressed | None] = together(rounds)
+        """``next_round`` of several tensors, by the inner compressor's ``next_rounds``
+        (PowerSGD: one batched QR)."""
+        following = cast(MultiRound, self.inner).next_rounds(rounds)
         for (_, name), nxt in zip(rounds, following):
             if nxt is not None:
                 self._remember(name, self._corrected.pop(name), nxt)
@@ -151,8 +178,8 @@ class ErrorFeedback:
         if compressed.final:
             # Now, before the payload is communicated: a summable one is reduced in place. Not
             # in place: the payload may be ``corrected`` itself (PowerSGD sends vectors as is).
-            local_error = getattr(self.inner, "local_error", None)
-            if local_error is not None:  # PowerSGD: one fused product
+            if LOCAL_ERROR in self.inner.capabilities:  # PowerSGD: one fused product
+                local_error = cast(LocalError, self.inner).local_error
                 self.residuals[name] = local_error(corrected, compressed)
                 return
             local = self.inner.decompress(compressed)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from commlayer.common.config import HIERARCHIES
-from commlayer.compression.base import Compressor, available, lookup
+from commlayer.compression.base import Compressor, CompressorBase, available, declared, lookup
 from commlayer.compression.error_feedback import ErrorFeedback
 
 # Constructor keywords create() fills itself; a spec may not set them.
@@ -34,18 +34,21 @@ _PASSED_IN = ("process_rank",)
 
 
 def create(
-    spec: str | Compressor, *, rank: int | None = None, seed: int | None = None
-) -> Compressor:
+    spec: str | Compressor | CompressorBase, *, rank: int | None = None, seed: int | None = None
+) -> CompressorBase:
     """A compressor from ``"name"`` or ``"name:key=value,key=value"`` (or one passed through).
 
     ``rank``: this process's rank (None: unknown, taken as 0). ``seed``: default seed, equal on
     every rank, for compressors that take one (None: the compressor's own default). A
-    compressor passed in that was made without a rank (``QSGDCompressor()``) gets ``rank``.
+    compressor passed in that was made without a rank (``QSGDCompressor()``) gets ``rank``
+    (``bind_rank``). The compressor is a :class:`CompressorBase` (``declared``: one with the
+    minimum only is given the defaults).
     """
     if not isinstance(spec, str):
+        compressor = declared(spec)
         if rank is not None:
-            _bind_rank(spec, rank)
-        return spec
+            compressor.bind_rank(rank)
+        return compressor
     name, kwargs = split_spec(spec)
     factory = lookup(name)
     error_feedback = kwargs.pop("ef", None)
@@ -59,23 +62,24 @@ def create(
         )
     _pass_in(kwargs, factory, process_rank=rank, seed=seed)
     try:
-        compressor = factory(**kwargs)
+        made = factory(**kwargs)
     except TypeError as exc:
         raise ValueError(f"compressor {name!r} does not take parameters {kwargs}: {exc}") from None
     if error_feedback not in (None, 0, 1):
         raise ValueError(f"ef={error_feedback!r} in {spec!r}: allowed 0 (off) or 1 (on)")
     if hierarchy is not None and hierarchy not in HIERARCHIES:
         raise ValueError(f"hierarchy={hierarchy!r} in {spec!r}: allowed {', '.join(HIERARCHIES)}")
-    if error_feedback if error_feedback is not None else getattr(compressor, "biased", False):
+    compressor = declared(made)
+    if error_feedback if error_feedback is not None else compressor.biased:
         compressor = ErrorFeedback(compressor)
     if hierarchy is not None:
         _set_hierarchy(compressor, hierarchy, spec)
     return compressor
 
 
-def _set_hierarchy(compressor: Compressor, hierarchy: str, spec: str) -> None:
+def _set_hierarchy(compressor: CompressorBase, hierarchy: str, spec: str) -> None:
     try:
-        compressor.hierarchy = hierarchy  # type: ignore[attr-defined]
+        compressor.hierarchy = hierarchy
     except AttributeError:
         raise ValueError(
             f"hierarchy= in {spec!r}: {type(compressor).__name__} has no attribute to keep it "
@@ -118,12 +122,6 @@ def _pass_in(kwargs: dict[str, Any], factory: Callable[..., Any], **given: int |
     for key, value in given.items():
         if value is not None and key not in kwargs and key in takes:
             kwargs[key] = value
-
-
-def _bind_rank(compressor: Compressor, rank: int) -> None:
-    target = getattr(compressor, "inner", compressor)  # through an ErrorFeedback
-    if hasattr(target, "process_rank") and target.process_rank is None:
-        target.process_rank = rank
 
 
 def _parameters(factory: Callable[..., Any], include_passed_in: bool = False) -> list[str] | None:

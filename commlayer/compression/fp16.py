@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from commlayer.compression.cast import CastCompressor
@@ -12,5 +10,5 @@ from commlayer.compression.cast import CastCompressor
 class FP16Compressor(CastCompressor):
     """Floating-point tensors travel as float16 (Horovod: Compression.fp16)."""
 
-    name: ClassVar[str] = "fp16"
-    wire_dtype: ClassVar[torch.dtype] = torch.float16
+    name = "fp16"
+    wire_dtype = torch.float16

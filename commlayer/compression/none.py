@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from commlayer.compression.base import Compressed, horovod_args
+from commlayer.compression.base import (
+    WIRE_BYTES,
+    Compressed,
+    CompressorBase,
+    horovod_args,
+)
 
 
-class NoneCompressor:
+class NoneCompressor(CompressorBase):
     """No compression (Horovod: Compression.none)."""
 
-    name: ClassVar[str] = "none"
-    summable: ClassVar[bool] = True
-    identity: ClassVar[bool] = True
-    compresses_small_tensors: ClassVar[bool] = True
+    name = "none"
+    summable = True
+    capabilities = frozenset({WIRE_BYTES})
+    identity = True
+    compresses_small_tensors = True
 
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
         return Compressed([tensor])

@@ -13,27 +13,28 @@ Payload: ceil(d / 32) int32 words of packed signs and two float32 reconstruction
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from commlayer import kernels
 from commlayer.common.errors import PayloadError
 from commlayer.compression import bitpack
 from commlayer.compression.base import (
+    WIRE_BYTES,
     Compressed,
+    CompressorBase,
     compute_dtype,
     expect_finite,
     expect_numel,
 )
 
 
-class OneBitCompressor:
+class OneBitCompressor(CompressorBase):
     """One bit per element; mean of the non-negative and of the negative elements."""
 
-    name: ClassVar[str] = "onebit"
-    summable: ClassVar[bool] = False
-    biased: ClassVar[bool] = True
+    name = "onebit"
+    summable = False
+    capabilities = frozenset({WIRE_BYTES})
+    biased = True
 
     def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
         flat = tensor.detach().reshape(-1)

@@ -12,11 +12,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from commlayer.compression.base import Compressor
+from commlayer.compression.base import STATEFUL, Compressor, CompressorBase, Stateful
 from commlayer.compression.factory import create
 from commlayer.compression.none import NoneCompressor
 
@@ -52,38 +52,40 @@ class Policy:
             f"min_numel={self.min_numel})"
         )
 
-    def choose(self, parameter: str, tensor: torch.Tensor) -> Compressor:
+    def choose(self, parameter: str, tensor: torch.Tensor) -> CompressorBase:
         """The compressor for the gradient ``tensor`` of the parameter named ``parameter``."""
         compressor = self.per_parameter.get(parameter, self.default)
         if not tensor.is_floating_point():
             return _NONE
-        if tensor.numel() < self.min_numel and not getattr(
-            compressor, "compresses_small_tensors", False
-        ):
+        if tensor.numel() < self.min_numel and not compressor.compresses_small_tensors:
             return _NONE
         return compressor
 
-    def compressors(self) -> dict[str, Compressor]:
+    def compressors(self) -> dict[str, CompressorBase]:
         """{key: compressor}: "default" and each per-parameter name."""
         return {"default": self.default, **self.per_parameter}
 
     def state_dict(self) -> dict[str, Any]:
         """State of the stateful compressors (error-feedback residuals), by key."""
         return {
-            key: c.state_dict()  # type: ignore[attr-defined]
+            key: cast(Stateful, c).state_dict()
             for key, c in self.compressors().items()
-            if hasattr(c, "state_dict")
+            if STATEFUL in c.capabilities
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        stateful = {k: c for k, c in self.compressors().items() if hasattr(c, "load_state_dict")}
+        stateful = {
+            k: cast(Stateful, c)
+            for k, c in self.compressors().items()
+            if STATEFUL in c.capabilities
+        }
         for key, value in state.items():
             if key not in stateful:
                 raise ValueError(
                     f"compression state for {key!r} has no stateful compressor to load into; "
                     f"this optimizer's stateful compressors: {sorted(stateful)}"
                 )
-            stateful[key].load_state_dict(value)  # type: ignore[attr-defined]
+            stateful[key].load_state_dict(value)
 
 
 _NONE = NoneCompressor()

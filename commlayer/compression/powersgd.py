@@ -26,12 +26,17 @@ Algorithm 2).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from commlayer.compression.base import (
+    DECOMPRESS_INTO,
+    LOCAL_ERROR,
+    MULTI_ROUND,
+    ROUND_BYTES,
     Compressed,
+    CompressorBase,
     check_positive_int,
     compute_dtype,
     host_work,
@@ -44,12 +49,13 @@ _HOST_DRAWS = (
 )
 
 
-class PowerSGDCompressor:
+class PowerSGDCompressor(CompressorBase):
     """Rank-``rank`` approximation of matrix gradients in two allreduce rounds."""
 
-    name: ClassVar[str] = "powersgd"
-    summable: ClassVar[bool] = True
-    biased: ClassVar[bool] = True
+    name = "powersgd"
+    summable = True
+    capabilities = frozenset({ROUND_BYTES, MULTI_ROUND, DECOMPRESS_INTO, LOCAL_ERROR})
+    biased = True
 
     def __init__(self, rank: int = 1, seed: int = 0) -> None:
         self.rank = check_positive_int(rank, "rank")

@@ -36,7 +36,6 @@ under 6e-8 of a level step, negligible against the rounding's own variance.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
 
 import torch
 
@@ -44,7 +43,10 @@ from commlayer import kernels
 from commlayer.common.errors import PayloadError
 from commlayer.compression import bitpack
 from commlayer.compression.base import (
+    DECOMPRESS_SUM,
+    WIRE_BYTES,
     Compressed,
+    CompressorBase,
     RecordError,
     check_positive_int,
     compute_dtype,
@@ -60,12 +62,13 @@ def _bits_for(levels: int) -> int:
     return next(b for b in (2, 4, 8, 16) if b >= needed)
 
 
-class QSGDCompressor:
+class QSGDCompressor(CompressorBase):
     """Unbiased stochastic quantization to ``levels`` levels per ``bucket`` elements."""
 
-    name: ClassVar[str] = "qsgd"
-    summable: ClassVar[bool] = False
-    biased: ClassVar[bool] = False
+    name = "qsgd"
+    summable = False
+    capabilities = frozenset({WIRE_BYTES, DECOMPRESS_SUM})
+    biased = False
 
     def __init__(
         self, levels: int = 127, bucket: int = 512, seed: int = 0, process_rank: int | None = None
@@ -80,6 +83,11 @@ class QSGDCompressor:
         self._seed = seed
         self.process_rank = process_rank
         self._calls = 0  # the draws' counter: one key per compress call
+
+    def bind_rank(self, rank: int) -> None:
+        """This process's rank, where it was made without one."""
+        if self.process_rank is None:
+            self.process_rank = rank
 
     def _key(self) -> int:
         # Per rank, so the ranks' rounding noise is independent and averages out; per call, so

@@ -15,12 +15,13 @@ average, 0.5% fewer than k at 1%; above 5%, exactly k from a permutation.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from commlayer.compression.base import (
+    DROP_SENT,
+    WIRE_BYTES,
     Compressed,
+    CompressorBase,
     check_ratio,
     host_work,
     kept,
@@ -33,13 +34,14 @@ _HOST_DRAWS = (
 )
 
 
-class RandomKCompressor:
+class RandomKCompressor(CompressorBase):
     """``ratio`` of the elements at positions every rank draws alike."""
 
-    name: ClassVar[str] = "randomk"
-    summable: ClassVar[bool] = True
-    biased: ClassVar[bool] = True
-    wire_parameters: ClassVar[tuple[str, ...]] = ("ratio",)
+    name = "randomk"
+    summable = True
+    capabilities = frozenset({WIRE_BYTES, DROP_SENT})
+    biased = True
+    wire_parameters = ("ratio",)
 
     def __init__(self, ratio: float = 0.01, seed: int = 0) -> None:
         self.ratio = check_ratio(ratio)

@@ -34,14 +34,17 @@ reduced by allgather (each rank's k pairs are scattered and summed locally).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from commlayer import kernels
 from commlayer.common.errors import PayloadError
 from commlayer.compression.base import (
+    COMPRESS_SUM,
+    DECOMPRESS_ADD,
+    DROP_SENT,
+    WIRE_BYTES,
     Compressed,
+    CompressorBase,
     check_ratio,
     expect_numel,
     host_work,
@@ -59,14 +62,15 @@ _HOST_DRAWS = (
 )
 
 
-class TopKCompressor:
+class TopKCompressor(CompressorBase):
     """The ``ratio`` fraction of elements largest in magnitude, with int32 indices."""
 
-    name: ClassVar[str] = "topk"
-    summable: ClassVar[bool] = False
-    sparse: ClassVar[bool] = True  # [values, int32 indices]: a sparse algorithm may reduce it
-    biased: ClassVar[bool] = True
-    wire_parameters: ClassVar[tuple[str, ...]] = ("ratio",)
+    name = "topk"
+    summable = False
+    capabilities = frozenset({WIRE_BYTES, DECOMPRESS_ADD, DROP_SENT, COMPRESS_SUM})
+    sparse = True  # [values, int32 indices]: a sparse algorithm may reduce it
+    biased = True
+    wire_parameters = ("ratio",)
 
     def __init__(self, ratio: float = 0.01, mode: str = "sampled", seed: int = 0) -> None:
         self.ratio = check_ratio(ratio)

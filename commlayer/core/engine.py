@@ -190,7 +190,7 @@ class Engine:
             config.allreduce_algorithm,
             agreed_calibrations(backend, costmodel.load_all()) if auto else None,
             topo,
-            tuning=config.auto_tuning == "on",
+            tuning=config.auto_tuning,
             simulated=agreed_sim_table(backend, config.sim_table) if auto else None,
         )
         self._fused = allreduce.FusedAllreduce(self._allreduce, config.fusion_threshold_bytes, self)
@@ -716,13 +716,15 @@ class Engine:
         return raw() if callable(raw) else raw
 
     def _register_from_response(self, state: _SetState, response: Response) -> int:
-        """Add (shapes = (ranks,)) or remove (shapes = ((), (set_id,))) a process set."""
-        if len(response.shapes) == 2:
-            removed = self._sets.pop(response.shapes[1][0], None)
+        """Add or remove the process set of the response's ``registration``."""
+        change = response.registration
+        assert change is not None  # every REGISTER operation has one (ops.register_process_set)
+        if change.removed is not None:
+            removed = self._sets.pop(change.removed, None)
             if removed is not None and removed.backend is not None:
                 removed.backend.close()
             return -1
-        ranks = response.shapes[0]
+        ranks = change.ranks
         backend = state.backend.split(list(ranks))
         set_id = self._next_set_id
         self._register(tuple(ranks), backend)

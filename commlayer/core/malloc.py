@@ -31,24 +31,21 @@ M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, its own ceiling
 TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES  # as glibc's dynamic rule sets it
-CHOICES = ("on", "off")
 
 _lock = threading.Lock()
 _status: str | None = None
 
 
-def tune(setting: str, user_variables: list[str]) -> str:
+def tune(setting: bool, user_variables: list[str]) -> str:
     """Apply the tuning once per process; returns what was done (for the log and tests).
 
-    ``setting``: "on" or "off" (COMMLAYER_MALLOC_TUNING); ``user_variables``: glibc MALLOC_*_
+    ``setting``: COMMLAYER_MALLOC_TUNING (on: True); ``user_variables``: glibc MALLOC_*_
     variables set in the environment (config.glibc_malloc_variables())."""
     global _status
-    if setting not in CHOICES:
-        raise ValueError(f"malloc tuning {setting!r}: expected one of {', '.join(CHOICES)}")
     with _lock:
         if _status is not None:  # set only once tuned
             return _status
-        if setting == "off":
+        if not setting:
             return "off (COMMLAYER_MALLOC_TUNING=off)"
         if user_variables:
             return f"left to the user's {', '.join(user_variables)}"

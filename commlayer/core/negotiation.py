@@ -6,8 +6,9 @@
    and one shutdown bit per rank. Steady state (same names every step) costs only this
    ~300-byte allreduce: no names cross the wire.
 2. A rank with operations not in the cache announces them once (name, kind, dtype, shapes, op,
-   root, splits); when any rank has news, all ranks allgather the announcements and update the
-   same table. Every rank therefore holds identical state and makes identical decisions.
+   root, splits; a process set's registration its ``Registration``); when any rank has news,
+   all ranks allgather the announcements and update the same table. Every rank therefore holds
+   identical state and makes identical decisions.
 3. An operation is ready when every rank that has not joined submitted it. Ready operations are
    validated (a mismatch becomes an error response on every rank), given a cache slot (LRU,
    identical on all ranks) and returned in one order all ranks share: cached slots in slot order,
@@ -43,7 +44,7 @@ BROADCAST = "broadcast"
 ALLTOALL = "alltoall"
 REDUCESCATTER = "reducescatter"
 BARRIER = "barrier"
-REGISTER = "process_set"  # add/remove a process set: negotiated like a barrier
+REGISTER = "process_set"  # add/remove a process set (its Registration): negotiated like a barrier
 
 _F_NEWS, _F_SHUTDOWN, _F_STALL = 1, 2, 4
 _WORD_ONES = (1 << 64) - 1
@@ -60,6 +61,20 @@ def _bits(mask: int) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Registration:
+    """What a REGISTER operation changes, the same on every rank: the process set of ``ranks``
+    (global ranks, ascending) added, or the one with id ``removed`` taken out."""
+
+    ranks: tuple[int, ...] = ()
+    removed: int | None = None
+
+    def __repr__(self) -> str:  # as a disagreement names it
+        if self.removed is not None:
+            return f"remove process set {self.removed}"
+        return f"add process set of ranks {list(self.ranks)}"
+
+
+@dataclasses.dataclass(frozen=True)
 class Announce:
     """What one rank says of one operation: everything other ranks must agree with or know."""
 
@@ -73,6 +88,7 @@ class Announce:
     # what carries the data where every rank must use the same (device.Path.channel: "nccl"
     # for CUDA tensors over the torch backend's NCCL group); "" for the backend's default
     channel: str = ""
+    registration: Registration | None = None  # a REGISTER operation's change; None otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +105,7 @@ class Response:
     splits: tuple[tuple[int, ...], ...]  # alltoall: splits[q][r] rows from rank q to rank r
     error: str | None = None
     channel: str = ""  # Announce.channel, the same on every rank
+    registration: Registration | None = None  # Announce.registration, the same on every rank
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -156,6 +173,8 @@ def build_response(name: str, announced: dict[int, Announce], size: int) -> Resp
         checks.append(("reduce op", lambda a: _op_name(a.op)))
     if kind == BROADCAST:
         checks.append(("root rank", lambda a: a.root))
+    if kind == REGISTER:
+        checks.append(("process set change", lambda a: a.registration))
     if kind in (ALLGATHER, ALLTOALL):
         checks.append(("number of dimensions", lambda a: tuple(len(s) for s in a.shapes)))
         checks.append(("shape after the first dimension", lambda a: tuple(s[1:] for s in a.shapes)))
@@ -183,14 +202,15 @@ def build_response(name: str, announced: dict[int, Announce], size: int) -> Resp
         )
     return Response(
         name, kind, first.dtype, first.shapes, first.op, first.root, dim0, splits,
-        channel=first.channel,
+        channel=first.channel, registration=first.registration,
     )  # fmt: skip
 
 
 def _error_response(name: str, first: Announce, message: str) -> Response:
     return Response(
-        name, first.kind, first.dtype, first.shapes, first.op, first.root, (), (), error=message
-    )
+        name, first.kind, first.dtype, first.shapes, first.op, first.root, (), (), error=message,
+        registration=first.registration,
+    )  # fmt: skip
 
 
 class ResponseCache:
@@ -348,6 +368,7 @@ class Negotiator:
             and response.channel == mine.channel
             and response.op == mine.op
             and response.root == mine.root
+            and response.registration == mine.registration
             and (
                 response.shapes == mine.shapes
                 if mine.kind not in (ALLGATHER, ALLTOALL)

@@ -1,7 +1,7 @@
 """Registries: the names each setting may take, collected from the modules that own them.
 
 config.py checks a setting that names an algorithm, a sparse algorithm, a backend, a kernel
-implementation, a compressor, a topology or the malloc tuning against the :class:`Validator`
+implementation, a compressor or a topology against the :class:`Validator`
 given here, and imports none of those modules (they sit above it). ``REGISTRIES`` goes to
 ``config.load(registries=...)`` from ``init()``, the launcher and the CLI; core/runtime.py also
 installs it as config's default, for ``config.load()`` and ``config.override()`` called bare.
@@ -16,7 +16,6 @@ from commlayer import algorithms, backends, compression, kernels
 from commlayer.algorithms import sparse
 from commlayer.common import topology
 from commlayer.common.config import InvalidValue, Registries, Validator, one_of
-from commlayer.core import malloc
 from commlayer.costmodel import simulated
 
 
@@ -46,7 +45,10 @@ def _sim_table(text: str) -> str:
 
 # One per config.REGISTERED_FIELDS (tests/unit/test_config_consumers.py checks the two agree).
 REGISTRIES: Registries = {
-    "allreduce_algorithm": _names(algorithms.available),
+    "allreduce_algorithm": Validator(
+        lambda text: algorithms.canonical(one_of(algorithms.accepted)(text)),
+        lambda: f"one of {', '.join(algorithms.available())} (mpi: native's former name)",
+    ),
     "sparse_algorithm": _names(sparse.available),
     "backend": _names(backends.available),
     "kernels": _names(lambda: kernels.CHOICES),
@@ -55,7 +57,6 @@ REGISTRIES: Registries = {
         _topology,
         lambda: "comma-separated nodes=N, local=L, torus=RxC (e.g. nodes=2,local=2)",
     ),
-    "malloc_tuning": _names(lambda: malloc.CHOICES),
     "sim_table": Validator(
         _sim_table,
         lambda: (

@@ -127,7 +127,7 @@ def _start(
         log.debug(
             "malloc: %s", malloc.tune(cfg.malloc_tuning, config_module.glibc_malloc_variables())
         )
-        if cfg.line_output == "on":
+        if cfg.line_output:
             _line_buffered()
         backend, engine = _start_engine(comm, cfg, process_sets, reformed)
         _engine, _config = engine, cfg

@@ -2,8 +2,8 @@
 
 ``Allreducer(algorithm)(backend, send, buf, op)`` returns a Request like the backend's own
 ``iallreduce``, so the engine waits on every algorithm the same way (yield, then sleep; a dead
-peer noticed): the backend's own for ``mpi`` and ``shm``, else the algorithm's schedule run by
-algorithms/executor.py's ``ScheduleRequest``. ``auto`` asks the cost model
+peer noticed): the backend's own for ``native`` and ``shm``, else the algorithm's schedule run
+by algorithms/executor.py's ``ScheduleRequest``. ``auto`` asks the cost model
 (costmodel/model.py) and, with online tuning, measures its best candidates
 (algorithms/autotune.py). It is the core's, above the cost model it asks and the algorithms
 it runs (DESIGN.md's layers).
@@ -19,6 +19,7 @@ import torch
 from commlayer import algorithms
 from commlayer.algorithms import autotune, hierarchical
 from commlayer.algorithms.executor import BufferPool, ScheduleRequest
+from commlayer.algorithms.registry import NATIVE_ALLREDUCE
 from commlayer.algorithms.schedule import Schedule
 from commlayer.backends.base import (
     COMPLETED,
@@ -69,7 +70,7 @@ class Allreducer:
         """The algorithm for a buffer: the configured one, or for ``auto`` the pick measured
         by online tuning (algorithms/autotune.py) once agreed for the buffer's power-of-two size
         class, else the cost model's pick for the class (costmodel.choose); ``shm`` falls back
-        to ``mpi`` when the ranks are not all on one node. Every rank decides the same from the
+        to ``native`` when the ranks are not all on one node. Every rank decides the same from the
         same facts (sizes, node layout, the calibration agreed at start, agreed measurements)."""
         name = self.algorithm
         topology, capable, _ = self._backend_facts(backend)
@@ -85,7 +86,7 @@ class Allreducer:
                 name = costmodel.choose(*facts, simulated=self._simulated)
                 self._auto[key] = name
         if name == "shm" and not capable:
-            return "mpi"
+            return NATIVE_ALLREDUCE
         return name
 
     def _class(self, backend: Backend, numel: int, element_size: int) -> tuple[Any, ...]:
@@ -108,7 +109,9 @@ class Allreducer:
         capable = self._backend_facts(backend)[1]
         facts = self._model(backend, numel, element_size)
         names = costmodel.ranked(*facts, count, simulated=self._simulated)
-        return list(dict.fromkeys("mpi" if n == "shm" and not capable else n for n in names))
+        return list(
+            dict.fromkeys(NATIVE_ALLREDUCE if n == "shm" and not capable else n for n in names)
+        )
 
     def _next(self, backend: Backend, numel: int, element_size: int) -> tuple[str, Any]:
         """The algorithm of this call and, under online tuning, its size class."""
@@ -149,7 +152,7 @@ class Allreducer:
         before_alone: Callable[[], None] | None = None,
     ) -> tuple[Request, bool]:
         """``__call__``, and whether the request may stay in flight beside others: the
-        backend's own allreduce (``mpi``: gloo or MPI match collectives by the order they are
+        backend's own allreduce (``native``: gloo or MPI match collectives by the order they are
         posted, which is the same on every rank), not timed by online tuning. A schedule's
         point-to-point steps, the shared-memory window (one buffer) and a measured call run
         alone: ``before_alone`` is called before such a request is posted (the caller waits
@@ -160,13 +163,13 @@ class Allreducer:
             # model, the tuner and the shared-memory window know host memory only.
             name = self.algorithm
             if name in (algorithms.AUTO, "shm", "hierarchical"):
-                name = "mpi"
-            if name != "mpi" and before_alone is not None:
+                name = NATIVE_ALLREDUCE
+            if name != NATIVE_ALLREDUCE and before_alone is not None:
                 before_alone()
             topology = self._backend_facts(backend)[0]
-            return self._run(name, backend, send, buf, op, topology), name == "mpi"
+            return self._run(name, backend, send, buf, op, topology), name == NATIVE_ALLREDUCE
         name, key = self._next(backend, buf.numel(), buf.element_size())
-        alone = name != "mpi" or (key is not None and self._tuner.measures(key))
+        alone = name != NATIVE_ALLREDUCE or (key is not None and self._tuner.measures(key))
         if alone and before_alone is not None:
             before_alone()
         topology, _, two_level = self._backend_facts(backend)
@@ -224,7 +227,7 @@ class Allreducer:
         op: ReduceOp,
         topology: Topology,
     ) -> Request:
-        if name == "mpi" or backend.size == 1:
+        if name == NATIVE_ALLREDUCE or backend.size == 1:
             return backend.iallreduce(send, buf, op)
         if name == "shm":
             window: SharedMemory = backend  # type: ignore[assignment]  # no cast() call per op

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from commlayer.algorithms.registry import canonical
 from commlayer.common import config
 
 
@@ -52,7 +53,7 @@ class Calibration:
     def has_inter(self) -> bool:
         """Whether inter-node transfers were measured (``exchange_inter``); without it the
         model costs every transfer on the one ``exchange`` curve and ``auto`` on several nodes
-        keeps ``mpi``."""
+        keeps ``native``."""
         return bool(self.exchange_inter)
 
 
@@ -97,7 +98,8 @@ def _from_raw(raw: Any) -> Calibration | None:
     if not isinstance(raw, dict):
         return None
     try:
-        raw["native"] = {k: [tuple(p) for p in v] for k, v in raw["native"].items()}
+        # keyed "mpi" before the backend's own allreduce was named "native"
+        raw["native"] = {canonical(k): [tuple(p) for p in v] for k, v in raw["native"].items()}
         raw["exchange"] = [tuple(p) for p in raw.get("exchange", [])]
         raw["exchange_inter"] = [tuple(p) for p in raw.get("exchange_inter", [])]
         raw["local"] = {k: [tuple(p) for p in v] for k, v in raw.get("local", {}).items()}

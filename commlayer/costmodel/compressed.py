@@ -160,7 +160,7 @@ def plan(
     """The phases of one bucket's reduction (module docstring); ``per_host`` where the
     topology has several nodes (else it is the flat one)."""
     summable, rounds = payload(spec, numel)
-    name = getattr(create(spec), "name", str(spec))
+    name = create(spec).name
     size = topology.size
     bucket = 4 * numel
     hosts = [topology.members(node) for node in sorted(set(topology.node_of))]

@@ -12,9 +12,10 @@ transfers). ``overlap`` in [0, 1], T(n) (the time of one message each way, read 
 curve: MPI's eager and rendezvous protocols have different alphas and betas, which one line
 cannot follow) and the local gamma and copy curves come from a ``Calibration``
 (calibration.py, measured by launch/calibrate.py). An algorithm's time is the largest sum over the
-ranks' schedules (ranks are sampled at large sizes). The two native algorithms (``mpi``,
-``shm``) are not schedules: their measured times are interpolated (log-log) between the
-measured sizes and extrapolated at constant bandwidth beyond them.
+ranks' schedules (ranks are sampled at large sizes). The two native algorithms (``native``,
+the backend's own allreduce, and ``shm``) are not schedules: their measured times are
+interpolated (log-log) between the measured sizes and extrapolated at constant bandwidth beyond
+them.
 
 Every registered schedule algorithm is a candidate (``candidates``: the registry's names), costed
 from its own schedule: registering one (algorithms/registry.py) makes it a candidate of ``auto``
@@ -27,8 +28,8 @@ part is costed as k times the bytes, the node's one link carrying the k flows. I
 ranks' schedules are assumed step-aligned (true of the symmetric algorithms; a rank ahead or
 behind shares less), each node has one full-duplex link, and links meeting in a switch are not
 shared. Without an inter curve (calibrations from before it, or of one node) every transfer is
-costed on the one curve as before, and ``auto`` on several nodes keeps the MPI library's own
-allreduce.
+costed on the one curve as before, and ``auto`` on several nodes keeps the backend's own
+allreduce (``native``).
 
 With a simulated table of the machine the job runs on (``Simulated``: COMMLAYER_SIM_TABLE,
 commlayer/sim/learn.py), ``auto`` takes the algorithm that table predicts fastest for the job's
@@ -37,7 +38,7 @@ which only the simulation sees, decides (a 1024-rank torus at 1 MiB: SHD 0.34 ms
 ring 4.3 ms learned).
 
 Without a calibration for the job's size, ``auto`` uses ``shm`` for buffers of 1 MiB and more
-when every rank is on one node (``HEURISTIC_SHM_BYTES``: what was measured), else ``mpi``.
+when every rank is on one node (``HEURISTIC_SHM_BYTES``: what was measured), else ``native``.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ def predict(
     not measure."""
     if cal.size == 1 or numel == 0:
         return 0.0
+    name = algorithms.canonical(name)
     if name in algorithms.NATIVE:
         curve = cal.native.get(name)
         return _interpolate(curve, numel * element_size) if curve else None
@@ -292,16 +294,16 @@ def choose(
     beat the best native algorithm (whose time is measured) by SCHEDULE_MARGIN; else the
     measured rule of thumb. Every rank computes the same."""
     if size == 1:
-        return "mpi"
+        return algorithms.NATIVE_ALLREDUCE
     table_rows = _simulated(simulated, numel, element_size, size, nodes)
     if table_rows:
         return table_rows[0][0]
     if cal is None or cal.size != size or cal.nodes != nodes:
         if nodes == 1 and numel * element_size >= HEURISTIC_SHM_BYTES:
             return "shm"
-        return "mpi"
+        return algorithms.NATIVE_ALLREDUCE
     if nodes > 1 and not cal.has_inter:
-        return "mpi"
+        return algorithms.NATIVE_ALLREDUCE
     if topology is not None and (topology.size != size or topology.nodes != nodes):
         topology = None
     rows = table(numel * element_size, cal, element_size, topology)
@@ -350,7 +352,7 @@ def ranked(
 ) -> list[str]:
     """What online tuning (algorithms/autotune.py) measures against each other, at most ``count``
     names: ``auto``'s pick (``choose``), then the native algorithms (``shm`` on one node,
-    ``mpi``), then the two schedules with the lowest predicted times (with a calibration that
+    ``native``), then the two schedules with the lowest predicted times (with a calibration that
     fits; else ``rabenseifner``, bandwidth-optimal, or below 64 KiB ``recursive_doubling``,
     latency-optimal; ties count once: ``_distinct``). The natives always take part: they are the
     fastest where they are, and a calibration taken while the machine ran in another state can
@@ -363,7 +365,8 @@ def ranked(
     pick = choose(numel, element_size, size, nodes, cal, topology, simulated)
     if size == 1:
         return [pick]
-    natives = ["shm", "mpi"] if nodes == 1 else ["mpi"]
+    native = algorithms.NATIVE_ALLREDUCE
+    natives = ["shm", native] if nodes == 1 else [native]
     table_rows = _simulated(simulated, numel, element_size, size, nodes)
     if table_rows:
         schedules = _distinct(table_rows)

@@ -88,7 +88,7 @@ def parse_line(line: str, where: str) -> Row | None:
             raise ValueError("ranks, size_bytes, gpus_per_node and simulated_s must be > 0")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
-    name = str(raw["algorithm"]).removeprefix("auto=")
+    name = algorithms.canonical(str(raw["algorithm"]).removeprefix("auto="))
     return Row(name, spec, gpus, ranks, size, seconds)
 
 

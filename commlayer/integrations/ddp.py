@@ -76,7 +76,7 @@ import itertools
 import socket
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,13 @@ from commlayer.common import config, topology
 from commlayer.common.config import HIERARCHIES
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import Compressed, Compressor, create
-from commlayer.compression.base import hierarchy_of
+from commlayer.compression.base import (
+    MULTI_ROUND,
+    STATEFUL,
+    CompressorBase,
+    Stateful,
+    hierarchy_of,
+)
 from commlayer.compression.none import NoneCompressor
 from commlayer.core import device, runtime
 
@@ -126,6 +132,7 @@ class CommState:
         dense_iters: int = 2,
         hierarchy: str | None = None,
     ) -> None:
+        algorithm = algorithms.canonical(algorithm)  # "mpi": "native"
         _check_algorithm(algorithm)
         if isinstance(dense_iters, bool) or not isinstance(dense_iters, int) or dense_iters < 0:
             raise ValueError(f"CommState(dense_iters={dense_iters!r}): must be an integer >= 0")
@@ -135,16 +142,16 @@ class CommState:
             )
         self.process_group = process_group
         rank = dist.get_rank() if dist.is_initialized() else None  # QSGD's noise per rank
-        self.compressor: Compressor = create(compression, rank=rank)
+        self.compressor: CompressorBase = create(compression, rank=rank)
         self.algorithm = algorithm
         self.dense_iters = dense_iters
         self.iteration = 0
         # Reduce over one rank too (module docstring, 0.): the setting init() resolved, or the
         # environment's where commlayer is not initialised (algorithm "auto" needs no init()).
         settings = runtime.config() if runtime.is_initialized() else config.load()
-        self.full_path = settings.force_full_path == "1"
+        self.full_path = settings.force_full_path
         chosen = hierarchy or hierarchy_of(self.compressor, settings.compression_hierarchy)
-        per_host = chosen == HOST and not getattr(self.compressor, "identity", False)
+        per_host = chosen == HOST and not self.compressor.identity
         if per_host and algorithm == algorithms.AUTO:
             _check_world(process_group)  # before the id: a refused state numbers nothing
         self._id = next(_state_ids)
@@ -160,18 +167,19 @@ class CommState:
 
     def state_dict(self) -> dict[str, Any]:
         """Iteration count and the compressor's state (error-feedback residuals per bucket)."""
-        saver = getattr(self.compressor, "state_dict", None)
-        return {"iteration": self.iteration, "compressor": saver() if saver else None}
+        saved = None
+        if STATEFUL in self.compressor.capabilities:
+            saved = cast(Stateful, self.compressor).state_dict()
+        return {"iteration": self.iteration, "compressor": saved}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
-        loader = getattr(self.compressor, "load_state_dict", None)
         if state.get("compressor") is not None:
-            if loader is None:
+            if STATEFUL not in self.compressor.capabilities:
                 raise ValueError(
                     f"the checkpoint holds compressor state but {self.compressor!r} keeps none"
                 )
-            loader(state["compressor"])
+            cast(Stateful, self.compressor).load_state_dict(state["compressor"])
 
 
 def _check_algorithm(algorithm: str) -> None:
@@ -396,13 +404,13 @@ def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torc
 
 
 def _views(
-    compressor: Compressor, buffer: torch.Tensor, bucket: dist.GradBucket
+    compressor: CompressorBase, buffer: torch.Tensor, bucket: dist.GradBucket
 ) -> list[torch.Tensor]:
     """Each parameter's gradient as a view of ``buffer`` (which may be a wrapper's cast copy) for
     a multi-round compressor (PowerSGD needs the matrix shapes); the whole buffer otherwise
     (none, fp16: per-parameter payloads cost a concatenation, +22 ms a step on the benchmark
     mlp's 27 MB)."""
-    if not hasattr(compressor, "next_round"):
+    if MULTI_ROUND not in compressor.capabilities:
         return [buffer]
     shapes = [p.shape for p in bucket.parameters()]
     sizes = [shape.numel() for shape in shapes]
@@ -420,7 +428,7 @@ def compress_wrapper(inner: Hook, compression: str | Compressor) -> Hook:
     2. When ``inner``'s future completes, decompress its result into the original buffer.
     """
     compressor = create(compression)
-    if not (compressor.summable and getattr(compressor, "compresses_small_tensors", False)):
+    if not (compressor.summable and compressor.compresses_small_tensors):
         raise ValueError(
             f"compress_wrapper(compression={compression!r}): allowed a cast compressor "
             "('fp16', 'bf16'); give other compressors to CommState(compression=...)"

@@ -7,7 +7,7 @@ one memory bus are in it; the executor's copy of the received bytes over the buf
 of it (the model adds the step's own copy or reduction; counting it twice overpredicted every
 large step). Several nodes: ``exchange_inter``, between partners on different nodes, every pair
 at once. gamma and copy are measured on local buffers from 16 KiB (in cache) to 64 MiB. The
-native algorithms (``mpi``, ``shm``) are timed at sizes 1 KiB - 64 MiB. ``overlap``: how much
+native algorithms (``native``, ``shm``) are timed at sizes 1 KiB - 64 MiB. ``overlap``: how much
 of a local reduction running between posting an exchange and waiting for it is hidden; ~0 when
 the MPI library moves data only inside MPI calls (MPICH between ranks of one node here), nearer
 1 with transfers that progress on their own (RDMA NICs, progress threads).
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from commlayer.algorithms.executor import BufferPool, ScheduleRequest
+from commlayer.algorithms.registry import NATIVE_ALLREDUCE
 from commlayer.algorithms.schedule import Schedule, Step, Transfer
 from commlayer.backends.base import SHARED_MEMORY
 from commlayer.common.reduce_ops import ReduceOp
@@ -150,23 +151,23 @@ _Start = Callable[[torch.Tensor], Any]  # starts an allreduce (sum) of a buffer:
 
 def _natives(backend: Any, nodes: int) -> dict[str, _Start]:
     """The native algorithms to time, started as the engine's Allreducer starts them: ``shm``
-    only on one node, and as ``mpi`` where the window cannot run (no window in the backend, or
-    the ranks not all on one machine)."""
+    only on one node, and as ``native`` (the backend's own allreduce) where the window cannot
+    run (no window in the backend, or the ranks not all on one machine)."""
 
-    def mpi(buf: torch.Tensor) -> Any:
+    def native(buf: torch.Tensor) -> Any:
         return backend.iallreduce(None, buf, ReduceOp.Sum)
 
     def shm(buf: torch.Tensor) -> Any:
         return backend.shm_iallreduce(None, buf, ReduceOp.Sum)
 
     if nodes > 1:
-        return {"mpi": mpi}
+        return {NATIVE_ALLREDUCE: native}
     capable = (
         backend.size > 1
         and SHARED_MEMORY in backend.capabilities
         and len(set(backend.nodes())) == 1
     )
-    return {"mpi": mpi, "shm": shm if capable else mpi}
+    return {NATIVE_ALLREDUCE: native, "shm": shm if capable else native}
 
 
 def _partner(topology: Topology, rank: int, inter: bool) -> int | None:

@@ -5,7 +5,7 @@ node-major topology of p GPUs with ``gpus_per_node`` a node, the contention of r
 node's link included. The curves it reads come from
 
 1. a measured calibration for exactly this (ranks, nodes), when ``--calibration`` has one: its
-   own curves, and its measured native algorithms (``mpi``, ``shm``) as candidates too;
+   own curves, and its measured native algorithms (``native``, ``shm``) as candidates too;
 2. else a calibration's curves carried to p ranks (the largest one in the file: its exchange
    curves inside and across nodes, its local reduce and copy rates, its overlap);
 3. else the platform file: alpha + n beta inside a node (INTRA_LATENCY, INTRA_BANDWIDTH, the
@@ -32,11 +32,11 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import cast
 
 from commlayer import algorithms, compression, costmodel
 from commlayer.common.topology import Topology
-from commlayer.compression.base import lookup
+from commlayer.compression.base import WIRE_BYTES, CompressorBase, WireBytes, lookup
 from commlayer.compression.factory import split_spec
 from commlayer.costmodel import Calibration
 from commlayer.oracle.spec import Platform
@@ -70,25 +70,26 @@ class Compression:
         spec = text.strip()
         try:
             name, params = split_spec(spec)
-            compressor: Any = compression.create(spec)
+            compressor = compression.create(spec)
         except ValueError as exc:
             raise ValueError(f"compression {text!r}: {exc}") from None
-        target = getattr(compressor, "inner", compressor)
-        if getattr(target, "identity", False):
+        if compressor.identity:
             return cls(spec)
-        wire_bytes = getattr(target, "wire_bytes", None)
-        if wire_bytes is None:
+        if WIRE_BYTES not in compressor.capabilities:
             modelled = [n for n in compression.available() if _costed(n)]
             raise ValueError(
                 f"compression {text!r}: the oracle models compressors whose payload's size "
                 f"follows from the element count (wire_bytes): {', '.join(modelled)}"
             )
-        for key in getattr(target, "wire_parameters", ()):
+        # the parameters' values, for the example: the compressor's (error feedback's inner's)
+        made = compressor.inner if isinstance(compressor, compression.ErrorFeedback) else compressor
+        for key in compressor.wire_parameters:
             if key not in params:
-                example = f"{name}:{key}={getattr(target, key)}"
+                example = f"{name}:{key}={vars(made).get(key)}"
                 raise ValueError(f"compression {text!r}: give its {key}, e.g. {example}")
-        wire_dtype = getattr(target, "wire_dtype", None)
+        wire_dtype = compressor.wire_dtype
         element_bytes = wire_dtype.itemsize if wire_dtype is not None else 4
+        wire_bytes = cast(WireBytes, compressor).wire_bytes
         return cls(spec, compressor.summable, element_bytes, wire_bytes)
 
     def sent_bytes(self, nbytes: int) -> int:
@@ -102,7 +103,9 @@ def _costed(name: str) -> bool:
     """Whether the compressor registered as ``name`` declares its payload's size (or is the
     identity)."""
     factory = lookup(name)
-    return hasattr(factory, "wire_bytes") or getattr(factory, "identity", False)
+    if not (isinstance(factory, type) and issubclass(factory, CompressorBase)):
+        return False  # a compressor with the minimum only declares no size
+    return WIRE_BYTES in factory.capabilities or factory.identity
 
 
 class Network:

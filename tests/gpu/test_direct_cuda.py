@@ -51,7 +51,7 @@ def test_nccl(ranks: int, algorithm: str) -> None:
 
 
 def _mpi_cuda_aware() -> tuple[bool, str]:
-    probe = "from commlayer.backends import mpi; print(mpi.detect_cuda_aware('auto'))"
+    probe = "from commlayer.backends import mpi; print(mpi.detect_cuda_aware(None))"
     environ = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run([sys.executable, "-c", probe], env=environ, capture_output=True,
                           text=True, timeout=120)  # fmt: skip

@@ -133,7 +133,7 @@ def test_compress_wrapper_around_torch_hook() -> None:
 
 
 def test_bad_settings_are_value_errors() -> None:
-    with pytest.raises(ValueError, match=r"'nope'.*registered: auto, mpi, shm, .*ring"):
+    with pytest.raises(ValueError, match=r"'nope'.*registered: auto, native, shm, .*ring"):
         ddp.CommState(algorithm="nope")
     other = "tree" if cl.allreduce_algorithm() != "tree" else "ring"
     with pytest.raises(ValueError, match=f"rank {cl.rank()}: .*initialised with allreduce_algo"):

@@ -68,7 +68,7 @@ def test_calibrate_writes_what_auto_and_the_table_read(run_mpi: RunMPI, tmp_path
     # the engine's own cost per collective call, measured through commlayer.init (the handoff
     # to the engine's thread and back is more than MPI's own 1 KiB allreduce)
     assert cal.op_latency_s > 0 and "a collective call" in job.stdout, job.output()
-    assert sorted(cal.native) == ["mpi", "shm"] and all(t > 0 for _, t in cal.native["mpi"])
+    assert sorted(cal.native) == ["native", "shm"] and all(t > 0 for _, t in cal.native["native"])
     best = costmodel.table(64 << 20, cal)[0][0]
     assert costmodel.choose(16 << 20, 4, 2, 1, cal) in costmodel.candidates(True)
     assert best in costmodel.candidates(True)
@@ -90,5 +90,5 @@ def test_calibrate_on_a_pretend_two_node_topology_measures_across_nodes(
     assert cal is not None and cal.has_inter, job.output()
     assert [n for n, _ in cal.exchange_inter] == [n for n, _ in cal.exchange]
     assert all(t > 0 for _, t in cal.exchange_inter + cal.exchange)
-    assert sorted(cal.native) == ["mpi"]  # shm is no candidate on several nodes
+    assert sorted(cal.native) == ["native"]  # shm is no candidate on several nodes
     assert costmodel.choose(16 << 20, 4, 4, 2, cal) in costmodel.candidates(single_node=False)

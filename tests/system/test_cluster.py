@@ -299,7 +299,7 @@ def _algorithms(job: Job) -> dict[str, list[dict[str, Any]]]:
 def test_every_allreduce_algorithm_exact_across_hosts(launched: Job) -> None:
     for name, ranks in _algorithms(launched).items():
         assert all(r["exact"] for r in ranks), f"{name}: inexact on some rank: {ranks}"
-        expected = "mpi" if name in ("auto", "shm") else name  # auto: whatever it picked
+        expected = "native" if name in ("auto", "shm") else name  # auto: whatever it picked
         ran = {r["ran"] for r in ranks}
         assert len(ran) == 1, f"{name}: ranks ran different algorithms {ran}"
         assert name == "auto" or ran == {expected}, f"{name} ran as {ran}"
@@ -317,9 +317,10 @@ def test_allreduce_bytes_cross_the_link(job: Job) -> None:
 
 def test_shared_memory_window_inside_hosts_never_across(job: Job) -> None:
     found = _algorithms(job)
-    # shm over all ranks would span the hosts: it runs as MPI's allreduce, with no window.
+    # shm over all ranks would span the hosts: it runs as the backend's own allreduce
+    # (native), with no window.
     for record in found["shm"]:
-        assert record["ran"] == "mpi" and not record["global_window"], record
+        assert record["ran"] == "native" and not record["global_window"], record
     # hierarchical: a window per host over that host's ranks; the level across hosts has none.
     for r, record in enumerate(found["hierarchical"]):
         assert not record["global_window"], record

@@ -419,7 +419,7 @@ def _run_request(backend: LoopbackBackend, allreducer: Allreducer, buf: torch.Te
     wait_until(request.test, 10.0, what, poll_s=1e-4)
 
 
-@pytest.mark.parametrize("name", SCHEDULES + ["mpi"])
+@pytest.mark.parametrize("name", SCHEDULES + ["native", "mpi"])
 @pytest.mark.parametrize("size", [1, 3, 4])
 def test_executor_over_loopback(name: str, size: int) -> None:
     per_rank = inputs(size, 1003, torch.float64, seed=size)
@@ -438,12 +438,12 @@ def test_executor_over_loopback(name: str, size: int) -> None:
         assert torch.equal(result, expected)
 
 
-def test_shm_and_auto_fall_back_to_mpi_without_a_window() -> None:
+def test_shm_and_auto_fall_back_to_native_without_a_window() -> None:
     def main(backend: LoopbackBackend) -> list[str]:
         return [Allreducer(name).choose(backend, 1 << 20, 4) for name in ("auto", "shm")]
 
     for choices in run_ranks(2, main):
-        assert choices == ["mpi", "mpi"]
+        assert choices == ["native", "native"]
 
 
 def test_engine_runs_fused_buffers_with_the_configured_schedule() -> None:

@@ -148,7 +148,7 @@ def test_a_changed_pick_starts_the_interval_over() -> None:
 
 def test_one_candidate_is_not_measured() -> None:
     tuner = Tuner()
-    assert [_call(tuner, ranked=("mpi",)) for _ in range(5)] == ["mpi"] * 5
+    assert [_call(tuner, ranked=("native",)) for _ in range(5)] == ["native"] * 5
     assert tuner.rounds == 0
 
 
@@ -208,7 +208,7 @@ def test_every_rank_takes_the_same_pick_and_every_result_is_right() -> None:
     # Rank 0 is slow with mpi, ranks 1 and 2 with recursive_doubling, less so: every call waits
     # for its slowest rank, so every rank measures mpi ~10 ms and recursive_doubling ~6 ms.
     delays = [
-        {"mpi": 0.010},
+        {"native": 0.010},
         {"recursive_doubling": 0.006},
         {"recursive_doubling": 0.006},
     ]
@@ -227,7 +227,7 @@ def test_every_rank_takes_the_same_pick_and_every_result_is_right() -> None:
 
     results = run_ranks(3, main)
     measured = results[0][0]
-    assert set(measured) == {"mpi", "recursive_doubling"}  # small buffers, no calibration
+    assert set(measured) == {"native", "recursive_doubling"}  # small buffers, no calibration
     for seen, pick, right in results:
         assert seen == measured
         assert pick == "recursive_doubling"
@@ -245,7 +245,7 @@ def test_tuning_off_and_fixed_algorithms_measure_nothing() -> None:
         return picks
 
     for picks in run_ranks(2, main):
-        assert picks == ["mpi", "ring"]
+        assert picks == ["native", "ring"]
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ from commlayer.comm.communicator import Communicator, Loopback
 from commlayer.common import config
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import Compressed, Compressor
+from commlayer.compression.base import WIRE_BYTES
 from commlayer.core.future import Future
 from commlayer.oracle import parse_plat
 from commlayer.oracle.network import Compression, Network
@@ -23,13 +24,14 @@ from commlayer.oracle.network import Compression, Network
 TOY = "test_strided"
 
 
-class Strided:
+class Strided(compression.CompressorBase):
     """Every ``stride``-th element, sent as (values, int32 indices): a sparse payload."""
 
-    name: ClassVar[str] = TOY
-    summable: ClassVar[bool] = False
-    sparse: ClassVar[bool] = True
-    wire_parameters: ClassVar[tuple[str, ...]] = ("stride",)
+    name = TOY
+    summable = False
+    sparse = True
+    wire_parameters = ("stride",)
+    capabilities = frozenset({WIRE_BYTES})
 
     def __init__(self, stride: int = 2) -> None:
         self.stride = stride

@@ -35,17 +35,17 @@ DEFAULTS = {
     "kernels": "auto",
     "cuda_ptx_dir": "",
     "wait_policy": "auto",
-    "malloc_tuning": "on",
-    "auto_tuning": "on",
+    "malloc_tuning": True,
+    "auto_tuning": True,
     "join_mode": "horovod",
     "init_timeout_s": 60.0,
     "collective_timeout_s": 60.0,
     "backend": "auto",
-    "cuda_aware_mpi": "auto",
-    "nccl": "auto",
+    "cuda_aware_mpi": None,
+    "nccl": None,
     "sim_table": "",
-    "force_full_path": "0",
-    "line_output": "off",
+    "force_full_path": False,
+    "line_output": False,
 }
 
 # (variable, text, Config field, parsed value)
@@ -81,8 +81,8 @@ GOOD = [
     ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "0", "stall_shutdown_time_s", 0.0),
     ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "30", "stall_shutdown_time_s", 30.0),
     ("COMMLAYER_STALL_SHUTDOWN_TIME_SECONDS", "604800", "stall_shutdown_time_s", 604800.0),
-    ("COMMLAYER_LINE_OUTPUT", "on", "line_output", "on"),
-    ("COMMLAYER_LINE_OUTPUT", "off", "line_output", "off"),
+    ("COMMLAYER_LINE_OUTPUT", "on", "line_output", True),
+    ("COMMLAYER_LINE_OUTPUT", "off", "line_output", False),
     ("COMMLAYER_LOG_LEVEL", "trace", "log_level", "trace"),
     ("COMMLAYER_LOG_LEVEL", "debug", "log_level", "debug"),
     ("COMMLAYER_LOG_LEVEL", "INFO", "log_level", "info"),
@@ -108,9 +108,9 @@ GOOD = [
     ("COMMLAYER_WAIT_POLICY", " Passive ", "wait_policy", "passive"),
     ("COMMLAYER_WAIT_POLICY", "active", "wait_policy", "active"),
     ("COMMLAYER_WAIT_POLICY", "auto", "wait_policy", "auto"),
-    ("COMMLAYER_MALLOC_TUNING", " OFF ", "malloc_tuning", "off"),
-    ("COMMLAYER_MALLOC_TUNING", "on", "malloc_tuning", "on"),
-    ("COMMLAYER_AUTO_TUNING", "Off", "auto_tuning", "off"),
+    ("COMMLAYER_MALLOC_TUNING", " OFF ", "malloc_tuning", False),
+    ("COMMLAYER_MALLOC_TUNING", "on", "malloc_tuning", True),
+    ("COMMLAYER_AUTO_TUNING", "Off", "auto_tuning", False),
     ("COMMLAYER_JOIN_MODE", " Active", "join_mode", "active"),
     ("COMMLAYER_JOIN_MODE", "horovod", "join_mode", "horovod"),
     ("COMMLAYER_INIT_TIMEOUT_SECONDS", "2.5", "init_timeout_s", 2.5),
@@ -118,11 +118,18 @@ GOOD = [
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "0", "collective_timeout_s", 0.0),
     ("COMMLAYER_BACKEND", " Torch ", "backend", "torch"),
     ("COMMLAYER_BACKEND", "mpi", "backend", "mpi"),
-    ("COMMLAYER_CUDA_AWARE_MPI", " 1", "cuda_aware_mpi", "1"),
-    ("COMMLAYER_CUDA_AWARE_MPI", "AUTO", "cuda_aware_mpi", "auto"),
-    ("COMMLAYER_NCCL", "0", "nccl", "0"),
-    ("COMMLAYER_FORCE_FULL_PATH", "1", "force_full_path", "1"),
-    ("COMMLAYER_FORCE_FULL_PATH", " 0 ", "force_full_path", "0"),
+    ("COMMLAYER_CUDA_AWARE_MPI", " 1", "cuda_aware_mpi", True),
+    ("COMMLAYER_CUDA_AWARE_MPI", "AUTO", "cuda_aware_mpi", None),
+    ("COMMLAYER_NCCL", "0", "nccl", False),
+    ("COMMLAYER_FORCE_FULL_PATH", "1", "force_full_path", True),
+    ("COMMLAYER_FORCE_FULL_PATH", " 0 ", "force_full_path", False),
+    # one vocabulary for every boolean: 1/0, true/false, on/off, yes/no, any case
+    ("COMMLAYER_FORCE_FULL_PATH", "True", "force_full_path", True),
+    ("COMMLAYER_LINE_OUTPUT", " YES", "line_output", True),
+    ("COMMLAYER_AUTO_TUNING", "no", "auto_tuning", False),
+    ("COMMLAYER_MALLOC_TUNING", "0", "malloc_tuning", False),
+    ("COMMLAYER_NCCL", "On", "nccl", True),
+    ("COMMLAYER_CUDA_AWARE_MPI", "false", "cuda_aware_mpi", False),
     ("COMMLAYER_SIM_TABLE", str(SIM_TABLE), "sim_table", str(SIM_TABLE)),
 ]
 
@@ -133,12 +140,13 @@ _NONNEG = "a finite number >= 0 (0 disables)"
 _CACHE_RANGE = "an integer >= 0 and at most 1048576 (0 disables)"
 _WEEK = "at most 604800 (7 days), in seconds"
 _LEVELS = "one of trace, debug, info, warning, error"
-_ALGORITHM = "one of auto, mpi, shm, hierarchical, rabenseifner, recursive_doubling, ring, shd"
+_ALGORITHM = "one of auto, native, shm, hierarchical, rabenseifner, recursive_doubling, ring, shd"
 _TOPOLOGY = "comma-separated nodes=N, local=L, torus=RxC"
 _SPARSE = "one of auto, allgather, dsar, gtopk, ssar_recursive_doubling, ssar_split_allgather"
 _KERNELS = "one of auto, cupy, numba, torch"
 _WAIT = "one of auto, active, passive"
-_MALLOC = "one of on, off"
+_BOOL = "a boolean: 1, true, on, yes or 0, false, off, no (any case)"
+_AUTO_BOOL = "auto or " + _BOOL
 _COMPRESSOR = "a compressor 'name' or 'name:key=value,...' with a valid name (none, fp16, bf16"
 
 # (variable, text, what the message says is allowed)
@@ -197,20 +205,21 @@ BAD = [
     ("COMMLAYER_KERNELS", "cuda", _KERNELS),
     ("COMMLAYER_WAIT_POLICY", "spin", _WAIT),
     ("COMMLAYER_WAIT_POLICY", "1", _WAIT),
-    ("COMMLAYER_MALLOC_TUNING", "0", _MALLOC),
-    ("COMMLAYER_MALLOC_TUNING", "jemalloc", _MALLOC),
-    ("COMMLAYER_AUTO_TUNING", "yes", _MALLOC),
+    ("COMMLAYER_MALLOC_TUNING", "2", _BOOL),
+    ("COMMLAYER_MALLOC_TUNING", "jemalloc", _BOOL),
+    ("COMMLAYER_AUTO_TUNING", "maybe", _BOOL),
+    ("COMMLAYER_LINE_OUTPUT", "enable", _BOOL),
     ("COMMLAYER_JOIN_MODE", "exact", "one of horovod, active"),
     ("COMMLAYER_INIT_TIMEOUT_SECONDS", "0", _POSITIVE),
     ("COMMLAYER_INIT_TIMEOUT_SECONDS", "forever", _POSITIVE),
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "-1", "a finite number >= 0 (0 disables)"),
     ("COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS", "inf", "a finite number >= 0 (0 disables)"),
     ("COMMLAYER_BACKEND", "nccl", "one of auto, mpi, torch"),
-    ("COMMLAYER_CUDA_AWARE_MPI", "yes", "one of auto, 0, 1"),
-    ("COMMLAYER_CUDA_AWARE_MPI", "2", "one of auto, 0, 1"),
-    ("COMMLAYER_NCCL", "on", "one of auto, 0, 1"),
-    ("COMMLAYER_FORCE_FULL_PATH", "yes", "one of 0, 1"),
-    ("COMMLAYER_FORCE_FULL_PATH", "auto", "one of 0, 1"),
+    ("COMMLAYER_CUDA_AWARE_MPI", "maybe", _AUTO_BOOL),
+    ("COMMLAYER_CUDA_AWARE_MPI", "2", _AUTO_BOOL),
+    ("COMMLAYER_NCCL", "enabled", _AUTO_BOOL),
+    ("COMMLAYER_FORCE_FULL_PATH", "y", _BOOL),
+    ("COMMLAYER_FORCE_FULL_PATH", "auto", _BOOL),
     ("COMMLAYER_SIM_TABLE", "/no/such/table.jsonl", "/no/such/table.jsonl: cannot read"),
 ]
 
@@ -240,7 +249,8 @@ def test_idle_cycle_time_is_100_cycles_but_at_least_5_ms() -> None:
 def test_variable_is_parsed(variable: str, text: str, field: str, value: Any) -> None:
     loaded = config.load(environ={variable: text})
     assert getattr(loaded, field) == value
-    assert type(getattr(loaded, field)) is type(DEFAULTS[field])
+    if DEFAULTS[field] is not None:  # None: an auto boolean's auto, else a bool
+        assert type(getattr(loaded, field)) is type(DEFAULTS[field])
     others = {k: v for k, v in dataclasses.asdict(loaded).items() if k != field}
     assert others == {k: v for k, v in DEFAULTS.items() if k != field}
 

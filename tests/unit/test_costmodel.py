@@ -25,7 +25,7 @@ CAL = Calibration(
     beta_s_per_byte=1e-9,
     gamma_s_per_byte=0.5e-9,
     copy_s_per_byte=0.25e-9,
-    native={"mpi": [(1024, 5e-6), (1 << 20, 500e-6)], "shm": [(1024, 50e-6), (1 << 20, 200e-6)]},
+    native={"native": [(1024, 5e-6), (1 << 20, 500e-6)], "shm": [(1024, 50e-6), (1 << 20, 200e-6)]},
     host="test",
     date="2026-11-23",
 )
@@ -69,13 +69,13 @@ def test_prediction_is_the_slowest_rank() -> None:
 
 
 def test_native_curves_interpolate_log_log_and_extrapolate_at_constant_bandwidth() -> None:
-    assert costmodel.predict("mpi", 256, 4, CAL) == pytest.approx(5e-6)  # 1 KiB: measured
-    assert costmodel.predict("mpi", 1 << 18, 4, CAL) == pytest.approx(500e-6)
-    middle = costmodel.predict("mpi", 1 << 13, 4, CAL)  # 32 KiB, halfway in log space
+    assert costmodel.predict("native", 256, 4, CAL) == pytest.approx(5e-6)  # 1 KiB: measured
+    assert costmodel.predict("native", 1 << 18, 4, CAL) == pytest.approx(500e-6)
+    middle = costmodel.predict("native", 1 << 13, 4, CAL)  # 32 KiB, halfway in log space
     assert middle == pytest.approx((5e-6 * 500e-6) ** 0.5)
-    assert costmodel.predict("mpi", 1 << 20, 4, CAL) == pytest.approx(4 * 500e-6)
-    assert costmodel.predict("mpi", 10, 4, CAL) == pytest.approx(5e-6)  # below: the smallest
-    no_shm = dataclasses.replace(CAL, native={"mpi": CAL.native["mpi"]})
+    assert costmodel.predict("native", 1 << 20, 4, CAL) == pytest.approx(4 * 500e-6)
+    assert costmodel.predict("native", 10, 4, CAL) == pytest.approx(5e-6)  # below: the smallest
+    no_shm = dataclasses.replace(CAL, native={"native": CAL.native["native"]})
     assert costmodel.predict("shm", 1000, 4, no_shm) is None
 
 
@@ -83,34 +83,34 @@ def test_auto_picks_the_fastest_prediction_with_a_margin_for_schedules() -> None
     for nbytes in (1024, 1 << 16, 1 << 20, 1 << 26):
         table = costmodel.table(nbytes, CAL)
         assert [t for _, t in table] == sorted(t for _, t in table)
-        natives = [(n, t) for n, t in table if n in ("mpi", "shm")]
+        natives = [(n, t) for n, t in table if n in ("native", "shm")]
         pick = costmodel.choose(nbytes // 4, 4, 4, 1, CAL)
         if (
-            table[0][0] in ("mpi", "shm")
+            table[0][0] in ("native", "shm")
             or table[0][1] * costmodel.SCHEDULE_MARGIN <= natives[0][1]
         ):
             assert pick == table[0][0]
         else:
             assert pick == natives[0][0]
     # A schedule predicted 2x faster than every native is taken; 1.1x faster is not.
-    slow = dataclasses.replace(CAL, native={"mpi": [(1024, 1.0), (1 << 30, 2.0)]})
-    assert costmodel.choose(1 << 20, 4, 4, 1, slow) not in ("mpi", "shm")
+    slow = dataclasses.replace(CAL, native={"native": [(1024, 1.0), (1 << 30, 2.0)]})
+    assert costmodel.choose(1 << 20, 4, 4, 1, slow) not in ("native", "shm")
     ring = costmodel.predict("ring", 1 << 18, 4, CAL)
     assert ring is not None
-    close = dataclasses.replace(CAL, native={"mpi": [(1 << 20, ring * 1.1)]})
-    assert costmodel.table(1 << 20, close)[0][0] != "mpi"
-    assert costmodel.choose(1 << 18, 4, 4, 1, close) == "mpi"
-    assert costmodel.choose(256, 4, 4, 1, CAL) == "mpi"  # 5 us measured beats any schedule
+    close = dataclasses.replace(CAL, native={"native": [(1 << 20, ring * 1.1)]})
+    assert costmodel.table(1 << 20, close)[0][0] != "native"
+    assert costmodel.choose(1 << 18, 4, 4, 1, close) == "native"
+    assert costmodel.choose(256, 4, 4, 1, CAL) == "native"  # 5 us measured beats any schedule
     assert costmodel.choose(1 << 18, 4, 4, 1, CAL) == "shm"  # 200 us measured vs mpi's 500
 
 
 def test_auto_without_a_matching_calibration_uses_the_rule_of_thumb() -> None:
     big, small = costmodel.HEURISTIC_SHM_BYTES // 4, 1000
     assert costmodel.choose(big, 4, 2, 1, None) == "shm"
-    assert costmodel.choose(small, 4, 2, 1, None) == "mpi"
-    assert costmodel.choose(big, 4, 2, 2, None) == "mpi"  # several nodes: MPI's own
+    assert costmodel.choose(small, 4, 2, 1, None) == "native"
+    assert costmodel.choose(big, 4, 2, 2, None) == "native"  # several nodes: MPI's own
     assert costmodel.choose(big, 4, 2, 1, CAL) == "shm"  # CAL is for 4 ranks, not 2
-    assert costmodel.choose(big, 4, 1, 1, CAL) == "mpi"
+    assert costmodel.choose(big, 4, 1, 1, CAL) == "native"
     assert "shm" not in costmodel.candidates(single_node=False)
 
 
@@ -164,7 +164,7 @@ def test_cli_prints_the_predicted_table(tmp_path: Path, capsys: pytest.CaptureFi
     assert cli.main(["algorithms", "--size", "64MiB", "--file", str(path)]) == 0
     out = capsys.readouterr().out
     assert "4 ranks on 1 node(s)" in out and "67,108,864 B:" in out
-    for name in ("mpi", "shm", "ring", "rabenseifner", "recursive_doubling", "tree"):
+    for name in ("native", "shm", "ring", "rabenseifner", "recursive_doubling", "tree"):
         assert f"{name} " in out
     assert cli.main(["algorithms", "--file", str(path), "--ranks", "3"]) == 1
     assert "no calibration" in capsys.readouterr().err
@@ -198,7 +198,7 @@ CAL_2X4 = dataclasses.replace(
     CAL,
     size=8,
     nodes=2,
-    native={"mpi": [(1024, 1.0), (1 << 30, 2.0)]},  # slow: the model's pick is a schedule
+    native={"native": [(1024, 1.0), (1 << 30, 2.0)]},  # slow: the model's pick is a schedule
     exchange=_line(10e-6, 1e-9),
     exchange_inter=_line(100e-6, 10e-9),  # the network: 10x the intra-node alpha and beta
 )
@@ -260,7 +260,7 @@ def test_without_an_inter_curve_the_one_curve_model_is_unchanged() -> None:
 def test_auto_on_several_nodes_uses_the_model_only_with_an_inter_curve() -> None:
     numel = (1 << 24) // 4
     one_curve = dataclasses.replace(CAL_2X4, exchange_inter=[])
-    assert costmodel.choose(numel, 4, 8, 2, one_curve, TWO_NODES) == "mpi"
+    assert costmodel.choose(numel, 4, 8, 2, one_curve, TWO_NODES) == "native"
     pick = costmodel.choose(numel, 4, 8, 2, CAL_2X4, TWO_NODES)
     assert pick == costmodel.table(1 << 24, CAL_2X4, 4, TWO_NODES)[0][0]
     assert pick in ("hierarchical", "shd", "torus2d")
@@ -289,7 +289,7 @@ def _distinct_schedules(rows: list[tuple[str, float]]) -> list[str]:
     """Schedules fastest first, each predicted time once (the first name of a tie)."""
     seen: dict[float, str] = {}
     for name, seconds in rows:
-        if name not in ("mpi", "shm"):
+        if name not in ("native", "shm"):
             seen.setdefault(seconds, name)
     return list(seen.values())
 
@@ -297,15 +297,15 @@ def _distinct_schedules(rows: list[tuple[str, float]]) -> list[str]:
 def test_tuning_candidates_are_the_pick_the_natives_and_the_two_best_schedules() -> None:
     numel = 1 << 18
     schedules = _distinct_schedules(costmodel.table(4 * numel, CAL))
-    assert costmodel.ranked(numel, 4, 4, 1, CAL) == ["shm", "mpi", *schedules[:2]]
-    assert costmodel.ranked(numel, 4, 4, 1, CAL, count=3) == ["shm", "mpi", schedules[0]]
+    assert costmodel.ranked(numel, 4, 4, 1, CAL) == ["shm", "native", *schedules[:2]]
+    assert costmodel.ranked(numel, 4, 4, 1, CAL, count=3) == ["shm", "native", schedules[0]]
     # A calibration that ranks the natives last (taken while they were slow) still has them
     # measured, after the pick.
     slow = dataclasses.replace(CAL, native={k: [(1024, 1.0), (1 << 20, 1.0)] for k in CAL.native})
     pick = costmodel.choose(numel, 4, 4, 1, slow)
-    assert pick not in ("mpi", "shm")
+    assert pick not in ("native", "shm")
     second = next(n for n in _distinct_schedules(costmodel.table(4 * numel, slow)) if n != pick)
-    assert costmodel.ranked(numel, 4, 4, 1, slow) == [pick, "shm", "mpi", second]
+    assert costmodel.ranked(numel, 4, 4, 1, slow) == [pick, "shm", "native", second]
 
 
 def test_tuning_candidates_skip_a_schedule_tied_with_a_faster_one() -> None:
@@ -317,12 +317,12 @@ def test_tuning_candidates_skip_a_schedule_tied_with_a_faster_one() -> None:
     assert times["shd"] == times["rabenseifner"]  # the twin this test is about
     candidates = costmodel.ranked(numel, 4, 4, 1, CAL)
     assert not {"shd", "rabenseifner"} <= set(candidates), candidates
-    schedules = [n for n in candidates if n not in ("mpi", "shm")]
+    schedules = [n for n in candidates if n not in ("native", "shm")]
     assert len(schedules) == 2 and times[schedules[0]] != times[schedules[1]], candidates
 
 
 def test_tuning_candidates_without_a_calibration_and_across_nodes() -> None:
-    assert costmodel.ranked(1 << 20, 4, 2, 1, None) == ["shm", "mpi", "rabenseifner"]
-    assert costmodel.ranked(16, 4, 2, 1, None) == ["mpi", "shm", "recursive_doubling"]
-    assert costmodel.ranked(1 << 20, 4, 4, 2, None) == ["mpi", "rabenseifner"]  # no window
-    assert costmodel.ranked(1 << 20, 4, 1, 1, None) == ["mpi"]  # one rank: nothing to measure
+    assert costmodel.ranked(1 << 20, 4, 2, 1, None) == ["shm", "native", "rabenseifner"]
+    assert costmodel.ranked(16, 4, 2, 1, None) == ["native", "shm", "recursive_doubling"]
+    assert costmodel.ranked(1 << 20, 4, 4, 2, None) == ["native", "rabenseifner"]  # no window
+    assert costmodel.ranked(1 << 20, 4, 1, 1, None) == ["native"]  # one rank: nothing to measure

@@ -48,18 +48,16 @@ def _fails() -> bool | None:
 )
 def test_decide(setting: str, environ: dict, answers: list, expected: bool) -> None:
     aware, why = cuda_aware.decide(
-        setting, environ, [_says(a, f"q{i}") for i, a in enumerate(answers)]
+        config.parse_auto_bool(setting), environ, [_says(a, f"q{i}") for i, a in enumerate(answers)]
     )
     assert aware is expected
     assert why
 
 
 def test_decide_names_what_decided() -> None:
-    assert cuda_aware.decide("auto", {}, [_says(None, "a"), _says(True, "b")])[1] == "b() says yes"
-    assert (
-        "MPIR_CVAR_ENABLE_GPU" in cuda_aware.decide("auto", {"MPIR_CVAR_ENABLE_GPU": "off"}, [])[1]
-    )
-    assert "COMMLAYER_CUDA_AWARE_MPI=1" in cuda_aware.decide("auto", {}, [])[1]  # how to force
+    assert cuda_aware.decide(None, {}, [_says(None, "a"), _says(True, "b")])[1] == "b() says yes"
+    assert "MPIR_CVAR_ENABLE_GPU" in cuda_aware.decide(None, {"MPIR_CVAR_ENABLE_GPU": "off"}, [])[1]
+    assert "COMMLAYER_CUDA_AWARE_MPI=on" in cuda_aware.decide(None, {}, [])[1]  # how to force
 
 
 def test_mpich_gpu_switch_is_read_by_config() -> None:
@@ -67,21 +65,21 @@ def test_mpich_gpu_switch_is_read_by_config() -> None:
     found = config.mpi_gpu_variables({"MPIR_CVAR_ENABLE_GPU": "0", "PATH": "/bin"})
     assert found == {"MPIR_CVAR_ENABLE_GPU": "0"}
     assert config.mpi_gpu_variables({}) == {}
-    assert cuda_aware.decide("auto", found, [_says(True)])[0] is False
+    assert cuda_aware.decide(None, found, [_says(True)])[0] is False
 
 
 def test_a_failing_query_cannot_tell() -> None:
-    assert cuda_aware.decide("auto", {}, [_fails, _says(True)]) == (True, "q() says yes")
+    assert cuda_aware.decide(None, {}, [_fails, _says(True)]) == (True, "q() says yes")
 
 
 def test_bad_setting_is_refused() -> None:
-    with pytest.raises(ValueError, match="COMMLAYER_CUDA_AWARE_MPI='yes': expected one of"):
-        cuda_aware.decide("yes", {}, [])
+    with pytest.raises(config.ConfigError, match="COMMLAYER_CUDA_AWARE_MPI='maybe' is not valid"):
+        config.load(environ={"COMMLAYER_CUDA_AWARE_MPI": "maybe"})
 
 
 _PROBE = """
 from commlayer.backends import cuda_aware, mpi
-print(repr(([q() for q in cuda_aware.library_queries(mpi.MPI)], mpi.detect_cuda_aware("auto"))))
+print(repr(([q() for q in cuda_aware.library_queries(mpi.MPI)], mpi.detect_cuda_aware(None))))
 """
 
 
@@ -110,7 +108,7 @@ def test_this_mpi_library_answers() -> None:
     ],
 )
 def test_nccl_wanted(setting: str, cuda: bool, nccl: bool, crowded: list, expected: bool) -> None:
-    assert nccl_wanted(setting, cuda, nccl, crowded) is expected
+    assert nccl_wanted(config.parse_auto_bool(setting), cuda, nccl, crowded) is expected
 
 
 @pytest.mark.parametrize(
@@ -124,8 +122,8 @@ def test_nccl_wanted(setting: str, cuda: bool, nccl: bool, crowded: list, expect
 def test_nccl_forced_where_it_cannot_run(
     cuda: bool, nccl: bool, crowded: list, message: str
 ) -> None:
-    with pytest.raises(CommlayerError, match=f"COMMLAYER_NCCL=1, but .*{message}"):
-        nccl_wanted("1", cuda, nccl, crowded)
+    with pytest.raises(CommlayerError, match=f"COMMLAYER_NCCL=on, but .*{message}"):
+        nccl_wanted(True, cuda, nccl, crowded)
 
 
 class _Backend:

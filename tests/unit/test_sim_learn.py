@@ -121,7 +121,7 @@ def test_auto_takes_the_tables_pick_where_it_fits_the_job() -> None:
         assert costmodel.choose(64 * MiB // 4, 4, ranks, 1, None, simulated=job) == "ring"
         assert costmodel.choose(MiB // 4, 4, ranks, 1, None) == "shm"  # no table: rule of thumb
         ranked = costmodel.ranked(MiB // 4, 4, ranks, 1, None, simulated=job)
-        assert ranked == ["tree", "shm", "mpi", "ring"]
+        assert ranked == ["tree", "shm", "native", "ring"]
     # between the points: the model corrected by the table, one of its algorithms
     assert costmodel.choose(8 * MiB // 4, 4, 4, 1, None, simulated=job) in {"tree", "ring"}
     # 2 nodes of 2: no row, but flat is sized by its nodes: the 2-rank rows' ratios, learned
