@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from commlayer.algorithms.selection import Allreducer
 
 from commlayer import algorithms, costmodel
 from commlayer.common import config
+from commlayer.core.selection import Allreducer
 from commlayer.costmodel import calibration, simulated
 
 
