@@ -36,3 +36,29 @@ def own_backend() -> Any:
 mpi_only = pytest.mark.skipif(
     under_torchrun(), reason="MPI-only: shared-memory windows need the MPI backend"
 )
+
+
+def start_gloo() -> None:
+    """torch.distributed's gloo over commlayer's ranks (rank 0 picks a free port and broadcasts
+    it), for the tests of the DDP hook. Left up until the process exits: destroying it in a test
+    aborted the process in a later one ("Resource deadlock avoided": a gloo worker thread
+    released the group's last reference and its destructor joined that very thread), in 2 of 4
+    runs of test_ddp_hook.py with the next ones at 4 ranks."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    port = 0
+    if commlayer.rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = commlayer.broadcast_object(port, root_rank=0)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=commlayer.rank(),
+        world_size=commlayer.size(),
+    )

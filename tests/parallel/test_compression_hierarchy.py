@@ -19,7 +19,6 @@ Collectives first, asserts last, as in test_optimizer.py.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from launch import start_gloo
 from restart import reinit
+from test_compression import SHAPES, _grad, _Params  # the flat tests' parameters and gradients
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
@@ -37,7 +38,6 @@ from commlayer.comm.hierarchy import HostLevels
 from commlayer.integrations import ddp
 
 F64 = torch.float64
-SHAPES = {"w": (48, 50), "v": (1500,), "b": (30,)}  # b: under the policy's min_numel
 STEPS = 3
 EXACT = {"rtol": 1e-10, "atol": 1e-12}
 # fp16: each path rounds once to float16 (a rank's share, or its host's sum), and sums there
@@ -58,19 +58,6 @@ def posed() -> Iterator[str]:
 def _pays() -> bool:
     """Whether this size's layout has a host of several ranks (2 x 2, 2 x 3)."""
     return cl.size() in (4, 6)
-
-
-class _Params(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(SHAPES["w"], dtype=F64))
-        self.v = nn.Parameter(torch.zeros(SHAPES["v"], dtype=F64))
-        self.b = nn.Parameter(torch.zeros(SHAPES["b"], dtype=F64))
-
-
-def _grad(name: str, rank: int, step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + len(name))
-    return torch.randn(SHAPES[name], generator=gen, dtype=F64)
 
 
 def _spec(spec: str, hierarchy: str) -> str:
@@ -281,17 +268,7 @@ def test_auto_decides_per_bucket_alike_on_every_rank() -> None:
 def gloo() -> None:
     """torch.distributed over the same ranks (left up until the process exits, as
     test_ddp_hook.py's: destroying gloo's group in a test aborted a later one)."""
-    if dist.is_initialized():
-        return
-    port = 0
-    if cl.rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = cl.broadcast_object(port, root_rank=0)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=cl.rank(), world_size=cl.size()
-    )
+    start_gloo()
 
 
 def _ddp(spec: str, hierarchy: str, algorithm: str = "auto") -> tuple[torch.Tensor, ddp.CommState]:

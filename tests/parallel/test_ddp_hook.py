@@ -12,7 +12,6 @@ first, asserts last.
 from __future__ import annotations
 
 import copy
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from launch import start_gloo
 from restart import reinit
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -35,21 +35,8 @@ TINY_BUCKET_MB = 1e-6
 
 @pytest.fixture(scope="module", autouse=True)
 def _gloo() -> None:
-    """The gloo process group stays up until the process exits: destroying it here aborted the
-    process in a later test ("Resource deadlock avoided": a gloo worker thread released the
-    group's last reference and its destructor joined that very thread), in 2 of 4 runs of this
-    module with the next ones at 4 ranks."""
-    if dist.is_initialized():
-        return
-    port = 0
-    if cl.rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = cl.broadcast_object(port, root_rank=0)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=cl.rank(), world_size=cl.size()
-    )
+    """gloo over commlayer's ranks, up until the process exits (launch.start_gloo)."""
+    start_gloo()
 
 
 def _mlp(seed: int, dtype: torch.dtype, sizes: tuple[int, ...] = (6, 16, 8, 3)) -> nn.Module:
