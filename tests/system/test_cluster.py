@@ -34,7 +34,8 @@ from typing import Any
 import pytest
 from waiting import Deadline, wait_until
 
-from commlayer import algorithms, launcher
+from commlayer import algorithms
+from commlayer.launch import launcher
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SH = REPO / "scripts" / "cluster.sh"

@@ -57,3 +57,24 @@ def test_old_paths_work_in_a_fresh_interpreter() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_launchers_old_path_is_its_module() -> None:
+    """commlayer.launcher (commlayerrun's module before commlayer/launch/) is that module, and
+    ``python -m commlayer.launcher`` still runs commlayerrun."""
+    code = (
+        "import commlayer.launcher\n"
+        "from commlayer import launcher\n"
+        "from commlayer.launch import launcher as moved\n"
+        "assert commlayer.launcher is launcher is moved and launcher._parser\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    run = subprocess.run(
+        [sys.executable, "-m", "commlayer.launcher", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0 and "commlayerrun" in run.stdout, run.stderr
