@@ -19,7 +19,9 @@
    this machine (a ratio target above it cannot be met by communication alone).
 2. Models with many mid-sized gradient tensors, as in benchmarks/README.md's yardsticks: ``mlp`` is
    10 x [Linear(768, 768), LayerNorm(768), GELU()] + Linear(768, 1000) (6.69 M parameters in
-   62 tensors), ``resnet`` a small CIFAR-style ResNet (3 stages of 2 basic blocks).
+   62 tensors), ``resnet`` a small CIFAR-style ResNet (3 stages of 2 basic blocks); ``tiny``
+   (``--models tiny --batch 8``, issue 49) is dispatch-bound: 161 gradients of at most 256
+   elements, where per-tensor host work, not bytes, sets the step.
 3. Every system trains the same model from the same seed with SGD momentum 0.9 on random
    inputs; a step is zero_grad, forward, backward, step. Median over ``--steps`` steps after
    ``--warmup``. For commlayer the worker also reports the overlap achieved: the fraction of
@@ -102,10 +104,22 @@ def resnet() -> nn.Module:
     return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10))
 
 
+def tiny() -> nn.Module:
+    """Dispatch-bound (issue 49): 161 tiny gradients, 80 x Linear(16, 16) and a head without
+    bias; the step's time is per-tensor host work (hooks, submissions, kernel launches), not
+    bytes. Run it with a small batch (``--models tiny --batch 8``)."""
+    layers: list[nn.Module] = []
+    for _ in range(80):
+        layers += [nn.Linear(16, 16), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(16, 10, bias=False))
+
+
 MODELS = {
     "mlp": (mlp, (768,), 1000),
     "resnet": (resnet, (3, 32, 32), 10),
+    "tiny": (tiny, (16,), 10),
 }
+DEFAULT_MODELS = ["mlp", "resnet"]  # tiny on request: its batch is not the others'
 
 
 # -- worker: one system, one model, under mpiexec ---------------------------------------------
@@ -699,7 +713,7 @@ def driver(args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
-    parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
+    parser.add_argument("--models", type=lambda s: s.split(","), default=DEFAULT_MODELS)
     parser.add_argument("--steps", type=int, default=40)
     # commlayer's auto tuning measures its candidates on the first calls of each bucket size
     # (algorithms/autotune.py): with the MLP at 2 ranks its steps were ~20% slower for the
