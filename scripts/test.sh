@@ -231,7 +231,12 @@ lanes "mypy + docs | pytest tests/unit" mypy_then_docs unit_tests
 # The system tests in two lanes: the elastic jobs on this machine (mostly waiting: discovery
 # periods, cooldowns, timeouts; gloo only, no MPICH shared memory) beside the rest (the
 # namespace cluster's tests among them, which must not share the cluster with another job).
-ELASTIC_LOCAL=(tests/system/test_elastic_horovod.py tests/system/test_elastic_membership.py)
+# The lanes took 420 s and 815 s: the local elastic driver's and the elastic example's tests
+# (gloo, no cluster) join the first.
+ELASTIC_LOCAL=(
+    tests/system/test_elastic_horovod.py tests/system/test_elastic_membership.py
+    tests/system/test_elastic_driver.py tests/system/test_elastic_example.py
+)
 system_elastic() {
     run_pytest tests/system "$PY" -m pytest "${ELASTIC_LOCAL[@]}" -q -rs --durations=10 \
         -p no:cacheprovider
