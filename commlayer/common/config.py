@@ -710,15 +710,7 @@ def parse_variable(name: str, text: str, registries: Registries | None = None) -
     its unit."""
     for var, field, declared, _ in _VARIABLES:
         if var == name:
-            validator = _validator(field, declared, registries)
-            try:
-                return validator.parse(text)
-            except ValueError as exc:
-                why = f" ({exc})" if isinstance(exc, InvalidValue) else ""
-                raise ConfigError(
-                    f"{name}={text!r} is not valid{why}: expected "
-                    f"{_expected(field, validator, text)}"
-                ) from None
+            return _parse_or_explain(field, declared, registries, text, f"{name}={text!r}")
     known = sorted(var for var, _, _, _ in _VARIABLES)
     raise ConfigError(f"unknown commlayer variable {name!r}{did_you_mean([name], known)}")
 
@@ -740,20 +732,36 @@ def _check_settings(
         value = settings.get(field)
         if value is None:
             continue
-        validator = _validator(field, declared, registries)
-        try:
-            # True/False only for a boolean setting (True would be 1 to an integer one)
-            misread = isinstance(value, bool) and declared not in (_BOOL, _AUTO_BOOL)
-            if misread or not isinstance(value, (str, int, float)):
-                raise ValueError(value)
-            checked[field] = validator.parse(str(value))
-        except ValueError as exc:
-            why = f" ({exc})" if isinstance(exc, InvalidValue) else ""
-            raise ConfigError(
-                f"setting {field}={value!r} (or {var}) is not valid{why}: expected "
-                f"{_expected(field, validator, str(value))}"
-            ) from None
+        # True/False only for a boolean setting (True would be 1 to an integer one)
+        misread = isinstance(value, bool) and declared not in (_BOOL, _AUTO_BOOL)
+        checked[field] = _parse_or_explain(
+            field, declared, registries, str(value), f"setting {field}={value!r} (or {var})",
+            refuse=misread or not isinstance(value, (str, int, float)),
+        )  # fmt: skip
     return checked
+
+
+def _parse_or_explain(
+    field: str,
+    declared: Validator | None,
+    registries: Registries | None,
+    text: str,
+    what: str,
+    refuse: bool = False,
+) -> Any:
+    """``text`` parsed by ``field``'s validator; ConfigError naming ``what`` (the variable or the
+    setting and its value), why, and what is allowed. ``refuse``: not valid whatever the text
+    (a value of the wrong Python type)."""
+    validator = _validator(field, declared, registries)
+    try:
+        if refuse:
+            raise ValueError(text)
+        return validator.parse(text)
+    except ValueError as exc:
+        why = f" ({exc})" if isinstance(exc, InvalidValue) else ""
+        raise ConfigError(
+            f"{what} is not valid{why}: expected {_expected(field, validator, text)}"
+        ) from None
 
 
 def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
