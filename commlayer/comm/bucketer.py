@@ -7,8 +7,9 @@ DistributedOptimizer asks it, for each gradient backward has made final, what to
    together (the engine negotiates and fuses what arrives together). The order in which
    backward made them ready is recorded.
 2. After the first complete step the optimizer makes a plan from rank 0's recorded order (a
-   collective: the same plan on every rank), cut by :func:`cut`: ``bucket_bytes`` of gradients
-   of one dtype and one compressor, in that order. From then on a bucket is sent as soon as its
+   collective: the same plan on every rank) with :func:`plan`, cut by :func:`cut`:
+   ``bucket_bytes`` of gradients of one dtype and one compressor, in that order; each bucket
+   made by :func:`bucket`. From then on a bucket is sent as soon as its
    last gradient is ready, as DDP's are; a hook is a counter (on the ResNet of
    benchmarks/train.py, 47 per-gradient submissions cost ~5 ms a step).
 3. ``groups`` (Horovod's ``DistributedOptimizer(groups=...)``) are buckets fixed from the start:

@@ -9,7 +9,7 @@ The constraints it answers, and how:
    only enqueues and returns a Future; one engine thread makes every backend call (MPI thread
    level SERIALIZED would suffice).
 3. Many small tensors waste latency, one huge buffer delays the start. -> The caller batches:
-   DistributedOptimizer's bucketer (optimizer.py, the one batching policy) hands whole buckets
+   DistributedOptimizer's bucketer (comm/bucketer.py, the one batching policy) hands whole buckets
    as grouped operations, and ``submit_all`` queues operations given together with one wake-up,
    so they are negotiated in one cycle. The engine executes what it is given at once, with no
    wait for company: ready allreduces of one dtype and op are fused into buffers of at most
