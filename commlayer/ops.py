@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from commlayer.algorithms import adasum
+from commlayer import algorithms
 from commlayer.common.errors import UnsupportedOpError
 from commlayer.common.reduce_ops import SUPPORTED_OPS, ReduceOp
 from commlayer.common.topology import Topology
@@ -39,7 +39,8 @@ from commlayer.core.negotiation import (
 )
 from commlayer.core.process_sets import ProcessSet, check_ranks, global_process_set
 
-ALLREDUCE_OPS = (*SUPPORTED_OPS, ReduceOp.Adasum)  # Adasum: allreduce only (adasum.py)
+# and the operators of the combining algorithms (Adasum: algorithms/adasum.py), allreduce only
+ALLREDUCE_OPS = (*SUPPORTED_OPS, *algorithms.combining_ops())
 SUPPORTED_DTYPES = (
     torch.uint8,
     torch.int8,
@@ -171,8 +172,10 @@ def _submit(
     shapes: tuple[tuple[int, ...], ...] | None = None,
     registration: Registration | None = None,
 ) -> Handle:
-    if kind == ALLREDUCE and op == ReduceOp.Adasum:
-        return _adasum(name, inputs, outputs, process_set, prescale, postscale, finish)
+    if kind == ALLREDUCE and op not in SUPPORTED_OPS:
+        found = algorithms.combining(op)  # Adasum's (algorithms/registry.py)
+        if found is not None:
+            return _combine(found, name, inputs, outputs, process_set, prescale, postscale, finish)
     engine = runtime.engine()
     set_id = _set_id(process_set)
     dtype = dtype_name(inputs[0].dtype) if inputs else "uint8"
@@ -229,7 +232,8 @@ def _in_place(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[
     return work, finish
 
 
-def _adasum(
+def _combine(
+    algorithm: algorithms.Combine,
     name: str | None,
     inputs: list[torch.Tensor],
     outputs: list[torch.Tensor],
@@ -238,11 +242,14 @@ def _adasum(
     postscale: float,
     finish: Callable[[Any], Any] | None,
 ) -> Future:
-    """allreduce(op=Adasum): every rank's tensors gathered, one allgather each, and combined
-    in Horovod's tree on every rank (adasum.py); the results are written to ``outputs``."""
+    """allreduce under a combining algorithm (``op=Adasum``: algorithms/adasum.py): every
+    rank's tensors gathered, one allgather each (its ``moves``), and combined on every rank
+    (Adasum: in Horovod's tree); the results are written to ``outputs``."""
     bad = [dtype_name(t.dtype) for t in inputs if not t.is_floating_point()]
-    if bad:
-        raise _input_error(f"Adasum needs floating-point tensors, got {', '.join(bad)}")
+    if bad and algorithm.floating_only:
+        raise _input_error(
+            f"{algorithm.op.name} needs floating-point tensors, got {', '.join(bad)}"
+        )
     base = _auto_name(ALLREDUCE, name, _set_id(process_set))
     with batch():
         parts = [
@@ -256,7 +263,7 @@ def _adasum(
 
     def combine(gathered: list[torch.Tensor]) -> Any:
         for rows, out in zip(gathered, outputs):
-            out.view(-1).copy_(adasum.combine(rows))
+            out.view(-1).copy_(algorithm.combine(rows))
             if postscale != 1.0:
                 out.mul_(postscale)
         return finish(outputs) if finish is not None else outputs
