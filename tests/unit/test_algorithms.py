@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 from engine_harness import allreduce, run_engines, wait
+from schedule_check import simulate, traffic
 from waiting import Deadline, wait_until
 
 from commlayer import algorithms
-from commlayer.algorithms.schedule import Step, Transfer, blocks, simulate, traffic
+from commlayer.algorithms.schedule import Step, Transfer, blocks
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.common import config
 from commlayer.common import topology as topology_module

@@ -7,12 +7,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from schedule_check import simulate
 from sparse_harness import allreduce_in_rounds
 from waiting import wait_until
 
 from commlayer import algorithms, costmodel
 from commlayer.algorithms import sparse
-from commlayer.algorithms.schedule import Schedule, compact, simulate, step
+from commlayer.algorithms.schedule import Schedule, compact, step
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.comm.sparse_reduction import engine_algorithm
 from commlayer.common.reduce_ops import ReduceOp

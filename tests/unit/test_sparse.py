@@ -241,7 +241,8 @@ def test_bad_arguments() -> None:
 @pytest.mark.parametrize("size", range(1, 9))
 def test_sparse_schedules_are_valid_dense_schedules(size: int) -> None:
     """The schedules are data: run densely by simulate() (no communication), each one sums."""
-    from commlayer.algorithms.schedule import simulate
+    from schedule_check import simulate
+
     from commlayer.common.reduce_ops import ReduceOp
 
     g = torch.Generator().manual_seed(size)

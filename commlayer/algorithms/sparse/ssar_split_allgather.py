@@ -17,7 +17,7 @@ from commlayer.common.topology import Topology
 
 
 def split_allgather(rank: int, size: int, numel: int) -> Schedule:
-    """The two steps, as a dense schedule (it is one: simulate() checks it)."""
+    """The two steps, as a dense schedule (it is one: tests/unit/schedule_check.py runs it)."""
     b = blocks(numel, size)
     others = [q for q in range(size) if q != rank]
     mine = b[rank]
