@@ -228,10 +228,23 @@ parallel_torchrun() { # $1: processes
 # mypy and the docs site (one process each, in turn) beside the unit tests (one process)
 lanes "mypy + docs | pytest tests/unit" mypy_then_docs unit_tests
 
+# The system tests in two lanes: the elastic jobs on this machine (mostly waiting: discovery
+# periods, cooldowns, timeouts; gloo only, no MPICH shared memory) beside the rest (the
+# namespace cluster's tests among them, which must not share the cluster with another job).
+ELASTIC_LOCAL=(tests/system/test_elastic_horovod.py tests/system/test_elastic_membership.py)
+system_elastic() {
+    run_pytest tests/system "$PY" -m pytest "${ELASTIC_LOCAL[@]}" -q -rs --durations=10 \
+        -p no:cacheprovider
+}
+system_rest() {
+    local skip=() f
+    for f in "${ELASTIC_LOCAL[@]}"; do skip+=(--ignore "$f"); done
+    run_pytest tests/system "$PY" -m pytest tests/system "${skip[@]}" -q -rs --durations=25 \
+        -p no:cacheprovider
+}
+
 if [[ $QUICK -eq 0 ]]; then
-    stage "pytest tests/system"
-    run_pytest tests/system "$PY" -m pytest tests/system -q -rs --durations=25 -p no:cacheprovider
-    stage_done "ok"
+    lanes "pytest tests/system: elastic | the rest" system_elastic system_rest
 fi
 
 for n in "${ranks[@]}"; do
