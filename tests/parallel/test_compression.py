@@ -72,6 +72,12 @@ def _train(spec: str | Policy, steps: int = STEPS) -> tuple[list[dict[str, torch
         named_parameters=model.named_parameters(),
         compression=spec,
     )
+    return _reduced(model, opt, steps), opt
+
+
+def _reduced(model: nn.Module, opt: Any, steps: int) -> list[dict[str, torch.Tensor]]:
+    """``steps`` steps of ``opt`` (SGD lr=1 over ``model``, a _Params), each rank its seeded
+    gradients: each step's reduced gradient per parameter (minus the change)."""
     reduced = []
     for step in range(steps):
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -81,7 +87,7 @@ def _train(spec: str | Policy, steps: int = STEPS) -> tuple[list[dict[str, torch
         opt.step()
         opt.zero_grad()
         reduced.append({n: before[n] - p.detach() for n, p in model.named_parameters()})
-    return reduced, opt
+    return reduced
 
 
 def _simulate(spec: str, steps: int = STEPS) -> list[dict[str, torch.Tensor]]:

@@ -28,7 +28,12 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from launch import start_gloo
 from restart import reinit
-from test_compression import SHAPES, _grad, _Params  # the flat tests' parameters and gradients
+from test_compression import (  # the flat tests' parameters and gradients
+    SHAPES,
+    _grad,
+    _Params,
+    _reduced,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
@@ -77,15 +82,7 @@ def _train(
         groups=[[model.w], [model.v]] if fixed else None,
         **kwargs,
     )
-    reduced = []
-    for step in range(steps):
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        loss = sum((p * _grad(n, cl.rank(), step)).sum() for n, p in model.named_parameters())
-        loss.backward()  # type: ignore[union-attr]
-        opt.step()
-        opt.zero_grad()
-        reduced.append({n: before[n] - p.detach() for n, p in model.named_parameters()})
-    return reduced, opt
+    return _reduced(model, opt, steps), opt
 
 
 def _levels(opt: Any) -> HostLevels | None:
