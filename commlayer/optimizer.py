@@ -69,6 +69,7 @@ from commlayer.compression import Compressor, CompressorBase, Policy, create
 from commlayer.core import runtime
 from commlayer.core.future import Future
 from commlayer.core.process_sets import ProcessSet, global_process_set
+from commlayer.core.submit import batch
 
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
 
@@ -295,7 +296,7 @@ class _Reducer:
         arrives together), instead of one collective per small gradient."""
         if not params:
             return
-        with ops.batch():
+        with batch():
             for p in params:
                 self.submit(p)
 
@@ -339,7 +340,7 @@ class _Reducer:
                 grad = p.grad = grad.to_dense()
                 self.resparsify.add(p)
             grads[p] = grad
-        with ops.batch():  # a group's parts: submitted together
+        with batch():  # a group's parts: submitted together
             bucket.handles = [
                 self.comm.reduce(
                     [grads[p] for p in part.params],
@@ -386,7 +387,7 @@ class _Reducer:
             return
         self.send(self.bucketer.take_unsent())
         late = []  # gradients backward did not produce: submitted now, zeros if None
-        with ops.batch():
+        with batch():
             for p in self.params():
                 if p.requires_grad and p not in self.handles and p not in self.bucketer.bucket_of:
                     self.submit(p)
