@@ -3,6 +3,9 @@ alltoall, reducescatter, grouped variants, barrier, join, poll, synchronize.
 
 ``name_async`` returns a Handle at once; ``synchronize(handle)`` waits and returns the result;
 a trailing ``_`` means in place. The blocking forms are differentiable (functions.py).
+
+Each function checks the user's arguments, then hands a ``Request`` to the core's one
+``submit`` (core/submit.py), which the communicator (comm/) calls directly.
 """
 
 from __future__ import annotations
