@@ -3,6 +3,7 @@
 strategy to use. ``commlayer COMMAND --help`` describes each.
 
 mpiexec -n 2 commlayer calibrate [--quick] [--out FILE]
+commlayer algorithms --list
 commlayer algorithms --size 64MiB [--ranks 2] [--file FILE]
 commlayer algorithms --platform torus:8x8x4 --gpus-per-node 4 --size 1MiB,64MiB \
     [--sim-table simulated.jsonl]
@@ -112,9 +113,42 @@ def calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+# What each kind of algorithm is (algorithms/registry.py), for ``commlayer algorithms --list``.
+_KINDS = {
+    "selection": "picks one of the others per buffer size (the cost model)",
+    "native": "the backend's own",
+    "schedule": "steps every rank runs, for Sum, Average, Min, Max, Product",
+    "combine": "every rank's tensor gathered, then combined on every rank",
+}
+
+
+def algorithms_list() -> int:
+    """``commlayer algorithms --list``: every registered algorithm, its kind, and what selects
+    it (COMMLAYER_ALLREDUCE_ALGORITHM, or a combine's operator), then the sparse ones."""
+    from commlayer import algorithms
+    from commlayer.algorithms import sparse
+
+    aliases = {name: alias for alias, name in algorithms.ALIASES.items()}
+    found = (algorithms.combining(op) for op in algorithms.combining_ops())
+    combines = {c.name: c for c in found if c is not None}
+    for name, kind in algorithms.kinds().items():
+        combine = combines.get(name)
+        if combine is not None:
+            how = f"allreduce(op={combine.op.name}): {combine.moves}, then combine"
+        else:
+            how = f"COMMLAYER_ALLREDUCE_ALGORITHM={name}"
+            how += f" (or {aliases[name]})" if name in aliases else ""
+        print(f"{name:<24} {kind:<9} {_KINDS[kind]}; {how}")
+    for name in sparse.available():
+        print(f"{name:<24} {'sparse':<9} COMMLAYER_SPARSE_ALGORITHM={name}")
+    return 0
+
+
 def algorithms_table(args: argparse.Namespace) -> int:
     from commlayer.sim import cli as sim_cli
 
+    if args.list:
+        return algorithms_list()
     if args.compression:
         return compressed_table(args)
     if args.platform:
@@ -248,6 +282,12 @@ def parser() -> argparse.ArgumentParser:
         "the ranks placed on it"
     )  # fmt: skip
     table.add_argument("--file", help="calibration file to read")
+    table.add_argument(
+        "--list",
+        action="store_true",
+        help="list every registered algorithm, its kind (selection, native, schedule, combine, "
+        "sparse) and what selects it, instead of the predicted times",
+    )
     table.add_argument(
         "--compression",
         action="append",

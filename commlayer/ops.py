@@ -3,26 +3,25 @@ alltoall, reducescatter, grouped variants, barrier, join, poll, synchronize.
 
 ``name_async`` returns a Handle at once; ``synchronize(handle)`` waits and returns the result;
 a trailing ``_`` means in place. The blocking forms are differentiable (functions.py).
+
+Each function checks the user's arguments, then hands a ``Request`` to the core's one
+``submit`` (core/submit.py), which the communicator (comm/) calls directly.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import itertools
 import operator
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from commlayer.algorithms import adasum
+from commlayer import algorithms
 from commlayer.common.errors import UnsupportedOpError
 from commlayer.common.reduce_ops import SUPPORTED_OPS, ReduceOp
 from commlayer.common.topology import Topology
-from commlayer.core import device, runtime, wire
-from commlayer.core.engine import Operation
+from commlayer.core import runtime, wire
 from commlayer.core.future import Future, Handle, combined
 from commlayer.core.negotiation import (
     ALLGATHER,
@@ -31,101 +30,40 @@ from commlayer.core.negotiation import (
     BARRIER,
     BROADCAST,
     REDUCESCATTER,
-    REGISTER,
-    Announce,
-    Registration,
-    dtype_name,
-    shapes_of,
 )
 from commlayer.core.process_sets import ProcessSet, check_ranks, global_process_set
-
-ALLREDUCE_OPS = (*SUPPORTED_OPS, ReduceOp.Adasum)  # Adasum: allreduce only (adasum.py)
-SUPPORTED_DTYPES = (
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.bool,
+from commlayer.core.submit import (
+    SUPPORTED_DTYPES as SUPPORTED_DTYPES,  # what the engine moves (re-exported)
+)
+from commlayer.core.submit import (
+    Request,
+    auto_name,
+    check_group,
+    check_tensor,
+    in_place,
+    in_place_group,
+    input_error,
+    plain_group,
+    set_id,
+    submit,
+)
+from commlayer.core.submit import (
+    batch as batch,  # the same context manager, re-exported
+)
+from commlayer.core.submit import (
+    register_process_set as register_process_set,
+)
+from commlayer.core.submit import (
+    topology as _topology,
+)
+from commlayer.core.submit import (
+    unregister_process_set as unregister_process_set,
 )
 
-_counters: dict[tuple[str, int], itertools.count[int]] = {}
-_counter_lock = threading.Lock()
-_batch: contextvars.ContextVar[list[Operation] | None] = contextvars.ContextVar(
-    "commlayer_batch", default=None
-)
+_input_error = input_error  # functions.py's name for it
 
-
-@contextlib.contextmanager
-def batch() -> Iterator[None]:
-    """Operations started in this block are handed to the engine together when it ends (one
-    wake-up, negotiated in one cycle) instead of one by one: the caller batches, the engine
-    does not wait for company (engine.py, constraint 3). Do not wait on them inside the block:
-    they are not submitted yet. A nested block joins the outer one."""
-    if _batch.get() is not None:
-        yield
-        return
-    pending: list[Operation] = []
-    token = _batch.set(pending)
-    try:
-        yield
-    finally:
-        _batch.reset(token)
-        if pending:
-            _submit_all(pending)
-
-
-def _submit_all(operations: list[Operation]) -> None:
-    """Queue ``operations``, all or none: if they cannot be (a duplicate name, a stopped
-    engine), each future fails with the error the caller gets."""
-    try:
-        runtime.engine().submit_all(operations)
-    except Exception as exc:
-        for op in operations:
-            op.handle.set_exception(exc)
-        raise
-
-
-def _input_error(message: str) -> ValueError:
-    """A bad argument, named with this rank (a 4-rank job prints four such lines)."""
-    where = f"rank {runtime.rank()}: " if runtime.is_initialized() else ""
-    return ValueError(where + message)
-
-
-def _auto_name(kind: str, name: str | None, set_id: int) -> str:
-    """The given name, or the next of a per-(kind, process set) counter: members of a set
-    call its collectives in the same order, but non-members never do, so one counter across
-    sets would leave the ranks' global names out of step after a set's first operation."""
-    if name is not None:
-        if not isinstance(name, str) or not name:
-            raise _input_error(f"name must be a non-empty str, got {name!r}")
-        return name
-    with _counter_lock:
-        counter = _counters.setdefault((kind, set_id), itertools.count())
-        prefix = kind if set_id == 0 else f"{kind}.set{set_id}"
-        return f"{prefix}.noname.{next(counter)}"
-
-
-def _check_tensor(tensor: Any, what: str) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise _input_error(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        allowed = ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
-        raise _input_error(
-            f"{what}: dtype {dtype_name(tensor.dtype)} is not supported; allowed: {allowed}"
-        )
-    if tensor.is_sparse:
-        raise _input_error(
-            f"{what}: sparse tensors are not supported; use sparse_allreduce or to_dense()"
-        )
-    where = device.check(tensor)
-    if where is not None:
-        raise _input_error(f"{what}: {where}")
-    return tensor.detach()
+# and the operators of the combining algorithms (Adasum: algorithms/adasum.py), allreduce only
+ALLREDUCE_OPS = (*SUPPORTED_OPS, *algorithms.combining_ops())
 
 
 def _resolve_op(
@@ -148,122 +86,6 @@ def _resolve_op(
     return resolved
 
 
-def _set_id(process_set: ProcessSet) -> int:
-    if not process_set.included():  # included() checks the set is registered
-        raise _input_error(f"this rank is not in {process_set!r}")
-    assert process_set.process_set_id is not None
-    return process_set.process_set_id
-
-
-def _submit(
-    kind: str,
-    name: str | None,
-    inputs: list[torch.Tensor],
-    outputs: list[torch.Tensor],
-    process_set: ProcessSet,
-    *,
-    op: ReduceOp = ReduceOp.Sum,
-    root: int = -1,
-    splits: tuple[int, ...] | None = None,
-    prescale: float = 1.0,
-    postscale: float = 1.0,
-    finish: Callable[[Any], Any] | None = None,
-    shapes: tuple[tuple[int, ...], ...] | None = None,
-    registration: Registration | None = None,
-) -> Handle:
-    if kind == ALLREDUCE and op == ReduceOp.Adasum:
-        return _adasum(name, inputs, outputs, process_set, prescale, postscale, finish)
-    engine = runtime.engine()
-    set_id = _set_id(process_set)
-    dtype = dtype_name(inputs[0].dtype) if inputs else "uint8"
-    if op == ReduceOp.Average and inputs and inputs[0].dtype == torch.bool:
-        raise _input_error(
-            f"{kind}: Average is not defined for bool tensors; use Sum or Max (logical or), "
-            "Min or Product (logical and)"
-        )
-    try:  # CUDA tensors: taken by the backend directly, or staged in host memory (device.py)
-        inputs, outputs, staged, channel = device.prepare(inputs, outputs, engine.backend(set_id))
-    except ValueError as exc:
-        raise _input_error(f"{kind}: {exc}") from None
-    announce = Announce(
-        _auto_name(kind, name, set_id),
-        kind,
-        dtype,
-        shapes if shapes is not None else shapes_of(inputs),
-        int(op),
-        root,
-        splits,
-        channel,
-        registration,
-    )
-    operation = Operation(
-        announce,
-        inputs,
-        outputs,
-        set_id,
-        float(prescale),
-        float(postscale),
-        finish if staged is None else staged.wrap(finish),
-    )
-    if staged is not None:
-        operation.ready = staged.ready
-    pending = _batch.get()
-    if pending is None:
-        return engine.submit(operation)
-    pending.append(operation)
-    return operation.handle
-
-
-def _in_place(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[Any], Any]]:
-    """(contiguous working tensor, finish that writes it back if it was a copy and returns
-    ``tensor`` itself, as horovod.torch's in-place forms do: a Parameter stays a Parameter)."""
-    checked = _check_tensor(tensor, what)  # detached: the engine writes outside autograd
-    if checked.is_contiguous():
-        return checked, lambda _: tensor
-    work = checked.contiguous()
-
-    def finish(_: Any) -> torch.Tensor:
-        checked.copy_(work)
-        return tensor
-
-    return work, finish
-
-
-def _adasum(
-    name: str | None,
-    inputs: list[torch.Tensor],
-    outputs: list[torch.Tensor],
-    process_set: ProcessSet,
-    prescale: float,
-    postscale: float,
-    finish: Callable[[Any], Any] | None,
-) -> Future:
-    """allreduce(op=Adasum): every rank's tensors gathered, one allgather each, and combined
-    in Horovod's tree on every rank (adasum.py); the results are written to ``outputs``."""
-    bad = [dtype_name(t.dtype) for t in inputs if not t.is_floating_point()]
-    if bad:
-        raise _input_error(f"Adasum needs floating-point tensors, got {', '.join(bad)}")
-    base = _auto_name(ALLREDUCE, name, _set_id(process_set))
-    with batch():
-        parts = [
-            allgather_async(
-                (t * prescale if prescale != 1.0 else t).reshape(1, -1),
-                name=base if len(inputs) == 1 else f"{base}.{i}",
-                process_set=process_set,
-            )
-            for i, t in enumerate(inputs)
-        ]
-
-    def combine(gathered: list[torch.Tensor]) -> Any:
-        for rows, out in zip(gathered, outputs):
-            out.view(-1).copy_(adasum.combine(rows))
-            if postscale != 1.0:
-                out.mul_(postscale)
-        return finish(outputs) if finish is not None else outputs
-
-    return combined(base, parts, combine)
-
-
 # -- allreduce -----------------------------------------------------------------------------------
 def allreduce_async(
     tensor: torch.Tensor,
@@ -275,18 +97,20 @@ def allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start an allreduce of ``tensor`` (not modified); synchronize() returns a new tensor."""
-    source = _check_tensor(tensor, "allreduce").contiguous()
+    source = check_tensor(tensor, "allreduce").contiguous()
     output = torch.empty_like(source)
-    return _submit(
-        ALLREDUCE,
-        name,
-        [source],
-        [output],
-        process_set,
-        op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
-        prescale=prescale_factor,
-        postscale=postscale_factor,
-        finish=lambda outs: outs[0],
+    return submit(
+        Request(
+            ALLREDUCE,
+            name,
+            [source],
+            [output],
+            process_set,
+            op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
+            prescale=prescale_factor,
+            postscale=postscale_factor,
+            finish=lambda outs: outs[0],
+        )
     )
 
 
@@ -300,17 +124,19 @@ def allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Start an in-place allreduce; synchronize() returns ``tensor`` holding the result."""
-    work, finish = _in_place(tensor, "allreduce_")
-    return _submit(
-        ALLREDUCE,
-        name,
-        [work],
-        [work],
-        process_set,
-        op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
-        prescale=prescale_factor,
-        postscale=postscale_factor,
-        finish=finish,
+    work, finish = in_place(tensor, "allreduce_")
+    return submit(
+        Request(
+            ALLREDUCE,
+            name,
+            [work],
+            [work],
+            process_set,
+            op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
+            prescale=prescale_factor,
+            postscale=postscale_factor,
+            finish=finish,
+        )
     )
 
 
@@ -339,21 +165,23 @@ def grouped_allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Allreduce a list of tensors as one unit (negotiated and fused together)."""
-    sources = _plain_group(tensors)
+    sources = plain_group(tensors)
     if sources is None:
-        sources = [_check_tensor(t, "grouped_allreduce").contiguous() for t in tensors]
-        _check_group(sources, "grouped_allreduce")
+        sources = [check_tensor(t, "grouped_allreduce").contiguous() for t in tensors]
+        check_group(sources, "grouped_allreduce")
     outputs = [torch.empty_like(s) for s in sources]
-    return _submit(
-        ALLREDUCE,
-        name,
-        sources,
-        outputs,
-        process_set,
-        op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
-        prescale=prescale_factor,
-        postscale=postscale_factor,
-        finish=list,
+    return submit(
+        Request(
+            ALLREDUCE,
+            name,
+            sources,
+            outputs,
+            process_set,
+            op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
+            prescale=prescale_factor,
+            postscale=postscale_factor,
+            finish=list,
+        )
     )
 
 
@@ -367,26 +195,19 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """In-place grouped allreduce."""
-    plain = _plain_group(tensors)
-    if plain is not None:  # written where they lie (the engine writes outside autograd)
-        works: Sequence[torch.Tensor] = plain
-        finishes: Sequence[Callable[[Any], Any]] = ()
-        done: Callable[[Any], Any] = lambda _: list(plain)  # noqa: E731
-    else:
-        pairs = [_in_place(t, "grouped_allreduce_") for t in tensors]
-        _check_group([work for work, _ in pairs], "grouped_allreduce_")
-        works, finishes = zip(*pairs)
-        done = lambda _: [f(None) for f in finishes]  # noqa: E731
-    return _submit(
-        ALLREDUCE,
-        name,
-        list(works),
-        list(works),
-        process_set,
-        op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
-        prescale=prescale_factor,
-        postscale=postscale_factor,
-        finish=done,
+    works, done = in_place_group(tensors, "grouped_allreduce_")
+    return submit(
+        Request(
+            ALLREDUCE,
+            name,
+            works,
+            works,
+            process_set,
+            op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
+            prescale=prescale_factor,
+            postscale=postscale_factor,
+            finish=done,
+        )
     )
 
 
@@ -406,48 +227,15 @@ def grouped_allreduce_(
     )
 
 
-def _plain_group(tensors: Sequence[Any]) -> list[torch.Tensor] | None:
-    """The tensors as a list when all are dense contiguous CPU tensors of one supported dtype,
-    checked in one cheap pass (~0.3 us a tensor, where ``_check_tensor`` takes ~2); None sends
-    the caller to the per-tensor path, which copies what is not contiguous and names errors."""
-    if not isinstance(tensors, (list, tuple)) or not tensors:
-        return None
-    first = tensors[0]
-    if not isinstance(first, torch.Tensor) or first.dtype not in SUPPORTED_DTYPES:
-        return None
-    dtype = first.dtype
-    for tensor in tensors:
-        if not (
-            isinstance(tensor, torch.Tensor)
-            and tensor.dtype is dtype
-            and tensor.is_cpu
-            and tensor.layout is torch.strided
-            and tensor.is_contiguous()
-        ):
-            return None
-    return list(tensors)
-
-
-def _check_group(tensors: Sequence[torch.Tensor], what: str) -> None:
-    if not tensors:
-        raise _input_error(f"{what} needs at least one tensor")
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        raise _input_error(
-            f"{what}: all tensors of a group must share one dtype, got "
-            f"{sorted(dtype_name(d) for d in dtypes)}"
-        )
-
-
 # -- allgather, broadcast, alltoall, reducescatter -----------------------------------------------
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> Handle:
     """Concatenate every rank's tensor along dim 0 (first dimension may differ per rank)."""
-    source = _check_tensor(tensor, "allgather").contiguous()
+    source = check_tensor(tensor, "allgather").contiguous()
     if source.dim() == 0:
         raise _input_error("allgather needs a tensor with at least one dimension")
-    return _submit(ALLGATHER, name, [source], [], process_set)
+    return submit(Request(ALLGATHER, name, [source], [], process_set))
 
 
 def broadcast_async(
@@ -457,14 +245,16 @@ def broadcast_async(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Copy root_rank's tensor to every rank (result is a new tensor)."""
-    source = _check_tensor(tensor, "broadcast").contiguous()
-    return _submit(
-        BROADCAST,
-        name,
-        [source],
-        [torch.empty_like(source)],
-        process_set,
-        root=_check_root(root_rank, process_set),
+    source = check_tensor(tensor, "broadcast").contiguous()
+    return submit(
+        Request(
+            BROADCAST,
+            name,
+            [source],
+            [torch.empty_like(source)],
+            process_set,
+            root=_check_root(root_rank, process_set),
+        )
     )
 
 
@@ -475,15 +265,17 @@ def broadcast_async_(
     process_set: ProcessSet = global_process_set,
 ) -> Handle:
     """Overwrite ``tensor`` with root_rank's, in place."""
-    work, finish = _in_place(tensor, "broadcast_")
-    return _submit(
-        BROADCAST,
-        name,
-        [work],
-        [work],
-        process_set,
-        root=_check_root(root_rank, process_set),
-        finish=finish,
+    work, finish = in_place(tensor, "broadcast_")
+    return submit(
+        Request(
+            BROADCAST,
+            name,
+            [work],
+            [work],
+            process_set,
+            root=_check_root(root_rank, process_set),
+            finish=finish,
+        )
     )
 
 
@@ -514,7 +306,7 @@ def alltoall_async(
 ) -> Handle:
     """Send splits[q] rows of ``tensor`` to rank q; receive what each rank sends here.
     synchronize() returns (output, received_splits)."""
-    source = _check_tensor(tensor, "alltoall").contiguous()
+    source = check_tensor(tensor, "alltoall").contiguous()
     if source.dim() == 0:
         raise _input_error("alltoall needs a tensor with at least one dimension")
     size = process_set.size()
@@ -534,7 +326,7 @@ def alltoall_async(
                 f"alltoall splits {list(rows)} must be "
                 f"{size} non-negative ints summing to dim 0 ({source.shape[0]})"
             )
-    return _submit(ALLTOALL, name, [source], [], process_set, splits=rows)
+    return submit(Request(ALLTOALL, name, [source], [], process_set, splits=rows))
 
 
 def reducescatter_async(
@@ -547,18 +339,20 @@ def reducescatter_async(
 ) -> Handle:
     """Reduce over ranks, then give rank r its block of dim 0 (the first dim0 % size ranks
     get one extra row)."""
-    source = _check_tensor(tensor, "reducescatter").contiguous()
+    source = check_tensor(tensor, "reducescatter").contiguous()
     if source.dim() == 0:
         raise _input_error("reducescatter needs a tensor with at least one dimension")
-    return _submit(
-        REDUCESCATTER,
-        name,
-        [source],
-        [],
-        process_set,
-        op=_resolve_op(op, None, ReduceOp.Average),
-        prescale=prescale_factor,
-        postscale=postscale_factor,
+    return submit(
+        Request(
+            REDUCESCATTER,
+            name,
+            [source],
+            [],
+            process_set,
+            op=_resolve_op(op, None, ReduceOp.Average),
+            prescale=prescale_factor,
+            postscale=postscale_factor,
+        )
     )
 
 
@@ -583,7 +377,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     Every barrier of a set has the one name ``barrier`` (as in Horovod): a per-process counter
     would give ranks different names for ever after a barrier that stalled on some ranks only.
     """
-    synchronize(_submit(BARRIER, "barrier", [], [], process_set, shapes=()))
+    synchronize(submit(Request(BARRIER, "barrier", [], [], process_set, shapes=())))
 
 
 def join(device: int = -1) -> int:
@@ -595,19 +389,7 @@ def join(device: int = -1) -> int:
 def topology(process_set: ProcessSet = global_process_set) -> Topology:
     """The nodes of the set's ranks as the engine's algorithms see them (the backend's, or
     COMMLAYER_TOPOLOGY for the global set)."""
-    return runtime.engine().topology(_set_id(process_set))
-
-
-def register_process_set(ranks: Sequence[int]) -> int:
-    change = Registration(ranks=tuple(ranks))
-    return int(
-        synchronize(_submit(REGISTER, None, [], [], global_process_set, registration=change))
-    )
-
-
-def unregister_process_set(set_id: int) -> None:
-    change = Registration(removed=set_id)
-    synchronize(_submit(REGISTER, None, [], [], global_process_set, registration=change))
+    return _topology(process_set)
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -641,7 +423,7 @@ def _grouped(
     negotiated in the same cycle); synchronize() returns the list of results."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise _input_error(f"grouped_{kind} needs a non-empty list of tensors, got {tensors!r}")
-    base = _auto_name(f"grouped_{kind}", name, _set_id(process_set))
+    base = auto_name(f"grouped_{kind}", name, set_id(process_set))
     with batch():
         handles = [start(tensor, f"{base}.{i}") for i, tensor in enumerate(tensors)]
     return combined(base, handles, list)
@@ -703,7 +485,7 @@ def sparse_allreduce_async(
         raise _input_error(
             f"sparse_allreduce_async: op {resolved.name} is not supported; allowed: Sum, Average"
         )
-    base = _auto_name("sparse_allreduce", name, _set_id(process_set))
+    base = auto_name("sparse_allreduce", name, set_id(process_set))
     source = tensor.detach()
     values = source._values()  # (nnz, *dense dims)
     index_shape, value_shape = (source.sparse_dim(),), tuple(values.shape[1:])

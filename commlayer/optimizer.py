@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
-import math
 import time
 import warnings
 import weakref
@@ -59,20 +57,20 @@ from typing import Any
 import torch
 
 from commlayer import ops
+from commlayer.comm import bucketer as bucket_plan
 from commlayer.comm import hierarchy
-from commlayer.comm.bucketer import Bucket, Bucketer, Part, cut, split_groups
-from commlayer.comm.communicator import Communicator, EngineTransport, Transport, measure_cpu
+from commlayer.comm.auto_plan import AutoPlanner
+from commlayer.comm.bucketer import Bucket, Bucketer, split_groups
+from commlayer.comm.communicator import Communicator, EngineTransport
 from commlayer.comm.hierarchy import HostLevels
 from commlayer.common.errors import CommlayerError, TensorMismatchError
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import Compressor, CompressorBase, Policy, create
-from commlayer.compression import auto as auto_compression
-from commlayer.compression.auto import AutoCompressor, Hosts, Link
 from commlayer.core import runtime
 from commlayer.core.future import Future
 from commlayer.core.process_sets import ProcessSet, global_process_set
+from commlayer.core.submit import batch
 
-_log = logging.getLogger("commlayer")
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
 
 Param = torch.nn.Parameter
@@ -82,14 +80,15 @@ Groups = int | Sequence[Sequence[torch.Tensor]] | None
 class _Reducer:
     """What a DistributedOptimizer keeps and does besides the wrapped optimizer's own work, as
     torch DDP's Reducer and PowerSGD's ``PowerSGDState`` keep it: settings, the reductions in
-    flight, the Bucketer. The optimizer holds it in one attribute (``_commlayer``); its own
-    methods (``step``, ``synchronize``, ...) call it."""
+    flight, the Bucketer; auto compression's measuring and deciding at the plan are its
+    ``auto`` planner's (comm/auto_plan.py). The optimizer holds it in one attribute
+    (``_commlayer``); its own methods (``step``, ``synchronize``, ...) call it."""
 
     __slots__ = (
         "owner", "named", "names", "policy", "comm", "passes_per_step", "op", "sparse_as_dense",
         "process_set", "reduces", "handles", "passes", "ready", "bucketer", "sparse_dims",
         "resparsify", "hooks", "synchronized", "user_synchronized", "should_synchronize",
-        "wait_s", "levels", "hierarchy_decisions", "__weakref__",
+        "wait_s", "levels", "auto", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -142,8 +141,8 @@ class _Reducer:
         # passed meanwhile (what backward did not hide) plus the wait outside collectives
         # (negotiation, queueing). The optimizer's synchronize_wait_s.
         self.wait_s = 0.0
-        # COMMLAYER_COMPRESSION_HIERARCHY=auto's decisions for compressors given outright
-        self.hierarchy_decisions: list[dict[str, Any]] = []
+        # compression=auto's and COMMLAYER_COMPRESSION_HIERARCHY=auto's at the bucket plan
+        self.auto = AutoPlanner(self.policy, process_set, self.choose, self.level)
 
     def params(self) -> list[Param]:
         return [p for group in self.owner["param_groups"] for p in group["params"]]
@@ -193,7 +192,8 @@ class _Reducer:
                 )
             lists = split_groups(self.root_order(), groups)
         else:
-            lists = [[p for p in group if p.requires_grad] for group in self.checked_groups(groups)]
+            checked = bucket_plan.checked_groups(groups, self.names)
+            lists = [[p for p in group if p.requires_grad] for group in checked]
         compressor_of = {p: self.choose(p) for members in lists for p in members}
         fixed = [self.bucket(members, compressor_of) for members in lists if members]
         self.bucketer = Bucketer(self.bucketer.bucket_bytes, fixed)
@@ -223,33 +223,6 @@ class _Reducer:
             )
         return sorted(hooked, key=lambda p: position[self.names[p]])
 
-    def checked_groups(self, groups: Sequence[Sequence[torch.Tensor]]) -> list[list[Param]]:
-        """The groups as lists, each parameter the optimizer's and in one group only."""
-        grouped: dict[int, int] = {}  # id of a parameter: its group
-        lists = []
-        for index, members in enumerate(groups):
-            if not isinstance(members, (list, tuple)) or not all(
-                isinstance(p, torch.Tensor) for p in members
-            ):
-                raise ValueError(
-                    f"groups[{index}] must be a list of parameters (tensors), got {members!r}"
-                )
-            for position, p in enumerate(members):
-                if p not in self.names:
-                    raise ValueError(
-                        f"groups[{index}][{position}] (shape {tuple(p.shape)}) is not a "
-                        "parameter of the optimizer; a group lists parameters of its "
-                        "param_groups"
-                    )
-                first = grouped.setdefault(id(p), index)
-                if first != index or sum(q is p for q in members) > 1:
-                    raise ValueError(
-                        f"groups: {self.names[p].removeprefix('grad.')!r} is in groups[{first}] "
-                        f"and groups[{index}]; a parameter may be in one group only, once"
-                    )
-            lists.append(list(members))
-        return lists
-
     def choose(self, p: Param) -> CompressorBase:
         return self.policy.choose(self.names[p].removeprefix("grad."), p)
 
@@ -259,16 +232,16 @@ class _Reducer:
         compressor_of: dict[Param, CompressorBase],
         per_host: bool | None = None,
     ) -> Bucket:
-        """``params`` as one bucket, a part (one collective) per dtype and compressor, each
-        named ``grad.bucket[first..last]`` after its first and last gradients; compressed once
-        per host where ``per_host`` says (None: where its compressor's level is ``host``)."""
-        parts = []
-        for members in cut(params, math.inf, compressor_of):
-            first, last = (self.names[p].removeprefix("grad.") for p in (members[0], members[-1]))
-            compressor = compressor_of[members[0]]
-            here = self.level(compressor) == hierarchy.HOST if per_host is None else per_host
-            parts.append(Part(members, f"grad.bucket[{first}..{last}]", compressor, here))
-        return Bucket(parts)
+        """``params`` as one bucket (comm/bucketer.py ``bucket``), compressed once per host
+        where ``per_host`` says (None: where its compressor's level is ``host``)."""
+        return bucket_plan.bucket(
+            params,
+            compressor_of,
+            self.names,
+            lambda compressor: (
+                self.level(compressor) == hierarchy.HOST if per_host is None else per_host
+            ),
+        )
 
     def assign_leaders(self, buckets: list[Bucket]) -> None:
         """The leading index of each part compressed per host, by bytes (every rank alike:
@@ -323,7 +296,7 @@ class _Reducer:
         arrives together), instead of one collective per small gradient."""
         if not params:
             return
-        with ops.batch():
+        with batch():
             for p in params:
                 self.submit(p)
 
@@ -367,7 +340,7 @@ class _Reducer:
                 grad = p.grad = grad.to_dense()
                 self.resparsify.add(p)
             grads[p] = grad
-        with ops.batch():  # a group's parts: submitted together
+        with batch():  # a group's parts: submitted together
             bucket.handles = [
                 self.comm.reduce(
                     [grads[p] for p in part.params],
@@ -414,7 +387,7 @@ class _Reducer:
             return
         self.send(self.bucketer.take_unsent())
         late = []  # gradients backward did not produce: submitted now, zeros if None
-        with ops.batch():
+        with batch():
             for p in self.params():
                 if p.requires_grad and p not in self.handles and p not in self.bucketer.bucket_of:
                     self.submit(p)
@@ -463,17 +436,13 @@ class _Reducer:
                 failure = failure or _with_hint(exc, self.names[p])
         return failure
 
-    def autos(self) -> list[AutoCompressor]:
-        """The policy's ``compression="auto"`` compressors (none without auto)."""
-        return [c for c in self.policy.compressors().values() if isinstance(c, AutoCompressor)]
-
     def plan_buckets(self, ready: list[Param], late: list[Param]) -> None:
         """After the first complete step (on every rank alike: a collective): buckets in rank
         0's ready order. Sparse gradients stay on their own path; parameters that got no
         gradient come last, in buckets of their own. Where a bucket's compressor is auto, or
         its level is (COMMLAYER_COMPRESSION_HIERARCHY=auto), every rank times the links now
         (collectives), rank 0 decides each such bucket's compressor and whether it is
-        compressed per host, and its decisions travel with the plan (compression/auto.py)."""
+        compressed per host, and its decisions travel with the plan (comm/auto_plan.py)."""
         names = [self.names[p] for p in ready + late if p not in self.sparse_dims]
         split = sum(1 for p in ready if p not in self.sparse_dims)
         from commlayer import state_sync  # imports the ops layer, as this module does
@@ -481,11 +450,13 @@ class _Reducer:
         root = min(self.process_set.ranks or [0])  # the set's first rank (a global rank)
         by_name = {name: p for p, name in self.names.items()}
         compressor_of = {p: self.choose(p) for p in self.names}
-        deciding = any(self.decided(c) for c in compressor_of.values())
-        links = self.measure_links() if deciding else None
+        auto = self.auto
+        deciding = any(auto.decided(c) for c in compressor_of.values())
+        prefix = next(iter(self.names.values()))
+        links = auto.measure_links(self.comm.transport, self.levels, prefix) if deciding else None
         decisions = None
         if links is not None and runtime.rank() == root:
-            decisions = self.decide(self.plan(names, split, by_name, compressor_of), *links)
+            decisions = auto.decide(self.plan(names, split, by_name, compressor_of), *links)
         names, split, decisions = state_sync.broadcast_object(
             (names, split, decisions),
             root,
@@ -495,28 +466,13 @@ class _Reducer:
         planned = []
         for index, params in enumerate(self.plan(names, split, by_name, compressor_of)):
             compressor = compressor_of[params[0]]
-            if not self.decided(compressor):
+            if not auto.decided(compressor):
                 planned.append(self.bucket(params, dict.fromkeys(params, compressor)))
                 continue
-            decided = decisions[index] if decisions is not None else None
-            if decided is None:
-                raise CommlayerError(
-                    f"rank {runtime.rank()}: bucket {index} is decided by rank {root} "
-                    "(compression='auto' or COMMLAYER_COMPRESSION_HIERARCHY=auto here), which "
-                    "sent no decision for it: every rank must pass the same compression and "
-                    "settings"
-                )
-            spec, per_host = decided
-            if isinstance(compressor, AutoCompressor):
-                compressor = compressor.compressor(spec, runtime.rank())
+            compressor, per_host = auto.resolve(index, compressor, decisions, root)
             planned.append(self.bucket(params, dict.fromkeys(params, compressor), per_host))
         self.bucketer.install(planned)
         self.assign_leaders(planned)
-
-    def decided(self, compressor: CompressorBase) -> bool:
-        """Whether rank 0 decides at the plan for buckets of ``compressor``: auto, or its level
-        is auto."""
-        return isinstance(compressor, AutoCompressor) or self.level(compressor) == hierarchy.AUTO
 
     def plan(
         self,
@@ -525,101 +481,8 @@ class _Reducer:
         by_name: dict[str, Param],
         compressor_of: dict[Param, CompressorBase],
     ) -> list[list[Param]]:
-        """The buckets of a plan: the gradients backward made ready, then the late ones."""
-        buckets: list[list[Param]] = []
-        for part in (names[:split], names[split:]):
-            members = [by_name[name] for name in part]
-            buckets += cut(members, self.bucketer.bucket_bytes, compressor_of)
-        return buckets
-
-    def measure_links(self) -> tuple[Link, Hosts | None]:
-        """The process set's link and, with per-host levels, the links inside this rank's
-        host and among the first leaders (compression/auto.py 1. and 4.): collectives, each
-        rank in the sets it belongs to. Hosts is None on a rank that is not in both (rank 0
-        is, unless alone on its host: its decisions are then flat)."""
-        link = self.measure_link(self.comm.transport, "")
-        levels = self.levels
-        if levels is None:
-            return link, None
-        intra = None if levels.intra is None else self.measure_link(levels.intra, ".host")
-        across = None
-        if levels.local_index == 0 and levels.across is not None:
-            across = self.measure_link(levels.across, ".across")
-        if intra is None or across is None:
-            return link, None
-        return link, Hosts(intra, across, levels.layout.leaders)
-
-    def measure_link(self, transport: Transport, what: str) -> Link:
-        """The engine's allreduce time over ``transport``'s ranks, ``alpha + beta B``, from the
-        fastest of a few blocking allreduces at two sizes (every rank of it: a collective)."""
-        prefix = f"{next(iter(self.names.values()))}.auto_link{what}"
-        points = []
-        for nbytes in auto_compression.LINK_SIZES:
-            buffer = torch.zeros(nbytes // 4)
-            best = math.inf
-            for repeat in range(auto_compression.LINK_REPEATS):
-                start = time.perf_counter()
-                name = f"{prefix}.{nbytes}.{repeat}"
-                transport.allreduce_([buffer], name, ReduceOp.Sum, 1.0, 1.0).wait()
-                best = min(best, time.perf_counter() - start)
-            points.append((nbytes, best))
-        return Link.fit(points, transport.size)
-
-    def decide(
-        self, buckets: list[list[Param]], link: Link, hosts: Hosts | None
-    ) -> list[tuple[str, bool] | None]:
-        """Rank 0: (spec, compressed per host) for each bucket it decides (``decided``; the
-        spec empty for a compressor given outright), None for the others."""
-        size = self.process_set.size()
-        out: list[tuple[str, bool] | None] = [None] * len(buckets)
-        groups: dict[CompressorBase, list[int]] = {}
-        for index, params in enumerate(buckets):
-            chosen = self.choose(params[0])
-            if self.decided(chosen):
-                groups.setdefault(chosen, []).append(index)
-        for chosen, indices in groups.items():
-            grads = [
-                [p.grad if p.grad is not None and not p.grad.is_sparse else torch.zeros_like(p)
-                 for p in buckets[i]]
-                for i in indices
-            ]  # fmt: skip
-            picks: list[tuple[str, bool]]
-            if isinstance(chosen, AutoCompressor):
-                level = self.level(chosen)
-                used = self.calibrated_link(link) if chosen.link == "calibration" else link
-                labels = auto_compression.plan(
-                    chosen, grads, used, size, measure_cpu,
-                    None if level == hierarchy.FLAT else hosts, flat=level != hierarchy.HOST,
-                )  # fmt: skip
-                picks = [auto_compression.split(label) for label in labels]
-            elif hosts is None:  # no host links measured here: flat
-                picks = [("", False)] * len(indices)
-            else:
-                flags = auto_compression.plan_levels(
-                    chosen, grads, link, size, measure_cpu, hosts, self.hierarchy_decisions
-                )
-                picks = [("", flag) for flag in flags]
-            for i, pick in zip(indices, picks):
-                out[i] = pick
-        return out
-
-    def calibrated_link(self, measured: Link) -> Link:
-        """``auto:link=calibration``: the stored calibration for these ranks and nodes, else
-        the measured link (logged)."""
-        from commlayer import costmodel
-
-        nodes = ops.topology(self.process_set).nodes
-        cal = costmodel.load(self.process_set.size(), nodes)
-        if cal is None or (nodes > 1 and not cal.has_inter):
-            _log.info(
-                "commlayer: compression auto:link=calibration: no calibration for %d ranks on "
-                "%d node(s) (run `commlayer calibrate`); using the link measured now",
-                self.process_set.size(), nodes,
-            )  # fmt: skip
-            return measured
-        from commlayer.costmodel import compressed
-
-        return compressed.link(cal)
+        """The buckets of a plan (comm/bucketer.py ``plan``), cut at the Bucketer's size."""
+        return bucket_plan.plan(names, split, by_name, self.bucketer.bucket_bytes, compressor_of)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -653,7 +516,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         hierarchy", COMMLAYER_COMPRESSION_HIERARCHY=auto's for compressors given outright (a
         choice ``<name>@host``: compressed once per host)."""
         reducer = self._commlayer
-        return [d for c in reducer.autos() for d in c.decisions] + reducer.hierarchy_decisions
+        auto = reducer.auto
+        return [d for c in auto.autos() for d in c.decisions] + auto.hierarchy_decisions
 
     def synchronize(self) -> None:
         """Wait for every gradient's reduction and write the results into ``p.grad``. Then

@@ -11,11 +11,18 @@
    tensor, so every rank computes the same bits. That moves p times the bytes of Horovod's
    vector-halving exchange: exact Adasum, meant for the modest rank counts and tensor sizes
    where allgather is cheap, not a bandwidth-optimal implementation.
+
+Registered as the combining algorithm ``adasum`` of ``ReduceOp.Adasum`` (registry.py says why
+it is a combine and not a schedule): ``allreduce(op=Adasum)`` finds it there, gathers the
+tensors as it declares (``moves="allgather"``) and runs :func:`combine`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from commlayer.algorithms.registry import ALLGATHER, register_combine
+from commlayer.common.reduce_ops import ReduceOp
 
 _MIN_NORM_SQ = 1e-8
 
@@ -31,6 +38,7 @@ def _coefficient(dot: float, v: torch.Tensor) -> float:
     return 1.0 - dot / (2.0 * norm_sq) if norm_sq >= _MIN_NORM_SQ else 1.0
 
 
+@register_combine("adasum", ReduceOp.Adasum, moves=ALLGATHER)
 def combine(rows: torch.Tensor) -> torch.Tensor:
     """Adasum over the ranks' vectors, one per row of ``rows`` in rank order (step 2), in
     ``rows``' dtype."""

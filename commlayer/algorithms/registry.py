@@ -1,18 +1,40 @@
-"""The registry of allreduce algorithms: names to schedule builders, and the native names.
+"""The registry of allreduce algorithms: names to schedule builders, the native names, and
+the combining algorithms.
 
 A plug-in module registers its builder with ``@register("name")`` (the module's own name);
 ``commlayer.algorithms`` imports every plug-in, so a name is known once that package is
 imported. Everything else reads the registry (``available``, ``schedule``): the cost model
 ranks every registered schedule and ``auto`` considers it, with no table to edit.
+
+Every algorithm has a kind (``kinds()``, what ``commlayer algorithms --list`` prints):
+
+- ``selection``: ``auto``, which picks one of the others per buffer size;
+- ``native``: run by the backend (``native``, ``shm``);
+- ``schedule``: a builder of per-rank send/receive/reduce steps (schedule.py), for every
+  elementwise reduction (Sum, Average, Min, Max, Product): one of them reduces every allreduce
+  of the job (COMMLAYER_ALLREDUCE_ALGORITHM);
+- ``combine``: an allreduce whose operator is not elementwise, reached by its ``ReduceOp``
+  (``allreduce(op=Adasum)``: adasum.py), registered with ``@register_combine(name, op)``. It
+  is not a schedule: a schedule's steps add blocks of the buffer as they travel, which only an
+  elementwise, associative operator allows; Adasum's pair weighs whole vectors by their dot
+  product and norms, so every rank's whole tensor must be in one place first. A combine
+  declares how the tensors travel (``moves``: ``"allgather"``, every rank's tensor to every
+  rank) and ``combine(rows)``, run on every rank over the rows in rank order (the same bits on
+  every rank). It is not a choice for COMMLAYER_ALLREDUCE_ALGORITHM (not in ``available()``),
+  nor ranked by the cost model: its operator, not a setting, selects it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import torch
+
 from commlayer.algorithms.schedule import Schedule
+from commlayer.common.reduce_ops import ReduceOp
 from commlayer.common.topology import Topology
 
 Builder = Callable[[int, int, int, Topology], Schedule]  # (rank, size, numel, topology)
@@ -67,15 +89,89 @@ class Registry(Generic[V]):
 
 _SCHEDULES: Registry[Builder] = Registry("allreduce algorithm", (*NATIVE, *ALIASES, AUTO))
 
+ALLGATHER = "allgather"  # a combine's ``moves``: every rank's tensor to every rank
+
+
+@dataclass(frozen=True)
+class Combine:
+    """A combining allreduce (module docstring): the ``op`` that selects it, how the ranks'
+    tensors travel (``moves``), and ``combine``: the rows of every rank's flat tensor, in rank
+    order, to the result (one flat tensor of the rows' dtype). ``floating_only``: it refuses
+    other dtypes."""
+
+    name: str
+    op: ReduceOp
+    moves: str
+    combine: Callable[[torch.Tensor], torch.Tensor]
+    floating_only: bool = True
+
+
+C = TypeVar("C", bound=Callable[[torch.Tensor], torch.Tensor])
+_COMBINES: Registry[Combine] = Registry("combine algorithm", (*NATIVE, *ALIASES, AUTO))
+
 
 def register(name: str) -> Callable[[B], B]:
     """Decorator: make a schedule builder available under ``name``."""
 
     def decorate(builder: B) -> B:
+        _taken(name, _COMBINES, "combine")
         _SCHEDULES.add(name, builder)
         return builder
 
     return decorate
+
+
+def register_combine(
+    name: str, op: ReduceOp, moves: str = ALLGATHER, floating_only: bool = True
+) -> Callable[[C], C]:
+    """Decorator: make ``combine(rows)`` the combining allreduce ``name``, the one that
+    ``allreduce(op=op)`` runs (module docstring)."""
+    if moves != ALLGATHER:
+        raise ValueError(f"combine {name!r}: moves={moves!r}; allowed: {ALLGATHER!r}")
+    if op in (entry.op for entry in _COMBINES.entries.values()):
+        raise ValueError(f"{op.name} already has a combining allreduce algorithm")
+
+    def decorate(combine: C) -> C:
+        _taken(name, _SCHEDULES, "schedule")
+        _COMBINES.add(name, Combine(name, op, moves, combine, floating_only))
+        return combine
+
+    return decorate
+
+
+def _taken(name: str, other: Registry[V], kind: str) -> None:
+    """ValueError where ``name`` is already an algorithm of the other registry (one name, one
+    algorithm, whatever its kind)."""
+    if name in other.entries:
+        raise ValueError(f"a {kind} algorithm named {name!r} is already registered")
+
+
+def unregister_combine(name: str) -> None:
+    """Remove combining algorithm ``name`` (ValueError if it is not one)."""
+    _COMBINES.remove(name)
+
+
+def combining(op: ReduceOp) -> Combine | None:
+    """The combining allreduce algorithm that ``allreduce(op=op)`` runs; None for an
+    elementwise operator (a schedule or the backend reduces it)."""
+    for entry in _COMBINES.entries.values():
+        if entry.op == op:
+            return entry
+    return None
+
+
+def combining_ops() -> tuple[ReduceOp, ...]:
+    """The operators a combining algorithm is registered for (allreduce only)."""
+    return tuple(entry.op for entry in _COMBINES.entries.values())
+
+
+def kinds() -> dict[str, str]:
+    """Every algorithm's name to its kind (module docstring), in ``available()``'s order and
+    the combines after them; sparse algorithms are in their own registry (algorithms/sparse)."""
+    found = {AUTO: "selection", **dict.fromkeys(NATIVE, "native")}
+    found.update(dict.fromkeys(sorted(_SCHEDULES.entries), "schedule"))
+    found.update(dict.fromkeys(sorted(_COMBINES.entries), "combine"))
+    return found
 
 
 def unregister(name: str) -> None:

@@ -42,6 +42,13 @@ The engine, its negotiation and every schedule run unchanged over this backend; 
    window at 2 ranks, 0.89 and 1.12 at 4 (benchmarks/README.md).
    The negotiation's bit vector goes through the same window (``icontrol``: a byte per bit,
    reduced by minimum), not through a gloo allreduce: every cycle of every step waits on it.
+7. This module is commlayer's one adapter over torch.distributed: besides the engine's
+   backend it has :class:`GroupTransport`, a process group's collectives as torch futures
+   (the communicator's transport of the DDP hook, integrations/ddp.py, over gloo or NCCL,
+   which needs no ``commlayer.init()``), and the groups that the hook's per-host path makes
+   (``world_group``, ``host_nodes``). Both post gloo's allreduces through the group's own call
+   (``post_all_reduce``) and pack several tensors into one flat buffer the same way
+   (``flat_of``, ``unflatten``).
 """
 
 from __future__ import annotations
@@ -50,9 +57,11 @@ import logging
 import os
 import queue
 import secrets
+import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -71,7 +80,7 @@ from commlayer.backends.base import (
 )
 from commlayer.backends.peers import PeerTable, addresses, indices, me
 from commlayer.backends.shm import CHUNK_BYTES, FileWindow, SharedMemoryAllreduce
-from commlayer.common import config
+from commlayer.common import config, topology
 from commlayer.common.config import Config, Launch
 from commlayer.common.errors import CommlayerError, RankDiedError
 from commlayer.common.reduce_ops import ReduceOp, scale_into
@@ -105,6 +114,32 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes (a view): what moves when nothing is reduced, whatever the dtype
     (gloo moves no int16, for one)."""
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def post_all_reduce(tensor: torch.Tensor, op: Any, group: Any, direct: bool) -> Any:
+    """``dist.all_reduce(tensor, op, group, async_op=True)``'s Work; ``direct`` (a gloo group):
+    through the group's own call, without torch.distributed's Python layer around it (its
+    checks and logging decorators: ~40 us a call, and the engine makes two calls an
+    operation, the negotiation's and the data's). The same reduction either way."""
+    if not direct:
+        return dist.all_reduce(tensor, op, group=group, async_op=True)
+    options = dist.AllreduceOptions()
+    options.reduceOp = op
+    return group.allreduce([tensor], options)
+
+
+def flat_of(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One buffer that carries ``tensors``: the tensor itself where there is one contiguous
+    tensor (moved in place), else their concatenation (``unflatten`` copies it back)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0]
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Each tensor of ``tensors`` overwritten with its part of ``flat`` (``flat_of``'s)."""
+    for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        tensor.copy_(part.view(tensor.shape))
 
 
 class _WorkRequest:
@@ -430,14 +465,9 @@ class TorchBackend:
         work.wait()  # raises the collective's error, if it failed
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any, group: Any) -> Any:
-        """``dist.all_reduce(async_op=True)``; on gloo the group's own call, without
-        torch.distributed's Python layer around it (its checks and logging decorators: ~40 us
-        a call here, and two calls an operation, the negotiation's and the data's)."""
-        if id(group) in self._polled:
-            return dist.all_reduce(tensor, op, group=group, async_op=True)
-        options = dist.AllreduceOptions()
-        options.reduceOp = op
-        return group.allreduce([tensor], options)
+        """``dist.all_reduce(async_op=True)``; on gloo the group's own call
+        (``post_all_reduce``)."""
+        return post_all_reduce(tensor, op, group, direct=id(group) not in self._polled)
 
     def _gather_equal(self, send: torch.Tensor, recv: torch.Tensor) -> Request:
         """recv <- every rank's send (all the same length), in rank order."""
@@ -655,6 +685,100 @@ class _Then:
         self._request = None
         self._after()
         return True
+
+
+class GroupTransport:
+    """torch.distributed's collectives of a process group as a communicator's transport
+    (comm/communicator.py's ``Transport``: the DDP hook's, integrations/ddp.py), each
+    returning a torch future; over gloo on CPU, NCCL on GPU, with no commlayer engine.
+
+    gloo needs every rank to launch collectives in the same order, which callbacks do not
+    keep: a multi-round compressor's earlier rounds are waited for by the caller
+    (``chains_rounds``, ddp.py's docstring)."""
+
+    __slots__ = ("group", "rank", "size", "_direct")
+    chains_rounds = False
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._direct = dist.get_backend(group) == "gloo"  # post_all_reduce's fast path
+
+    def allreduce_(
+        self, tensors: list[torch.Tensor], name: str, op: ReduceOp, prescale: float,
+        postscale: float,
+    ) -> torch.futures.Future[Any]:  # fmt: skip
+        """Sum every tensor over the group in one allreduce, written back in place (PowerSGD
+        keeps the reduced Q it sent as its next warm start)."""
+        if op != ReduceOp.Sum or prescale != 1.0 or postscale != 1.0:
+            raise ValueError(f"the DDP hook sums pre-divided buckets; got {op.name} for {name!r}")
+        flat = flat_of(tensors)
+        # torch's Python layer reduces a complex tensor as its real view: left to it
+        direct = self._direct and not flat.is_complex()
+        work = post_all_reduce(flat, dist.ReduceOp.SUM, self.group, direct)
+        future: torch.futures.Future[Any] = work.get_future()
+        if flat is tensors[0]:
+            return future
+        return future.then(lambda _: unflatten(flat, tensors))
+
+    def broadcast_(
+        self, tensors: list[torch.Tensor], root: int, name: str
+    ) -> torch.futures.Future[Any]:
+        """Each tensor overwritten with the group's rank ``root``'s, in one broadcast (a flat
+        copy where there are several)."""
+        source = dist.get_global_rank(self.group, root)
+        flat = flat_of(tensors)
+        future = dist.broadcast(flat, source, group=self.group, async_op=True).get_future()
+        if flat is tensors[0]:
+            return future
+        return future.then(lambda _: unflatten(flat, tensors))
+
+    def allgather_bytes(self, record: torch.Tensor, name: str) -> torch.futures.Future[Any]:
+        """Every rank's record (the same length on every rank for one compressor and bucket)."""
+        out = [torch.empty_like(record) for _ in range(self.size)]
+        work = dist.all_gather(out, record, group=self.group, async_op=True)
+        return work.get_future().then(lambda _: torch.cat(out))
+
+    def sparse(self, *_: Any) -> None:
+        """No sparse reduction over torch.distributed: sparse payloads are gathered."""
+        return None
+
+
+# torch.distributed groups made by world_group, by their ranks, per default group (a new
+# init_process_group makes a new one): made once, shared by every caller.
+_groups: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def world_group(ranks: tuple[int, ...]) -> Any:
+    """The torch.distributed group of ``ranks`` (of the default group), made the first time
+    it is asked for, collectively: every rank of the world asks for every group, in the same
+    order (``dist.new_group``'s contract); ranks outside it get torch's non-member marker."""
+    known = _groups.setdefault(dist.group.WORLD, {})
+    if ranks not in known:
+        known[ranks] = dist.new_group(list(ranks))
+    return known[ranks]
+
+
+def host_nodes(group: Any, posed: str) -> list[int]:
+    """The node of every rank of the world (a collective over ``group``): as ``posed``
+    (COMMLAYER_TOPOLOGY) poses it where it fits the world, else by host name, gathered over
+    ``group`` (-1 for ranks outside it)."""
+    ranks = dist.get_process_group_ranks(group)
+    names: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    detected = [-1] * dist.get_world_size()
+    for rank, node in zip(ranks, indices(names)):
+        detected[rank] = node
+    if posed:
+        try:
+            return list(topology.build(posed, len(detected), detected).node_of)
+        except ValueError as exc:
+            raise ValueError(
+                f"rank {dist.get_rank()}: COMMLAYER_TOPOLOGY={posed!r} does not fit the "
+                f"{len(detected)} ranks of torch.distributed's world: {exc}"
+            ) from None
+    return detected
 
 
 def nccl_wanted(setting: bool | None, cuda: bool, nccl: bool, crowded: list[str]) -> bool:

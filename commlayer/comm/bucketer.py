@@ -7,8 +7,9 @@ DistributedOptimizer asks it, for each gradient backward has made final, what to
    together (the engine negotiates and fuses what arrives together). The order in which
    backward made them ready is recorded.
 2. After the first complete step the optimizer makes a plan from rank 0's recorded order (a
-   collective: the same plan on every rank), cut by :func:`cut`: ``bucket_bytes`` of gradients
-   of one dtype and one compressor, in that order. From then on a bucket is sent as soon as its
+   collective: the same plan on every rank) with :func:`plan`, cut by :func:`cut`:
+   ``bucket_bytes`` of gradients of one dtype and one compressor, in that order; each bucket
+   made by :func:`bucket`. From then on a bucket is sent as soon as its
    last gradient is ready, as DDP's are; a hook is a counter (on the ResNet of
    benchmarks/train.py, 47 per-gradient submissions cost ~5 ms a step).
 3. ``groups`` (Horovod's ``DistributedOptimizer(groups=...)``) are buckets fixed from the start:
@@ -24,6 +25,8 @@ The Bucketer keeps no tensors and moves nothing: the optimizer sends what it is 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -77,6 +80,73 @@ def cut(
             buckets.append(filling.pop(key))
             del filled[key]
     return buckets + list(filling.values())
+
+
+def plan(
+    names: list[str],
+    split: int,
+    by_name: dict[str, Param],
+    bucket_bytes: float,
+    compressor_of: dict[Param, CompressorBase],
+) -> list[list[Param]]:
+    """The buckets of a plan (2.), from the gradients' names in rank 0's order: the gradients
+    backward made ready (``names[:split]``), then the late ones, each part ``cut``."""
+    buckets: list[list[Param]] = []
+    for part in (names[:split], names[split:]):
+        members = [by_name[name] for name in part]
+        buckets += cut(members, bucket_bytes, compressor_of)
+    return buckets
+
+
+def bucket(
+    params: list[Param],
+    compressor_of: dict[Param, CompressorBase],
+    names: dict[Param, str],
+    per_host: Callable[[CompressorBase], bool],
+) -> Bucket:
+    """``params`` as one bucket, a part (one collective) per dtype and compressor, each named
+    ``grad.bucket[first..last]`` after its first and last gradients (``names``: each
+    parameter's operation name); compressed once per host where ``per_host`` says for the
+    part's compressor."""
+    parts = []
+    for members in cut(params, math.inf, compressor_of):
+        first, last = (names[p].removeprefix("grad.") for p in (members[0], members[-1]))
+        compressor = compressor_of[members[0]]
+        parts.append(
+            Part(members, f"grad.bucket[{first}..{last}]", compressor, per_host(compressor))
+        )
+    return Bucket(parts)
+
+
+def checked_groups(
+    groups: Sequence[Sequence[torch.Tensor]], names: dict[Param, str]
+) -> list[list[Param]]:
+    """``groups=`` given as lists (3.), checked: each a list of the optimizer's parameters
+    (those ``names`` names), each parameter in one group only."""
+    grouped: dict[int, int] = {}  # id of a parameter: its group
+    lists = []
+    for index, members in enumerate(groups):
+        if not isinstance(members, (list, tuple)) or not all(
+            isinstance(p, torch.Tensor) for p in members
+        ):
+            raise ValueError(
+                f"groups[{index}] must be a list of parameters (tensors), got {members!r}"
+            )
+        for position, p in enumerate(members):
+            if p not in names:
+                raise ValueError(
+                    f"groups[{index}][{position}] (shape {tuple(p.shape)}) is not a "
+                    "parameter of the optimizer; a group lists parameters of its "
+                    "param_groups"
+                )
+            first = grouped.setdefault(id(p), index)
+            if first != index or sum(q is p for q in members) > 1:
+                raise ValueError(
+                    f"groups: {names[p].removeprefix('grad.')!r} is in groups[{first}] "
+                    f"and groups[{index}]; a parameter may be in one group only, once"
+                )
+        lists.append(list(members))
+    return lists
 
 
 def split_groups(params: list[Param], count: int) -> list[list[Param]]:

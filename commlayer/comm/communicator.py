@@ -45,8 +45,9 @@ transport's futures with no thread and no wait, except where a transport cannot 
 collectives in an order that differs between ranks (``chains_rounds = False``, gloo): there the
 earlier rounds are waited for by the caller, and only the last one is returned as a future.
 
-This module, like sparse_reduction.py, is in the API layer (it moves bytes through
-commlayer.ops); ``commlayer.compression`` itself does not import it.
+This module, like sparse_reduction.py, is in the API layer: it moves bytes through the core's
+``submit`` (core/submit.py) with tensors it already knows, not through the checking public
+collectives of commlayer/ops.py; ``commlayer.compression`` itself does not import it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from commlayer import ops
 from commlayer.comm.sparse_reduction import SparseReduction, engine_algorithm
 from commlayer.common.errors import PayloadError
 from commlayer.common.reduce_ops import ReduceOp
@@ -84,7 +84,9 @@ from commlayer.compression.base import (
 from commlayer.compression.factory import create
 from commlayer.core import runtime, wire
 from commlayer.core.future import Future, combined
+from commlayer.core.negotiation import ALLGATHER, ALLREDUCE, BROADCAST
 from commlayer.core.process_sets import ProcessSet, global_process_set
+from commlayer.core.submit import Request, batch, in_place, in_place_group, submit, topology
 
 
 class FutureLike(Protocol):
@@ -151,24 +153,33 @@ class EngineTransport:
         self, tensors: list[torch.Tensor], name: str, op: ReduceOp, prescale: float,
         postscale: float,
     ) -> Future:  # fmt: skip
-        return ops.grouped_allreduce_async_(  # a future of the list of tensors
-            tensors, name=self.prefix + name, op=op, prescale_factor=prescale,
-            postscale_factor=postscale, process_set=self.process_set,
+        # a future of the list of tensors; plain ones (a bucket's) checked in one pass
+        works, finish = in_place_group(tensors, "grouped_allreduce_")
+        return submit(
+            Request(
+                ALLREDUCE, self.prefix + name, works, works, self.process_set, op=op,
+                prescale=prescale, postscale=postscale, finish=finish,
+            )
         )  # fmt: skip
 
     def allgather_bytes(self, record: torch.Tensor, name: str) -> Future:
-        return ops.allgather_async(record, name=self.prefix + name, process_set=self.process_set)
+        # a record is a 1-D uint8 tensor (wire.pack)
+        return submit(Request(ALLGATHER, self.prefix + name, [record], [], self.process_set))
 
     def broadcast_(self, tensors: list[torch.Tensor], root: int, name: str) -> Future:
         """One broadcast a tensor (``<name>.<j>``), submitted together."""
-        source = self.process_set.ranks[root]  # a global rank, as ops takes it
-        with ops.batch():
-            handles = [
-                ops.broadcast_async_(
-                    t, source, name=f"{self.prefix}{name}.{j}", process_set=self.process_set
-                )
-                for j, t in enumerate(tensors)
-            ]
+        handles = []
+        with batch():
+            for j, tensor in enumerate(tensors):
+                work, finish = in_place(tensor, "broadcast_")
+                handles.append(
+                    submit(
+                        Request(
+                            BROADCAST, f"{self.prefix}{name}.{j}", [work], [work],
+                            self.process_set, root=root, finish=finish,
+                        )
+                    )
+                )  # fmt: skip
         return combined(name, handles, lambda _: tensors)
 
     @staticmethod
@@ -189,7 +200,7 @@ class EngineTransport:
         if algorithm == "allgather":
             return None
         if self._topology is None:
-            self._topology = ops.topology(self.process_set)
+            self._topology = topology(self.process_set)
         reduction = SparseReduction(
             name, values, indices, shape, algorithm, self.process_set, op,
             sink=cast(Residuals, compressor) if RESIDUALS in compressor.capabilities else None,

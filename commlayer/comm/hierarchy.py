@@ -53,12 +53,12 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from commlayer import ops
 from commlayer.comm.communicator import EngineTransport, Transport
 from commlayer.compression import AutoCompressor, CompressorBase
 from commlayer.compression.base import hierarchy_of, stable_seed
 from commlayer.core import runtime
 from commlayer.core.process_sets import ProcessSet, global_process_set
+from commlayer.core.submit import register_process_set, topology
 
 FLAT, HOST, AUTO = "flat", "host", "auto"
 
@@ -177,7 +177,7 @@ def _process_set(ranks: tuple[int, ...]) -> ProcessSet:
     found = known.get(ranks)
     if found is None:
         found = ProcessSet(ranks)
-        found.process_set_id = ops.register_process_set(found.ranks)
+        found.process_set_id = register_process_set(found.ranks)
         known[ranks] = found
     return found
 
@@ -192,7 +192,7 @@ def engine_levels(
     not pay (``HostLayout.pays``) or this rank is outside it. Collective over every rank of
     the job the first time for a layout (module docstring)."""
     member = process_set.included()  # first: it brings the global set's ranks up to date
-    layout = HostLayout.of(process_set.ranks, ops.topology(global_process_set).node_of)
+    layout = HostLayout.of(process_set.ranks, topology(global_process_set).node_of)
     if not layout.pays():
         return None
     hosts = {ranks: _process_set(ranks) for ranks in layout.host_sets()}

@@ -43,7 +43,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from commlayer import kernels, ops
+from commlayer import kernels
 from commlayer.algorithms import sparse
 from commlayer.algorithms.schedule import Step, blocks
 from commlayer.algorithms.sparse.executor import (
@@ -59,7 +59,9 @@ from commlayer.common.reduce_ops import ReduceOp
 from commlayer.common.topology import Topology
 from commlayer.core import wire
 from commlayer.core.future import Handle
+from commlayer.core.negotiation import ALLGATHER, ALLTOALL
 from commlayer.core.process_sets import ProcessSet
+from commlayer.core.submit import Request, submit
 from commlayer.costmodel import sparse as cost
 
 ENGINE_ALGORITHMS = ("ssar_split_allgather", "dsar")  # the two-collective ones
@@ -156,12 +158,9 @@ class _Rounds:
             records[t.peer].append(wire.pack([empty if idx is None else idx, val]))
         flat = [r for peer in records for r in peer]
         data = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=vec.device)
-        return ops.alltoall_async(
-            data,
-            splits=[sum(r.numel() for r in peer) for peer in records],
-            name=f"{self.name}.sparse.{self._round}",
-            process_set=self.process_set,
-        )
+        splits = tuple(sum(r.numel() for r in peer) for peer in records)
+        name = f"{self.name}.sparse.{self._round}"
+        return submit(Request(ALLTOALL, name, [data], [], self.process_set, splits=splits))
 
     def advance(self, result: object) -> Handle | None:
         """Apply a round's alltoall result; the next round's handle, or None when done."""
@@ -239,11 +238,9 @@ class SparseReduction:
         )
         cuts = torch.searchsorted(idx, edges).tolist()
         splits = [cuts[q + 1] - cuts[q] for q in range(size)]
-        self.handle = ops.alltoall_async(
-            wire.pack_rows(idx, val),
-            splits=splits,
-            name=f"{name}.sparse",
-            process_set=process_set,
+        rows = wire.pack_rows(idx, val)  # (nnz, row bytes): contiguous, split along dim 0
+        self.handle = submit(
+            Request(ALLTOALL, f"{name}.sparse", [rows], [], process_set, splits=tuple(splits))
         )
 
     def advance(self, result: object) -> Handle | None:
@@ -257,12 +254,11 @@ class SparseReduction:
         if self.value is None and not hasattr(self, "_gathering"):
             self._gathering = True
             rows, received = cast(tuple[torch.Tensor, Any], result)  # alltoall's
-            self.handle = ops.allgather_async(
-                self._merge(
-                    rows, received.tolist() if isinstance(received, torch.Tensor) else received
-                ),
-                name=f"{self.name}.sparse.gather",
-                process_set=self.process_set,
+            merged = self._merge(
+                rows, received.tolist() if isinstance(received, torch.Tensor) else received
+            )
+            self.handle = submit(
+                Request(ALLGATHER, f"{self.name}.sparse.gather", [merged], [], self.process_set)
             )
             return self.handle
         self.value = self._decode(result)  # type: ignore[arg-type]

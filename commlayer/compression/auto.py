@@ -12,7 +12,7 @@ bucket whatever its own measurements. Rank 0's facts:
    on the job's own ranks. With ``auto:link=calibration``, the stored calibration
    (``commlayer calibrate``) for this rank count and node layout predicts ``t(B)`` instead
    (the cost model's fastest algorithm, plus the engine's measured op latency:
-   costmodel/compressed.py ``link``, which the optimizer calls; this package imports no cost
+   costmodel/compressed.py ``link``, which comm/auto_plan.py calls; this package imports no cost
    model); without one that fits, the measurement. (A calibration does not know the rate a
    link has today: the measurement is the default.)
 2. Each candidate's CPU cost on this machine, measured on the bucket's own gradients (step 1's,

@@ -9,7 +9,7 @@ The constraints it answers, and how:
    only enqueues and returns a Future; one engine thread makes every backend call (MPI thread
    level SERIALIZED would suffice).
 3. Many small tensors waste latency, one huge buffer delays the start. -> The caller batches:
-   DistributedOptimizer's bucketer (optimizer.py, the one batching policy) hands whole buckets
+   DistributedOptimizer's bucketer (comm/bucketer.py, the one batching policy) hands whole buckets
    as grouped operations, and ``submit_all`` queues operations given together with one wake-up,
    so they are negotiated in one cycle. The engine executes what it is given at once, with no
    wait for company: ready allreduces of one dtype and op are fused into buffers of at most
@@ -58,14 +58,11 @@ from typing import Any, cast
 
 import torch
 
-from commlayer import costmodel
 from commlayer.backends.base import PROGRESS_THREADS, Backend, ProgressThreads, Request
-from commlayer.common import topology
 from commlayer.common.config import Config
 from commlayer.common.errors import (
     CollectiveTimeoutError,
     CommlayerError,
-    ConfigError,
     DuplicateNameError,
     RankDiedError,
     ShutdownError,
@@ -74,7 +71,7 @@ from commlayer.common.errors import (
 )
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.common.topology import Topology
-from commlayer.core import device, fusion
+from commlayer.core import device, fusion, startup
 from commlayer.core.future import Future, mark_engine_thread
 from commlayer.core.negotiation import (
     ALLGATHER,
@@ -90,10 +87,9 @@ from commlayer.core.negotiation import (
     Response,
     joined_error,
 )
+from commlayer.core.process_sets import SetState, SetTable
 from commlayer.core.runners import allgather, allreduce, alltoall, broadcast, reducescatter
-from commlayer.core.selection import Allreducer
-from commlayer.core.timeline import NullTimeline, Timeline, open_timeline
-from commlayer.costmodel import simulated
+from commlayer.core.timeline import NullTimeline, Timeline
 
 log = logging.getLogger("commlayer")
 
@@ -145,13 +141,6 @@ class Operation:
 
 
 @dataclasses.dataclass
-class _SetState:
-    ranks: tuple[int, ...]
-    backend: Backend
-    negotiator: Negotiator
-
-
-@dataclasses.dataclass
 class Stats:
     """Counters for reports (the demo's communication summary, benchmarks)."""
 
@@ -175,24 +164,17 @@ class Engine:
         # perf_counter() when the collective in progress started (None between collectives):
         # collective_now_s() counts the elapsed part of the running one too.
         self._collective_since: float | None = None
-        self._timeline = timeline or _opened_timeline(backend, config.timeline_path)
+        # start-up agreement (startup.py): collectives, in this order, on every rank
+        self._timeline = timeline or startup.opened_timeline(backend, config.timeline_path)
         self._tracing = not isinstance(self._timeline, NullTimeline)
         self._mark_cycles = False
-        self._sets: dict[int, _SetState] = {}
-        self._next_set_id = 0
+        self._table = SetTable(self._negotiator)
+        self._sets = self._table.sets  # by id: every set registered, this rank's or not
         self._cv = threading.Condition()
         self._incoming: list[Operation] = []
         self._tasks: list[Callable[[], None]] = []  # call_soon's, run at the next cycle
         self._inflight: set[tuple[int, str]] = set()
-        topo = _topology(config, backend)
-        auto = config.allreduce_algorithm == "auto"
-        self._allreduce = Allreducer(
-            config.allreduce_algorithm,
-            agreed_calibrations(backend, costmodel.load_all()) if auto else None,
-            topo,
-            tuning=config.auto_tuning,
-            simulated=agreed_sim_table(backend, config.sim_table) if auto else None,
-        )
+        self._allreduce = startup.allreducer(config, backend)
         self._fused = allreduce.FusedAllreduce(self._allreduce, config.fusion_threshold_bytes, self)
         self._error: BaseException | None = None
         self._stopped = threading.Event()
@@ -210,7 +192,7 @@ class Engine:
         # error that stops the engine midway (a dead peer, the watchdog) fails them in _stop.
         self._executing: list[Operation] = []
         self._join_handle: Future | None = None
-        self._global = self._register(tuple(range(backend.size)), backend)
+        self._global = self._table.add(tuple(range(backend.size)), backend)[1]
         self._thread = threading.Thread(target=self._run, name="commlayer-engine", daemon=True)
 
     # -- user-thread side --------------------------------------------------------------------
@@ -335,34 +317,22 @@ class Engine:
                 f"rank {self.rank}: cannot run {what!r}, commlayer has been shut down{reason}"
             )
 
-    # -- process sets ----------------------------------------------------------------------------
-    def _register(self, ranks: tuple[int, ...], backend: Backend | None) -> _SetState:
-        set_id = self._next_set_id
-        self._next_set_id += 1
+    # -- process sets (their table: process_sets.SetTable) ---------------------------------------
+    def _negotiator(self, backend: Backend) -> Negotiator:
         cfg = self.config
-        negotiator = (
-            Negotiator(
-                backend,
-                cfg.cache_capacity,
-                cfg.stall_check_time_s,
-                cfg.stall_shutdown_time_s,
-                self._wait_control,
-                _REFUSED_WHILE_JOINED[cfg.join_mode],
-                cfg.join_mode,
-            )
-            if backend
-            else None
+        return Negotiator(
+            backend,
+            cfg.cache_capacity,
+            cfg.stall_check_time_s,
+            cfg.stall_shutdown_time_s,
+            self._wait_control,
+            _REFUSED_WHILE_JOINED[cfg.join_mode],
+            cfg.join_mode,
         )
-        state = _SetState(ranks, backend, negotiator)  # type: ignore[arg-type]
-        self._sets[set_id] = state
-        return state
 
     def register_process_set(self, ranks: Sequence[int]) -> tuple[int, Backend | None]:
         """Collective over all ranks, before the thread starts: split off a process set."""
-        backend = self._global.backend.split(list(ranks))
-        set_id = self._next_set_id
-        self._register(tuple(ranks), backend)
-        return set_id, backend
+        return self._table.split(self._global.backend, ranks)
 
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -388,7 +358,7 @@ class Engine:
     def _wait_for_work(self) -> None:
         self._check_peers()
         with self._cv:
-            pending = any(s.negotiator.has_work() for s in self._member_sets())
+            pending = any(s.negotiator.has_work() for s in self._table.members())
             stopping = self._global.negotiator.shutting_down
             urgent = self._incoming or self._tasks or stopping
             if self._progress:
@@ -403,9 +373,6 @@ class Engine:
             # that all wait on each other do not spin cycles; new local work wakes us at once.
             self._cv.wait(self._backoff_s)
             self._backoff_s = min(self._backoff_s * 2, self.config.cycle_time_ms / 1e3)
-
-    def _member_sets(self) -> list[_SetState]:
-        return [s for _, s in sorted(self._sets.items()) if s.negotiator is not None]
 
     def _cycle_all(self) -> bool:
         """One negotiation cycle on every process set this rank belongs to; True to stop."""
@@ -432,18 +399,24 @@ class Engine:
             for op, error in result.failed:
                 self.complete(op, error=error)
             self._execute(state, result)
-            if set_id == 0:
-                if result.all_joined_last is not None:
-                    self._finish_join(result.all_joined_last)
-                if result.stalled:
-                    return True  # every rank got it in this cycle: all stop here
-                if result.shutdown_ranks:
-                    if self._error is None:  # else this rank stops for a stall, said above
-                        self._error = ShutdownError(
-                            f"rank {self.rank}: rank(s) {list(result.shutdown_ranks)} shut "
-                            "down; collectives that need them cannot complete"
-                        )
-                    return True
+            if set_id == 0 and self._global_news(result):
+                return True
+        return False
+
+    def _global_news(self, result: CycleResult) -> bool:
+        """What the global set's cycle said besides its operations: every rank joined (the
+        join completes), a stall or a shutdown (True: this rank stops, as every rank does)."""
+        if result.all_joined_last is not None:
+            self._finish_join(result.all_joined_last)
+        if result.stalled:
+            return True  # every rank got it in this cycle: all stop here
+        if result.shutdown_ranks:
+            if self._error is None:  # else this rank stops for a stall, said above
+                self._error = ShutdownError(
+                    f"rank {self.rank}: rank(s) {list(result.shutdown_ranks)} shut "
+                    "down; collectives that need them cannot complete"
+                )
+            return True
         return False
 
     def _stop_after_stall(self, stalled: list[str]) -> None:
@@ -599,18 +572,37 @@ class Engine:
                 error = exc
         op.handle._set(result, error)
 
-    def _execute(self, state: _SetState, result: CycleResult) -> None:
+    def _execute(self, state: SetState, result: CycleResult) -> None:
+        """Run a negotiated cycle's ready operations, in stages: inputs staged in, responses
+        sorted (errors completed, allreduces grouped for fusion), fused allreduces run, then
+        the other collectives, in the negotiated order."""
         self._executing = [op for _, op in result.ready if op is not None]
-        for staged in self._executing:
-            if staged.ready is not None:  # device tensors: copied to the host, or produced
+        self._stage_in(self._executing)
+        active = [r for r in range(state.backend.size) if r not in result.joined]
+        groups, others = self._sort(state, result, active)
+        self._run_fused(state, groups)
+        self._run_others(state, others, active)
+
+    def _stage_in(self, executing: list[Operation]) -> None:
+        """Wait until each operation's inputs can be read (device tensors: copied to the host,
+        or produced)."""
+        for staged in executing:
+            if staged.ready is not None:
                 t0 = time.perf_counter()
                 self._wait(staged.ready)
                 staged.ready = None
                 if self._tracing:
                     self._timeline.span(staged.name, "STAGE_IN", t0, time.perf_counter())
-        active = [r for r in range(state.backend.size) if r not in result.joined]
-        # by channel too: a direct operation's buffers are on its device (device.py), and the
-        # channel, negotiated, is the same on every rank, so every rank plans the same buckets
+
+    def _sort(
+        self, state: SetState, result: CycleResult, active: list[int]
+    ) -> tuple[
+        dict[tuple[str, int, str], list[fusion.Entry]], list[tuple[Response, Operation | None]]
+    ]:
+        """The ready responses, traced (queued, negotiating): an error completes its operation;
+        allreduces go in fusion groups by dtype, op and channel (a direct operation's buffers
+        are on its device, device.py, and the channel, negotiated, is the same on every rank,
+        so every rank plans the same buckets); the others are kept in order."""
         groups: dict[tuple[str, int, str], list[fusion.Entry]] = {}
         others: list[tuple[Response, Operation | None]] = []
         now = time.perf_counter()
@@ -632,6 +624,12 @@ class Engine:
                 groups.setdefault(key, []).extend(entries)
             else:
                 others.append((response, op))
+        return groups, others
+
+    def _run_fused(
+        self, state: SetState, groups: dict[tuple[str, int, str], list[fusion.Entry]]
+    ) -> None:
+        """Each fusion group's allreduces (runners/allreduce.FusedAllreduce)."""
         for (dtype, op_value, channel), entries in groups.items():
             self._waiting_on = entries
             self._fused.run(
@@ -641,6 +639,12 @@ class Engine:
                 entries,
                 device.channel_device(channel),
             )
+
+    def _run_others(
+        self, state: SetState, others: list[tuple[Response, Operation | None]], active: list[int]
+    ) -> None:
+        """The other collectives, one at a time; an error fails its operation only, except
+        the watchdog's, which stops the engine (constraint 6)."""
         for response, op in others:
             self._waiting_on = response
             try:
@@ -682,13 +686,13 @@ class Engine:
         self.stats.collective_s += seconds
         self._collective_since = None
 
-    def _divisor(self, state: _SetState, active: list[int]) -> int:
+    def _divisor(self, state: SetState, active: list[int]) -> int:
         """What Average divides by while ranks have joined: every rank (join_mode=horovod, a
         joined rank adding zeros) or the ranks not joined (join_mode=active)."""
         return len(active) if self.config.join_mode == "active" else state.backend.size
 
     def _run_other(
-        self, state: _SetState, response: Response, op: Operation | None, active: list[int]
+        self, state: SetState, response: Response, op: Operation | None, active: list[int]
     ) -> Any:
         backend = state.backend
         t0 = time.perf_counter()
@@ -696,7 +700,9 @@ class Engine:
         if kind == BARRIER:
             return None
         if kind == REGISTER:
-            return self._register_from_response(state, response)
+            # every REGISTER operation has its change (ops.register_process_set)
+            assert response.registration is not None
+            return self._table.apply(state.backend, response.registration)
         if len(active) < backend.size and (
             (kind == BROADCAST and response.root not in active)
             or kind in _REFUSED_WHILE_JOINED[self.config.join_mode]
@@ -714,108 +720,6 @@ class Engine:
             self._timeline.span(op.name, "COLLECTIVE", t1, t2, bytes=nbytes, kind=kind)
             self._timeline.span(op.name, "FUSION_PACK", t0, t1)
         return raw() if callable(raw) else raw
-
-    def _register_from_response(self, state: _SetState, response: Response) -> int:
-        """Add or remove the process set of the response's ``registration``."""
-        change = response.registration
-        assert change is not None  # every REGISTER operation has one (ops.register_process_set)
-        if change.removed is not None:
-            removed = self._sets.pop(change.removed, None)
-            if removed is not None and removed.backend is not None:
-                removed.backend.close()
-            return -1
-        ranks = change.ranks
-        backend = state.backend.split(list(ranks))
-        set_id = self._next_set_id
-        self._register(tuple(ranks), backend)
-        return set_id
-
-
-def _opened_timeline(backend: Backend, path: str) -> Timeline | NullTimeline:
-    """COMMLAYER_TIMELINE's file for this rank, opened where every rank agrees it could be
-    (``agreed_start``): only rank 0 writes a path without '{rank}', and a rank that could not
-    open its file must not leave the others in the engine's first collective."""
-    failure = ""
-    try:
-        opened = open_timeline(path, backend.rank)
-    except OSError as exc:
-        opened, failure = NullTimeline(), str(exc)
-    agreed_start(backend, failure)
-    return opened
-
-
-def agreed_start(backend: Backend, failure: str) -> None:
-    """Whether every rank can start its engine (collective, the engine's first): ``failure``
-    says what this rank could not do, "" when nothing failed. Any rank's failure is a
-    ConfigError on every rank naming the ranks and what failed there: init() fails everywhere
-    within the same call, where the others would wait for ever on a rank that had raised."""
-    payloads = [failure.encode()]
-    if backend.size > 1:
-        request, payloads = backend.iallgather_bytes(payloads[0])
-        while not request.test():
-            time.sleep(_MIN_BACKOFF_S)
-    failed = {rank: payload.decode() for rank, payload in enumerate(payloads) if payload}
-    if failed:
-        raise ConfigError(
-            f"rank {backend.rank}: commlayer cannot start, rank(s) {sorted(failed)} failed: "
-            + "; ".join(failed.values())
-        )
-
-
-def agreed_calibrations(
-    backend: Backend, calibrations: list[costmodel.Calibration]
-) -> list[costmodel.Calibration]:
-    """Rank 0's calibrations, on every rank (collective, at engine start). ``auto`` must pick
-    the same algorithm for a buffer on every rank, but each node reads its own calibration file,
-    which can differ (calibrated apart, or missing on some): a difference is logged by rank 0."""
-    if backend.size == 1:
-        return calibrations
-    payload = _rank0s(
-        backend,
-        costmodel.to_bytes(calibrations),
-        "commlayer: rank(s) %s read calibrations that differ from rank 0's (run `commlayer "
-        "calibrate` once for the job, or copy its file to every node); every rank uses rank 0's",
-    )
-    return costmodel.from_bytes(payload)
-
-
-def agreed_sim_table(backend: Backend, text: str) -> costmodel.Simulated | None:
-    """COMMLAYER_SIM_TABLE's rows as rank 0 read them, on every rank (collective, at engine
-    start, when a table is given: every rank's config has it): ``auto`` must pick alike. A
-    rank whose files differ from rank 0's is logged by rank 0; ConfigError on every rank when
-    rank 0's cannot be read (they were checked at init(): changed since)."""
-    if not text:
-        return None
-    try:
-        mine = simulated.to_bytes(simulated.load(text))
-    except ValueError:
-        mine = b""  # rank 0's decides, below; no rank leaves the collective early
-    payload = _rank0s(
-        backend,
-        mine,
-        "commlayer: rank(s) %s read a COMMLAYER_SIM_TABLE that differs from rank 0's; every "
-        "rank uses rank 0's",
-    )
-    if not payload:
-        raise ConfigError(
-            f"rank {backend.rank}: COMMLAYER_SIM_TABLE={text!r}: rank 0 could not read it "
-            "(changed since init() checked it?)"
-        )
-    return simulated.from_bytes(payload)
-
-
-def _rank0s(backend: Backend, mine: bytes, differ: str) -> bytes:
-    """Rank 0's ``mine`` on every rank (collective: an allgather, waited on with backoff).
-    Rank 0 logs ``differ`` with the ranks whose bytes are not its own, when it has any."""
-    if backend.size == 1:
-        return mine
-    request, payloads = backend.iallgather_bytes(mine)
-    while not request.test():
-        time.sleep(_MIN_BACKOFF_S)
-    others = [r for r, payload in enumerate(payloads) if payload != payloads[0]]
-    if others and backend.rank == 0 and payloads[0]:
-        log.warning(differ, others)
-    return payloads[0]
 
 
 def _describe(waiting_on: list[fusion.Entry] | Response | None) -> str:
@@ -849,16 +753,3 @@ def _passive(policy: str, backend: Backend) -> bool:
         else 0
     )
     return here * (1 + threads) > (os.cpu_count() or 1)
-
-
-def _topology(config: Config, backend: Backend) -> Topology | None:
-    """COMMLAYER_TOPOLOGY applied to the job; ConfigError when it does not fit its size."""
-    if not config.topology:
-        return None
-    try:
-        return topology.build(config.topology, backend.size, backend.nodes())
-    except ValueError as exc:
-        raise ConfigError(
-            f"rank {backend.rank}: COMMLAYER_TOPOLOGY={config.topology!r} does not fit this job: "
-            f"{exc}"
-        ) from None

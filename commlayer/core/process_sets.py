@@ -1,10 +1,17 @@
-"""Process sets: collectives on a subset of ranks (horovod.torch's ProcessSet API)."""
+"""Process sets: collectives on a subset of ranks (horovod.torch's ProcessSet API), and the
+engine's table of the registered ones (``SetTable``: id, ranks, backend, negotiator)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from commlayer.common.errors import NotInitializedError
+
+if TYPE_CHECKING:  # the engine's types; this module imports nothing of the runtime
+    from commlayer.backends.base import Backend
+    from commlayer.core.negotiation import Negotiator, Registration
 
 # (rank, size) of this process in the running job, told by runtime.init() and cleared by
 # shutdown(): the sets answer rank() and included() without importing the runtime above them.
@@ -95,3 +102,54 @@ class _GlobalProcessSet(ProcessSet):
 
 
 global_process_set: ProcessSet = _GlobalProcessSet()
+
+
+@dataclasses.dataclass
+class SetState:
+    """A registered process set as the engine keeps it: its ranks and, where this rank belongs
+    to it, its backend (split off the job's) and negotiator; both None elsewhere."""
+
+    ranks: tuple[int, ...]
+    backend: Backend
+    negotiator: Negotiator
+
+
+class SetTable:
+    """The engine's registered process sets by id, given in registration order (the same on
+    every rank: registration is collective): 0 is the job's. Registered at start-up
+    (``split``, before the engine thread runs) or later by a REGISTER operation the engine
+    negotiated (``apply``). ``negotiator`` makes a set's negotiator from its backend."""
+
+    def __init__(self, negotiator: Callable[[Backend], Negotiator]) -> None:
+        self.sets: dict[int, SetState] = {}
+        self._next_id = 0
+        self._negotiator = negotiator
+
+    def add(self, ranks: tuple[int, ...], backend: Backend | None) -> tuple[int, SetState]:
+        """Register a set with this backend (None where this rank is not in it)."""
+        set_id = self._next_id
+        self._next_id += 1
+        negotiator = self._negotiator(backend) if backend else None
+        state = SetState(ranks, backend, negotiator)  # type: ignore[arg-type]
+        self.sets[set_id] = state
+        return set_id, state
+
+    def split(self, parent: Backend, ranks: Sequence[int]) -> tuple[int, Backend | None]:
+        """Collective over ``parent``'s ranks: split off a process set and register it."""
+        backend = parent.split(list(ranks))
+        set_id, _ = self.add(tuple(ranks), backend)
+        return set_id, backend
+
+    def apply(self, parent: Backend, change: Registration) -> int:
+        """A negotiated registration (collective over ``parent``'s ranks): add the set (its
+        id) or remove one (-1; its backend closed)."""
+        if change.removed is not None:
+            removed = self.sets.pop(change.removed, None)
+            if removed is not None and removed.backend is not None:
+                removed.backend.close()
+            return -1
+        return self.split(parent, change.ranks)[0]
+
+    def members(self) -> list[SetState]:
+        """The sets this rank belongs to, by id."""
+        return [s for _, s in sorted(self.sets.items()) if s.negotiator is not None]

@@ -21,7 +21,10 @@ commlayer/launch/driver.py) the world changes as in Horovod. ``run`` does, in a 
    this worker's new rank and size, start commlayer again over the new world (gloo, a store
    prefix of its own per generation), ``state.restore()`` the last commit (in memory, no
    checkpoint), run the reset callbacks, and go to 1 (the sync gives every rank, new workers
-   included, rank 0's state). ``--reset-limit`` of commlayerrun bounds how often.
+   included, rank 0's state). ``--reset-limit`` of commlayerrun bounds how often. What was
+   made for the old world is dropped once this worker joins the new one: every
+   DistributedOptimizer starts over at the new size, and every ``on_new_world`` callback runs
+   (the DDP hook's CommStates make their communicators again).
 3. On ``HostsUpdatedInterrupt`` (raised by ``state.commit()`` on every rank at the same commit
    once the driver reported a host change): the same, without the restore (the state was
    just committed), and without the sync when hosts were only removed.
@@ -131,6 +134,19 @@ def run(func: Callable[..., R], reset_limit: int | None = DEFAULT_RESET_LIMIT) -
     return wrapper
 
 
+# What else holds things made for a world (on_new_world): the layers above this package
+# (integrations/) register here, as this package may not import them.
+_new_world_callbacks: list[Callable[[], None]] = []
+
+
+def on_new_world(callback: Callable[[], None]) -> None:
+    """Have ``callback()`` run on every elastic re-formation of the world, once this worker has
+    joined the new one, after the DistributedOptimizers started over (integrations/ddp.py's
+    ``new_world``); registered once, whatever the number of calls."""
+    if callback not in _new_world_callbacks:
+        _new_world_callbacks.append(callback)
+
+
 def _reform(state: State) -> None:
     """Join the driver's next world (``_reform_once``), again if a worker of it dies before
     this rank is back in training."""
@@ -155,6 +171,8 @@ def _reform_once(state: State) -> None:
     rendezvous.join(state)
     _add_again(added)
     optimizer.new_world()
+    for callback in list(_new_world_callbacks):
+        callback()
     _restore_lost(state)
 
 

@@ -35,10 +35,11 @@ The GradBucket contract (torch ``ddp_comm_hooks``): the hook gets a bucket whose
    stream waits for them before it reads the buffer.
 
 ``algorithm="auto"`` runs every collective over ``torch.distributed`` (gloo on CPU, NCCL on GPU),
-so the hook needs no ``commlayer.init()``. A named algorithm (``"ring"``, ``"rabenseifner"``, any
-of ``commlayer.algorithms.available()``) runs the bucket's collectives through commlayer's
-engine instead, which reduces with the algorithm commlayer was initialised with: it must be the
-one named (``commlayer.init(allreduce_algorithm="ring")`` or
+so the hook needs no ``commlayer.init()`` (backends/torch_distributed.py's ``GroupTransport``:
+that module holds all of commlayer's torch.distributed calls). A named algorithm (``"ring"``,
+``"rabenseifner"``, any of ``commlayer.algorithms.available()``) runs the bucket's collectives
+through commlayer's engine instead, which reduces with the algorithm commlayer was initialised
+with: it must be the one named (``commlayer.init(allreduce_algorithm="ring")`` or
 ``COMMLAYER_ALLREDUCE_ALGORITHM=ring``), since the engine runs one algorithm for every allreduce
 of the job and all ranks must agree on it.
 
@@ -46,13 +47,23 @@ Error-feedback residuals (and PowerSGD's warm start) are keyed by ``bucket.index
 ``"bucket3"`` (whole buffer) or ``"bucket3.p1"`` (per parameter, multi-round).
 ``CommState.state_dict()`` returns them for a checkpoint.
 
+The CommState owns its communicator for the job: the communicator, its transport and the
+per-host path's levels are made at the first bucket that is sent and kept; they are made again
+only when what they were made from changes: the process group (``state.process_group``
+reassigned, or a new default group after ``init_process_group``), commlayer's engine (a new
+``init()``, for a named algorithm), ``state.compressor`` or ``state.hierarchy`` reassigned, or
+an elastic re-formation of the world (commlayer.elastic calls :func:`new_world`, as it calls
+the DistributedOptimizers' ``new_world``). The compressor's state (residuals, warm starts) is
+the compressor's, kept across all of these.
+
 Once per host (``hierarchy="host"``, or COMMLAYER_COMPRESSION_HIERARCHY=host, or a spec's
 ``hierarchy=host``; ``auto`` is flat here: nothing measures the links): where the process
 group spans several hosts with more than one rank on some, a bucket is summed inside the host,
 compressed by one leader (its residual kept there), exchanged among the leaders and shared
-inside the host (comm/hierarchy.py). The CommState makes the groups it needs: of each host's
-ranks and of the ranks with the same index on their host (``dist.new_group``, on every rank
-of the world in the same order, once per job), hosts told by the ranks' host names
+inside the host (comm/hierarchy.py). The CommState makes the groups it needs at its first
+bucket: of each host's ranks and of the ranks with the same index on their host
+(``dist.new_group``, on every rank of the world in the same order, once per job), hosts told
+by the ranks' host names
 (COMMLAYER_TOPOLOGY, fitting the world, poses them). Over a torch.distributed group smaller
 than the world it refuses: groups its ranks made alone would be named by how many groups each
 process made before, which differs between them. Leaders rotate by bucket, in the
@@ -73,20 +84,20 @@ annotation with the real ``torch.futures.Future[torch.Tensor]`` object, not a st
 """
 
 import itertools
-import socket
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-import commlayer
-from commlayer import algorithms
+from commlayer import algorithms, elastic
+from commlayer.backends.torch_distributed import GroupTransport, host_nodes, world_group
 from commlayer.comm.communicator import Communicator, EngineTransport
 from commlayer.comm.hierarchy import HOST, HostLayout, HostLevels, engine_levels
-from commlayer.common import config, topology
+from commlayer.common import config
 from commlayer.common.config import HIERARCHIES
+from commlayer.common.errors import NotInitializedError
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import Compressed, Compressor, create
 from commlayer.compression.base import (
@@ -116,12 +127,18 @@ class CommState:
     initialised with that algorithm (module docstring). ``hierarchy``: ``"flat"`` or ``"host"``
     (module docstring; None: the compressor's spec's, else COMMLAYER_COMPRESSION_HIERARCHY;
     ``"auto"`` is flat here). Create CommStates in the same order on every rank of the group
-    (their commlayer operation names are numbered; the per-host path's groups are made here).
+    (their commlayer operation names are numbered), and hook them into DDP in the same order
+    (the per-host path's groups are made at a state's first bucket).
+
+    The communicator (``communicator()``), its transport and ``levels`` (the per-host path's,
+    None where it does not apply) are made at the first bucket and kept for the job, made
+    again where ``process_group``, ``compressor`` or ``hierarchy`` is reassigned, the process
+    group or commlayer's engine is a new one, or the world is re-formed (module docstring).
     """
 
     __slots__ = (
         "process_group", "compressor", "algorithm", "dense_iters", "iteration", "full_path",
-        "levels", "_id",
+        "hierarchy", "levels", "_posed", "_id", "_made_from", "_communicator", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -150,20 +167,62 @@ class CommState:
         # environment's where commlayer is not initialised (algorithm "auto" needs no init()).
         settings = runtime.config() if runtime.is_initialized() else config.load()
         self.full_path = settings.force_full_path
-        chosen = hierarchy or hierarchy_of(self.compressor, settings.compression_hierarchy)
-        per_host = chosen == HOST and not self.compressor.identity
-        if per_host and algorithm == algorithms.AUTO:
+        self.hierarchy = hierarchy or hierarchy_of(self.compressor, settings.compression_hierarchy)
+        if self._per_host() and algorithm == algorithms.AUTO:
             _check_world(process_group)  # before the id: a refused state numbers nothing
         self._id = next(_state_ids)
+        self._posed = settings.topology  # COMMLAYER_TOPOLOGY, for the per-host path's hosts
         self.levels: HostLevels | None = None
-        if per_host:
-            self.levels = _levels(self, settings.topology)
+        self._made_from: tuple[Any, ...] | None = None  # what the communicator was made from
+        self._communicator: Communicator | None = None
+        _states.add(self)
 
     def __repr__(self) -> str:
         return (
             f"CommState(compressor={self.compressor!r}, algorithm={self.algorithm!r}, "
             f"iteration={self.iteration}, dense_iters={self.dense_iters})"
         )
+
+    def _per_host(self) -> bool:
+        return self.hierarchy == HOST and not self.compressor.identity
+
+    def communicator(self) -> Communicator:
+        """The communicator of this state's buckets: made at the first call (its transport,
+        and the per-host path's ``levels``: a collective over the group, and over the world
+        for torch.distributed's per-host groups the first time) and kept, made again where
+        what it was made from changed (the class docstring)."""
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        engine = None if self.algorithm == algorithms.AUTO else runtime.engine()
+        known = self._made_from
+        if (  # the same objects (one bucket of many: no more than four identity tests)
+            known is not None
+            and self._communicator is not None
+            and group is known[0]
+            and engine is known[1]
+            and self.compressor is known[2]
+            and self.hierarchy is known[3]
+        ):
+            return self._communicator
+        made_from = (group, engine, self.compressor, self.hierarchy)
+        self._communicator = None  # a failed making leaves none behind
+        self.levels = None
+        per_host = self._per_host()
+        if per_host and engine is None:
+            _check_world(self.process_group)
+        transport = _transport(self, group)
+        self.levels = _levels(self, group) if per_host else None
+        self._communicator = Communicator(
+            transport, ReduceOp.Sum, what="bucket", levels=self.levels
+        )
+        self._made_from = made_from
+        return self._communicator
+
+    def new_world(self) -> None:
+        """The world was re-formed (commlayer.elastic): the communicator, its transport and
+        levels belonged to the world gone; the next bucket makes them again."""
+        self._communicator = None
+        self._made_from = None
+        self.levels = None
 
     def state_dict(self) -> dict[str, Any]:
         """Iteration count and the compressor's state (error-feedback residuals per bucket)."""
@@ -192,136 +251,63 @@ def _check_algorithm(algorithm: str) -> None:
             f"CommState(algorithm={algorithm!r}): unknown allreduce algorithm; registered: "
             f"{', '.join(names)}"
         )
-    if not commlayer.is_initialized():
-        raise commlayer.NotInitializedError(
+    if not runtime.is_initialized():
+        raise NotInitializedError(
             f"CommState(algorithm={algorithm!r}) runs the hook's collectives through commlayer, "
             f"which is not initialised: call commlayer.init(allreduce_algorithm={algorithm!r}) "
             "first, or use algorithm='auto' (torch.distributed's collectives)"
         )
-    running = commlayer.allreduce_algorithm()
+    running = runtime.engine().config.allreduce_algorithm
     if running != algorithm:
         raise ValueError(
-            f"rank {commlayer.rank()}: CommState(algorithm={algorithm!r}), but commlayer was "
+            f"rank {runtime.rank()}: CommState(algorithm={algorithm!r}), but commlayer was "
             f"initialised with allreduce_algorithm={running!r}; its engine reduces every "
             f"allreduce of the job with one algorithm: init(allreduce_algorithm={algorithm!r}) "
             f"(or COMMLAYER_ALLREDUCE_ALGORITHM={algorithm}), or use algorithm='auto'"
         )
 
 
-class _TorchTransport:
-    """torch.distributed's collectives of a process group, as a communicator's transport.
-
-    gloo needs every rank to launch collectives in the same order, which callbacks do not
-    keep: a multi-round compressor's earlier rounds are waited for in the hook
-    (``chains_rounds``), as the module docstring says."""
-
-    __slots__ = ("group", "rank", "size")
-    chains_rounds = False
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-
-    def allreduce_(
-        self, tensors: list[torch.Tensor], name: str, op: ReduceOp, prescale: float,
-        postscale: float,
-    ) -> torch.futures.Future[Any]:  # fmt: skip
-        """Sum every tensor over the group in one allreduce, written back in place (PowerSGD
-        keeps the reduced Q it sent as its next warm start)."""
-        if op != ReduceOp.Sum or prescale != 1.0 or postscale != 1.0:
-            raise ValueError(f"the DDP hook sums pre-divided buckets; got {op.name} for {name!r}")
-        if len(tensors) == 1 and tensors[0].is_contiguous():
-            flat = tensors[0]
-        else:
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-        future = dist.all_reduce(flat, group=self.group, async_op=True).get_future()
-        if flat is tensors[0]:
-            return future
-
-        def unpack(_: Any) -> None:
-            for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-                tensor.copy_(part.view(tensor.shape))
-
-        return future.then(unpack)
-
-    def broadcast_(
-        self, tensors: list[torch.Tensor], root: int, name: str
-    ) -> torch.futures.Future[Any]:
-        """Each tensor overwritten with the group's rank ``root``'s, in one broadcast (a flat
-        copy where there are several)."""
-        source = dist.get_global_rank(self.group, root)
-        if len(tensors) == 1 and tensors[0].is_contiguous():
-            flat = tensors[0]
-        else:
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-        future = dist.broadcast(flat, source, group=self.group, async_op=True).get_future()
-        if flat is tensors[0]:
-            return future
-
-        def unpack(_: Any) -> None:
-            for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-                tensor.copy_(part.view(tensor.shape))
-
-        return future.then(unpack)
-
-    def allgather_bytes(self, record: torch.Tensor, name: str) -> torch.futures.Future[Any]:
-        """Every rank's record (the same length on every rank for one compressor and bucket)."""
-        out = [torch.empty_like(record) for _ in range(self.size)]
-        work = dist.all_gather(out, record, group=self.group, async_op=True)
-        return work.get_future().then(lambda _: torch.cat(out))
-
-    def sparse(self, *_: Any) -> None:
-        return None
-
-
-def _transport(state: CommState) -> _TorchTransport | EngineTransport:
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
+def _transport(state: CommState, group: Any) -> GroupTransport | EngineTransport:
+    """The state's transport: torch.distributed's collectives of ``group`` (algorithm auto),
+    else commlayer's engine over every commlayer rank."""
     if state.algorithm == algorithms.AUTO:
-        return _TorchTransport(group)
-    size = commlayer.size()
+        return GroupTransport(group)
+    size = runtime.size()
     if dist.get_world_size(group) != size:
         raise ValueError(
-            f"rank {commlayer.rank()}: CommState(algorithm=...) reduces over all "
+            f"rank {runtime.rank()}: CommState(algorithm=...) reduces over all "
             f"{size} commlayer ranks, but the process group has "
             f"{dist.get_world_size(group)}; use algorithm='auto' for a subgroup"
         )
     return EngineTransport(prefix=f"ddp{state._id}.")
 
 
-# torch.distributed groups of the per-host path, by their ranks, per default group (a new
-# init_process_group makes a new one): made once, shared by every CommState.
-_groups: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
-
-
-def _levels(state: CommState, posed: str) -> HostLevels | None:
+def _levels(state: CommState, group: Any) -> HostLevels | None:
     """The per-host path's levels of the state's group (a collective over its ranks): over
     commlayer's engine for a named algorithm, else over torch.distributed groups of the
-    hosts' ranks, hosts from the ranks' host names or ``posed`` (COMMLAYER_TOPOLOGY)."""
+    hosts' ranks, hosts from the ranks' host names or COMMLAYER_TOPOLOGY."""
     if state.algorithm != algorithms.AUTO:
         return engine_levels(prefix=f"ddp{state._id}.")
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
     rank = dist.get_rank()
-    ranks = dist.get_process_group_ranks(group)
-    layout = HostLayout.of(ranks, _node_of(group, ranks, posed))
+    layout = HostLayout.of(dist.get_process_group_ranks(group), host_nodes(group, state._posed))
     if not layout.pays():
         return None
     # every rank makes every group, in the same order (dist.new_group's contract)
-    groups = {members: _group(members) for members in layout.host_sets() + layout.leader_sets()}
+    groups = {ranks: world_group(ranks) for ranks in layout.host_sets() + layout.leader_sets()}
     host, index = layout.where(rank)
     intra = groups.get(layout.hosts[host])
     across = groups[layout.leader_sets()[index]] if index < layout.leaders else None
     return HostLevels(
         layout,
         rank,
-        None if intra is None else _TorchTransport(intra),
-        None if across is None else _TorchTransport(across),
+        None if intra is None else GroupTransport(intra),
+        None if across is None else GroupTransport(across),
     )
 
 
 def _check_world(process_group: Any) -> None:
     """ValueError unless ``process_group`` (None: the world) spans the world: the per-host
-    path's groups are made by every rank of the world (``_group``)."""
+    path's groups are made by every rank of the world (``world_group``)."""
     group = process_group if process_group is not None else dist.group.WORLD
     if dist.get_world_size(group) != dist.get_world_size():
         raise ValueError(
@@ -334,41 +320,26 @@ def _check_world(process_group: Any) -> None:
         )
 
 
-def _node_of(group: Any, ranks: Sequence[int], posed: str) -> list[int]:
-    """The node of every rank of the world: as COMMLAYER_TOPOLOGY poses it where it fits the
-    world, else by host name (gathered over ``group``; -1 for ranks outside it)."""
-    names: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    first: dict[str, int] = {}
-    detected = [-1] * dist.get_world_size()
-    for rank, name in zip(ranks, names):
-        detected[rank] = first.setdefault(name, len(first))
-    if posed:
-        try:
-            return list(topology.build(posed, len(detected), detected).node_of)
-        except ValueError as exc:
-            raise ValueError(
-                f"rank {dist.get_rank()}: COMMLAYER_TOPOLOGY={posed!r} does not fit the "
-                f"{len(detected)} ranks of torch.distributed's world: {exc}"
-            ) from None
-    return detected
-
-
-def _group(ranks: tuple[int, ...]) -> Any:
-    """The torch.distributed group of ``ranks`` (collective over the world the first time;
-    ranks outside it get torch's non-member marker)."""
-    known = _groups.setdefault(dist.group.WORLD, {})
-    if ranks not in known:
-        known[ranks] = dist.new_group(list(ranks))
-    return known[ranks]
-
-
 def _alone(state: Any) -> bool:
     """Whether ``state``'s hook reduces over one rank and takes no full path (module doc, 0.)."""
     if not isinstance(state, CommState) or state.full_path:
         return False
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     return dist.get_world_size(group) == 1
+
+
+# Every CommState (weakly): an elastic re-formation drops what each made for the world gone.
+_states: weakref.WeakSet[CommState] = weakref.WeakSet()
+
+
+def new_world() -> None:
+    """The world was re-formed (commlayer.elastic): every CommState makes its communicator
+    again at its next bucket (``CommState.new_world``)."""
+    for state in list(_states):
+        state.new_world()
+
+
+elastic.on_new_world(new_world)
 
 
 def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -383,7 +354,7 @@ def hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torc
         if bucket.is_last():
             state.iteration += 1
         return _completed(bucket.buffer())
-    communicator = Communicator(_transport(state), ReduceOp.Sum, what="bucket", levels=state.levels)
+    communicator = state.communicator()
     buffer = bucket.buffer()
     if buffer.is_cuda:  # its futures order DDP's stream after the work queued for them
         device.mark_futures_on(buffer.device)

@@ -133,6 +133,31 @@ def test_bad_settings_are_value_errors() -> None:
         ddp.compress_wrapper(ddp.hook, "topk")
 
 
+def test_the_state_makes_its_communicator_once_for_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bucket of every step through one communicator, made at the first bucket (issue 49,
+    item 5), with torch's allreduce hook's results bit for bit; made again over a new process
+    group."""
+    made: list[Any] = []
+    real = ddp.Communicator
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(ddp, "Communicator", counting)
+    with cl.config.override(force_full_path=1):  # the whole path over one rank too
+        state = ddp.CommState(compression="none", dense_iters=0)
+    batches = _batches(6, F64)
+    ours, theirs = _both(state, ddp.hook, None, default_hooks.allreduce_hook, F64)
+    made_in_training = len(made)
+    state.process_group = dist.new_group(list(range(cl.size())))  # every rank makes it
+    _train(_mlp(0, F64), state, ddp.hook, batches[:2])
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert made_in_training == 1, made  # 6 steps of a bucket per parameter
+    assert len(made) == 2 and made[1].transport.group is state.process_group, made
+    assert state.iteration == 8
+
+
 # -- a named algorithm: the hook's collectives through commlayer ---------------------------------
 @pytest.mark.parametrize("algorithm", ["ring", "rabenseifner"])
 def test_named_algorithm_runs_through_commlayer(algorithm: str) -> None:

@@ -159,18 +159,16 @@ def test_backward_passes_per_step_reduces_once_per_step(
     """Two backward passes, then step: the gradients are submitted once, one by one in the
     first step and in buckets after it (the first step's end also broadcasts the buckets, so
     the bytes are counted where the optimizer submits them, not by the engine)."""
-    from commlayer import ops
+    from commlayer.comm.communicator import EngineTransport
 
     submitted: list[int] = []
-    for fn_name in ("allreduce_async_", "grouped_allreduce_async_"):
-        original = getattr(ops, fn_name)
+    original = EngineTransport.allreduce_
 
-        def spy(tensors: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
-            group = tensors if isinstance(tensors, list) else [tensors]
-            submitted.append(sum(t.numel() * t.element_size() for t in group))
-            return _original(tensors, *args, **kwargs)
+    def spy(self: EngineTransport, tensors: list[torch.Tensor], *args: Any) -> Any:
+        submitted.append(sum(t.numel() * t.element_size() for t in tensors))
+        return original(self, tensors, *args)
 
-        monkeypatch.setattr(ops, fn_name, spy)
+    monkeypatch.setattr(EngineTransport, "allreduce_", spy)
     model = _mlp()
     opt = cl.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=2
@@ -636,17 +634,18 @@ def test_process_set_trains_its_members_only() -> None:
 
 # -- groups= (Horovod's) --------------------------------------------------------------------------
 def _grouped_submissions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The number of tensors of each grouped allreduce the optimizer submits, in order."""
-    from commlayer import ops
+    """The number of tensors of each grouped allreduce the optimizer submits, in order (its
+    communicator's transport: the engine's core submit, not the public ops)."""
+    from commlayer.comm.communicator import EngineTransport
 
     sizes: list[int] = []
-    original = ops.grouped_allreduce_async_
+    original = EngineTransport.allreduce_
 
-    def spy(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def spy(self: EngineTransport, tensors: list[torch.Tensor], *args: Any) -> Any:
         sizes.append(len(tensors))
-        return original(tensors, *args, **kwargs)
+        return original(self, tensors, *args)
 
-    monkeypatch.setattr(ops, "grouped_allreduce_async_", spy)
+    monkeypatch.setattr(EngineTransport, "allreduce_", spy)
     return sizes
 
 

@@ -1,11 +1,15 @@
 """Adasum's combination (algorithms/adasum.py): orthogonal gradients add, equal ones average,
-a zero one leaves the other, and ranks pair in Horovod's tree."""
+a zero one leaves the other, and ranks pair in Horovod's tree; it is the registry's combine
+algorithm of ``ReduceOp.Adasum``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from commlayer import algorithms, cli
 from commlayer.algorithms import adasum
+from commlayer.common.reduce_ops import ReduceOp
 
 
 def test_pair_adds_orthogonal_and_averages_equal_vectors() -> None:
@@ -37,3 +41,30 @@ def test_combine_pairs_neighbours_then_pairs_of_pairs() -> None:
     assert got.dtype == rows.dtype and got.shape == (12,)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(adasum.combine(rows[:1]), rows[0].reshape(-1))
+
+
+def test_adasum_is_the_registered_combine_of_its_operator() -> None:
+    """Registered where the other algorithms are (issue 49, item 5), as a combine: reached by
+    ``op=Adasum``, not a choice for COMMLAYER_ALLREDUCE_ALGORITHM, nor a name another kind of
+    algorithm may take."""
+    found = algorithms.combining(ReduceOp.Adasum)
+    assert found is not None and found.name == "adasum" and found.combine is adasum.combine
+    assert found.moves == "allgather" and found.floating_only
+    assert algorithms.kinds()["adasum"] == "combine"
+    assert algorithms.kinds()["ring"] == "schedule" and algorithms.kinds()["auto"] == "selection"
+    assert "adasum" not in algorithms.available()
+    assert algorithms.combining(ReduceOp.Sum) is None
+    assert ReduceOp.Adasum in algorithms.combining_ops()
+    with pytest.raises(ValueError, match="combine algorithm named 'adasum'"):
+        algorithms.register("adasum")(lambda *args: [])
+    with pytest.raises(ValueError, match="Adasum already has"):
+        algorithms.register_combine("adasum2", ReduceOp.Adasum)
+    with pytest.raises(ValueError, match="schedule algorithm named 'ring'"):
+        algorithms.register_combine("ring", ReduceOp.Max)(adasum.combine)
+
+
+def test_commlayer_algorithms_lists_every_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["algorithms", "--list"]) == 0
+    lines = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert lines["adasum"] == "combine" and lines["ring"] == "schedule"
+    assert lines["native"] == "native" and lines["dsar"] == "sparse"

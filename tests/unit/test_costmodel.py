@@ -13,8 +13,8 @@ import pytest
 from commlayer import algorithms, cli, costmodel
 from commlayer.backends.loopback import LoopbackBackend, run_ranks
 from commlayer.common.topology import Topology
-from commlayer.core.engine import agreed_calibrations
 from commlayer.core.selection import Allreducer
+from commlayer.core.startup import agreed_calibrations
 from commlayer.costmodel import Calibration
 from commlayer.launch import calibrate as measure
 

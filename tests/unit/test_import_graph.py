@@ -197,6 +197,18 @@ def test_no_package_imports_a_package_above_it() -> None:
     assert not upward, "packages that import one a layer up (DESIGN.md):\n" + "\n".join(upward)
 
 
+def test_comm_reaches_the_engine_through_the_core_submit_not_ops() -> None:
+    """The communicator, its sparse reduction and the per-host levels build requests for the
+    core's submit (core/submit.py); the public, argument-checking collectives (ops.py) are
+    for users, and no module of commlayer.comm imports them (DESIGN.md)."""
+    graph = _graph()
+    comm = sorted(m for m in graph if _within(m, "commlayer.comm"))
+    assert "commlayer.comm.communicator" in comm
+    through_ops = [m for m in comm if "commlayer.ops" in graph[m]]
+    assert not through_ops, f"comm modules that import commlayer.ops: {through_ops}"
+    assert "commlayer.core.submit" in graph["commlayer.comm.communicator"]
+
+
 def test_every_module_has_a_layer() -> None:
     for module in _graph():
         assert layer_of(module), module

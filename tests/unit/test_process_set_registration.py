@@ -11,7 +11,9 @@ from engine_harness import allreduce, run_engines, wait
 
 from commlayer import ops
 from commlayer.common.errors import CommlayerError
+from commlayer.core import submit as core_submit
 from commlayer.core.engine import Engine, Operation
+from commlayer.core.future import Future
 from commlayer.core.negotiation import REGISTER, Announce, Registration, build_response
 
 
@@ -63,14 +65,17 @@ def test_the_response_carries_the_registration_and_no_shapes() -> None:
 
 
 def test_ops_registers_and_removes_with_a_registration(monkeypatch: Any) -> None:
+    """ops' registration functions are the core's, which submit one REGISTER request each."""
     sent: list[dict[str, Any]] = []
 
-    def submit(kind: str, *args: Any, **kwargs: Any) -> Any:
-        sent.append({"kind": kind, **kwargs})
-        return 7
+    def submit(request: core_submit.Request) -> Future:
+        sent.append({"kind": request.kind, "registration": request.registration})
+        done = Future()
+        done.set_result(7)
+        return done
 
-    monkeypatch.setattr(ops, "_submit", submit)
-    monkeypatch.setattr(ops, "synchronize", lambda handle: handle)
+    monkeypatch.setattr(core_submit, "submit", submit)
+    assert ops.register_process_set is core_submit.register_process_set
     assert ops.register_process_set([0, 2]) == 7
     ops.unregister_process_set(7)
     assert sent == [

@@ -215,11 +215,11 @@ def test_cli_bad_table_line_is_one_line(capsys: pytest.CaptureFixture[str], tmp_
 def test_the_engine_hands_auto_the_agreed_table() -> None:
     from types import SimpleNamespace
 
-    from commlayer.core import engine
+    from commlayer.core import startup
 
     alone = SimpleNamespace(size=1, rank=0)
-    assert engine.agreed_sim_table(alone, "") is None  # type: ignore[arg-type]
-    job = engine.agreed_sim_table(alone, str(ONE_NODE))  # type: ignore[arg-type]
+    assert startup.agreed_sim_table(alone, "") is None  # type: ignore[arg-type]
+    job = startup.agreed_sim_table(alone, str(ONE_NODE))  # type: ignore[arg-type]
     assert job is not None and job.times(4, 1, MiB)[0][0] == "tree"  # type: ignore[index]
 
 
