@@ -42,6 +42,13 @@
    ``step()`` after it warns, as Horovod's does). ``COMMLAYER_FORCE_FULL_PATH=1`` takes the
    whole path there too, for benchmarks and tests. Ranks outside the process set are identity
    wrappers too (Horovod: their gradients stay local).
+7. A planned bucket's uncompressed part owns its memory (comm/bucketer.py, 4.): from the plan
+   on, ``p.grad`` is a view of the part's flat buffer, backward accumulates into it, and the
+   hook copies a gradient in once where ``p.grad`` was something else (None after
+   ``zero_grad(set_to_none=True)``, which keeps torch's meaning: ``p.grad`` is None after it;
+   or a tensor the user assigned). The part is reduced as that one tensor, so after ``step()``
+   ``p.grad`` is the reduced view. The groups' buckets keep the gradients where backward made
+   them (their reduction is one grouped operation a part, as Horovod's).
 """
 
 from __future__ import annotations
@@ -195,9 +202,13 @@ class _Reducer:
             checked = bucket_plan.checked_groups(groups, self.names)
             lists = [[p for p in group if p.requires_grad] for group in checked]
         compressor_of = {p: self.choose(p) for members in lists for p in members}
-        fixed = [self.bucket(members, compressor_of) for members in lists if members]
+        fixed = [
+            bucket_plan.bucket(members, compressor_of, self.names, self.per_host)
+            for members in lists
+            if members
+        ]
         self.bucketer = Bucketer(self.bucketer.bucket_bytes, fixed)
-        self.assign_leaders(fixed)
+        bucket_plan.assign_leaders(self.levels, fixed)
 
     def root_order(self) -> list[Param]:
         """The parameters that require grad, in the order of the optimizer's on the process
@@ -226,36 +237,9 @@ class _Reducer:
     def choose(self, p: Param) -> CompressorBase:
         return self.policy.choose(self.names[p].removeprefix("grad."), p)
 
-    def bucket(
-        self,
-        params: list[Param],
-        compressor_of: dict[Param, CompressorBase],
-        per_host: bool | None = None,
-    ) -> Bucket:
-        """``params`` as one bucket (comm/bucketer.py ``bucket``), compressed once per host
-        where ``per_host`` says (None: where its compressor's level is ``host``)."""
-        return bucket_plan.bucket(
-            params,
-            compressor_of,
-            self.names,
-            lambda compressor: (
-                self.level(compressor) == hierarchy.HOST if per_host is None else per_host
-            ),
-        )
-
-    def assign_leaders(self, buckets: list[Bucket]) -> None:
-        """The leading index of each part compressed per host, by bytes (every rank alike:
-        the buckets are the same everywhere)."""
-        if self.levels is None:
-            return
-        self.levels.assign(
-            [
-                (part.name, sum(p.numel() * p.element_size() for p in part.params))
-                for bucket in buckets
-                for part in bucket.parts
-                if part.per_host
-            ]
-        )
+    def per_host(self, compressor: CompressorBase) -> bool:
+        """Whether buckets of ``compressor`` are compressed once per host (its level)."""
+        return self.level(compressor) == hierarchy.HOST
 
     # -- backward side ---------------------------------------------------------------------------
     def hook(self, params: list[Param]) -> None:
@@ -278,6 +262,16 @@ class _Reducer:
             )
         self.synchronized = self.user_synchronized = False
         self.passes[p] = passes
+        view = self.bucketer.view_of.get(p)
+        if (
+            view is not None
+            and p.grad is not view
+            and bucket_plan.fits(p, view)
+            and bucket_plan.take_in(p, view)
+        ):
+            # a new gradient (zero_grad(set_to_none=True), or assigned): copied into its
+            # bucket's memory once, where the next backward passes accumulate
+            self.resparsify.add(p)
         if passes < self.passes_per_step:
             return
         self.ready += 1
@@ -324,32 +318,36 @@ class _Reducer:
 
     def send_bucket(self, bucket: Bucket) -> None:
         """The bucket's gradients reduced together (the communicator: one grouped allreduce a
-        part uncompressed, one collective a round compressed), in place. At synchronize a
-        member whose gradient backward did not produce contributes its ``grad``
-        (``empty_grad`` if None, as ``submit`` does: zeros, a bucketed gradient is never
-        known-sparse), or, if it no longer requires grad, zeros that go nowhere: every rank
-        sends the same bucket."""
-        grads = {}
-        for p in bucket.params:
-            grad = p.grad
-            if grad is None or not p.requires_grad:
-                grad = self.empty_grad(p)
-                if p.requires_grad:
-                    p.grad = grad
-            elif grad.is_sparse:  # sparse now, dense in the recorded step: reduce it dense
-                grad = p.grad = grad.to_dense()
-                self.resparsify.add(p)
-            grads[p] = grad
+        part uncompressed, one collective a round compressed), in place. A part that owns its
+        memory (comm/bucketer.py, 4.) travels as its one flat buffer, the gradients' views
+        made current first (``Part.gather``). At synchronize a member whose gradient backward
+        did not produce contributes its ``grad`` (``empty_grad`` if None, as ``submit`` does:
+        zeros, a bucketed gradient is never known-sparse), or, if it no longer requires grad,
+        zeros that go nowhere: every rank sends the same bucket."""
+        sends: list[tuple[list[torch.Tensor], list[str] | None]] = []  # tensors, names a part
+        for part in bucket.parts:
+            if part.flat is not None:
+                taken = part.gather()
+                if taken is not None:
+                    self.resparsify.update(taken)
+                    sends.append(([part.flat], None))
+                    continue
+            grads = []
+            for p in part.params:
+                grad = p.grad
+                if grad is None or not p.requires_grad:
+                    grad = self.empty_grad(p)
+                    if p.requires_grad:
+                        p.grad = grad
+                elif grad.is_sparse:  # sparse now, dense in the recorded step: reduce it dense
+                    grad = p.grad = grad.to_dense()
+                    self.resparsify.add(p)
+                grads.append(grad)
+            sends.append((grads, [self.names[p] for p in part.params]))
         with batch():  # a group's parts: submitted together
             bucket.handles = [
-                self.comm.reduce(
-                    [grads[p] for p in part.params],
-                    part.compressor,
-                    part.name,
-                    [self.names[p] for p in part.params],
-                    part.per_host,
-                )
-                for part in bucket.parts
+                self.comm.reduce(tensors, part.compressor, part.name, names, part.per_host)
+                for part, (tensors, names) in zip(bucket.parts, sends)
             ]
 
     def empty_grad(self, p: Param) -> torch.Tensor:
@@ -437,52 +435,30 @@ class _Reducer:
         return failure
 
     def plan_buckets(self, ready: list[Param], late: list[Param]) -> None:
-        """After the first complete step (on every rank alike: a collective): buckets in rank
-        0's ready order. Sparse gradients stay on their own path; parameters that got no
-        gradient come last, in buckets of their own. Where a bucket's compressor is auto, or
-        its level is (COMMLAYER_COMPRESSION_HIERARCHY=auto), every rank times the links now
-        (collectives), rank 0 decides each such bucket's compressor and whether it is
-        compressed per host, and its decisions travel with the plan (comm/auto_plan.py)."""
-        names = [self.names[p] for p in ready + late if p not in self.sparse_dims]
-        split = sum(1 for p in ready if p not in self.sparse_dims)
+        """After the first complete step (on every rank alike: a collective): the Bucketer's
+        plan (comm/bucketer.py ``plan_buckets``) from the process set's first rank's ready
+        order; sparse gradients stay on their own path."""
         from commlayer import state_sync  # imports the ops layer, as this module does
 
         root = min(self.process_set.ranks or [0])  # the set's first rank (a global rank)
-        by_name = {name: p for p, name in self.names.items()}
-        compressor_of = {p: self.choose(p) for p in self.names}
-        auto = self.auto
-        deciding = any(auto.decided(c) for c in compressor_of.values())
         prefix = next(iter(self.names.values()))
-        links = auto.measure_links(self.comm.transport, self.levels, prefix) if deciding else None
-        decisions = None
-        if links is not None and runtime.rank() == root:
-            decisions = auto.decide(self.plan(names, split, by_name, compressor_of), *links)
-        names, split, decisions = state_sync.broadcast_object(
-            (names, split, decisions),
+        planned = bucket_plan.plan_buckets(
+            [p for p in ready if p not in self.sparse_dims],
+            [p for p in late if p not in self.sparse_dims],
+            self.names,
+            self.bucketer.bucket_bytes,
+            self.choose,
+            self.per_host,
+            self.auto,
+            lambda: self.auto.measure_links(self.comm.transport, self.levels, prefix),
+            lambda plan: state_sync.broadcast_object(
+                plan, root, name=f"{prefix}.bucket_plan", process_set=self.process_set
+            ),
             root,
-            name=f"{next(iter(self.names.values()))}.bucket_plan",
-            process_set=self.process_set,
+            runtime.rank(),
         )
-        planned = []
-        for index, params in enumerate(self.plan(names, split, by_name, compressor_of)):
-            compressor = compressor_of[params[0]]
-            if not auto.decided(compressor):
-                planned.append(self.bucket(params, dict.fromkeys(params, compressor)))
-                continue
-            compressor, per_host = auto.resolve(index, compressor, decisions, root)
-            planned.append(self.bucket(params, dict.fromkeys(params, compressor), per_host))
         self.bucketer.install(planned)
-        self.assign_leaders(planned)
-
-    def plan(
-        self,
-        names: list[str],
-        split: int,
-        by_name: dict[str, Param],
-        compressor_of: dict[Param, CompressorBase],
-    ) -> list[list[Param]]:
-        """The buckets of a plan (comm/bucketer.py ``plan``), cut at the Bucketer's size."""
-        return bucket_plan.plan(names, split, by_name, self.bucketer.bucket_bytes, compressor_of)
+        bucket_plan.assign_leaders(self.levels, planned)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

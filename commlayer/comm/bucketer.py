@@ -7,11 +7,12 @@ DistributedOptimizer asks it, for each gradient backward has made final, what to
    together (the engine negotiates and fuses what arrives together). The order in which
    backward made them ready is recorded.
 2. After the first complete step the optimizer makes a plan from rank 0's recorded order (a
-   collective: the same plan on every rank) with :func:`plan`, cut by :func:`cut`:
-   ``bucket_bytes`` of gradients of one dtype and one compressor, in that order; each bucket
-   made by :func:`bucket`. From then on a bucket is sent as soon as its
-   last gradient is ready, as DDP's are; a hook is a counter (on the ResNet of
-   benchmarks/train.py, 47 per-gradient submissions cost ~5 ms a step).
+   collective: the same plan on every rank) with :func:`plan_buckets`: :func:`plan`, cut by
+   :func:`cut`: ``bucket_bytes`` of gradients of one dtype and one compressor, in that order;
+   each bucket made by :func:`bucket`, with compression=auto's decisions where a bucket's
+   compressor or level is auto. From then on a bucket is sent as soon as its last gradient is
+   ready, as DDP's are; a hook is a counter (on the ResNet of benchmarks/train.py, 47
+   per-gradient submissions cost ~5 ms a step).
 3. ``groups`` (Horovod's ``DistributedOptimizer(groups=...)``) are buckets fixed from the start:
    a group's gradients are sent together once all are ready, one collective per dtype and
    compressor among them (a grouped allreduce holds one dtype), submitted in one batch.
@@ -20,30 +21,110 @@ DistributedOptimizer asks it, for each gradient backward has made final, what to
 The DDP hook (integrations/ddp.py) has no policy of its own to merge here: torch's DDP Reducer
 makes its buckets and hands the hook each one's flat buffer.
 
-The Bucketer keeps no tensors and moves nothing: the optimizer sends what it is told to.
+4. A planned bucket's uncompressed part (compressor ``none``, the common case) owns its
+   memory, as DDP's ``gradient_as_bucket_view``: one flat buffer of its parameters' dtype and
+   device (``Part.flat``), allocated at the plan, of which each gradient is a view (``Part.views``,
+   shaped as the parameter). At the plan the gradients are copied in and ``p.grad`` re-pointed to
+   its view; from then on backward accumulates into the view in place. Where ``p.grad`` is
+   anything else when its gradient is ready (``zero_grad(set_to_none=True)`` left it None and
+   backward made a new tensor; the user assigned one) it is copied in once and ``p.grad``
+   re-pointed (:func:`take_in`): at most one copy a gradient a step. The part travels as that
+   one tensor, which the engine reduces where it lies (a lone tensor is not packed), so the
+   reduced buffer is the gradients: no unpack. Compressed parts, the groups' buckets (made
+   before any shape is known to agree) and the gradients outside buckets keep the gradients
+   where backward made them and travel as a grouped operation.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from commlayer.compression import CompressorBase
+from commlayer.compression.auto import AutoCompressor
+
+if TYPE_CHECKING:
+    from commlayer.comm.auto_plan import AutoPlanner
+    from commlayer.comm.hierarchy import HostLevels
+    from commlayer.compression.auto import Hosts, Link
 
 Param = torch.nn.Parameter
 
 
 class Part(NamedTuple):
     """Gradients of one dtype and one compressor: one collective, named ``name``; compressed
-    once per host where ``per_host`` (comm/hierarchy.py)."""
+    once per host where ``per_host`` (comm/hierarchy.py). A planned uncompressed part owns its
+    memory (module docstring, 4.): ``flat``, of which ``views`` are the gradients."""
 
     params: list[Param]
     name: str
     compressor: CompressorBase
     per_host: bool = False
+    flat: torch.Tensor | None = None
+    views: tuple[torch.Tensor, ...] = ()
+
+    def gather(self) -> list[Param] | None:
+        """Make ``flat`` hold this step's gradients before it is sent: each parameter's that
+        is not its view already copied in (:func:`take_in`; zeros where it has none), zeros
+        for one that no longer requires grad (its ``p.grad``, if the view, detached first: it
+        stays as it was). Returns the parameters whose gradient was sparse (reduced dense);
+        None where a parameter no longer fits its view (its dtype, device or shape changed
+        since the plan): the part then travels as its gradients are, as an unplanned one, and
+        negotiation names what differs across ranks."""
+        if not all(map(fits, self.params, self.views)):
+            return None
+        sparse = []
+        for p, view in zip(self.params, self.views):
+            grad = p.grad
+            if grad is view:
+                if not p.requires_grad:
+                    p.grad = view.clone()
+                    view.zero_()
+                continue
+            if not p.requires_grad:
+                view.zero_()
+            elif take_in(p, view):
+                sparse.append(p)
+        return sparse
+
+
+def fits(p: Param, view: torch.Tensor) -> bool:
+    """Whether ``view`` (planned for ``p``) can still be its gradient."""
+    return p.dtype == view.dtype and p.shape == view.shape and p.device == view.device
+
+
+def take_in(p: Param, view: torch.Tensor) -> bool:
+    """``view`` as ``p``'s gradient: ``p.grad`` copied in (zeros where None) and re-pointed to
+    the view (module docstring, 4.); True where the gradient was sparse (it is reduced dense)."""
+    grad = p.grad
+    sparse = grad is not None and grad.is_sparse
+    if grad is None:
+        view.zero_()
+    elif sparse:
+        view.zero_()
+        view.add_(grad)
+    else:
+        view.copy_(grad)
+    p.grad = view
+    return sparse
+
+
+def owned_memory(
+    params: list[Param], compressor: CompressorBase
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """(flat buffer, views) for a part of ``params`` (one dtype) reduced uncompressed, on one
+    device; (None, ()) for a compressed one, which keeps the gradients where they are."""
+    devices = {p.device for p in params}
+    if not compressor.identity or isinstance(compressor, AutoCompressor) or len(devices) != 1:
+        return None, ()
+    numels = [p.numel() for p in params]
+    flat = torch.zeros(sum(numels), dtype=params[0].dtype, device=devices.pop())
+    views = tuple(piece.view(p.shape) for piece, p in zip(flat.split(numels), params, strict=True))
+    return flat, views
 
 
 class Bucket:
@@ -103,19 +184,82 @@ def bucket(
     compressor_of: dict[Param, CompressorBase],
     names: dict[Param, str],
     per_host: Callable[[CompressorBase], bool],
+    own: bool = False,
 ) -> Bucket:
     """``params`` as one bucket, a part (one collective) per dtype and compressor, each named
     ``grad.bucket[first..last]`` after its first and last gradients (``names``: each
     parameter's operation name); compressed once per host where ``per_host`` says for the
-    part's compressor."""
+    part's compressor. ``own``: uncompressed parts own their memory (module docstring, 4.)."""
     parts = []
     for members in cut(params, math.inf, compressor_of):
         first, last = (names[p].removeprefix("grad.") for p in (members[0], members[-1]))
         compressor = compressor_of[members[0]]
-        parts.append(
-            Part(members, f"grad.bucket[{first}..{last}]", compressor, per_host(compressor))
-        )
+        flat, views = owned_memory(members, compressor) if own else (None, ())
+        name = f"grad.bucket[{first}..{last}]"
+        parts.append(Part(members, name, compressor, per_host(compressor), flat, views))
     return Bucket(parts)
+
+
+def plan_buckets(
+    ready: list[Param],
+    late: list[Param],
+    names: dict[Param, str],
+    bucket_bytes: float,
+    choose: Callable[[Param], CompressorBase],
+    per_host: Callable[[CompressorBase], bool],
+    auto: AutoPlanner,
+    links: Callable[[], tuple[Link, Hosts | None]],
+    share: Callable[[Any], Any],
+    root: int,
+    rank: int,
+) -> list[Bucket]:
+    """The plan (2.), made on every rank alike: buckets in the process set's first rank's
+    ready order (``ready``, then ``late``: the gradients backward did not produce, in buckets
+    of their own; sparse ones are not passed), their uncompressed parts owning their memory
+    (4.). Where a bucket's compressor is auto, or its level is
+    (COMMLAYER_COMPRESSION_HIERARCHY=auto), every rank times the links now (``links``:
+    collectives), the first rank decides each such bucket's
+    compressor and whether it is compressed per host, and its decisions travel with the plan
+    (comm/auto_plan.py). ``share``: the first rank's object on every rank (a collective);
+    ``root``: that rank (a global rank), ``rank``: this one."""
+    order = [names[p] for p in ready + late]
+    split = len(ready)
+    by_name = {name: p for p, name in names.items()}
+    compressor_of = {p: choose(p) for p in names}
+    deciding = any(auto.decided(c) for c in compressor_of.values())
+    measured = links() if deciding else None
+    decisions = None
+    if measured is not None and rank == root:
+        decisions = auto.decide(plan(order, split, by_name, bucket_bytes, compressor_of), *measured)
+    order, split, decisions = share((order, split, decisions))
+    planned = []
+    for index, params in enumerate(plan(order, split, by_name, bucket_bytes, compressor_of)):
+        compressor = compressor_of[params[0]]
+        level = per_host
+        if auto.decided(compressor):
+            compressor, decided = auto.resolve(index, compressor, decisions, root)
+            level = functools.partial(_fixed, decided)
+        planned.append(bucket(params, dict.fromkeys(params, compressor), names, level, own=True))
+    return planned
+
+
+def _fixed(value: bool, _: CompressorBase) -> bool:
+    return value
+
+
+def assign_leaders(levels: HostLevels | None, buckets: list[Bucket]) -> None:
+    """The leading index of each part compressed per host, by bytes (every rank alike: the
+    buckets are the same everywhere); nothing without per-host ``levels``."""
+    if levels is None:
+        return
+    levels.assign(
+        [
+            (part.name, sum(p.numel() * p.element_size() for p in part.params))
+            for bucket in buckets
+            for part in bucket.parts
+            if part.per_host
+        ]
+    )
 
 
 def checked_groups(
@@ -166,6 +310,7 @@ class Bucketer:
         "groups",
         "buckets",
         "bucket_of",
+        "view_of",
         "unsent",
         "unsent_bytes",
         "order",
@@ -176,15 +321,28 @@ class Bucketer:
         self.groups = list(groups or [])
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[Param, Bucket] = {}
+        self.view_of: dict[Param, torch.Tensor] = {}  # a gradient's place in its part's memory
         self.unsent: list[Param] = []  # ready, waiting outside buckets
         self.unsent_bytes = 0
         self.order: list[Param] | None = None
         self.restart()
 
     def install(self, planned: list[Bucket]) -> None:
-        """Use ``planned`` (after the groups) from the next gradient on; stop recording."""
+        """Use ``planned`` (after the groups) from the next gradient on; stop recording. The
+        gradients of parts that own their memory move there now (4.: copied in, ``p.grad``
+        re-pointed), where they are dense; a missing or sparse one is taken in when ready."""
         self.buckets = self.groups + planned
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.view_of = {
+            p: view
+            for b in self.buckets
+            for part in b.parts
+            for p, view in zip(part.params, part.views)
+        }
+        for p, view in self.view_of.items():
+            grad = p.grad
+            if grad is not None and grad is not view and not grad.is_sparse and fits(p, view):
+                take_in(p, view)
         self.order = None
 
     def ready(self, p: Param) -> Bucket | list[Param] | None:

@@ -4,8 +4,12 @@ Many small gradients waste latency and one huge buffer delays the start, so read
 packed in the order all ranks agreed on into buckets of at most ``fusion_threshold_bytes``. A
 tensor alone in its bucket is reduced where it lies (no copy), and so is a bucket of large
 tensors that the shared-memory window reduces (``pieces``: the window copies in and out
-anyway). Scaling (prescale, postscale and Average's 1/n) is folded into the pack and unpack
-copies, so it costs no extra pass.
+anyway). Where a bucket would be packed, an operation of one large tensor (``ALONE_NUMEL``
+elements or more: a planned bucket of DistributedOptimizer, which owns its memory,
+comm/bucketer.py; a DDP bucket) is reduced alone where it lies instead (runners/allreduce.py):
+it is one buffer already, and packing it with others would copy every byte in and out to
+save one collective's latency. Scaling (prescale, postscale and Average's 1/n) is folded
+into the pack and unpack copies, so it costs no extra pass.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ class Entry:
     # this holds (sources, outputs, numel of each); pack is one torch.cat and unpack one
     # split_with_sizes_copy, instead of a Python step per tensor.
     group: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None = None
+    # An operation's one large tensor (``ALONE_NUMEL``): not packed with others, decided from
+    # the negotiated response alone, so that every rank (a joined one too) decides the same.
+    alone: bool = False
 
 
 def plan_buckets(
@@ -91,6 +98,7 @@ def pack(bucket: list[Entry], buf: torch.Tensor) -> None:
 
 
 ONE_PASS_NUMEL = 1 << 16  # mean elements per tensor from which a step per tensor pays off
+ALONE_NUMEL = ONE_PASS_NUMEL  # elements from which an operation's one tensor is not packed
 
 
 def per_tensor(total_numel: int, count: int) -> bool:

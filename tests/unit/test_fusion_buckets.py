@@ -353,3 +353,42 @@ def test_buckets_that_must_be_packed(why: str) -> None:
     else:
         bucket[1].group = ([torch.zeros(1 << 16)], [torch.zeros(1 << 16)], [1 << 16])
     assert fusion.pieces(bucket, dtype) is None
+
+
+# -- an operation of one large tensor is reduced alone (runners/allreduce.py, 4.) ------------------
+def test_one_large_tensor_operations_are_not_packed_with_others() -> None:
+    """Fused in one cycle under a threshold that holds them all: the small ones packed together
+    (one collective), each one-tensor operation of ``ALONE_NUMEL`` elements alone, in place."""
+    big = fusion.ALONE_NUMEL
+    sizes = [10, big, 3, big + 1]
+    for results, operations in fused_run(1 << 30, sizes):
+        assert operations == 3
+        for n, out in zip(sizes, results):
+            assert torch.equal(out, torch.full((n,), 6.0))
+
+
+def test_a_joined_rank_parts_one_large_tensor_operations_alike() -> None:
+    """Rank 2 joined (its entries are zeros it packs): the parts, and so the collectives, are
+    the same on every rank, decided from the responses alone."""
+    big = fusion.ALONE_NUMEL
+
+    def fn(engine: Engine) -> Any:
+        value = float(engine.rank + 1)
+        if engine.rank == 2:
+            engine.start()
+            wait(engine.join())
+            return None
+        handles = [
+            engine.submit(allreduce(f"t{i}", torch.full((n,), value)))
+            for i, n in enumerate([big, 5, big])
+        ]
+        engine.start()
+        results = [wait(h) for h in handles]
+        wait(engine.join())
+        return results, engine.stats.operations
+
+    for result in run_engines(3, fn, start=False, fusion_threshold_bytes=1 << 30)[:2]:
+        results, operations = result
+        assert operations == 3
+        for n, out in zip([big, 5, big], results):
+            assert torch.equal(out, torch.full((n,), 3.0))  # ranks 0 and 1; rank 2 gives 0

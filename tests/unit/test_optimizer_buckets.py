@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from commlayer.comm.bucketer import Bucket, Bucketer, Part, cut, split_groups
+from commlayer.comm.bucketer import Bucket, Bucketer, Part, bucket, cut, split_groups, take_in
 from commlayer.compression import create
 
 
@@ -82,3 +82,67 @@ def test_bucketer_groups_are_buckets_from_the_start_and_stay_on_restart() -> Non
     bucketer.install([_bucket([c])])
     bucketer.restart()
     assert bucketer.buckets == [group] and bucketer.order == [] and bucketer.unsent == []
+
+
+# -- buckets that own their memory (4.) -----------------------------------------------------------
+def _names(params: list[nn.Parameter]) -> dict[nn.Parameter, str]:
+    return {p: f"grad.{i}" for i, p in enumerate(params)}
+
+
+def _owned(params: list[nn.Parameter], compressor: str = "none") -> Bucket:
+    chosen = create(compressor)
+    return bucket(params, dict.fromkeys(params, chosen), _names(params), lambda c: False, own=True)
+
+
+def test_an_uncompressed_planned_part_owns_one_flat_buffer_its_gradients_are_views_of() -> None:
+    a = nn.Parameter(torch.zeros(2, 3))
+    b = nn.Parameter(torch.zeros(4))
+    c = nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    owned = _owned([a, b, c])
+    f32, f64 = owned.parts  # one part a dtype
+    assert f32.flat is not None and f32.flat.shape == (10,) and f32.flat.dtype == torch.float32
+    assert [v.shape for v in f32.views] == [(2, 3), (4,)]
+    assert f32.views[1].data_ptr() == f32.flat.data_ptr() + 6 * 4  # b's slice follows a's
+    assert f64.flat is not None and f64.flat.dtype == torch.float64
+    compressed = _owned([a, b], "fp16")
+    assert compressed.parts[0].flat is None and compressed.parts[0].views == ()
+    assert _bucket([a, b]).parts[0].flat is None  # not planned (groups=): no memory of its own
+
+
+def test_install_moves_the_gradients_in_and_take_in_copies_once_and_re_points() -> None:
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))
+    a.grad = torch.tensor([1.0, 2.0, 3.0])
+    bucketer = Bucketer(1 << 20)
+    owned = _owned([a, b])
+    bucketer.install([owned])
+    part = owned.parts[0]
+    assert a.grad is part.views[0] and b.grad is None  # b had none: left None
+    assert part.flat is not None and part.flat[:3].tolist() == [1.0, 2.0, 3.0]
+    b.grad = torch.tensor([4.0, 5.0])  # as backward makes it after zero_grad(set_to_none=True)
+    assert take_in(b, bucketer.view_of[b]) is False
+    assert b.grad is part.views[1] and part.flat.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[1]]), torch.tensor([7.0]), (3,), check_invariants=True
+    )
+    a.grad = sparse
+    assert take_in(a, part.views[0]) is True  # reduced dense, given back sparse by the caller
+    assert a.grad is part.views[0] and part.flat[:3].tolist() == [0.0, 7.0, 0.0]
+
+
+def test_gather_makes_the_buffer_hold_this_steps_gradients_never_a_stale_one() -> None:
+    a, b, c, d = (nn.Parameter(torch.zeros(2)) for _ in range(4))
+    owned = _owned([a, b, c, d])
+    part = owned.parts[0]
+    assert part.flat is not None
+    part.flat.fill_(9.0)  # last step's reduced gradients
+    a.grad = part.views[0]  # kept (zero_grad(set_to_none=False) zeroed it in place) ...
+    a.grad.zero_()
+    b.grad = None  # no gradient this step: zeros
+    c.grad = torch.tensor([3.0, 4.0])  # assigned by the user: copied in
+    d.requires_grad_(False)  # stopped requiring grad: zeros, its stale gradient kept as it was
+    d.grad = part.views[3]
+    stale = d.grad
+    assert part.gather() == []
+    assert part.flat.tolist() == [0.0, 0.0, 0.0, 0.0, 3.0, 4.0, 0.0, 0.0]
+    assert a.grad is part.views[0] and b.grad is part.views[1] and c.grad is part.views[2]
+    assert d.grad is not stale and d.grad.tolist() == [9.0, 9.0]

@@ -2,7 +2,8 @@
 
 1. ``entries`` turns each negotiated operation into fusion entries: a tensor each, except a
    group of small tensors that fits a bucket, which is one entry (one cat, one split), decided
-   from the response alone so that every rank (a joined one included) plans the same buckets.
+   from the response alone so that every rank (a joined one included) plans the same buckets;
+   an operation of one large tensor (``fusion.ALONE_NUMEL``) is marked ``alone``.
 2. ``FusedAllreduce.run`` cuts the entries into buckets of at most the fusion threshold
    (fusion.plan_buckets) and reduces each the cheapest way: through the shared-memory window
    where the tensors lie (fusion.pieces), in place for a lone tensor, else packed into a pooled
@@ -23,6 +24,11 @@
    MPI (progress only while tested, and the window on one node) buckets are packed and waited
    for one by one, and so they are over gloo where a machine runs more ranks than it has cores
    (``_splits``: each allreduce a split adds then costs more than the copies it saves).
+4. Everywhere, a bucket that would be packed reduces its ``alone`` entries (an operation of one
+   large tensor, such as a planned bucket of DistributedOptimizer, which owns its memory)
+   each where it lies, after its other entries packed together (``_alone``): it is one buffer
+   already, a copy in and out of it would cost more than the collective it saves, and
+   DistributedOptimizer's planned buckets are sent as such (comm/bucketer.py, 4.).
 """
 
 from __future__ import annotations
@@ -75,10 +81,12 @@ def entries(
             scale = op.postscale * average
             return [fusion.Entry(None, None, total, op.prescale, scale, op, group)]
     entries = []
+    single = len(response.shapes) == 1
     for index, shape in enumerate(response.shapes):
         numel = math.prod(shape)
+        alone = single and numel >= fusion.ALONE_NUMEL  # one buffer already: not packed
         if op is None:
-            entries.append(fusion.Entry(None, None, numel))
+            entries.append(fusion.Entry(None, None, numel, alone=alone))
         else:
             entries.append(
                 fusion.Entry(
@@ -88,6 +96,7 @@ def entries(
                     op.prescale,
                     op.postscale * average,
                     op,
+                    alone=alone,
                 )
             )
     if op is not None:
@@ -165,10 +174,11 @@ class FusedAllreduce:
                 self._host.wait(request)
                 self._finish(_Part(bucket, None, False, request, t0, t1), backend, element)
                 continue
-            whole = not split or self._allreduce.windowed(
+            alone = not split and any(e.alone for e in bucket)
+            whole = not (split or alone) or self._allreduce.windowed(
                 backend, sum(e.numel for e in bucket), element
             )
-            for part in (bucket,) if whole else _split(bucket):
+            for part in (bucket,) if whole else _alone(bucket) if alone else _split(bucket):
                 t0 = time.perf_counter()
                 if len(part) == 1 and part[0].output is not None:
                     buf, send = _in_place(part[0])
@@ -257,6 +267,14 @@ def _in_place(entry: fusion.Entry) -> tuple[torch.Tensor, torch.Tensor | None]:
         fusion.scale_(entry.output, entry.prescale)
         send = None
     return entry.output.view(-1), None if send is None else send.reshape(-1)
+
+
+def _alone(bucket: list[fusion.Entry]) -> list[list[fusion.Entry]]:
+    """A bucket that would be packed as parts to reduce: its entries ``alone`` (an operation's
+    one large tensor) each where it lies, after the others packed together; decided from the
+    responses alone, so every rank (a joined one too) parts alike."""
+    rest = [e for e in bucket if not e.alone]
+    return ([rest] if rest else []) + [[e] for e in bucket if e.alone]
 
 
 def _split(bucket: list[fusion.Entry]) -> list[list[fusion.Entry]]:
