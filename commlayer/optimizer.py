@@ -262,16 +262,6 @@ class _Reducer:
             )
         self.synchronized = self.user_synchronized = False
         self.passes[p] = passes
-        view = self.bucketer.view_of.get(p)
-        if (
-            view is not None
-            and p.grad is not view
-            and bucket_plan.fits(p, view)
-            and bucket_plan.take_in(p, view)
-        ):
-            # a new gradient (zero_grad(set_to_none=True), or assigned): copied into its
-            # bucket's memory once, where the next backward passes accumulate
-            self.resparsify.add(p)
         if passes < self.passes_per_step:
             return
         self.ready += 1
