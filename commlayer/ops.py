@@ -87,6 +87,36 @@ def _resolve_op(
 
 
 # -- allreduce -----------------------------------------------------------------------------------
+
+
+def _allreduce(
+    name: str | None,
+    inputs: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    process_set: ProcessSet,
+    op: ReduceOp | None,
+    average: bool | None,
+    prescale: float,
+    postscale: float,
+    finish: Callable[[Any], Any],
+) -> Handle:
+    """The allreduce forms' request (their tensors checked): the operator resolved, Average by
+    default, combining operators (Adasum) allowed."""
+    return submit(
+        Request(
+            ALLREDUCE,
+            name,
+            inputs,
+            outputs,
+            process_set,
+            op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
+            prescale=prescale,
+            postscale=postscale,
+            finish=finish,
+        )
+    )
+
+
 def allreduce_async(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -99,19 +129,10 @@ def allreduce_async(
     """Start an allreduce of ``tensor`` (not modified); synchronize() returns a new tensor."""
     source = check_tensor(tensor, "allreduce").contiguous()
     output = torch.empty_like(source)
-    return submit(
-        Request(
-            ALLREDUCE,
-            name,
-            [source],
-            [output],
-            process_set,
-            op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
-            prescale=prescale_factor,
-            postscale=postscale_factor,
-            finish=lambda outs: outs[0],
-        )
-    )
+    return _allreduce(
+        name, [source], [output], process_set, op, average, prescale_factor,
+        postscale_factor, lambda outs: outs[0],
+    )  # fmt: skip
 
 
 def allreduce_async_(
@@ -125,19 +146,10 @@ def allreduce_async_(
 ) -> Handle:
     """Start an in-place allreduce; synchronize() returns ``tensor`` holding the result."""
     work, finish = in_place(tensor, "allreduce_")
-    return submit(
-        Request(
-            ALLREDUCE,
-            name,
-            [work],
-            [work],
-            process_set,
-            op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
-            prescale=prescale_factor,
-            postscale=postscale_factor,
-            finish=finish,
-        )
-    )
+    return _allreduce(
+        name, [work], [work], process_set, op, average, prescale_factor,
+        postscale_factor, finish,
+    )  # fmt: skip
 
 
 def allreduce_(
@@ -170,19 +182,10 @@ def grouped_allreduce_async(
         sources = [check_tensor(t, "grouped_allreduce").contiguous() for t in tensors]
         check_group(sources, "grouped_allreduce")
     outputs = [torch.empty_like(s) for s in sources]
-    return submit(
-        Request(
-            ALLREDUCE,
-            name,
-            sources,
-            outputs,
-            process_set,
-            op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
-            prescale=prescale_factor,
-            postscale=postscale_factor,
-            finish=list,
-        )
-    )
+    return _allreduce(
+        name, sources, outputs, process_set, op, average, prescale_factor,
+        postscale_factor, list,
+    )  # fmt: skip
 
 
 def grouped_allreduce_async_(
@@ -196,19 +199,10 @@ def grouped_allreduce_async_(
 ) -> Handle:
     """In-place grouped allreduce."""
     works, done = in_place_group(tensors, "grouped_allreduce_")
-    return submit(
-        Request(
-            ALLREDUCE,
-            name,
-            works,
-            works,
-            process_set,
-            op=_resolve_op(op, average, ReduceOp.Average, ALLREDUCE_OPS),
-            prescale=prescale_factor,
-            postscale=postscale_factor,
-            finish=done,
-        )
-    )
+    return _allreduce(
+        name, works, works, process_set, op, average, prescale_factor,
+        postscale_factor, done,
+    )  # fmt: skip
 
 
 def grouped_allreduce_(
