@@ -43,12 +43,13 @@
    whole path there too, for benchmarks and tests. Ranks outside the process set are identity
    wrappers too (Horovod: their gradients stay local).
 7. A planned bucket's uncompressed part owns its memory (comm/bucketer.py, 4.): from the plan
-   on, ``p.grad`` is a view of the part's flat buffer, backward accumulates into it, and the
-   hook copies a gradient in once where ``p.grad`` was something else (None after
-   ``zero_grad(set_to_none=True)``, which keeps torch's meaning: ``p.grad`` is None after it;
-   or a tensor the user assigned). The part is reduced as that one tensor, so after ``step()``
-   ``p.grad`` is the reduced view. The groups' buckets keep the gradients where backward made
-   them (their reduction is one grouped operation a part, as Horovod's).
+   on, ``p.grad`` is a view of the part's flat buffer, backward accumulates into it, and a
+   gradient is copied in once, when its part is sent, where ``p.grad`` was something else
+   (None after ``zero_grad(set_to_none=True)``, which keeps torch's meaning: ``p.grad`` is
+   None after it; or a tensor the user assigned): the hooks stay counters. The part is
+   reduced as that one tensor, so after ``step()`` ``p.grad`` is the reduced view. The groups'
+   buckets keep the gradients where backward made them (their reduction is one grouped
+   operation a part, as Horovod's).
 """
 
 from __future__ import annotations

@@ -322,7 +322,6 @@ class Bucketer:
         "groups",
         "buckets",
         "bucket_of",
-        "view_of",
         "unsent",
         "unsent_bytes",
         "order",
@@ -333,7 +332,6 @@ class Bucketer:
         self.groups = list(groups or [])
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[Param, Bucket] = {}
-        self.view_of: dict[Param, torch.Tensor] = {}  # a gradient's place in its part's memory
         self.unsent: list[Param] = []  # ready, waiting outside buckets
         self.unsent_bytes = 0
         self.order: list[Param] | None = None
@@ -345,17 +343,21 @@ class Bucketer:
         re-pointed), where they are dense; a missing or sparse one is taken in when ready."""
         self.buckets = self.groups + planned
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self.view_of = {
-            p: view
-            for b in self.buckets
-            for part in b.parts
-            for p, view in zip(part.params, part.views)
-        }
         for p, view in self.view_of.items():
             grad = p.grad
             if grad is not None and grad is not view and not grad.is_sparse and fits(p, view):
                 take_in(p, view)
         self.order = None
+
+    @property
+    def view_of(self) -> dict[Param, torch.Tensor]:
+        """Each gradient's place in its part's memory (parts that own theirs, 4.)."""
+        return {
+            p: view
+            for b in self.buckets
+            for part in b.parts
+            for p, view in zip(part.params, part.views)
+        }
 
     def ready(self, p: Param) -> Bucket | list[Param] | None:
         """Count ``p``'s gradient as final: its bucket if that is now complete, the gradients
