@@ -16,6 +16,10 @@
    (``COMMLAYER_FORCE_FULL_PATH``; else they are the identity there, as Horovod): these tests
    check that path at every size, a 1-rank run included. test_one_rank.py checks the identity,
    with the switch off.
+6. When the engine aborts the job (its collective watchdog: ``backend.abort``, which ends the
+   process at once), the reason would go to pytest's captured stderr and be lost with the
+   process. So the backends' ``abort`` first writes the reason, the running test and every
+   thread's stack to the process's own stderr.
 
 Run it as ``pytest tests/parallel`` (so this conftest is loaded before pytest configures).
 """
@@ -38,6 +42,9 @@ _DEFAULT_TIMEOUT_S = 120.0
 _TIMER_KEY = pytest.StashKey[threading.Timer]()
 # Ranks != 0: the process's stderr, duplicated before pytest captures fd 2 during tests.
 _rank_stderr: TextIO | None = None
+# Every rank: the same, for an abort's report (6. in the module docstring).
+_job_stderr: TextIO | None = None
+_running_test = "(between tests)"
 
 
 class _TorchWorld:
@@ -86,9 +93,48 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.timeout = _DEFAULT_TIMEOUT_S
     if config.getoption("timeout_method", None) is None:
         config.option.timeout_method = "thread"
+    _install_abort_report()
     if _world().rank != 0:
         _rank_stderr = os.fdopen(os.dup(sys.stderr.fileno()), "w")
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  the terminal reporter's, for good
+
+
+def _install_abort_report() -> None:
+    """6. in the module docstring: both backends' ``abort`` report before they end the job."""
+    global _job_stderr
+    _job_stderr = os.fdopen(os.dup(sys.stderr.fileno()), "w")
+    from commlayer.backends import torch_distributed
+
+    classes: list[Any] = [torch_distributed.TorchBackend]
+    if not under_torchrun():
+        from commlayer.backends import mpi as mpi_backend
+
+        classes.append(mpi_backend.MPIBackend)
+    for cls in classes:
+        _wrap_abort(cls)
+
+
+def _wrap_abort(cls: Any) -> None:
+    abort = cls.abort
+
+    def reporting_abort(self: Any, reason: str) -> None:
+        assert _job_stderr is not None
+        _job_stderr.write(
+            f"[rank {_world().rank}] ABORT during {_running_test}: {reason}\nstacks of all "
+            "threads:\n"
+        )
+        _job_stderr.flush()
+        faulthandler.dump_traceback(file=_job_stderr, all_threads=True)
+        _job_stderr.flush()
+        abort(self, reason)
+
+    cls.abort = reporting_abort
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    global _running_test
+    _running_test = nodeid
 
 
 def pytest_report_header(config: pytest.Config) -> str:
