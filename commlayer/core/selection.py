@@ -213,6 +213,15 @@ class Allreducer:
         joined rank, which packs its zeros, too)."""
         return backend.size > 1 and self._next(backend, numel, element_size)[0] == "shm"
 
+    def runs_alone(self, backend: Backend, numel: int, element_size: int) -> bool:
+        """Whether the next call for a host buffer of ``numel`` elements must run alone (the
+        ``start`` of it would call ``before_alone``), asked before it is posted: a planned lane
+        (core/planned.py) posts it only once nothing else of its own is in flight."""
+        if backend.size == 1:
+            return False
+        name, key = self._next(backend, numel, element_size)
+        return name != NATIVE_ALLREDUCE or (key is not None and self._tuner.measures(key))
+
     def _inter(self, cross: Backend, part: torch.Tensor, op: ReduceOp) -> Request:
         """The leg across nodes of the two-level hierarchical: ``hierarchical.INTER``, as in
         the schedule form (the ranks of ``cross`` are one per node, so a flat topology)."""

@@ -1,0 +1,211 @@
+"""Planned lanes (core/planned.py): a plan's buckets reduced in plan order without negotiation,
+each reduction checking through its tail that every rank sent the same step and part."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from commlayer.common.errors import CommlayerError, TensorMismatchError
+from commlayer.common.reduce_ops import ReduceOp
+from commlayer.core import planned
+from commlayer.core.engine import Engine, Operation
+from commlayer.core.negotiation import ALLREDUCE, REGISTER, Announce, Registration
+from tests.unit.engine_harness import WAIT_S, allreduce, run_engines, wait
+
+F32 = torch.float32
+
+
+# -- the tail (pure) -------------------------------------------------------------------------------
+def _reduced(slots: list[tuple[int, ...] | None], dtype: torch.dtype = F32) -> torch.Tensor:
+    """The tail every rank reads after a Sum: each rank's slot in its place (None: zeros)."""
+    size = len(slots)
+    total = torch.zeros(planned.tail_numel(size), dtype=dtype)
+    for rank, slot in enumerate(slots):
+        mine = torch.zeros_like(total)
+        if slot is not None:
+            planned.write_tail(mine, rank, slot)
+        total += mine
+    return total
+
+
+def test_every_rank_reads_every_ranks_codes_and_agreement_passes() -> None:
+    slot = planned.codes(5, 7, 2, F32)
+    assert slot == (1, 5, 7, 3)
+    read = planned.read_tail(_reduced([slot, slot, None]), 3)
+    assert read == [slot, slot, None]  # a joined rank's zeros: absent, not a disagreement
+    assert planned.disagreement("b", read) is None
+
+
+def test_a_rank_a_step_behind_is_named_with_each_ranks_step() -> None:
+    ahead, behind = planned.codes(1, 8, 0, F32), planned.codes(1, 7, 0, F32)
+    read = planned.read_tail(_reduced([ahead, behind, ahead]), 3)
+    problem = planned.disagreement("grad.bucket[a..b]", read)
+    assert problem is not None
+    assert "rank(s) [0, 2] at lane epoch 1, step 8, part 0" in problem
+    assert "rank(s) [1] at lane epoch 1, step 7, part 0" in problem
+
+
+def test_a_part_not_sent_as_planned_names_its_rank() -> None:
+    sent, not_sent = planned.codes(1, 3, 1, F32), planned.codes(1, -1, 1, F32)
+    read = planned.read_tail(_reduced([sent, not_sent]), 2)
+    problem = planned.disagreement("b", read)
+    assert problem is not None and "rank(s) [1] could not send it as planned" in problem
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_codes_are_exact_in_every_floating_dtype(dtype: torch.dtype) -> None:
+    """Codes are taken modulo what the dtype holds exactly: a large step still reads back."""
+    m = planned.modulus(dtype)
+    slot = planned.codes(m + 3, 10 * m + 5, 1000, dtype)
+    read = planned.read_tail(_reduced([slot] * 4, dtype), 4)
+    assert read == [slot] * 4
+    assert all(v < m for v in slot)
+
+
+# -- lanes in the engine (thread ranks) ------------------------------------------------------------
+def _open(engine: Engine, parts: list[tuple[int, str]]) -> int:
+    spec = planned.LaneSpec(tuple(parts))
+    announce = Announce("lane", REGISTER, "uint8", (), registration=Registration(lane=spec))
+    return int(wait(engine.submit(Operation(announce, [], []))))
+
+
+def _part(
+    name: str, lane: int, index: int, step: int, grads: torch.Tensor, size: int, op: ReduceOp
+) -> Operation:
+    flat = torch.cat([grads, torch.zeros(planned.tail_numel(size))])
+    announce = Announce(name, ALLREDUCE, "float32", ((flat.numel(),),), int(op))
+    return Operation(
+        announce, [flat], [flat], finish=lambda outs: outs[0], planned=(lane, index, step)
+    )
+
+
+def test_planned_parts_run_in_plan_order_without_negotiation() -> None:
+    """Rank 1 submits part 1 before part 0 (its backward order differs): it is posted after
+    part 0, so every rank's lane matches; three steps cost no cycle beyond the heartbeats."""
+    steps = 3
+
+    def fn(engine: Engine) -> tuple[list[torch.Tensor], int]:
+        size = engine.size
+        lane = _open(engine, [(3, "float32"), (2, "float32")])
+        cycles = engine.stats.cycles
+        results = []
+        for step in range(steps):
+            v = float(engine.rank + 1 + 10 * step)
+            a = _part("a", lane, 0, step, torch.full((3,), v), size, ReduceOp.Average)
+            b = _part("b", lane, 1, step, torch.full((2,), -v), size, ReduceOp.Sum)
+            order = [b, a] if engine.rank == 1 else [a, b]
+            engine.submit_all(order)
+            results += [wait(a.handle)[:3].clone(), wait(b.handle)[:2].clone()]
+        assert engine._lanes.lanes[lane].posted == 2 * steps  # all on the lane
+        return results, engine.stats.cycles - cycles
+
+    outcomes = run_engines(2, fn)
+    for results, cycles in outcomes:
+        for step in range(steps):
+            mean = (1 + 2 + 20 * step) / 2
+            assert torch.equal(results[2 * step], torch.full((3,), mean))
+            assert torch.equal(results[2 * step + 1], torch.full((2,), -(3.0 + 20 * step)))
+        # heartbeats only (25 ms each at these settings); negotiated, 6 operations take >= 3
+        assert cycles <= 2, cycles
+
+
+def test_a_rank_at_another_step_fails_every_rank_naming_the_ranks() -> None:
+    def fn(engine: Engine) -> str:
+        lane = _open(engine, [(4, "float32")])
+        step = 5 if engine.rank == 2 else 4
+        op = _part("x", lane, 0, step, torch.ones(4), engine.size, ReduceOp.Sum)
+        engine.submit(op)
+        with pytest.raises(TensorMismatchError) as info:
+            wait(op.handle)
+        # the lane stays in step: the next reduction works
+        ok = _part("y", lane, 0, 6, torch.ones(4), engine.size, ReduceOp.Sum)
+        engine.submit(ok)
+        assert torch.equal(wait(ok.handle)[:4], torch.full((4,), 3.0))
+        return str(info.value)
+
+    for rank, message in enumerate(run_engines(3, fn)):
+        assert message.startswith(f"rank {rank}: planned bucket 'x'"), message
+        assert "rank(s) [0, 1] at lane epoch 1, step 4" in message
+        assert "rank(s) [2] at lane epoch 1, step 5" in message
+
+
+def test_a_lane_waiting_on_a_peer_does_not_block_the_negotiation() -> None:
+    """Rank 0 posts its planned part, then runs a negotiated allreduce and waits for it;
+    rank 1 first waits for that negotiated allreduce, and only then submits its planned
+    part. An engine blocked on either communicator would deadlock here."""
+    negotiated = threading.Event()
+
+    def fn(engine: Engine) -> tuple[torch.Tensor, torch.Tensor]:
+        lane = _open(engine, [(2, "float32")])
+        part = _part("p", lane, 0, 0, torch.full((2,), 1.0 + engine.rank), 2, ReduceOp.Sum)
+        if engine.rank == 0:
+            engine.submit(part)
+            other = wait(engine.submit(allreduce("n", torch.ones(2))))
+            negotiated.set()
+        else:
+            other = wait(engine.submit(allreduce("n", torch.ones(2))))
+            assert negotiated.wait(WAIT_S)
+            engine.submit(part)
+        return other, wait(part.handle)[:2].clone()
+
+    for other, mine in run_engines(2, fn):
+        assert torch.equal(other, torch.full((2,), 2.0))
+        assert torch.equal(mine, torch.full((2,), 3.0))
+
+
+@pytest.mark.parametrize("join_mode", ["horovod", "active"])
+def test_a_join_freezes_the_lane_and_the_joined_rank_posts_zeros(join_mode: str) -> None:
+    """Rank 2 joins after one step; ranks 0 and 1 have posted the next step's part already or
+    post it later: the joined rank matches it with zeros (Average by join mode), and what
+    follows is negotiated; after every rank joined, planned parts keep working, negotiated."""
+    first_step = threading.Barrier(3)
+
+    def fn(engine: Engine) -> dict[str, Any]:
+        lane = _open(engine, [(2, "float32")])
+        size = engine.size
+        out: dict[str, Any] = {}
+        op = _part("s0", lane, 0, 0, torch.full((2,), 1.0), size, ReduceOp.Average)
+        engine.submit(op)
+        out["s0"] = wait(op.handle)[:2].clone()
+        first_step.wait(WAIT_S)
+        if engine.rank != 2:
+            for step in (1, 2):
+                op = _part(f"s{step}", lane, 0, step, torch.full((2,), 3.0), size, ReduceOp.Average)
+                engine.submit(op)
+                out[f"s{step}"] = wait(op.handle)[:2].clone()
+        out["last"] = wait(engine.join())
+        out["frozen"] = engine._lanes.frozen
+        op = _part("after", lane, 0, 3, torch.full((2,), 1.0), size, ReduceOp.Sum)
+        engine.submit(op)
+        out["after"] = wait(op.handle)[:2].clone()
+        return out
+
+    outcomes = run_engines(3, fn, join_mode=join_mode)
+    divisor = 3 if join_mode == "horovod" else 2
+    for rank, out in enumerate(outcomes):
+        assert torch.equal(out["s0"], torch.ones(2))
+        assert torch.equal(out["after"], torch.full((2,), 3.0))
+        assert out["frozen"]
+        if rank != 2:
+            for step in (1, 2):
+                assert torch.equal(out[f"s{step}"], torch.full((2,), 6.0 / divisor)), out
+
+
+def test_the_engine_stopping_fails_the_parts_on_the_lane() -> None:
+    def fn(engine: Engine) -> BaseException | None:
+        lane = _open(engine, [(2, "float32")])
+        if engine.rank == 1:
+            engine.shutdown(timeout_s=WAIT_S)
+            return None
+        op = _part("p", lane, 0, 0, torch.ones(2), 2, ReduceOp.Sum)
+        engine.submit(op)
+        with pytest.raises(CommlayerError) as info:
+            wait(op.handle)
+        return info.value
+
+    errors = run_engines(2, fn)
+    assert "shut down" in str(errors[0]), errors[0]
