@@ -258,7 +258,9 @@ class Lanes:
             zeros = torch.zeros(numel + tail_numel(backend.size), dtype=getattr(torch, dtype))
             request, _ = self._allreduce.start(backend, None, zeros, ReduceOp.Sum)
             self._host.wait_request(request)
-        if not self.frozen:
+        if self.frozen:  # a join froze this engine's lanes: the plan is negotiated (5.)
+            backend.close()
+        else:
             self.lanes[ident] = lane
         return ident
 
@@ -267,8 +269,8 @@ class Lanes:
         """Queue a planned operation on its lane; False: negotiate it (the lane is gone, or
         frozen at or before its position)."""
         lane = self.lanes.get(op.planned[0])
-        if lane is None or not lane.take(op):
-            return False
+        if lane is None or self.joined or not lane.take(op):
+            return False  # a joined rank's operations are negotiated (5.)
         self._busy = self._dirty = True
         return True
 
@@ -413,8 +415,8 @@ class Lanes:
     def freeze(self, furthest: dict[int, int]) -> list[Any]:
         """Freeze every lane at ``furthest`` (the ranks' furthest position; a joined rank
         posts zeros up to it). Returns the operations taken at or after it, which the engine
-        negotiates instead. The lanes then close once drained. Under the engine's lock
-        (``take`` changes the same tables)."""
+        negotiates instead. A frozen lane stays, drained, for the engine's life (nothing is
+        posted on it again). Under the engine's lock (``take`` changes the same tables)."""
         self.frozen = True
         moved: list[Any] = []
         for ident, lane in self.lanes.items():
@@ -425,14 +427,6 @@ class Lanes:
                 moved.append(op)
         self._busy = True
         return moved
-
-    def take_after_freeze(self) -> None:
-        """Drop the lanes that are drained (frozen: nothing more will be posted on them)."""
-        for ident in [i for i, lane in self.lanes.items() if lane.limit is not None]:
-            lane = self.lanes[ident]
-            if not lane.busy(self.joined) and not lane.waiting:
-                lane.backend.close()
-                del self.lanes[ident]
 
     def fail_all(self) -> list[Any]:
         """Every operation still queued or in flight (the engine stopping)."""

@@ -4,12 +4,13 @@ each reduction checking through its tail that every rank sent the same step and 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 
-from commlayer.common.errors import CommlayerError, TensorMismatchError
+from commlayer.common.errors import CommlayerError, StallError, TensorMismatchError
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.core import planned
 from commlayer.core.engine import Engine, Operation
@@ -209,3 +210,48 @@ def test_the_engine_stopping_fails_the_parts_on_the_lane() -> None:
 
     errors = run_engines(2, fn)
     assert "shut down" in str(errors[0]), errors[0]
+
+
+def test_a_lane_of_a_process_set_beside_the_global_negotiation() -> None:
+    """A lane on the set {0, 2}: rank 1, outside it, runs global operations meanwhile."""
+
+    def fn(engine: Engine) -> list[torch.Tensor]:
+        set_id, _ = engine.register_process_set([0, 2])
+        engine.start()
+        out = []
+        if engine.rank != 1:
+            spec = planned.LaneSpec(((2, "float32"),))
+            announce = Announce("lane", REGISTER, "uint8", (), registration=Registration(lane=spec))
+            lane = int(wait(engine.submit(Operation(announce, [], [], set_id))))
+            for step in range(3):
+                op = _part(f"p{step}", lane, 0, step, torch.ones(2) * step, 2, ReduceOp.Sum)
+                op.process_set_id = set_id
+                engine.submit(op)
+                out.append(wait(op.handle)[:2].clone())
+        out.append(wait(engine.submit(allreduce("global", torch.ones(2)))))
+        return out
+
+    outcomes = run_engines(3, fn, start=False)
+    for rank, out in enumerate(outcomes):
+        assert torch.equal(out[-1], torch.full((2,), 3.0))
+        if rank != 1:
+            assert [t.tolist() for t in out[:-1]] == [[0.0, 0.0], [2.0, 2.0], [4.0, 4.0]]
+
+
+def test_a_part_no_peer_posts_stalls_and_stops_every_rank() -> None:
+    def fn(engine: Engine) -> str:
+        lane = _open(engine, [(2, "float32")])
+        if engine.rank == 0:
+            op = _part("lonely", lane, 0, 0, torch.ones(2), 2, ReduceOp.Sum)
+            engine.submit(op)
+            with pytest.raises(StallError) as info:
+                wait(op.handle)
+            return str(info.value)
+        deadline = time.monotonic() + WAIT_S
+        while engine.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.running
+        return ""
+
+    errors = run_engines(2, fn, stall_check_time_s=0.05, stall_shutdown_time_s=0.3)
+    assert "planned bucket 'lonely'" in errors[0] and "stalled" in errors[0], errors[0]
