@@ -43,6 +43,11 @@ The constraints it answers, and how:
    NCCL's watchdog aborts its communicator: a request that cannot complete cannot be
    cancelled, so neither another collective nor MPI_Finalize could follow it. The check is
    one comparison per test of a request, in the loop that already reads the clock.
+7. A plan's buckets are the same on every rank every step: negotiating them re-proves that
+   each cycle. -> With COMMLAYER_PLANNED_SKIP_NEGOTIATION (a prototype) they travel on a lane
+   (planned.py): a communicator of the plan's own, posted in plan order, driven in the idle
+   loop and inside every wait (never blocked on: two blocking waits on two communicators can
+   deadlock), each reduction checked through a tail every rank writes its step into.
 """
 
 from __future__ import annotations
@@ -136,7 +141,6 @@ class Operation:
     # since the plan, -1 where it could not be sent as planned), reduced on the lane without
     # negotiation; None: negotiated
     planned: tuple[int, int, int] | None = None
-    position: int = -1  # on its lane
 
     def __post_init__(self) -> None:
         self.handle.name = self.announce.name

@@ -8,9 +8,10 @@ step (comm/bucketer.py): negotiating them each cycle only re-proves that. A lane
    operation whose registration carries the plan's :class:`LaneSpec` (each part's gradient
    elements and dtype): negotiation checks that every rank registers the same plan, and the
    engine, executing it in the negotiated order, splits a communicator off the set's
-   (``Backend.split``) and reduces a zero buffer of every part once (``Lanes.open``): the
-   shared-memory window and the online tuner's first state are made there, in a negotiated
-   operation, so that nothing the lane does later is a blocking call.
+   (``Backend.split``), makes what the algorithms would make with a blocking collective at
+   their first call (``Allreducer.prepare``: the shared-memory window, hierarchical's
+   communicators) and reduces a zero buffer of every part size once (``Lanes.open``), in a
+   negotiated operation every rank runs, so that nothing the lane does later blocks.
 2. **Plan order, nonblocking.** A planned part's operation takes the lane position
    ``round * n + index`` (``n`` parts; ``round``: how many times this rank submitted that part
    before). Positions are posted in increasing order as they are submitted (a part ready
@@ -46,7 +47,7 @@ import collections
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -171,6 +172,8 @@ class Starter(Protocol):
 
     def runs_alone(self, backend: Backend, numel: int, element_size: int) -> bool: ...
 
+    def prepare(self, backend: Backend, wait: Callable[[Request], None]) -> None: ...
+
 
 @dataclasses.dataclass
 class _Flight:
@@ -207,7 +210,6 @@ class Lane:
         self.rounds[index] += 1
         if self.limit is not None and not self.posted <= position < self.limit:
             return False  # frozen: after the limit, or filled with zeros while joined
-        op.position = position
         self.waiting[position] = op
         return True
 
@@ -254,6 +256,7 @@ class Lanes:
         count = self._opened[set_id] = self._opened.get(set_id, 0) + 1
         ident = set_id << 20 | count
         lane = Lane(ident, set_id, backend, spec, join_mode)
+        self._allreduce.prepare(backend, self._host.wait_request)
         for numel, dtype in dict.fromkeys(spec.parts):
             zeros = torch.zeros(numel + tail_numel(backend.size), dtype=getattr(torch, dtype))
             request, _ = self._allreduce.start(backend, None, zeros, ReduceOp.Sum)
@@ -323,7 +326,7 @@ class Lanes:
         numel, dtype_name = lane.spec.parts[index]
         dtype = getattr(torch, dtype_name)
         total = numel + tail_numel(lane.backend.size)
-        alone = self._allreduce.runs_alone(lane.backend, total, fusion_element(dtype))
+        alone = self._allreduce.runs_alone(lane.backend, total, dtype.itemsize)
         if lane.flight and (alone or lane.flight[-1].alone):
             return False
         t0 = time.perf_counter()
@@ -439,7 +442,3 @@ class Lanes:
             lane.waiting.clear()
         self._busy = False
         return ops
-
-
-def fusion_element(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
