@@ -506,8 +506,8 @@ class _Reducer:
         )
         self.bucketer.install(buckets)
         bucket_plan.assign_leaders(self.levels, buckets)
-        if skip:
-            self.open_lane(buckets, f"{prefix}.bucket_plan.lane")
+        # the first rank's setting decided (the tails it shared): every rank opens it, or none
+        self.open_lane(buckets, f"{prefix}.bucket_plan.lane")
 
     def open_lane(self, buckets: list[Bucket], name: str) -> None:
         """COMMLAYER_PLANNED_SKIP_NEGOTIATION: the parts with a tail (owned, in host memory, of
@@ -519,7 +519,8 @@ class _Reducer:
         if not parts:
             return
         spec = planned.LaneSpec(
-            tuple((p.flat.numel() - p.tail, dtype_name(p.flat.dtype)) for p in parts)  # type: ignore[union-attr]
+            tuple((p.flat.numel() - p.tail, dtype_name(p.flat.dtype)) for p in parts),  # type: ignore[union-attr]
+            int(self.op),
         )
         change = Registration(lane=spec)
         lane = submit(Request(REGISTER, name, [], [], self.process_set, registration=change))

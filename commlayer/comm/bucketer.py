@@ -238,7 +238,8 @@ def plan_buckets(
     compressor and whether it is compressed per host, and its decisions travel with the plan
     (comm/auto_plan.py). ``share``: the first rank's object on every rank (a collective);
     ``root``: that rank (a global rank), ``rank``: this one. ``tail``: a planned lane's check
-    elements after each owned part's gradients (5.; 0 without lanes)."""
+    elements after each owned part's gradients (5.; 0 without lanes), the first rank's
+    deciding for all (a setting that differs across ranks cannot split the plan)."""
     order = [names[p] for p in ready + late]
     split = len(ready)
     by_name = {name: p for p, name in names.items()}
@@ -248,7 +249,8 @@ def plan_buckets(
     decisions = None
     if measured is not None and rank == root:
         decisions = auto.decide(plan(order, split, by_name, bucket_bytes, compressor_of), *measured)
-    order, split, decisions = share((order, split, decisions))
+    # the first rank's tail too: a lane is opened by every rank or none (5.)
+    order, split, decisions, tail = share((order, split, decisions, tail))
     planned = []
     for index, params in enumerate(plan(order, split, by_name, bucket_bytes, compressor_of)):
         compressor = compressor_of[params[0]]

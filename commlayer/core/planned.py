@@ -66,12 +66,16 @@ POISON = 0  # the index code of a part this rank could not send as planned
 @dataclasses.dataclass(frozen=True)
 class LaneSpec:
     """A plan's lane, the same on every rank (a REGISTER operation's): each part's gradient
-    elements (the tail not counted) and dtype name, in plan order."""
+    elements (the tail not counted) and dtype name, in plan order, and the reduce op (a
+    lane's operations are not negotiated: the op is agreed here, once)."""
 
     parts: tuple[tuple[int, str], ...]
+    op: int = int(ReduceOp.Sum)
 
     def __repr__(self) -> str:  # as a disagreement names it
-        return f"planned lane of {len(self.parts)} parts {list(self.parts)}"
+        return (
+            f"planned lane of {len(self.parts)} parts {list(self.parts)}, {ReduceOp(self.op).name}"
+        )
 
 
 def tail_numel(size: int) -> int:
