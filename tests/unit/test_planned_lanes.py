@@ -255,3 +255,46 @@ def test_a_part_no_peer_posts_stalls_and_stops_every_rank() -> None:
 
     errors = run_engines(2, fn, stall_check_time_s=0.05, stall_shutdown_time_s=0.3)
     assert "planned bucket 'lonely'" in errors[0] and "stalled" in errors[0], errors[0]
+
+
+def test_a_joined_rank_matches_what_the_others_posted_before_it_joined() -> None:
+    """Ranks 0 and 1 post step 1's part before rank 2 joins (it never sends step 1): at the
+    freeze rank 2 posts zeros at that position, so their reduction completes."""
+    posted = threading.Barrier(3)
+
+    def fn(engine: Engine) -> torch.Tensor | None:
+        lane = _open(engine, [(2, "float32")])
+        op = _part("s0", lane, 0, 0, torch.ones(2), 3, ReduceOp.Sum)
+        engine.submit(op)
+        wait(op.handle)
+        if engine.rank == 2:
+            posted.wait(WAIT_S)
+            wait(engine.join())
+            return None
+        op = _part("s1", lane, 0, 1, torch.full((2,), 2.0), 3, ReduceOp.Sum)
+        engine.submit(op)
+        deadline = time.monotonic() + WAIT_S
+        while engine._lanes.lanes[lane].posted < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        posted.wait(WAIT_S)
+        result = wait(op.handle)[:2].clone()
+        wait(engine.join())
+        return result
+
+    outcomes = run_engines(3, fn)
+    assert torch.equal(outcomes[0], torch.full((2,), 4.0))
+    assert torch.equal(outcomes[1], torch.full((2,), 4.0))
+
+
+def test_owned_memory_keeps_a_tail_for_host_memory_of_a_floating_dtype() -> None:
+    from commlayer.comm.bucketer import owned_memory
+    from commlayer.compression import create
+
+    weights = [torch.nn.Parameter(torch.ones(2, 3)), torch.nn.Parameter(torch.ones(4))]
+    flat, views, tail = owned_memory(weights, create("none"), tail=8)
+    assert flat is not None and flat.numel() == 6 + 4 + 8 and tail == 8
+    assert [tuple(v.shape) for v in views] == [(2, 3), (4,)]
+    assert views[1].data_ptr() + 4 * 4 == flat[10:].data_ptr()  # the tail after the gradients
+    counts = [torch.ones(3, dtype=torch.int64)]  # integers: Average's scaling is not exact
+    _, _, none = owned_memory(counts, create("none"), tail=8)  # type: ignore[arg-type]
+    assert none == 0
