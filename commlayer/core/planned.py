@@ -314,6 +314,7 @@ class Lanes:
             while lane.flight and self._host.test(lane.flight[0].request):
                 self._finish(lane, lane.flight.popleft())
                 lane.last_progress = time.monotonic()
+                lane.warned = False
                 moved = True
             if self._post(lane):
                 moved = True
@@ -352,6 +353,8 @@ class Lanes:
             slot = codes(lane.ident, op.planned[2], index, dtype)
             write_tail(buf[numel:], lane.backend.rank, slot)
         request, _ = self._allreduce.start(lane.backend, None, buf, ReduceOp.Sum)
+        if not lane.flight:  # the wait for the peers starts now, not at the last completion
+            lane.last_progress = time.monotonic()
         lane.flight.append(_Flight(position, op, buf, request, alone, t0))
         lane.posted += 1
         if op is not None:

@@ -298,3 +298,23 @@ def test_owned_memory_keeps_a_tail_for_host_memory_of_a_floating_dtype() -> None
     counts = [torch.ones(3, dtype=torch.int64)]  # integers: Average's scaling is not exact
     _, _, none = owned_memory(counts, create("none"), tail=8)  # type: ignore[arg-type]
     assert none == 0
+
+
+def test_a_lane_idle_for_long_is_not_a_stall_when_it_is_used_again() -> None:
+    """The stall clock of a lane starts when a part is posted into an empty flight, not at the
+    last completion: a pause between steps (an evaluation) is no stall."""
+
+    def fn(engine: Engine) -> list[torch.Tensor]:
+        lane = _open(engine, [(2, "float32")])
+        out = []
+        for step in range(2):
+            if step and engine.rank == 1:
+                time.sleep(0.3)  # rank 0's part waits for this one's, within the limit
+            op = _part(f"s{step}", lane, 0, step, torch.ones(2), 2, ReduceOp.Sum)
+            engine.submit(op)
+            out.append(wait(op.handle)[:2].clone())
+            time.sleep(1.2)  # idle: longer than the stall limit and the check's period
+        return out
+
+    for out in run_engines(2, fn, stall_check_time_s=0.1, stall_shutdown_time_s=0.6):
+        assert [t.tolist() for t in out] == [[2.0, 2.0], [2.0, 2.0]]
