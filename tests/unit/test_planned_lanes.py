@@ -84,9 +84,11 @@ def _part(
     )
 
 
-def test_planned_parts_run_in_plan_order_without_negotiation() -> None:
+@pytest.mark.parametrize("algorithm", ["native", "ring", "auto"])
+def test_planned_parts_run_in_plan_order_without_negotiation(algorithm: str) -> None:
     """Rank 1 submits part 1 before part 0 (its backward order differs): it is posted after
-    part 0, so every rank's lane matches; three steps cost no cycle beyond the heartbeats."""
+    part 0, so every rank's lane matches; three steps cost no cycle beyond the heartbeats.
+    The backend's own allreduces stay in flight together, a schedule's run alone."""
     steps = 3
 
     def fn(engine: Engine) -> tuple[list[torch.Tensor], int]:
@@ -104,7 +106,7 @@ def test_planned_parts_run_in_plan_order_without_negotiation() -> None:
         assert engine._lanes.lanes[lane].posted == 2 * steps  # all on the lane
         return results, engine.stats.cycles - cycles
 
-    outcomes = run_engines(2, fn)
+    outcomes = run_engines(2, fn, allreduce_algorithm=algorithm)
     for results, cycles in outcomes:
         for step in range(steps):
             mean = (1 + 2 + 20 * step) / 2
