@@ -28,10 +28,10 @@ step (comm/bucketer.py): negotiating them each cycle only re-proves that. A lane
 4. **Checked every reduction, zero extra rounds.** The part's flat buffer has a tail of
    ``TAIL`` elements per rank after the gradients; each rank writes its slot only (present,
    lane epoch, the optimizer's step since the plan, index + 1, or 0 where the part could not
-   be sent planned), the others
-   are zeros, so the reduced tail holds every rank's codes exactly (a sum of one value and
-   zeros) and every rank decodes the same bits: a rank whose codes differ fails the
-   operation on every rank alike with an error naming the ranks (``disagreement``).
+   be sent planned), the others are zeros, so the reduced tail holds every rank's codes
+   exactly (a sum of one value and zeros) and every rank decodes the same bits: a rank whose
+   codes differ fails the operation on every rank alike with an error naming the ranks
+   (``disagreement``).
 5. **Joins close the lane.** A joined rank posts nothing of its own. At the first cycle of
    the global set in which a rank has joined (every rank sees it in the same cycle), the
    ranks exchange how far each posted every lane; each lane is then frozen at the furthest
@@ -59,7 +59,7 @@ from commlayer.core import fusion
 
 log = logging.getLogger("commlayer")
 
-TAIL = 4  # sentinel elements per rank: present, epoch, round, index + 1 (0: not planned)
+TAIL = 4  # check elements per rank: present, epoch, step, index + 1 (0: not planned)
 POISON = 0  # the index code of a part this rank could not send as planned
 
 
@@ -110,12 +110,16 @@ def write_tail(tail: torch.Tensor, rank: int, slot: Sequence[int]) -> None:
 
 def read_tail(tail: torch.Tensor, size: int) -> list[tuple[int, ...] | None]:
     """Every rank's slot of a reduced tail (raw sums, before any scaling); None where a rank
-    was not present (joined: it posted zeros)."""
+    was not present (joined: it posted zeros). A slot that is not whole numbers reads as
+    present 0.5: what no rank writes (``disagreement`` names it)."""
     values = tail.double().tolist()
     found: list[tuple[int, ...] | None] = []
     for r in range(size):
-        slot = tuple(int(round(v)) for v in values[TAIL * r : TAIL * r + TAIL])
-        found.append(slot if slot[0] == 1 else None)
+        raw = values[TAIL * r : TAIL * r + TAIL]
+        slot = tuple(int(round(v)) for v in raw)
+        if any(abs(v - round(v)) > 1e-3 for v in raw):
+            slot = (-1, *slot[1:])
+        found.append(None if slot == (0,) * TAIL else slot)
     return found
 
 
@@ -123,6 +127,13 @@ def disagreement(name: str, slots: list[tuple[int, ...] | None]) -> str | None:
     """What differs among the present ranks' slots (the same words on every rank, as every
     rank reads the same tail), naming the ranks; None when they agree."""
     present = {r: s for r, s in enumerate(slots) if s is not None}
+    garbled = sorted(r for r, s in present.items() if s[0] != 1)
+    if garbled:
+        return (
+            f"planned bucket {name!r}: the check values of rank(s) {garbled} are not what any "
+            "rank writes: the ranks reduced different buffers together (their lanes are out of "
+            "step)"
+        )
     poisoned = sorted(r for r, s in present.items() if s[3] == POISON)
     if poisoned:
         return (

@@ -320,3 +320,13 @@ def test_a_lane_idle_for_long_is_not_a_stall_when_it_is_used_again() -> None:
 
     for out in run_engines(2, fn, stall_check_time_s=0.1, stall_shutdown_time_s=0.6):
         assert [t.tolist() for t in out] == [[2.0, 2.0], [2.0, 2.0]]
+
+
+def test_a_tail_no_rank_wrote_is_a_disagreement() -> None:
+    tail = _reduced([planned.codes(1, 0, 0, F32), planned.codes(1, 0, 0, F32)])
+    tail[planned.TAIL] = 2.0  # as if two ranks wrote rank 1's slot
+    problem = planned.disagreement("b", planned.read_tail(tail, 2))
+    assert problem is not None and "rank(s) [1] are not what any rank writes" in problem
+    tail[planned.TAIL] = 0.5
+    problem = planned.disagreement("b", planned.read_tail(tail, 2))
+    assert problem is not None and "rank(s) [1]" in problem
