@@ -56,7 +56,8 @@ def test_lanes_train_as_the_negotiated_path_without_cycles() -> None:
     # after the plan (step 0 records, step 1 plans): the negotiated path needs a cycle a
     # step at least; the lanes none but an idle heartbeat now and then
     assert min(cycles[2:]) >= 1, cycles
-    assert sum(lane_cycles[2:]) <= len(lane_cycles[2:]) // 2, (lane_cycles, cycles)
+    assert sum(lane_cycles[2:]) < sum(cycles[2:]), (lane_cycles, cycles)
+    assert sum(lane_cycles[2:]) <= 2, (lane_cycles, cycles)
 
 
 def test_a_rank_at_another_step_fails_every_rank_naming_it() -> None:
