@@ -68,12 +68,12 @@ def test_a_rank_at_another_step_fails_every_rank_naming_it() -> None:
         opt = cl.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
         )
-        for step in range(2):  # the plan: one bucket
+        for step in range(2):  # the plan (at the first step's end): one bucket
             opt.zero_grad()
             F.mse_loss(model(_batch(step)[0]), _batch(step)[1]).backward()
             opt.step()
         reducer = opt._commlayer  # type: ignore[attr-defined]
-        assert reducer.lane is not None and reducer.lane_steps == [0]
+        assert reducer.lane is not None and reducer.lane_steps == [1]  # sent once
         last = cl.size() - 1
         if cl.rank() == last:
             reducer.lane_steps[0] += 1  # as if it had sent one step more
@@ -83,8 +83,8 @@ def test_a_rank_at_another_step_fails_every_rank_naming_it() -> None:
             opt.step()
         message = str(info.value)
         others = list(range(last))
-        assert f"rank(s) {others} at lane epoch" in message and "step 0, part 0" in message
-        assert f"rank(s) [{last}] at lane epoch" in message and "step 1, part 0" in message
+        assert f"rank(s) {others} at lane epoch" in message and "step 1, part 0" in message
+        assert f"rank(s) [{last}] at lane epoch" in message and "step 2, part 0" in message
         if cl.rank() == last:
             reducer.lane_steps[0] -= 1
         opt.zero_grad()  # the lane is still in step: training goes on
