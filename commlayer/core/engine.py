@@ -411,16 +411,22 @@ class Engine:
                     if pending:
                         self._backoff_s = min(self._backoff_s * 2, self.config.cycle_time_ms / 1e3)
                     return
-                if lanes:  # a planned reduction in flight: test it again soon
-                    self._cv.wait(min(sleep_s, limit_s - waited_s))
+                if not lanes:
+                    self._cv.wait(limit_s - waited_s)
+                    if not self._lanes.busy or self._incoming or self._tasks:
+                        if pending:
+                            self._backoff_s = min(
+                                self._backoff_s * 2, self.config.cycle_time_ms / 1e3
+                            )
+                        return
+                    continue  # woken by a planned submission only: drive the lane, no cycle
+                if waited_s >= self._data_spin_s:  # passive: sleep with backoff, woken by any
+                    self._cv.wait(min(sleep_s, limit_s - waited_s))  # submission
                     sleep_s = min(sleep_s * 2, _CONTROL_MAX_SLEEP_S)
                     continue
-                self._cv.wait(limit_s - waited_s)
-                if not self._lanes.busy or self._incoming or self._tasks:
-                    if pending:
-                        self._backoff_s = min(self._backoff_s * 2, self.config.cycle_time_ms / 1e3)
-                    return
-                # woken by a planned submission only: drive the lane, no cycle
+            # A planned reduction in flight: tested as the engine waits on a collective
+            # (constraint 4: yield, which keeps MPI and the window progressing at full speed).
+            os.sched_yield()
 
     def _check_lanes(self) -> None:
         """A planned lane that waits too long (core/planned.py, Lanes.overdue): a warning, then
