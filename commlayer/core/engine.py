@@ -518,6 +518,7 @@ class Engine:
 
     def _finish_join(self, last_rank: int) -> None:
         with self._cv:
+            self._lanes.thaw()  # new lanes may open again (core/planned.py, 5.)
             handle, self._join_handle = self._join_handle, None
         if handle is not None:
             handle._set(last_rank)

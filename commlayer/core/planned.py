@@ -37,8 +37,8 @@ step (comm/bucketer.py): negotiating them each cycle only re-proves that. A lane
    ranks exchange how far each posted every lane; each lane is then frozen at the furthest
    position: the ranks that have not joined post their parts up to it, a joined rank posts
    zeros (present 0: Average divides as the engine does, by ``size()`` or, with
-   join_mode=active, by the ranks present), and from there every planned operation is
-   negotiated as any other.
+   join_mode=active, by the ranks present), and from there every planned operation of that
+   lane is negotiated as any other. Once every rank has joined, new lanes may open again.
 """
 
 from __future__ import annotations
@@ -448,6 +448,13 @@ class Lanes:
                 moved.append(op)
         self._busy = True
         return moved
+
+    def thaw(self) -> None:
+        """Every rank joined (every rank sees it in the same cycle): every position before a
+        frozen lane's limit is done on every rank, so new lanes may open again (a later plan,
+        a new optimizer); the frozen ones stay closed. Under the engine's lock."""
+        self.frozen = False
+        self.joined = False
 
     def fail_all(self) -> list[Any]:
         """Every operation still queued or in flight (the engine stopping)."""

@@ -181,7 +181,13 @@ def test_a_join_freezes_the_lane_and_the_joined_rank_posts_zeros(join_mode: str)
                 engine.submit(op)
                 out[f"s{step}"] = wait(op.handle)[:2].clone()
         out["last"] = wait(engine.join())
-        out["frozen"] = engine._lanes.frozen
+        # the lane was frozen at the join; once every rank joined, new lanes may open
+        out["frozen"] = engine._lanes.lanes[lane].limit is not None and not engine._lanes.frozen
+        fresh = _open(engine, [(2, "float32")])
+        op = _part("fresh", fresh, 0, 0, torch.ones(2), size, ReduceOp.Sum)
+        engine.submit(op)
+        out["fresh"] = wait(op.handle)[:2].clone()
+        out["fresh_on_lane"] = engine._lanes.lanes[fresh].posted == 1
         op = _part("after", lane, 0, 3, torch.full((2,), 1.0), size, ReduceOp.Sum)
         engine.submit(op)
         out["after"] = wait(op.handle)[:2].clone()
@@ -193,6 +199,7 @@ def test_a_join_freezes_the_lane_and_the_joined_rank_posts_zeros(join_mode: str)
         assert torch.equal(out["s0"], torch.ones(2))
         assert torch.equal(out["after"], torch.full((2,), 3.0))
         assert out["frozen"]
+        assert torch.equal(out["fresh"], torch.full((2,), 3.0)) and out["fresh_on_lane"]
         if rank != 2:
             for step in (1, 2):
                 assert torch.equal(out[f"s{step}"], torch.full((2,), 6.0 / divisor)), out
