@@ -97,8 +97,8 @@ def counting(dtype: torch.dtype) -> Iterator[list[int]]:
             setattr(owner, name, original)
 
 
-def _no_memory(params: Any, compressor: Any) -> tuple[None, tuple[()]]:
-    return None, ()
+def _no_memory(params: Any, compressor: Any, tail: int = 0) -> tuple[None, tuple[()], int]:
+    return None, (), 0
 
 
 def run(way: str, args: argparse.Namespace) -> tuple[float, float]:

@@ -331,13 +331,18 @@ def paired_worker(args: argparse.Namespace) -> None:
     systems = ["ddp", "commlayer", "local"] + (["direct"] if direct_opt is not None else [])
     hook_s = engine_s = engine_end_s = 0.0
     calls = 0
+    import commlayer as cl
+
+    counts = counts_end = cl.communication_stats()
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             hook_s, calls, engine_s = hooks.seconds, hooks.calls, _engine_cpu_s()
+            counts = cl.communication_stats()
         if step == args.warmup + args.steps - 1:
             # read before the last step, not after the loop: a peer that finished may shut
             # down, and this rank's engine thread ends with it (its CPU clock then reads 0)
             engine_end_s = _engine_cpu_s()
+            counts_end = cl.communication_stats()
         turn = step % len(systems)  # which goes first rotates
         for system in systems[turn:] + systems[:turn]:
             if system == "ddp":
@@ -364,6 +369,15 @@ def paired_worker(args: argparse.Namespace) -> None:
         "engine_cpu_ms_per_step": (engine_end_s - engine_s) / max(args.steps - 1, 1) * 1e3,
         "local_step_ms": statistics.median(local_t) * 1e3,
         "local_ratio": statistics.median(d / n for d, n in zip(ddp_t, local_t, strict=True)),
+        # the engine's negotiation cycles and operations a step (heartbeats included)
+        "cycles_per_step": (counts_end["cycles"] - counts["cycles"]) / max(args.steps - 1, 1),
+        "operations_per_step": (counts_end["operations"] - counts["operations"])
+        / max(args.steps - 1, 1),
+        # commlayer trains as DDP does: the largest parameter difference after the run
+        "max_diff_vs_ddp": max(
+            (a - b).abs().max().item()
+            for a, b in zip(cl_model.parameters(), ddp_model.parameters(), strict=True)
+        ),
     }
     if direct_t:
         # the yardstick must train as DDP does (same seed, same data, averaged gradients)
@@ -375,7 +389,6 @@ def paired_worker(args: argparse.Namespace) -> None:
         result["direct_ratio"] = statistics.median(
             d / g for d, g in zip(ddp_t, direct_t, strict=True)
         )
-    import commlayer as cl
     from commlayer.core import runtime
 
     result["wait"] = "passive" if runtime.engine().passive else "active"
@@ -617,9 +630,9 @@ def table(results: list[dict[str, Any]]) -> list[str]:
 def paired_table(results: list[dict[str, Any]]) -> list[str]:
     rows = [
         "| model | ranks | launch | DDP step ms | commlayer step ms | commlayer / DDP samples/s "
-        "| commlayer wait | hooks ms/step (us/call) | engine CPU ms/step "
+        "| commlayer wait | hooks ms/step (us/call) | engine CPU ms/step | engine cycles/step "
         "| gloo yardstick / DDP samples/s | no communication / DDP (the bound) |",
-        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         direct = (
@@ -635,7 +648,8 @@ def paired_table(results: list[dict[str, Any]]) -> list[str]:
             f"| {r['ddp_step_ms']:.1f} "
             f"| {r['commlayer_step_ms']:.1f} | {r['ratio']:.2f} | {r['wait']} "
             f"| {r['hook_ms_per_step']:.2f} ({r['hook_us_per_call']:.0f}) "
-            f"| {r['engine_cpu_ms_per_step']:.1f} | {direct} | {bound} |"
+            f"| {r['engine_cpu_ms_per_step']:.1f} | {r.get('cycles_per_step', float('nan')):.2f} "
+            f"| {direct} | {bound} |"
         )
     return rows
 

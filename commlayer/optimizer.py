@@ -74,10 +74,11 @@ from commlayer.comm.hierarchy import HostLevels
 from commlayer.common.errors import CommlayerError, TensorMismatchError
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import Compressor, CompressorBase, Policy, create
-from commlayer.core import runtime
+from commlayer.core import planned, runtime
 from commlayer.core.future import Future
+from commlayer.core.negotiation import ALLREDUCE, REGISTER, Registration, dtype_name
 from commlayer.core.process_sets import ProcessSet, global_process_set
-from commlayer.core.submit import batch
+from commlayer.core.submit import Request, batch, submit
 
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
 
@@ -96,7 +97,7 @@ class _Reducer:
         "owner", "named", "names", "policy", "comm", "passes_per_step", "op", "sparse_as_dense",
         "process_set", "reduces", "handles", "passes", "ready", "bucketer", "sparse_dims",
         "resparsify", "hooks", "synchronized", "user_synchronized", "should_synchronize",
-        "wait_s", "levels", "auto", "__weakref__",
+        "wait_s", "levels", "auto", "lane", "lane_index", "lane_steps", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -151,6 +152,11 @@ class _Reducer:
         self.wait_s = 0.0
         # compression=auto's and COMMLAYER_COMPRESSION_HIERARCHY=auto's at the bucket plan
         self.auto = AutoPlanner(self.policy, process_set, self.choose, self.level)
+        # COMMLAYER_PLANNED_SKIP_NEGOTIATION: the plan's lane (core/planned.py) and each laned
+        # part's index in it, by part name
+        self.lane: int | None = None
+        self.lane_index: dict[str, int] = {}
+        self.lane_steps: list[int] = []  # times each laned part was sent since the plan
 
     def params(self) -> list[Param]:
         return [p for group in self.owner["param_groups"] for p in group["params"]]
@@ -316,7 +322,13 @@ class _Reducer:
         zeros, a bucketed gradient is never known-sparse), or, if it no longer requires grad,
         zeros that go nowhere: every rank sends the same bucket."""
         sends: list[tuple[list[torch.Tensor], list[str] | None]] = []  # tensors, names a part
-        for part in bucket.parts:
+        laned: dict[int, Future] = {}  # a part's position in the bucket: its lane's future
+        for position, part in enumerate(bucket.parts):
+            index = self.lane_index.get(part.name)
+            if index is not None and part.flat is not None and self.lane is not None:
+                laned[position] = self.send_planned(part, index, self.lane)
+                sends.append(([], None))
+                continue
             if part.flat is not None:
                 taken = part.gather()
                 if taken is not None:
@@ -337,9 +349,36 @@ class _Reducer:
             sends.append((grads, [self.names[p] for p in part.params]))
         with batch():  # a group's parts: submitted together
             bucket.handles = [
-                self.comm.reduce(tensors, part.compressor, part.name, names, part.per_host)
-                for part, (tensors, names) in zip(bucket.parts, sends)
+                laned[i]
+                if i in laned
+                else self.comm.reduce(tensors, part.compressor, part.name, names, part.per_host)
+                for i, (part, (tensors, names)) in enumerate(zip(bucket.parts, sends))
             ]
+
+    def send_planned(self, part: bucket_plan.Part, index: int, lane: int) -> Future:
+        """A part on the plan's lane (core/planned.py): its flat buffer, tail included, in plan
+        order without negotiation. A part that no longer fits its memory (``gather`` None) is
+        still posted, marked, so that every rank's lane stays in step and every rank fails it
+        with an error naming this one."""
+        assert part.flat is not None
+        taken = part.gather()
+        if taken is not None:
+            self.resparsify.update(taken)
+        op, prescale, postscale = self.comm.scaling(part.flat.dtype)
+        flat = part.flat
+        step = self.lane_steps[index] if taken is not None else -1  # -1: not as planned
+        self.lane_steps[index] += 1
+        return submit(
+            Request(
+                ALLREDUCE, part.name, [flat], [flat], self.process_set, op=op,
+                prescale=prescale, postscale=postscale, planned=(lane, index, step),
+            )
+        )  # fmt: skip
+
+    def on_lane(self, bucket: Bucket) -> bool:
+        """Whether a part of ``bucket`` travels on the plan's lane: then it is sent every step
+        (its lane position must be taken on every rank), even where no member requires grad."""
+        return self.lane is not None and any(p.name in self.lane_index for p in bucket.parts)
 
     def empty_grad(self, p: Param) -> torch.Tensor:
         """What a rank without a gradient for ``p`` contributes: no rows of a known-sparse
@@ -362,6 +401,7 @@ class _Reducer:
         self.hooks = []
         self.reduces = self.reduces_here()
         self.levels = self.comm.levels = None  # their process sets belonged to the world gone
+        self.lane, self.lane_index = None, {}  # the plan's lane belonged to the world gone too
         self.handles.clear()
         self.passes.clear()
         self.ready = 0
@@ -384,7 +424,9 @@ class _Reducer:
             for bucket in self.bucketer.buckets:
                 # A bucket of parameters that all stopped requiring grad stays home, as a
                 # frozen parameter does on the path one by one.
-                if not bucket.handles and any(p.requires_grad for p in bucket.params):
+                if not bucket.handles and (
+                    any(p.requires_grad for p in bucket.params) or self.on_lane(bucket)
+                ):
                     self.send_bucket(bucket)
         start = time.perf_counter()
         failure = self.wait()
@@ -433,7 +475,11 @@ class _Reducer:
 
         root = min(self.process_set.ranks or [0])  # the set's first rank (a global rank)
         prefix = next(iter(self.names.values()))
-        planned = bucket_plan.plan_buckets(
+        skip = runtime.config().planned_skip_negotiation and self.op in (
+            ReduceOp.Average, ReduceOp.Sum,
+        )  # fmt: skip
+        tail = planned.tail_numel(self.process_set.size()) if skip else 0
+        buckets = bucket_plan.plan_buckets(
             [p for p in ready if p not in self.sparse_dims],
             [p for p in late if p not in self.sparse_dims],
             self.names,
@@ -447,9 +493,31 @@ class _Reducer:
             ),
             root,
             runtime.rank(),
+            tail,
         )
-        self.bucketer.install(planned)
-        bucket_plan.assign_leaders(self.levels, planned)
+        self.bucketer.install(buckets)
+        bucket_plan.assign_leaders(self.levels, buckets)
+        # the first rank's setting decided (the tails it shared): every rank opens it, or none
+        self.open_lane(buckets, f"{prefix}.bucket_plan.lane")
+
+    def open_lane(self, buckets: list[Bucket], name: str) -> None:
+        """COMMLAYER_PLANNED_SKIP_NEGOTIATION: the parts with a tail (owned, in host memory, of
+        a floating dtype) on a lane of their own (core/planned.py), opened by one negotiated
+        operation on the process set (collective: every rank registers the same parts, or
+        every rank gets the error naming what differs)."""
+        parts = [part for b in buckets for part in b.parts if part.tail and part.flat is not None]
+        self.lane, self.lane_index = None, {}
+        if not parts:
+            return
+        spec = planned.LaneSpec(
+            tuple((p.flat.numel() - p.tail, dtype_name(p.flat.dtype)) for p in parts),  # type: ignore[union-attr]
+            int(self.op),
+        )
+        change = Registration(lane=spec)
+        lane = submit(Request(REGISTER, name, [], [], self.process_set, registration=change))
+        self.lane = int(lane.wait())
+        self.lane_index = {part.name: index for index, part in enumerate(parts)}
+        self.lane_steps = [0] * len(parts)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

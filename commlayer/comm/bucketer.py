@@ -34,6 +34,11 @@ makes its buckets and hands the hook each one's flat buffer.
    reduced buffer is the gradients: no unpack. Compressed parts, the groups' buckets (made
    before any shape is known to agree) and the gradients outside buckets keep the gradients
    where backward made them and travel as a grouped operation.
+5. With COMMLAYER_PLANNED_SKIP_NEGOTIATION (a prototype, default off) a plan's owned parts in
+   host memory of a floating dtype travel on a lane (core/planned.py): in plan order, with no
+   negotiation, on a communicator of the plan's own. Their flat buffer then has ``Part.tail``
+   elements after the gradients (4 a rank), where each rank writes which step and part it sends
+   and every rank checks, in the reduced tail, that all sent the same.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class Part(NamedTuple):
     per_host: bool = False
     flat: torch.Tensor | None = None
     views: tuple[torch.Tensor, ...] = ()
+    tail: int = 0  # elements of ``flat`` after the gradients: a planned lane's check (5.)
 
     def gather(self) -> list[Param] | None:
         """Make ``flat`` hold this step's gradients before it is sent: each parameter's that
@@ -126,17 +132,24 @@ def take_in(p: Param, view: torch.Tensor) -> bool:
 
 
 def owned_memory(
-    params: list[Param], compressor: CompressorBase
-) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
-    """(flat buffer, views) for a part of ``params`` (one dtype) reduced uncompressed, on one
-    device; (None, ()) for a compressed one, which keeps the gradients where they are."""
+    params: list[Param], compressor: CompressorBase, tail: int = 0
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...], int]:
+    """(flat buffer, views, tail) for a part of ``params`` (one dtype) reduced uncompressed,
+    on one device; (None, (), 0) for a compressed one, which keeps the gradients where they
+    are. ``tail``: elements after the gradients for a planned lane's check (5.), kept where
+    the part can travel on a lane (host memory, a floating dtype), else 0."""
     devices = {p.device for p in params}
     if not compressor.identity or isinstance(compressor, AutoCompressor) or len(devices) != 1:
-        return None, ()
+        return None, (), 0
+    device = devices.pop()
+    dtype = params[0].dtype
+    if device.type != "cpu" or not dtype.is_floating_point:
+        tail = 0
     numels = [p.numel() for p in params]
-    flat = torch.zeros(sum(numels), dtype=params[0].dtype, device=devices.pop())
-    views = tuple(piece.view(p.shape) for piece, p in zip(flat.split(numels), params, strict=True))
-    return flat, views
+    flat = torch.zeros(sum(numels) + tail, dtype=dtype, device=device)
+    pieces = flat.split([*numels, tail])[: len(numels)]
+    views = tuple(piece.view(p.shape) for piece, p in zip(pieces, params, strict=True))
+    return flat, views, tail
 
 
 class Bucket:
@@ -197,18 +210,20 @@ def bucket(
     names: dict[Param, str],
     per_host: Callable[[CompressorBase], bool],
     own: bool = False,
+    tail: int = 0,
 ) -> Bucket:
     """``params`` as one bucket, a part (one collective) per dtype and compressor, each named
     ``grad.bucket[first..last]`` after its first and last gradients (``names``: each
     parameter's operation name); compressed once per host where ``per_host`` says for the
-    part's compressor. ``own``: uncompressed parts own their memory (module docstring, 4.)."""
+    part's compressor. ``own``: uncompressed parts own their memory (module docstring, 4.),
+    with ``tail`` elements after the gradients where they can travel on a lane (5.)."""
     parts = []
     for members in cut(params, math.inf, compressor_of):
         first, last = (names[p].removeprefix("grad.") for p in (members[0], members[-1]))
         compressor = compressor_of[members[0]]
-        flat, views = owned_memory(members, compressor) if own else (None, ())
+        flat, views, kept = owned_memory(members, compressor, tail) if own else (None, (), 0)
         name = f"grad.bucket[{first}..{last}]"
-        parts.append(Part(members, name, compressor, per_host(compressor), flat, views))
+        parts.append(Part(members, name, compressor, per_host(compressor), flat, views, kept))
     return Bucket(parts)
 
 
@@ -224,6 +239,7 @@ def plan_buckets(
     share: Callable[[Any], Any],
     root: int,
     rank: int,
+    tail: int = 0,
 ) -> list[Bucket]:
     """The plan (2.), made on every rank alike: buckets in the process set's first rank's
     ready order (``ready``, then ``late``: the gradients backward did not produce, in buckets
@@ -233,7 +249,9 @@ def plan_buckets(
     collectives), the first rank decides each such bucket's
     compressor and whether it is compressed per host, and its decisions travel with the plan
     (comm/auto_plan.py). ``share``: the first rank's object on every rank (a collective);
-    ``root``: that rank (a global rank), ``rank``: this one."""
+    ``root``: that rank (a global rank), ``rank``: this one. ``tail``: a planned lane's check
+    elements after each owned part's gradients (5.; 0 without lanes), the first rank's
+    deciding for all (a setting that differs across ranks cannot split the plan)."""
     order = [names[p] for p in ready + late]
     split = len(ready)
     by_name = {name: p for p, name in names.items()}
@@ -243,7 +261,8 @@ def plan_buckets(
     decisions = None
     if measured is not None and rank == root:
         decisions = auto.decide(plan(order, split, by_name, bucket_bytes, compressor_of), *measured)
-    order, split, decisions = share((order, split, decisions))
+    # the first rank's tail too: a lane is opened by every rank or none (5.)
+    order, split, decisions, tail = share((order, split, decisions, tail))
     planned = []
     for index, params in enumerate(plan(order, split, by_name, bucket_bytes, compressor_of)):
         compressor = compressor_of[params[0]]
@@ -251,7 +270,8 @@ def plan_buckets(
         if auto.decided(compressor):
             compressor, decided = auto.resolve(index, compressor, decisions, root)
             level = functools.partial(_fixed, decided)
-        planned.append(bucket(params, dict.fromkeys(params, compressor), names, level, own=True))
+        compressors = dict.fromkeys(params, compressor)
+        planned.append(bucket(params, compressors, names, level, own=True, tail=tail))
     return planned
 
 

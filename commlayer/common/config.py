@@ -70,6 +70,7 @@ class Config:
     sim_table: str = ""
     force_full_path: bool = False
     line_output: bool = False
+    planned_skip_negotiation: bool = False
 
     @property
     def idle_cycle_time_ms(self) -> float:
@@ -432,6 +433,15 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "hooks, nothing sent, no compression); on: they take the whole path there too (hooks, "
         "buckets, compression, the engine), for benchmarks and tests. Collectives called "
         "directly run through the engine at any size",
+    ),
+    (
+        "COMMLAYER_PLANNED_SKIP_NEGOTIATION",
+        "planned_skip_negotiation",
+        _BOOL,
+        "off (default): DistributedOptimizer's planned buckets are negotiated every step as any "
+        "operation; on (a prototype): each plan's uncompressed CPU buckets are reduced in plan "
+        "order on a communicator of their own, without negotiation, each reduction checking "
+        "that every rank sent the same step and bucket (docs/planned_lanes.md)",
     ),
     (
         "COMMLAYER_SIM_TABLE",

@@ -43,6 +43,11 @@ The constraints it answers, and how:
    NCCL's watchdog aborts its communicator: a request that cannot complete cannot be
    cancelled, so neither another collective nor MPI_Finalize could follow it. The check is
    one comparison per test of a request, in the loop that already reads the clock.
+7. A plan's buckets are the same on every rank every step: negotiating them re-proves that
+   each cycle. -> With COMMLAYER_PLANNED_SKIP_NEGOTIATION (a prototype) they travel on a lane
+   (planned.py): a communicator of the plan's own, posted in plan order, driven in the idle
+   loop and inside every wait (never blocked on: two blocking waits on two communicators can
+   deadlock), each reduction checked through a tail every rank writes its step into.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import dataclasses
 import logging
 import math
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,7 +77,7 @@ from commlayer.common.errors import (
 )
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.common.topology import Topology
-from commlayer.core import device, fusion, startup
+from commlayer.core import device, fusion, planned, startup
 from commlayer.core.future import Future, mark_engine_thread
 from commlayer.core.negotiation import (
     ALLGATHER,
@@ -131,6 +137,10 @@ class Operation:
     remaining: int = 0
     t_submit: float = 0.0
     t_negotiate: float = 0.0
+    # a planned part (core/planned.py): (its lane, its index in the plan, the sender's step
+    # since the plan, -1 where it could not be sent as planned), reduced on the lane without
+    # negotiation; None: negotiated
+    planned: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         self.handle.name = self.announce.name
@@ -183,6 +193,7 @@ class Engine:
         self.passive = _passive(config.wait_policy, backend)
         self._data_spin_s = _PASSIVE_SPIN_S if self.passive else math.inf
         self._next_peer_check = 0.0  # wall-clock instant of the next pid check (_check_peers)
+        self._next_lane_check = 0.0  # monotonic instant of the next planned-lane stall check
         # The watchdog (constraint 6): its limit, and what the engine thread waits on, for its
         # message: the process set, and fused entries, a Response or None (the negotiation).
         self._timeout_s = config.collective_timeout_s or math.inf
@@ -193,6 +204,7 @@ class Engine:
         self._executing: list[Operation] = []
         self._join_handle: Future | None = None
         self._global = self._table.add(tuple(range(backend.size)), backend)[1]
+        self._lanes = planned.Lanes(self, self._allreduce, self._cv)
         self._thread = threading.Thread(target=self._run, name="commlayer-engine", daemon=True)
 
     # -- user-thread side --------------------------------------------------------------------
@@ -235,7 +247,9 @@ class Engine:
             for key, op in zip(keys, ops):
                 op.t_submit = now
                 self._inflight.add(key)
-                self._incoming.append(op)
+                if op.planned is None or not self._lanes.take(op):
+                    op.planned = None
+                    self._incoming.append(op)
             self._cv.notify()
 
     def call_soon(self, task: Callable[[], None]) -> None:
@@ -265,6 +279,7 @@ class Engine:
             if self._join_handle is None:
                 self._join_handle = Future("join")
                 self._global.negotiator.joined = True
+                self._lanes.joined = True  # for good: its lanes close at this join
                 self._cv.notify()
             return self._join_handle
 
@@ -305,6 +320,12 @@ class Engine:
     @property
     def peer_died(self) -> bool:
         return isinstance(self._error, RankDiedError)
+
+    @property
+    def abandoned_requests(self) -> bool:
+        """Whether a planned lane's reductions were still in flight when the engine stopped
+        (core/planned.py): MPI_Finalize could wait for them for ever."""
+        return self._lanes.abandoned
 
     def _raise_if_stopped(self, what: str) -> None:
         """ShutdownError once the engine stopped or is stopping; of the class of the error that
@@ -356,23 +377,68 @@ class Engine:
                 self._global.backend.abort(str(self._error))
 
     def _wait_for_work(self) -> None:
-        self._check_peers()
-        with self._cv:
-            pending = any(s.negotiator.has_work() for s in self._table.members())
-            stopping = self._global.negotiator.shutting_down
-            urgent = self._incoming or self._tasks or stopping
-            if self._progress:
-                self._backoff_s = _MIN_BACKOFF_S
-            if urgent or (pending and self._progress):
-                return
-            if not pending:
-                check_s = self._next_peer_check - time.time()
-                self._cv.wait(max(0.0, min(self.config.idle_cycle_time_ms / 1e3, check_s)))
-                return
-            # Pending but the last cycle made no progress: peers are behind. Back off so ranks
-            # that all wait on each other do not spin cycles; new local work wakes us at once.
-            self._cv.wait(self._backoff_s)
-            self._backoff_s = min(self._backoff_s * 2, self.config.cycle_time_ms / 1e3)
+        """Return when a cycle is due: new work or tasks, pending work (with backoff while the
+        last cycle made no progress), a shutdown, or the idle heartbeat. Meanwhile the planned
+        lanes are driven (core/planned.py): posting and completing their reductions needs no
+        cycle."""
+        since = time.perf_counter()
+        sleep_s = 20e-6
+        while True:
+            self._check_peers()
+            if self._lanes.busy and self._lanes.progress():
+                self._check_lanes()
+            with self._cv:
+                # read under the lock that a planned submission takes: one queued since the
+                # progress above is seen here, not slept through
+                lanes = self._lanes.busy
+                pending = any(s.negotiator.has_work() for s in self._table.members())
+                stopping = self._global.negotiator.shutting_down
+                urgent = self._incoming or self._tasks or stopping
+                if self._progress:
+                    self._backoff_s = _MIN_BACKOFF_S
+                if urgent or (pending and self._progress):
+                    return
+                waited_s = time.perf_counter() - since
+                if pending:
+                    # Pending but the last cycle made no progress: peers are behind. Back off
+                    # so ranks that all wait on each other do not spin cycles; new local work
+                    # wakes us at once.
+                    limit_s = self._backoff_s
+                else:
+                    check_s = self._next_peer_check - time.time()
+                    limit_s = min(self.config.idle_cycle_time_ms / 1e3, waited_s + check_s)
+                if waited_s >= limit_s:
+                    if pending:
+                        self._backoff_s = min(self._backoff_s * 2, self.config.cycle_time_ms / 1e3)
+                    return
+                if not lanes:
+                    self._cv.wait(limit_s - waited_s)
+                    if not self._lanes.busy or self._incoming or self._tasks:
+                        if pending:
+                            self._backoff_s = min(
+                                self._backoff_s * 2, self.config.cycle_time_ms / 1e3
+                            )
+                        return
+                    continue  # woken by a planned submission only: drive the lane, no cycle
+                if waited_s >= self._data_spin_s:  # passive: sleep with backoff, woken by any
+                    self._cv.wait(min(sleep_s, limit_s - waited_s))  # submission
+                    sleep_s = min(sleep_s * 2, _CONTROL_MAX_SLEEP_S)
+                    continue
+            # A planned reduction in flight: tested as the engine waits on a collective
+            # (constraint 4: yield, which keeps MPI and the window progressing at full speed).
+            os.sched_yield()
+
+    def _check_lanes(self) -> None:
+        """A planned lane that waits too long (core/planned.py, Lanes.overdue): a warning, then
+        a stall that stops every rank (through the goodbye, as a negotiated stall does)."""
+        now = time.monotonic()
+        if now < self._next_lane_check:
+            return
+        self._next_lane_check = now + _PEER_CHECK_S
+        cfg = self.config
+        stalled = self._lanes.overdue(now, cfg.stall_check_time_s, cfg.stall_shutdown_time_s)
+        if stalled is not None:
+            self._stop_after_stall([stalled])
 
     def _cycle_all(self) -> bool:
         """One negotiation cycle on every process set this rank belongs to; True to stop."""
@@ -406,6 +472,8 @@ class Engine:
     def _global_news(self, result: CycleResult) -> bool:
         """What the global set's cycle said besides its operations: every rank joined (the
         join completes), a stall or a shutdown (True: this rank stops, as every rank does)."""
+        if result.joined and not self._lanes.frozen:
+            self._freeze_lanes()
         if result.all_joined_last is not None:
             self._finish_join(result.all_joined_last)
         if result.stalled:
@@ -418,6 +486,21 @@ class Engine:
                 )
             return True
         return False
+
+    def _freeze_lanes(self) -> None:
+        """A rank joined (every rank sees it in this cycle): freeze the planned lanes at the
+        furthest position any rank took (core/planned.py, 5.), an allgather of the global
+        set. What was taken after it is negotiated from the next cycle on."""
+        with self._cv:
+            mine = pickle.dumps(self._lanes.positions())
+        request, payloads = self._global.backend.iallgather_bytes(mine)
+        self._wait(request)
+        furthest: dict[int, int] = {}
+        for payload in payloads:
+            for ident, position in pickle.loads(payload).items():
+                furthest[ident] = max(furthest.get(ident, 0), position)
+        with self._cv:
+            self._incoming += self._lanes.freeze(furthest)
 
     def _stop_after_stall(self, stalled: list[str]) -> None:
         """A stall failed (constraint 5): every rank of the set got ``stalled`` in this cycle,
@@ -435,6 +518,7 @@ class Engine:
 
     def _finish_join(self, last_rank: int) -> None:
         with self._cv:
+            self._lanes.thaw()  # new lanes may open again (core/planned.py, 5.)
             handle, self._join_handle = self._join_handle, None
         if handle is not None:
             handle._set(last_rank)
@@ -448,6 +532,7 @@ class Engine:
                 if state.negotiator is not None:
                     leftovers += state.negotiator.fail_all()
             leftovers += [op for op in self._executing if not op.handle.done()]
+            leftovers += self._lanes.fail_all()
             join, self._join_handle = self._join_handle, None
         self._run_tasks()  # their submissions fail now, completing their futures with the error
         with self._cv:
@@ -479,6 +564,8 @@ class Engine:
         start = time.perf_counter()
         sleep_s = 20e-6
         while not self._test(request):
+            if self._lanes.busy:  # never block on one communicator while a lane waits
+                self._lanes.progress()
             waited_s = time.perf_counter() - start
             if waited_s < spin_s:
                 os.sched_yield()
@@ -658,6 +745,17 @@ class Engine:
             if op is not None:
                 self.complete(op, raw)
 
+    # -- what a planned lane needs (core/planned.Host) ------------------------------------------
+    def test(self, request: Request) -> bool:
+        return self._test(request)
+
+    def wait_request(self, request: Request) -> None:
+        self._wait(request)
+
+    def traced(self, name: str, what: str, t0: float, t1: float) -> None:
+        if self._tracing:
+            self._timeline.span(name, what, t0, t1)
+
     # -- what the fused allreduce runner reports back (runners/allreduce.Host) ------------------
     def wait(self, request: Request) -> None:
         """Wait on a collective's request (counted by ``account`` once done)."""
@@ -701,8 +799,12 @@ class Engine:
             return None
         if kind == REGISTER:
             # every REGISTER operation has its change (ops.register_process_set)
-            assert response.registration is not None
-            return self._table.apply(state.backend, response.registration)
+            change = response.registration
+            assert change is not None
+            if change.lane is not None:  # a plan's lane (core/planned.py)
+                set_id = self._waiting_set
+                return self._lanes.open(set_id, backend, change.lane, self.config.join_mode)
+            return self._table.apply(state.backend, change)
         if len(active) < backend.size and (
             (kind == BROADCAST and response.root not in active)
             or kind in _REFUSED_WHILE_JOINED[self.config.join_mode]

@@ -35,6 +35,7 @@ import torch
 from commlayer.backends.base import Backend, Request
 from commlayer.common.errors import CommlayerError, StallError
 from commlayer.common.reduce_ops import ReduceOp
+from commlayer.core.planned import LaneSpec
 
 log = logging.getLogger("commlayer")
 
@@ -63,12 +64,16 @@ def _bits(mask: int) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class Registration:
     """What a REGISTER operation changes, the same on every rank: the process set of ``ranks``
-    (global ranks, ascending) added, or the one with id ``removed`` taken out."""
+    (global ranks, ascending) added, the one with id ``removed`` taken out, or a planned
+    ``lane`` opened on the operation's process set."""
 
     ranks: tuple[int, ...] = ()
     removed: int | None = None
+    lane: LaneSpec | None = None  # or a plan's lane opened on the set (core/planned.py)
 
     def __repr__(self) -> str:  # as a disagreement names it
+        if self.lane is not None:
+            return repr(self.lane)
         if self.removed is not None:
             return f"remove process set {self.removed}"
         return f"add process set of ranks {list(self.ranks)}"

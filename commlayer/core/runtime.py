@@ -416,7 +416,8 @@ def shutdown() -> None:
         return  # no goodbye: the job aborts at exit (_end_job)
     stopped = engine.shutdown(_goodbye_wait_s(engine.config))
     if _backend_module is not None:
-        _backend_module.finish(stopped, engine.peer_died)
+        # requests a planned lane left in flight: as if not stopped (no MPI_Finalize)
+        _backend_module.finish(stopped and not engine.abandoned_requests, engine.peer_died)
 
 
 def _goodbye_wait_s(cfg: Config) -> float:

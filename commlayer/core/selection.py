@@ -213,6 +213,40 @@ class Allreducer:
         joined rank, which packs its zeros, too)."""
         return backend.size > 1 and self._next(backend, numel, element_size)[0] == "shm"
 
+    def prepare(self, backend: Backend, wait: Callable[[Request], None]) -> None:
+        """Make now, with a small allreduce each waited for by ``wait``, what an algorithm makes
+        at its first call with a blocking collective: the shared-memory window, hierarchical's
+        communicators per node and across. A planned lane (core/planned.py) calls it as it
+        opens, inside a negotiated operation every rank runs, so that nothing it posts later
+        blocks (a rank blocked there while a peer blocks on another communicator would
+        deadlock)."""
+        if backend.size == 1:
+            return
+        topology, capable, two_level = self._backend_facts(backend)
+        if capable:
+            window: SharedMemory = backend  # type: ignore[assignment]  # capable: SHARED_MEMORY
+            wait(window.shm_iallreduce(None, torch.zeros(64), ReduceOp.Sum))
+        if two_level:
+            levels: TwoLevel = backend  # type: ignore[assignment]  # two_level: TWO_LEVEL
+            wait(
+                levels.shm_hierarchical_iallreduce(
+                    None,
+                    torch.zeros(64),
+                    ReduceOp.Sum,
+                    topology.node_of,
+                    lambda cross, part: self._inter(cross, part, ReduceOp.Sum),
+                )
+            )
+
+    def runs_alone(self, backend: Backend, numel: int, element_size: int) -> bool:
+        """Whether the next call for a host buffer of ``numel`` elements must run alone (the
+        ``start`` of it would call ``before_alone``), asked before it is posted: a planned lane
+        (core/planned.py) posts it only once nothing else of its own is in flight."""
+        if backend.size == 1:
+            return False
+        name, key = self._next(backend, numel, element_size)
+        return name != NATIVE_ALLREDUCE or (key is not None and self._tuner.measures(key))
+
     def _inter(self, cross: Backend, part: torch.Tensor, op: ReduceOp) -> Request:
         """The leg across nodes of the two-level hierarchical: ``hierarchical.INTER``, as in
         the schedule form (the ranks of ``cross`` are one per node, so a flat topology)."""

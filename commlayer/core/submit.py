@@ -64,7 +64,9 @@ class Request:
     allgather, alltoall, reducescatter). ``name`` None: the next of a per-(kind, set) counter.
     ``root``: the root's index in the process set. ``finish`` maps the engine's raw result to
     the future's value. ``shapes``: announced instead of the inputs' (a barrier's ``()``).
-    ``registration``: a REGISTER request's change of the process sets."""
+    ``registration``: a REGISTER request's change of the process sets (or a planned lane).
+    ``planned``: (lane, index in the plan, step since the plan or -1 where it could not be sent
+    as planned) of a planned part, reduced on its lane without negotiation (core/planned.py)."""
 
     kind: str
     name: str | None
@@ -79,6 +81,7 @@ class Request:
     finish: Callable[[Any], Any] | None = None
     shapes: tuple[tuple[int, ...], ...] | None = None
     registration: Registration | None = None
+    planned: tuple[int, int, int] | None = None  # a planned part: core/planned.py
 
 
 _counters: dict[tuple[str, int], itertools.count[int]] = {}
@@ -272,6 +275,8 @@ def submit(request: Request) -> Future:
         float(request.postscale),
         finish if staged is None else staged.wrap(finish),
     )
+    if request.planned is not None and staged is None:
+        operation.planned = request.planned
     if staged is not None:
         operation.ready = staged.ready
     pending = _batch.get()

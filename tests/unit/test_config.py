@@ -46,6 +46,7 @@ DEFAULTS = {
     "sim_table": "",
     "force_full_path": False,
     "line_output": False,
+    "planned_skip_negotiation": False,
 }
 
 # (variable, text, Config field, parsed value)
@@ -125,6 +126,7 @@ GOOD = [
     ("COMMLAYER_FORCE_FULL_PATH", " 0 ", "force_full_path", False),
     # one vocabulary for every boolean: 1/0, true/false, on/off, yes/no, any case
     ("COMMLAYER_FORCE_FULL_PATH", "True", "force_full_path", True),
+    ("COMMLAYER_PLANNED_SKIP_NEGOTIATION", "on", "planned_skip_negotiation", True),
     ("COMMLAYER_LINE_OUTPUT", " YES", "line_output", True),
     ("COMMLAYER_AUTO_TUNING", "no", "auto_tuning", False),
     ("COMMLAYER_MALLOC_TUNING", "0", "malloc_tuning", False),
