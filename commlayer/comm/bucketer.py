@@ -34,7 +34,7 @@ makes its buckets and hands the hook each one's flat buffer.
    reduced buffer is the gradients: no unpack. Compressed parts, the groups' buckets (made
    before any shape is known to agree) and the gradients outside buckets keep the gradients
    where backward made them and travel as a grouped operation.
-5. With COMMLAYER_PLANNED_SKIP_NEGOTIATION (a prototype, default off) a plan's owned parts in
+5. With COMMLAYER_PLANNED_SKIP_NEGOTIATION (opt-in, default off) a plan's owned parts in
    host memory of a floating dtype travel on a lane (core/planned.py): in plan order, with no
    negotiation, on a communicator of the plan's own. Their flat buffer then has ``Part.tail``
    elements after the gradients (4 a rank), where each rank writes which step and part it sends

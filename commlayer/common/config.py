@@ -439,7 +439,7 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "planned_skip_negotiation",
         _BOOL,
         "off (default): DistributedOptimizer's planned buckets are negotiated every step as any "
-        "operation; on (a prototype): each plan's uncompressed CPU buckets are reduced in plan "
+        "operation; on (opt-in): each plan's uncompressed CPU buckets are reduced in plan "
         "order on a communicator of their own, without negotiation, each reduction checking "
         "that every rank sent the same step and bucket (docs/planned_lanes.md)",
     ),

@@ -44,7 +44,7 @@ The constraints it answers, and how:
    cancelled, so neither another collective nor MPI_Finalize could follow it. The check is
    one comparison per test of a request, in the loop that already reads the clock.
 7. A plan's buckets are the same on every rank every step: negotiating them re-proves that
-   each cycle. -> With COMMLAYER_PLANNED_SKIP_NEGOTIATION (a prototype) they travel on a lane
+   each cycle. -> With COMMLAYER_PLANNED_SKIP_NEGOTIATION (opt-in) they travel on a lane
    (planned.py): a communicator of the plan's own, posted in plan order, driven in the idle
    loop and inside every wait (never blocked on: two blocking waits on two communicators can
    deadlock), each reduction checked through a tail every rank writes its step into.
