@@ -226,8 +226,10 @@ class _GatherBytesRequest:
             else (torch.empty(0, dtype=torch.uint8))
         )
         self._lengths = torch.empty(backend.size, dtype=torch.int64)
+        # the negotiation's: over gloo's group whatever group moves CPU data (module docstring,
+        # 3.), so that every rank takes the same group whatever its data routing
         self._lengths_req = backend._gather_equal(
-            torch.tensor([len(payload)], dtype=torch.int64), self._lengths
+            torch.tensor([len(payload)], dtype=torch.int64), self._lengths, backend._group
         )
         self._data_req: Request | None = None
         self._data = torch.empty(0, dtype=torch.uint8)
@@ -238,7 +240,9 @@ class _GatherBytesRequest:
                 return False
             counts = self._lengths.tolist()
             self._data = torch.empty(sum(counts), dtype=torch.uint8)
-            self._data_req = self._backend.iallgatherv(self._mine, self._data, counts)
+            self._data_req = self._backend.iallgatherv(
+                self._mine, self._data, counts, self._backend._group
+            )
         if not self._data_req.test():
             return False
         data, counts = self._data.numpy(), self._lengths.tolist()
@@ -469,22 +473,33 @@ class TorchBackend:
         (``post_all_reduce``)."""
         return post_all_reduce(tensor, op, group, direct=id(group) not in self._polled)
 
-    def _gather_equal(self, send: torch.Tensor, recv: torch.Tensor) -> Request:
-        """recv <- every rank's send (all the same length), in rank order."""
+    def _gather_equal(
+        self, send: torch.Tensor, recv: torch.Tensor, group: Any | None = None
+    ) -> Request:
+        """recv <- every rank's send (all the same length), in rank order; over ``group``, or
+        the group of ``recv``'s device type."""
         if self._size == 1:
             recv.copy_(send)
             return COMPLETED
-        work = _all_gather_single(recv, send, group=self._on(recv), async_op=True)
+        on = self._on(recv) if group is None else group
+        work = _all_gather_single(recv, send, group=on, async_op=True)
         return _WorkRequest(work, send, recv)
 
-    def iallgatherv(self, send: torch.Tensor, recv: torch.Tensor, counts: Sequence[int]) -> Request:
+    def iallgatherv(
+        self,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        counts: Sequence[int],
+        group: Any | None = None,
+    ) -> Request:
+        """``group``: as ``_gather_equal``'s (the negotiation's payloads: always gloo's)."""
         send, recv, item = _raw(send), _raw(recv), send.element_size()
         counts = [c * item for c in counts]
         if self._size == 1:
             recv[: send.numel()].copy_(send)
             return COMPLETED
         if len(set(counts)) == 1:
-            return self._gather_equal(send, recv)
+            return self._gather_equal(send, recv, group)
         width = max(counts)
         padded = torch.zeros(width, dtype=torch.uint8, device=recv.device)
         padded[: send.numel()].copy_(send)
@@ -497,7 +512,8 @@ class TorchBackend:
                 recv[offset : offset + count].copy_(rows[r, :count])
                 offset += count
 
-        work = _all_gather_single(gathered, padded, group=self._on(recv), async_op=True)
+        on = self._on(recv) if group is None else group
+        work = _all_gather_single(gathered, padded, group=on, async_op=True)
         return _WorkRequest(work, padded, gathered, recv, after=unpad)
 
     def ibcast(self, buf: torch.Tensor, root: int) -> Request:

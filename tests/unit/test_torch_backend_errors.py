@@ -35,3 +35,43 @@ def test_this_hosts_address_names_the_other_local_ranks_only() -> None:
 def test_an_error_naming_no_peer_address_names_nobody() -> None:
     for text in ("Connection reset", _CLOSED.format("192.168.7.7"), _CLOSED.format("::1")):
         assert TorchBackend.lost_peers(_JOB, RuntimeError(text)) is None  # type: ignore[arg-type]
+
+
+def test_the_negotiations_byte_gathers_go_over_gloos_group_whatever_moves_cpu_data() -> None:
+    """iallgather_bytes (the negotiation's) is posted on the backend's own gloo group even where
+    CPU data is routed over another group (tests route it so, tests/parallel/direct_cpu.py):
+    ranks whose routing differs for a moment (one rank's test set it, another's not yet) must
+    still meet on one group; they hung in the negotiation for 60 s when the gather followed the
+    data routing."""
+    import torch
+
+    from commlayer.backends.torch_distributed import _GatherBytesRequest
+
+    main, data = object(), object()
+    groups: list[object] = []
+
+    class Stub:
+        size = 2
+        _group = main
+        _data = {"cpu": data}
+
+        def _on(self, tensor: torch.Tensor) -> object:
+            return self._data["cpu"]
+
+        def _gather_equal(
+            self, send: torch.Tensor, recv: torch.Tensor, group: object = None
+        ) -> object:
+            groups.append(self._on(recv) if group is None else group)
+            recv.fill_(1)
+            return SimpleNamespace(test=lambda: True)
+
+        def iallgatherv(
+            self, send: torch.Tensor, recv: torch.Tensor, counts: object, group: object = None
+        ) -> object:
+            groups.append(self._on(recv) if group is None else group)
+            return SimpleNamespace(test=lambda: True)
+
+    out: list[bytes] = []
+    request = _GatherBytesRequest(Stub(), b"x", out)  # type: ignore[arg-type]
+    assert request.test()
+    assert groups == [main, main]
