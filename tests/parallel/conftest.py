@@ -99,6 +99,14 @@ def pytest_configure(config: pytest.Config) -> None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  the terminal reporter's, for good
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _job_stderr, _rank_stderr
+    for stream in (_job_stderr, _rank_stderr):
+        if stream is not None:
+            stream.close()
+    _job_stderr = _rank_stderr = None
+
+
 def _install_abort_report() -> None:
     """6. in the module docstring: both backends' ``abort`` report before they end the job."""
     global _job_stderr
