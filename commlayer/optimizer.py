@@ -366,7 +366,12 @@ class _Reducer:
             self.resparsify.update(taken)
         op, prescale, postscale = self.comm.scaling(part.flat.dtype)
         flat = part.flat
-        step = self.lane_steps[index] if taken is not None else -1  # -1: not as planned
+        step = self.lane_steps[index]
+        if taken is None:  # not as planned: what changed, for every rank's error
+            dtype = next(
+                (q.dtype for q, v in zip(part.params, part.views) if q.dtype != v.dtype), None
+            )  # None: a shape or device changed
+            step = planned.changed_code(dtype)
         self.lane_steps[index] += 1
         return submit(
             Request(

@@ -61,6 +61,19 @@ log = logging.getLogger("commlayer")
 
 TAIL = 4  # check elements per rank: present, epoch, step, index + 1 (0: not planned)
 POISON = 0  # the index code of a part this rank could not send as planned
+# A poisoned slot's step code: the dtype this rank's gradients had instead of the plan's (its
+# index here), 0 where a gradient's shape or device changed (``changed_code``).
+CHANGED_DTYPES: tuple[torch.dtype | None, ...] = (
+    None, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+)  # fmt: skip
+
+
+def changed_code(dtype: torch.dtype | None) -> int:
+    """The ``step`` a rank sends a part with when it could not send it as planned: negative,
+    naming ``dtype`` (the gradients' dtype now) where it is a floating one, else a shape or
+    device change (``codes``; every rank's error then names it)."""
+    code = CHANGED_DTYPES.index(dtype) if dtype in CHANGED_DTYPES else 0
+    return -1 - code
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +110,12 @@ def modulus(dtype: torch.dtype) -> int:
 
 def codes(epoch: int, step: int, index: int, dtype: torch.dtype) -> tuple[int, ...]:
     """This rank's slot for a part: present, epoch, step, index + 1 (``POISON`` where
-    ``step`` is negative: the part could not be sent as planned)."""
+    ``step`` is negative: the part could not be sent as planned; the step's place then holds
+    what changed, ``changed_code``)."""
     m = modulus(dtype)
-    return (1, epoch % m, max(step, 0) % m, (index % (m - 1)) + 1 if step >= 0 else POISON)
+    if step < 0:
+        return (1, epoch % m, (-1 - step) % m, POISON)
+    return (1, epoch % m, step % m, (index % (m - 1)) + 1)
 
 
 def write_tail(tail: torch.Tensor, rank: int, slot: Sequence[int]) -> None:
@@ -123,9 +139,12 @@ def read_tail(tail: torch.Tensor, size: int) -> list[tuple[int, ...] | None]:
     return found
 
 
-def disagreement(name: str, slots: list[tuple[int, ...] | None]) -> str | None:
+def disagreement(
+    name: str, slots: list[tuple[int, ...] | None], planned: torch.dtype | None = None
+) -> str | None:
     """What differs among the present ranks' slots (the same words on every rank, as every
-    rank reads the same tail), naming the ranks; None when they agree."""
+    rank reads the same tail), naming the ranks; None when they agree. ``planned``: the
+    part's dtype in the plan (named beside a rank's changed one)."""
     present = {r: s for r, s in enumerate(slots) if s is not None}
     garbled = sorted(r for r, s in present.items() if s[0] != 1)
     if garbled:
@@ -136,10 +155,19 @@ def disagreement(name: str, slots: list[tuple[int, ...] | None]) -> str | None:
         )
     poisoned = sorted(r for r, s in present.items() if s[3] == POISON)
     if poisoned:
+        plan = f"; the plan's are {str(planned).removeprefix('torch.')}" if planned else ""
+        changes = []
+        for r in poisoned:
+            code = present[r][2]
+            if 0 < code < len(CHANGED_DTYPES):
+                dtype = str(CHANGED_DTYPES[code]).removeprefix("torch.")
+                changes.append(f"rank {r}: its gradients are {dtype} now{plan}")
+            else:
+                changes.append(f"rank {r}: a gradient's shape or device changed")
         return (
-            f"planned bucket {name!r}: rank(s) {poisoned} could not send it as planned (a "
-            "gradient's dtype, shape or device changed since the plan); every rank must keep "
-            "its parameters as they were when the buckets were planned"
+            f"planned bucket {name!r}: rank(s) {poisoned} could not send it as planned since "
+            f"the plan ({'; '.join(changes)}); every rank must keep its parameters' dtype, "
+            "shape and device as they were when the buckets were planned"
         )
     groups: dict[tuple[int, ...], list[int]] = {}
     for r, slot in present.items():
@@ -384,7 +412,7 @@ class Lanes:
             return
         host.traced(op.name, "COLLECTIVE", done.t0, t1)
         slots = read_tail(done.buf[numel:], size)
-        problem = disagreement(op.name, slots)
+        problem = disagreement(op.name, slots, done.buf.dtype)
         if problem is not None:
             host.complete(op, error=TensorMismatchError(f"rank {host.rank}: {problem}"))
             return

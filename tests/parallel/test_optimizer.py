@@ -159,16 +159,8 @@ def test_backward_passes_per_step_reduces_once_per_step(
     """Two backward passes, then step: the gradients are submitted once, one by one in the
     first step and in buckets after it (the first step's end also broadcasts the buckets, so
     the bytes are counted where the optimizer submits them, not by the engine)."""
-    from commlayer.comm.communicator import EngineTransport
-
     submitted: list[int] = []
-    original = EngineTransport.allreduce_
-
-    def spy(self: EngineTransport, tensors: list[torch.Tensor], *args: Any) -> Any:
-        submitted.append(sum(t.numel() * t.element_size() for t in tensors))
-        return original(self, tensors, *args)
-
-    monkeypatch.setattr(EngineTransport, "allreduce_", spy)
+    _spy_submissions(monkeypatch, lambda ts: submitted.append(sum(_nbytes(t) for t in ts)))
     model = _mlp()
     opt = cl.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=2
@@ -633,19 +625,39 @@ def test_process_set_trains_its_members_only() -> None:
 
 
 # -- groups= (Horovod's) --------------------------------------------------------------------------
-def _grouped_submissions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The number of tensors of each grouped allreduce the optimizer submits, in order (its
-    communicator's transport: the engine's core submit, not the public ops)."""
-    from commlayer.comm.communicator import EngineTransport
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
-    sizes: list[int] = []
+
+def _spy_submissions(
+    monkeypatch: pytest.MonkeyPatch, record: Callable[[list[torch.Tensor]], None]
+) -> None:
+    """``record`` the gradients of each reduction the optimizer submits, in order: through its
+    communicator's transport (the engine's core submit, not the public ops), or, with
+    COMMLAYER_PLANNED_SKIP_NEGOTIATION, a planned part's on its lane (its gradients' views,
+    the check values not counted)."""
+    from commlayer.comm.communicator import EngineTransport
+    from commlayer.optimizer import _Reducer
+
     original = EngineTransport.allreduce_
+    planned = _Reducer.send_planned
 
     def spy(self: EngineTransport, tensors: list[torch.Tensor], *args: Any) -> Any:
-        sizes.append(len(tensors))
+        record(list(tensors))
         return original(self, tensors, *args)
 
+    def spy_planned(self: _Reducer, part: Any, *args: Any) -> Any:
+        record(list(part.views))
+        return planned(self, part, *args)
+
     monkeypatch.setattr(EngineTransport, "allreduce_", spy)
+    monkeypatch.setattr(_Reducer, "send_planned", spy_planned)
+
+
+def _grouped_submissions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of tensors of each grouped allreduce the optimizer submits, in order."""
+    sizes: list[int] = []
+    _spy_submissions(monkeypatch, lambda tensors: sizes.append(len(tensors)))
     return sizes
 
 

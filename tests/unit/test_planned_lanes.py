@@ -55,6 +55,16 @@ def test_a_part_not_sent_as_planned_names_its_rank() -> None:
     read = planned.read_tail(_reduced([sent, not_sent]), 2)
     problem = planned.disagreement("b", read)
     assert problem is not None and "rank(s) [1] could not send it as planned" in problem
+    assert "rank 1: a gradient's shape or device changed" in problem
+
+
+def test_a_part_not_sent_as_planned_names_the_dtype_its_rank_has_now() -> None:
+    changed = planned.codes(1, planned.changed_code(torch.float32), 1, F32)
+    read = planned.read_tail(_reduced([planned.codes(1, 3, 1, F32), changed, changed]), 3)
+    problem = planned.disagreement("b", read, torch.float64)
+    assert problem is not None and "rank(s) [1, 2] could not send it as planned" in problem
+    assert "rank 1: its gradients are float32 now; the plan's are float64" in problem
+    assert "rank 2: its gradients are float32 now" in problem
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
