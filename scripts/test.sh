@@ -4,7 +4,8 @@
 #   bash scripts/test.sh           every test: lint, types, the docs site (scripts/docs.sh), unit
 #                                  and system tests, the parallel suite under mpiexec at 1, 2, 3
 #                                  and 4 ranks, then under torchrun (commlayer over gloo) at 1, 2,
-#                                  3 and 4 processes
+#                                  3 and 4 processes, and the optimizer's suites at 3 ranks with
+#                                  COMMLAYER_PLANNED_SKIP_NEGOTIATION=on
 #   bash scripts/test.sh --quick   the fast tier: lint, types, the docs site, unit tests and the
 #                                  parallel suite at 2 ranks under mpiexec and under torchrun,
 #                                  without the tests marked slow (a few minutes)
@@ -264,6 +265,23 @@ for n in "${ranks[@]}"; do
     parallel_mpiexec "$n"
     stage_done "ok"
 done
+
+# The optimizer's suites again with its planned buckets on their lanes, without negotiation
+# (COMMLAYER_PLANNED_SKIP_NEGOTIATION, opt-in: docs/planned_lanes.md), at 3 ranks (~30 s).
+LANED=(
+    tests/parallel/test_optimizer.py tests/parallel/test_join.py
+    tests/parallel/test_optimizer_memory.py tests/parallel/test_planned_lanes.py
+    tests/parallel/test_process_sets.py tests/parallel/test_stream_order.py
+    tests/parallel/test_device.py tests/parallel/test_elastic.py
+    tests/parallel/test_horovod_dropin.py
+)
+if [[ $QUICK -eq 0 ]]; then
+    stage "pytest parallel, mpiexec -n 3, planned buckets without negotiation"
+    COMMLAYER_PLANNED_SKIP_NEGOTIATION=on run_pytest tests/parallel \
+        timeout -k 30 "$PARALLEL_TIMEOUT_S" mpiexec -n 3 "$PY" -m pytest "${LANED[@]}" -q \
+        -p no:cacheprovider -x </dev/null
+    stage_done "ok"
+fi
 
 for n in "${ranks[@]}"; do
     [[ $n -eq 1 ]] && continue # ran beside mpiexec -n 1
