@@ -127,13 +127,7 @@ def _wrap_abort(cls: Any) -> None:
 
     def reporting_abort(self: Any, reason: str) -> None:
         assert _job_stderr is not None
-        _job_stderr.write(
-            f"[rank {_world().rank}] ABORT during {_running_test}: {reason}\nstacks of all "
-            "threads:\n"
-        )
-        _job_stderr.flush()
-        faulthandler.dump_traceback(file=_job_stderr, all_threads=True)
-        _job_stderr.flush()
+        _write_stacks(_job_stderr, f"ABORT during {_running_test}: {reason}")
         abort(self, reason)
 
     cls.abort = reporting_abort
@@ -205,15 +199,17 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     return True
 
 
+def _write_stacks(stream: TextIO, headline: str) -> None:
+    """``headline`` (after this rank's number), then every thread's stack, to ``stream``."""
+    stream.write(f"[rank {_world().rank}] {headline}; stacks of all threads:\n")
+    stream.flush()
+    faulthandler.dump_traceback(file=stream, all_threads=True)
+    stream.flush()
+
+
 def _dump_stacks_and_exit(nodeid: str, settings: Any) -> None:
     assert _rank_stderr is not None
-    _rank_stderr.write(
-        f"[rank {_world().rank}] TIMEOUT: {nodeid} still running after {settings.timeout} s; "
-        "stacks of all threads:\n"
-    )
-    _rank_stderr.flush()
-    faulthandler.dump_traceback(file=_rank_stderr, all_threads=True)
-    _rank_stderr.flush()
+    _write_stacks(_rank_stderr, f"TIMEOUT: {nodeid} still running after {settings.timeout} s")
     os._exit(1)
 
 
