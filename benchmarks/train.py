@@ -208,13 +208,10 @@ class _HookTimer:
 
 
 def _engine_cpu_s() -> float:
-    """CPU seconds of commlayer's engine thread so far (0 where it cannot be read)."""
-    import threading
+    """CPU seconds of commlayer's engine thread so far (communication_stats()'s)."""
+    import commlayer
 
-    for thread in threading.enumerate():
-        if thread.name == "commlayer-engine" and thread.ident is not None:
-            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-    return 0.0
+    return commlayer.communication_stats()["engine_cpu_s"]
 
 
 class _DirectGloo:

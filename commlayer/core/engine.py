@@ -777,6 +777,17 @@ class Engine:
         since = self._collective_since
         return self.stats.collective_s + (time.perf_counter() - since if since else 0.0)
 
+    def cpu_s(self) -> float:
+        """CPU seconds the engine thread used so far (0.0 before it starts, or where the
+        platform has no per-thread CPU clock)."""
+        ident = self._thread.ident
+        if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except OSError:  # the thread ended: its clock is gone
+            return 0.0
+
     def account(self, nbytes: int, size: int, seconds: float, factor: float) -> None:
         self.stats.operations += 1
         self.stats.payload_bytes += nbytes

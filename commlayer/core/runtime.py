@@ -452,9 +452,14 @@ def communication_stats() -> dict[str, float]:
     counted once), payload_bytes reduced or moved, wire_bytes (estimate of bytes a bandwidth-
     optimal algorithm sends from this rank), collective_s (time inside collectives that
     ended), collective_now_s (the same, with the elapsed part of the one running now: the
-    figure to take before and after a wait), cycles."""
+    figure to take before and after a wait), cycles (negotiation cycles), engine_cpu_s (CPU
+    seconds of the engine thread: take it before and after some steps for its CPU a step)."""
     current = engine()
-    return {**dataclasses.asdict(current.stats), "collective_now_s": current.collective_now_s()}
+    return {
+        **dataclasses.asdict(current.stats),
+        "collective_now_s": current.collective_now_s(),
+        "engine_cpu_s": current.cpu_s(),
+    }
 
 
 def is_initialized() -> bool:

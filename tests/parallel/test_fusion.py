@@ -200,3 +200,15 @@ def test_large_and_small_tensors_in_flight_together_in_place() -> None:
             assert_reduced(result, per_rank, cl.Average)
             if i % 2:
                 assert_reduced(mine[i], per_rank, cl.Average)
+
+
+def test_communication_stats_count_the_engines_cpu() -> None:
+    """``engine_cpu_s``: the engine thread's CPU seconds, which grow as it works (issue 52 asks
+    for the engine's CPU a step from ``communication_stats()``)."""
+    before = cl.communication_stats()
+    tensors = [torch.full((1 << 16,), float(cl.rank())) for _ in range(8)]
+    for step in range(20):
+        cl.grouped_allreduce(tensors, name=f"fusion.cpu.{step}", op=cl.Sum)
+    after = cl.communication_stats()
+    assert 0.0 < before["engine_cpu_s"] < after["engine_cpu_s"], (before, after)
+    assert after["operations"] > before["operations"]
