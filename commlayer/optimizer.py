@@ -77,7 +77,7 @@ from commlayer.compression import Compressor, CompressorBase, Policy, create
 from commlayer.core import runtime
 from commlayer.core.future import Future
 from commlayer.core.process_sets import ProcessSet, global_process_set
-from commlayer.core.submit import batch
+from commlayer.core.submit import batch, bucket_window
 
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
 
@@ -96,7 +96,7 @@ class _Reducer:
         "owner", "named", "names", "policy", "comm", "passes_per_step", "op", "sparse_as_dense",
         "process_set", "reduces", "handles", "passes", "ready", "bucketer", "sparse_dims",
         "resparsify", "hooks", "synchronized", "user_synchronized", "should_synchronize",
-        "wait_s", "levels", "auto", "__weakref__",
+        "wait_s", "levels", "auto", "window", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -151,6 +151,8 @@ class _Reducer:
         self.wait_s = 0.0
         # compression=auto's and COMMLAYER_COMPRESSION_HIERARCHY=auto's at the bucket plan
         self.auto = AutoPlanner(self.policy, process_set, self.choose, self.level)
+        # the shared-memory window the planned buckets live in (COMMLAYER_WINDOW_BUCKETS)
+        self.window: Any = None
 
     def params(self) -> list[Param]:
         return [p for group in self.owner["param_groups"] for p in group["params"]]
@@ -367,6 +369,7 @@ class _Reducer:
         self.ready = 0
         self.synchronized = self.user_synchronized = False
         self.bucketer.restart()
+        self.release_window()
         self.resparsify.clear()
         self.hook(self.params())
 
@@ -448,8 +451,29 @@ class _Reducer:
             root,
             runtime.rank(),
         )
+        self.release_window()
+        if runtime.config().window_buckets:
+            self.window = bucket_plan.house_in_window(
+                planned,
+                lambda nbytes: bucket_window(
+                    nbytes, f"{prefix}.bucket_window", self.process_set
+                ).wait(),
+            )
         self.bucketer.install(planned)
         bucket_plan.assign_leaders(self.levels, planned)
+
+    def release_window(self) -> None:
+        """Give up the buckets' window (a new plan, a re-formed world): the gradients that
+        are views of it become copies, and its channel is no longer announced (the memory goes
+        once nothing views it: backends/shm.py's BucketWindow.close)."""
+        window, self.window = self.window, None
+        if window is None:
+            return
+        for p in self.params():
+            grad = p.grad
+            if grad is not None and not grad.is_sparse and window.offset_of(grad) is not None:
+                p.grad = grad.clone()
+        window.close()
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

@@ -139,6 +139,44 @@ def owned_memory(
     return flat, views
 
 
+def house_in_window(buckets: list[Bucket], make: Callable[[int], Any]) -> Any:
+    """Move the parts that own host memory (4.) into a shared-memory window of their own
+    (COMMLAYER_WINDOW_BUCKETS): ``make(nbytes)`` makes it (collective: every rank of the
+    process set passes the same bytes, the plan being the same) and returns it, or None
+    where it does not apply (then nothing changes). Each part's ``flat`` becomes a slice of
+    this rank's segment (cache-line aligned, in plan order: the same offsets on every rank)
+    and its ``views`` views of that; the window (backends/shm.py's BucketWindow), or None."""
+    homed = [
+        (bucket, index, part)
+        for bucket in buckets
+        for index, part in enumerate(bucket.parts)
+        if part.flat is not None and part.flat.device.type == "cpu"
+    ]
+    offsets, end = [], 0
+    for _, _, part in homed:
+        assert part.flat is not None
+        end = -(-end // _WINDOW_ALIGN) * _WINDOW_ALIGN
+        offsets.append(end)
+        end += part.flat.numel() * part.flat.element_size()
+    if not homed:
+        return None
+    window = make(end)
+    if window is None:
+        return None
+    for (bucket, index, part), offset in zip(homed, offsets):
+        assert part.flat is not None
+        nbytes = part.flat.numel() * part.flat.element_size()
+        flat = window.memory[offset : offset + nbytes].view(part.flat.dtype)
+        flat.zero_()
+        numels = [p.numel() for p in part.params]
+        views = tuple(piece.view(p.shape) for piece, p in zip(flat.split(numels), part.params))
+        bucket.parts[index] = part._replace(flat=flat, views=views)
+    return window
+
+
+_WINDOW_ALIGN = 64  # a part starts on a cache line of the window
+
+
 class Bucket:
     """Gradients sent together once the last of them is ready: one collective per part."""
 

@@ -69,6 +69,7 @@ class Config:
     nccl: bool | None = None  # None: auto
     sim_table: str = ""
     force_full_path: bool = False
+    window_buckets: bool = False
     line_output: bool = False
 
     @property
@@ -432,6 +433,16 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "hooks, nothing sent, no compression); on: they take the whole path there too (hooks, "
         "buckets, compression, the engine), for benchmarks and tests. Collectives called "
         "directly run through the engine at any size",
+    ),
+    (
+        "COMMLAYER_WINDOW_BUCKETS",
+        "window_buckets",
+        _BOOL,
+        "on: DistributedOptimizer allocates its planned uncompressed CPU buckets in a "
+        "shared-memory window of their own where every rank of its process set is on one "
+        "machine (backward writes the gradients into the window; each rank reduces its slice "
+        "there and writes it into the others' buckets: no copy in, one copy out), else as off; "
+        "off (default): buckets in process memory, reduced by the allreduce algorithm",
     ),
     (
         "COMMLAYER_SIM_TABLE",

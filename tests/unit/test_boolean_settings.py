@@ -12,7 +12,7 @@ from commlayer.common import config
 from commlayer.common.errors import ConfigError
 
 BOOLEANS = ("COMMLAYER_MALLOC_TUNING", "COMMLAYER_LINE_OUTPUT", "COMMLAYER_AUTO_TUNING",
-            "COMMLAYER_FORCE_FULL_PATH")  # fmt: skip
+            "COMMLAYER_FORCE_FULL_PATH", "COMMLAYER_WINDOW_BUCKETS")  # fmt: skip
 AUTO_BOOLEANS = ("COMMLAYER_CUDA_AWARE_MPI", "COMMLAYER_NCCL")
 FIELDS = {name: field for name, field in (v[:2] for v in config._VARIABLES)}
 
