@@ -50,6 +50,14 @@
    reduced as that one tensor, so after ``step()`` ``p.grad`` is the reduced view. The groups'
    buckets keep the gradients where backward made them (their reduction is one grouped
    operation a part, as Horovod's).
+8. With COMMLAYER_WINDOW_BUCKETS (off by default) the plan also asks the engine for a
+   shared-memory window (a WINDOW operation on the process set: every rank makes it at the
+   same point of its collectives), and those parts' memory is this rank's segment of it
+   (comm/bucketer.py ``house_in_window``): each rank reduces its slice reading the other ranks'
+   gradients where backward left them and writes it into their buckets (backends/shm.py's
+   BucketWindow), no copy in. Where the window does not apply (several machines, GPU, one
+   rank) the engine answers None on every rank and nothing changes. A new plan or a re-formed
+   world releases it (``release_window``): the gradients that viewed it become copies.
 """
 
 from __future__ import annotations

@@ -39,6 +39,11 @@ themselves, read in step 1 and 2 and written in step 3, each scaled by its own f
 1/n) as it is copied out. The window copies every byte in and out anyway, so a fusion buffer
 would only add a pass each way (benchmark MLP at 2 ranks: ~4 ms of ~45 per step).
 
+DistributedOptimizer's planned buckets can live in a window of their own (``BucketWindow``,
+COMMLAYER_WINDOW_BUCKETS): there backward writes the gradients into the segment, so step 1's
+copy in is gone, and each rank writes its reduced slice into the others' buckets instead of
+every rank copying every slice out.
+
 ``test()`` advances as far as it can without waiting, so the engine's yield-then-sleep wait loop
 drives it like any MPI request: no busy-polling, and a dead peer is still noticed.
 """

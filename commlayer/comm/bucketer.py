@@ -34,6 +34,10 @@ makes its buckets and hands the hook each one's flat buffer.
    reduced buffer is the gradients: no unpack. Compressed parts, the groups' buckets (made
    before any shape is known to agree) and the gradients outside buckets keep the gradients
    where backward made them and travel as a grouped operation.
+5. With COMMLAYER_WINDOW_BUCKETS the parts of 4. that are in host memory are moved, at the
+   plan, into a shared-memory window every rank of the process set maps (``house_in_window``):
+   the flat buffers are slices of this rank's segment, at the same offsets on every rank, and
+   the engine reduces them there (backends/shm.py's BucketWindow).
 """
 
 from __future__ import annotations

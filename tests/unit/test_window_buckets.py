@@ -5,15 +5,20 @@ requests are driven round-robin by ``test()``, as each rank's engine drives its 
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
 import torch
+from engine_harness import WAIT_S, run_engines
 
 from commlayer.backends import shm
+from commlayer.backends.loopback import LoopbackBackend
 from commlayer.comm import bucketer
+from commlayer.common.errors import RankDiedError
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.compression import create
+from commlayer.core.engine import Engine
 
 
 class _Memory:
@@ -197,3 +202,31 @@ def test_house_in_window_changes_nothing_where_no_window_is_made() -> None:
     calls = itertools.count()
     assert bucketer.house_in_window(unowned, lambda n: next(calls)) is None
     assert next(calls) == 0  # nothing to house: no window asked for (no collective)
+
+
+def test_the_engine_notices_a_peer_that_died_before_arriving() -> None:
+    """The in-window allreduce's flag wait is the engine's wait on a request (``test()`` never
+    blocks), so a peer that dies before it raises its flag is noticed by the pid check, as in
+    any collective: RankDiedError naming it, not a hang."""
+    backends: dict[int, LoopbackBackend] = {}
+    windows = _windows(2, 4096)
+    killed = threading.Event()
+
+    def keep(backend: LoopbackBackend) -> LoopbackBackend:
+        backends[backend.rank] = backend
+        return backend
+
+    def fn(engine: Engine) -> str | None:
+        if engine.rank == 1:
+            backends[1].world.kill(1)  # as if the process crashed before its backward ended
+            killed.set()
+            return None
+        killed.wait(WAIT_S)
+        request = windows[0].iallreduce(0, 1024, torch.float32, ReduceOp.Sum, 1.0)
+        with pytest.raises(RankDiedError) as info:
+            engine._wait(request)
+        return str(info.value)
+
+    errors = run_engines(2, fn, start=False, wrap=keep)
+    assert "rank 0: rank(s) [1] exited" in str(errors[0])
+    assert windows[0].seq == 1 and windows[1].seq == 0  # rank 0 arrived; rank 1 never did
