@@ -43,9 +43,8 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, 3, generator=g)
 
 
-def _optimizer(
-    model: nn.Module, window: bool, bucket_bytes: int, **kwargs: object
-) -> torch.optim.Optimizer:
+def _optimizer(model: nn.Module, bucket_bytes: int, **kwargs: object) -> torch.optim.Optimizer:
+    """Wrapped; whether its buckets go in a window is decided at its plan (``_step``)."""
     opt = cl.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         named_parameters=model.named_parameters(),
@@ -105,8 +104,8 @@ def test_window_buckets_match_process_memory_bit_for_bit(
     set_to_none: bool, bucket_bytes: int
 ) -> None:
     plain, housed = _model(), _model()
-    plain_opt = _optimizer(plain, False, bucket_bytes)
-    housed_opt = _optimizer(housed, True, bucket_bytes)
+    plain_opt = _optimizer(plain, bucket_bytes)
+    housed_opt = _optimizer(housed, bucket_bytes)
     for step in range(STEPS):
         _step(plain, plain_opt, step, False)
         _step(housed, housed_opt, step, True)
@@ -137,8 +136,8 @@ def test_a_new_plan_releases_the_window_and_makes_another() -> None:
     """What an elastic re-formation does to an optimizer (``_Reducer.new_world``): the
     gradients that viewed the window become copies, and the next plan makes a new window."""
     plain, housed = _model(5), _model(5)
-    plain_opt = _optimizer(plain, False, 4 * WIDTH * WIDTH)
-    housed_opt = _optimizer(housed, True, 4 * WIDTH * WIDTH)
+    plain_opt = _optimizer(plain, 4 * WIDTH * WIDTH)
+    housed_opt = _optimizer(housed, 4 * WIDTH * WIDTH)
     for step in range(3):
         _step(plain, plain_opt, step, False)
         _step(housed, housed_opt, step, True)
@@ -178,8 +177,8 @@ def test_process_set_of_all_but_rank_0() -> None:
     try:
         if cl.rank() in ranks:
             plain, housed = _model(9), _model(9)
-            plain_opt = _optimizer(plain, False, 4 * WIDTH * WIDTH, process_set=ps)
-            housed_opt = _optimizer(housed, True, 4 * WIDTH * WIDTH, process_set=ps)
+            plain_opt = _optimizer(plain, 4 * WIDTH * WIDTH, process_set=ps)
+            housed_opt = _optimizer(housed, 4 * WIDTH * WIDTH, process_set=ps)
             for step in range(5):
                 _step(plain, plain_opt, step, False)
                 _step(housed, housed_opt, step, True)
@@ -203,8 +202,8 @@ def test_a_rank_that_joined_takes_the_regular_way() -> None:
     the regular way (the joined rank adds zeros, which are not in its window), with the same
     results as buckets in process memory."""
     plain, housed = _model(11), _model(11)
-    plain_opt = _optimizer(plain, False, 4 * WIDTH * WIDTH)
-    housed_opt = _optimizer(housed, True, 4 * WIDTH * WIDTH)
+    plain_opt = _optimizer(plain, 4 * WIDTH * WIDTH)
+    housed_opt = _optimizer(housed, 4 * WIDTH * WIDTH)
     steps = 4 if cl.rank() == 0 and cl.size() > 1 else 5
     for step in range(steps):
         _step(plain, plain_opt, step, False)
