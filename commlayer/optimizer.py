@@ -50,6 +50,14 @@
    reduced as that one tensor, so after ``step()`` ``p.grad`` is the reduced view. The groups'
    buckets keep the gradients where backward made them (their reduction is one grouped
    operation a part, as Horovod's).
+8. With COMMLAYER_WINDOW_BUCKETS (off by default) the plan also asks the engine for a
+   shared-memory window (a WINDOW operation on the process set: every rank makes it at the
+   same point of its collectives), and those parts' memory is this rank's segment of it
+   (comm/bucketer.py ``house_in_window``): each rank reduces its slice reading the other ranks'
+   gradients where backward left them and writes it into their buckets (backends/shm.py's
+   BucketWindow), no copy in. Where the window does not apply (several machines, GPU, one
+   rank) the engine answers None on every rank and nothing changes. A new plan or a re-formed
+   world releases it (``release_window``): the gradients that viewed it become copies.
 """
 
 from __future__ import annotations
@@ -78,7 +86,7 @@ from commlayer.core import planned, runtime
 from commlayer.core.future import Future
 from commlayer.core.negotiation import ALLREDUCE, REGISTER, Registration, dtype_name
 from commlayer.core.process_sets import ProcessSet, global_process_set
-from commlayer.core.submit import Request, batch, submit
+from commlayer.core.submit import Request, batch, bucket_window, submit
 
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
 
@@ -97,7 +105,7 @@ class _Reducer:
         "owner", "named", "names", "policy", "comm", "passes_per_step", "op", "sparse_as_dense",
         "process_set", "reduces", "handles", "passes", "ready", "bucketer", "sparse_dims",
         "resparsify", "hooks", "synchronized", "user_synchronized", "should_synchronize",
-        "wait_s", "levels", "auto", "lane", "lane_index", "lane_steps", "__weakref__",
+        "wait_s", "levels", "auto", "lane", "lane_index", "lane_steps", "window", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -157,6 +165,8 @@ class _Reducer:
         self.lane: int | None = None
         self.lane_index: dict[str, int] = {}
         self.lane_steps: list[int] = []  # times each laned part was sent since the plan
+        # the shared-memory window the planned buckets live in (COMMLAYER_WINDOW_BUCKETS)
+        self.window: Any = None
 
     def params(self) -> list[Param]:
         return [p for group in self.owner["param_groups"] for p in group["params"]]
@@ -412,6 +422,7 @@ class _Reducer:
         self.ready = 0
         self.synchronized = self.user_synchronized = False
         self.bucketer.restart()
+        self.release_window()
         self.resparsify.clear()
         self.hook(self.params())
 
@@ -480,9 +491,13 @@ class _Reducer:
 
         root = min(self.process_set.ranks or [0])  # the set's first rank (a global rank)
         prefix = next(iter(self.names.values()))
-        skip = runtime.config().planned_skip_negotiation and self.op in (
-            ReduceOp.Average, ReduceOp.Sum,
-        )  # fmt: skip
+        cfg = runtime.config()
+        # lanes carry buckets in process memory: not where the window holds them
+        skip = (
+            cfg.planned_skip_negotiation
+            and not cfg.window_buckets
+            and self.op in (ReduceOp.Average, ReduceOp.Sum)
+        )
         tail = planned.tail_numel(self.process_set.size()) if skip else 0
         buckets = bucket_plan.plan_buckets(
             [p for p in ready if p not in self.sparse_dims],
@@ -500,6 +515,14 @@ class _Reducer:
             runtime.rank(),
             tail,
         )
+        self.release_window()
+        if cfg.window_buckets:
+            self.window = bucket_plan.house_in_window(
+                buckets,
+                lambda nbytes: bucket_window(
+                    nbytes, f"{prefix}.bucket_window", self.process_set
+                ).wait(),
+            )
         self.bucketer.install(buckets)
         bucket_plan.assign_leaders(self.levels, buckets)
         # the first rank's setting decided (the tails it shared): every rank opens it, or none
@@ -523,6 +546,19 @@ class _Reducer:
         self.lane = int(lane.wait())
         self.lane_index = {part.name: index for index, part in enumerate(parts)}
         self.lane_steps = [0] * len(parts)
+
+    def release_window(self) -> None:
+        """Give up the buckets' window (a new plan, a re-formed world): the gradients that
+        are views of it become copies, and its channel is no longer announced (the memory goes
+        once nothing views it: backends/shm.py's BucketWindow.close)."""
+        window, self.window = self.window, None
+        if window is None:
+            return
+        for p in self.params():
+            grad = p.grad
+            if grad is not None and not grad.is_sparse and window.offset_of(grad) is not None:
+                p.grad = grad.clone()
+        window.close()
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

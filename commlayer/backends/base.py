@@ -186,6 +186,13 @@ class SharedMemory(Backend, Protocol):
         scaled by ``scales[i]`` (size >= 2)."""
         ...
 
+    def shm_bucket_window(self, nbytes: int) -> Any:
+        """A window of ``nbytes`` a rank for DistributedOptimizer's planned buckets
+        (backends/shm.py's BucketWindow), or None where one cannot be made (every rank alike).
+        Collective: every rank of the group calls it at the same point, on the engine thread
+        (a WINDOW operation)."""
+        ...
+
 
 class TwoLevel(Backend, Protocol):
     """``TWO_LEVEL``: the two-level allreduce of algorithms/hierarchical.py, a window over each

@@ -15,6 +15,9 @@ Elsewhere CUDA tensors are staged through pinned host buffers (device.py).
 from __future__ import annotations
 
 import atexit
+import logging
+import os
+import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +49,9 @@ from commlayer.common.reduce_ops import ReduceOp  # noqa: E402
 from commlayer.common.topology import Topology  # noqa: E402
 
 if TYPE_CHECKING:
-    from commlayer.backends.shm import SharedMemoryAllreduce
+    from commlayer.backends.shm import BucketWindow, SharedMemoryAllreduce
+
+log = logging.getLogger("commlayer")
 
 _DTYPES: dict[torch.dtype, MPI.Datatype] = {
     torch.float32: MPI.FLOAT,
@@ -306,6 +311,34 @@ class MPIBackend:
                 recv.copy_(send)
             return across(recv)
         return node._window().iallreduce(send, recv, op, across)
+
+    def shm_bucket_window(self, nbytes: int) -> BucketWindow | None:
+        """A window whose segments are the planned buckets' memory (backends/shm.py's
+        BucketWindow; collective: every rank of this group, all on one node, at the same
+        point). A FileWindow, not MPI's: a gradient may view its memory after it is freed
+        (elastic re-formation, shutdown), which a mapping outlives and MPI_Win_free does not.
+        None on every rank where one rank cannot map one."""
+        from commlayer.backends.shm import BucketWindow, FileWindow
+
+        comm = self._comm
+        if not comm.allreduce(FileWindow.usable(), op=MPI.LAND):
+            return None
+        token = comm.bcast(f"{os.getpid()}-{secrets.randbits(62):x}" if self._rank == 0 else None)
+
+        def agree(ok: bool) -> bool:
+            return bool(comm.allreduce(ok, op=MPI.LAND))
+
+        try:
+            return BucketWindow(
+                self._rank,
+                self._size,
+                nbytes,
+                lambda segment: FileWindow(self._rank, self._size, token, segment, agree),
+                token,
+            )
+        except OSError as exc:
+            log.warning("commlayer: %s; buckets stay in process memory", exc)
+            return None
 
     def _window(self) -> SharedMemoryAllreduce:
         if self._shm is None:

@@ -39,6 +39,11 @@ themselves, read in step 1 and 2 and written in step 3, each scaled by its own f
 1/n) as it is copied out. The window copies every byte in and out anyway, so a fusion buffer
 would only add a pass each way (benchmark MLP at 2 ranks: ~4 ms of ~45 per step).
 
+DistributedOptimizer's planned buckets can live in a window of their own (``BucketWindow``,
+COMMLAYER_WINDOW_BUCKETS): there backward writes the gradients into the segment, so step 1's
+copy in is gone, and each rank writes its reduced slice into the others' buckets instead of
+every rank copying every slice out.
+
 ``test()`` advances as far as it can without waiting, so the engine's yield-then-sleep wait loop
 drives it like any MPI request: no busy-polling, and a dead peer is still noticed.
 """
@@ -49,6 +54,7 @@ import bisect
 import mmap
 import os
 import platform
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -215,7 +221,7 @@ class SharedMemoryAllreduce:
         self.rank = rank
         self.size = size
         self.others = [r for r in range(self.size) if r != self.rank]  # reduction order
-        self.chunk_bytes = max(_ALIGN * self.size, chunk_bytes // _ALIGN * _ALIGN)
+        self.chunk_bytes = _chunk_bytes(self.size, chunk_bytes)
         self._segment = _FLAG_BYTES + 2 * self.chunk_bytes
         self.win = window(self._segment)
         self._flags: list[np.ndarray] = []
@@ -251,10 +257,7 @@ class SharedMemoryAllreduce:
 
     def slices(self, numel: int, itemsize: int) -> list[tuple[int, int]]:
         """(start, stop) of each rank's slice of a chunk of ``numel`` elements."""
-        align = max(1, _ALIGN // itemsize)
-        step = -(-numel // self.size)
-        step = -(-step // align) * align
-        return [(min(r * step, numel), min((r + 1) * step, numel)) for r in range(self.size)]
+        return _slices(numel, itemsize, self.size)
 
     def iallreduce(
         self,
@@ -284,6 +287,19 @@ class SharedMemoryAllreduce:
     def close(self) -> None:
         self._halves, self._views, self._flags = [], {}, []
         self.win.close()
+
+
+def _slices(numel: int, itemsize: int, size: int) -> list[tuple[int, int]]:
+    """(start, stop) of each of ``size`` ranks' slice of a chunk of ``numel`` elements."""
+    align = max(1, _ALIGN // itemsize)
+    step = -(-numel // size)
+    step = -(-step // align) * align
+    return [(min(r * step, numel), min((r + 1) * step, numel)) for r in range(size)]
+
+
+def _chunk_bytes(size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """The bytes of a chunk over ``size`` ranks (at least a cache line a rank)."""
+    return max(_ALIGN * size, chunk_bytes // _ALIGN * _ALIGN)
 
 
 class _Pieces:
@@ -402,3 +418,186 @@ class _Request:
                 self._offset += count
                 self._phase = 0
         return True
+
+
+# -- buckets that live in a window -------------------------------------------------------------
+# What DistributedOptimizer's planned buckets are allocated in (COMMLAYER_WINDOW_BUCKETS): a
+# window of its own, made by a WINDOW operation (core/negotiation.py) that every rank of the
+# optimizer's process set executes at the same point, whose segments ARE the buckets' memory.
+# An allreduce of a tensor there is announced on the channel ``window:<token>:<offset>``
+# (``window_channel``): negotiated, so every rank runs the same algorithm at the same offset,
+# or every rank gets a mismatch error (a tensor in a window on one rank and not on another).
+WINDOW_CHANNEL = "window:"
+# by token: the windows made and neither closed nor dropped in this process (an optimizer
+# holds its own: one dropped without a new plan takes its window's channel with it)
+_LIVE: weakref.WeakValueDictionary[str, BucketWindow] = weakref.WeakValueDictionary()
+
+
+class BucketWindow:
+    """A window whose segment of rank r is rank r's planned buckets (flat buffers of
+    gradients, which backward writes into) and the in-window allreduce of a part of it.
+
+    Made collectively (``window(segment_bytes)``: a FileWindow in both backends, whose
+    memory lives as long as a tensor views it: ``close`` while a gradient still views the
+    memory unmaps nothing, where MPI_Win_free would leave the gradient dangling); ``token``:
+    the same on every rank and new to this window.
+
+    ``iallreduce(offset, numel, dtype, op, scale)`` of the ``numel`` elements at byte
+    ``offset`` of every rank's segment (the same offset everywhere: the same plan), per part:
+
+    1. arrive: raise my flag (backward's writes into my segment are final and visible);
+    2. once every flag is up, rank r reduces slice r in place in its own segment, reading
+       slice r of every other segment where backward left it (in the order of
+       ``SharedMemoryAllreduce``: own, then the others by rank, so the bits are the window
+       allreduce's), scales it (Average's 1/n, once, by the one rank that reduced it), and
+       writes it into every other rank's segment (slice r of a segment is read and written
+       by rank r alone: no rank writes where another reads); raise my flag;
+    3. once every flag is up again, my segment holds the whole result, and no peer reads or
+       writes it any more for this part: the request completes, and backward, zero_grad and
+       the optimizer may touch the memory again (the next step's arrival orders them).
+
+    No copy in (the regular window copies (p-1)/p of a bucket into its segment first), no
+    copy out of a result area: each rank writes (p-1)/p of its slice's worth into the others'
+    segments, the one copy of the reduced data a rank makes, (p-1)/p of a part in all. Each
+    slice is reduced and scaled by one rank, so every rank holds the same bits. Flags are
+    monotonic counters (2 per part), as ``SharedMemoryAllreduce``'s; every rank runs a window's
+    allreduces in one order (negotiated), so the counters stay in step."""
+
+    def __init__(
+        self, rank: int, size: int, nbytes: int, window: Callable[[int], Window], token: str
+    ) -> None:
+        self.rank, self.size, self.token = rank, size, token
+        self.others = [r for r in range(size) if r != rank]
+        self.nbytes = -(-nbytes // _ALIGN) * _ALIGN
+        self.win: Window | None = window(_FLAG_BYTES + self.nbytes)
+        self._flags = [raw[:8].view(np.int64) for raw in self.win.segments]
+        self.segments = [torch.from_numpy(raw[_FLAG_BYTES:]) for raw in self.win.segments]
+        self._flags[rank][0] = 0
+        self.seq = 0
+        self.chunk_bytes = _chunk_bytes(size)
+        self.win.sync()
+        self.win.barrier()
+        _LIVE[token] = self
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """This rank's segment (uint8): where its buckets are allocated."""
+        return self.segments[self.rank]
+
+    def offset_of(self, tensor: torch.Tensor) -> int | None:
+        """The byte offset of ``tensor`` in this rank's segment; None where it is not all
+        inside it (or not contiguous)."""
+        if not self.segments or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            return None
+        base = self.memory.data_ptr()
+        at = tensor.data_ptr() - base
+        if at < 0 or at + tensor.numel() * tensor.element_size() > self.nbytes:
+            return None
+        return at
+
+    def raise_flag(self) -> None:
+        assert self.win is not None
+        self.win.sync()
+        self.seq += 1
+        self._flags[self.rank][0] = self.seq
+
+    def all_reached(self, target: int) -> bool:
+        assert self.win is not None
+        self.win.sync()
+        return all(int(flag[0]) >= target for flag in self._flags)
+
+    def iallreduce(
+        self, offset: int, numel: int, dtype: torch.dtype, op: ReduceOp, scale: float
+    ) -> Request:
+        """The in-window allreduce of the part at byte ``offset`` (class docstring)."""
+        itemsize = dtype.itemsize
+        if offset % itemsize or offset + numel * itemsize > self.nbytes:
+            raise ValueError(f"no part of {numel} x {dtype} at byte {offset} of the window")
+        parts = [s[offset : offset + numel * itemsize].view(dtype) for s in self.segments]
+        return _InWindow(self, parts, op, scale)
+
+    def close(self) -> None:
+        """Unmap (memory a gradient still views stays mapped until it is dropped) and stop
+        announcing its tensors on the window channel."""
+        _LIVE.pop(self.token, None)
+        self._flags, self.segments = [], []
+        if self.win is not None:
+            self.win.close()
+            self.win = None
+
+
+def window_channel(tensor: torch.Tensor) -> str:
+    """The channel an allreduce of ``tensor`` in place is announced on: ``window:<token>:<byte
+    offset>`` where it lies in a live BucketWindow, else "" (the default channel)."""
+    for window in list(_LIVE.values()):
+        at = window.offset_of(tensor)
+        if at is not None:
+            return f"{WINDOW_CHANNEL}{window.token}:{at}"
+    return ""
+
+
+def live_windows() -> bool:
+    return bool(_LIVE)
+
+
+def window_of(channel: str) -> tuple[BucketWindow | None, int]:
+    """The live window and byte offset a window channel names (None: gone here)."""
+    token, _, at = channel.removeprefix(WINDOW_CHANNEL).rpartition(":")
+    return _LIVE.get(token), int(at)
+
+
+class _InWindow:
+    """One in-window allreduce in flight (BucketWindow's docstring): ``test()`` advances it
+    without waiting, as ``_Request``."""
+
+    __slots__ = ("_win", "_parts", "_op", "_scale", "_phase", "_target")
+
+    def __init__(
+        self, win: BucketWindow, parts: list[torch.Tensor], op: ReduceOp, scale: float
+    ) -> None:
+        self._win, self._parts, self._op, self._scale = win, parts, op, scale
+        self._phase = 0
+        self._target = 0
+
+    def test(self) -> bool:
+        win = self._win
+        if self._phase == 0:  # my part is final: arrive
+            win.raise_flag()
+            self._target = win.seq
+            self._phase = 1
+        if self._phase == 1:  # every part is in: reduce my slice, scale it, hand it to all
+            if not win.all_reached(self._target):
+                return False
+            self._reduce()
+            win.raise_flag()
+            self._target = win.seq
+            self._phase = 2
+        if self._phase == 2:  # every slice is in every segment: done, nobody reads mine
+            if not win.all_reached(self._target):
+                return False
+            self._phase = 3
+        return True
+
+    def _reduce(self) -> None:
+        """My slice of each chunk (SharedMemoryAllreduce's chunks and slices, so each element
+        is reduced by the rank, and in the order, the regular window reduces it: the same
+        bits), reduced in place, scaled, and written into every other segment."""
+        win, parts, op, scale = self._win, self._parts, self._op, self._scale
+        me = win.rank
+        mine = parts[me]
+        numel = mine.numel()
+        itemsize = mine.element_size()
+        chunk = win.chunk_bytes // itemsize
+        for offset in range(0, numel, chunk):
+            count = min(chunk, numel - offset)
+            start, stop = _slices(count, itemsize, win.size)[me]
+            if stop <= start:
+                continue
+            lo, hi = offset + start, offset + stop
+            acc = mine[lo:hi]
+            for r in win.others:
+                reduce_into(acc, parts[r][lo:hi], op)
+            if scale != 1.0:
+                scale_into(acc, scale, acc)
+            for r in win.others:
+                parts[r][lo:hi].copy_(acc)

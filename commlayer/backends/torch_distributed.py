@@ -79,7 +79,7 @@ from commlayer.backends.base import (
     Request,
 )
 from commlayer.backends.peers import PeerTable, addresses, indices, me
-from commlayer.backends.shm import CHUNK_BYTES, FileWindow, SharedMemoryAllreduce
+from commlayer.backends.shm import CHUNK_BYTES, BucketWindow, FileWindow, SharedMemoryAllreduce
 from commlayer.common import config, topology
 from commlayer.common.config import Config, Launch
 from commlayer.common.errors import CommlayerError, RankDiedError
@@ -420,14 +420,7 @@ class TorchBackend:
         (not ``window_capable``, or a rank's tmpfs too small: every rank agrees, warns once
         and keeps to gloo)."""
         if self._shm is None and self.window_capable:
-            token = torch.zeros(2, dtype=torch.int64)
-            if self._rank == 0:
-                token[0] = secrets.randbits(62)
-                token[1] = os.getpid()
-            options = dist.BroadcastOptions()
-            options.rootRank = 0
-            self._finish(self._group.broadcast([token], options))
-            name = f"{int(token[1])}-{int(token[0]):x}"
+            name = self._token()
             try:
                 self._shm = SharedMemoryAllreduce(
                     self._rank,
@@ -439,6 +432,36 @@ class TorchBackend:
                 self.window_capable = False
                 log.warning("commlayer: %s; allreduces stay on gloo", exc)
         return self._shm
+
+    def shm_bucket_window(self, nbytes: int) -> BucketWindow | None:
+        """A window whose segments are the planned buckets' memory (backends/shm.py's
+        BucketWindow; collective: every rank of this group at the same point). None on every
+        rank where it cannot be made (not ``window_capable``, a tmpfs too small)."""
+        if not self.window_capable:
+            return None
+        name = self._token()
+        try:
+            return BucketWindow(
+                self._rank,
+                self._size,
+                nbytes,
+                lambda segment: FileWindow(self._rank, self._size, name, segment, self._agree),
+                name,
+            )
+        except OSError as exc:
+            log.warning("commlayer: %s; buckets stay in process memory", exc)
+            return None
+
+    def _token(self) -> str:
+        """A name new to a window, the same on every rank (rank 0's, broadcast)."""
+        token = torch.zeros(2, dtype=torch.int64)
+        if self._rank == 0:
+            token[0] = secrets.randbits(62)
+            token[1] = os.getpid()
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._finish(self._group.broadcast([token], options))
+        return f"{int(token[1])}-{int(token[0]):x}"
 
     def _agree(self, ok: bool) -> bool:
         """True on every rank when every rank passes True (blocking; the window's making)."""

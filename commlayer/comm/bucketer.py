@@ -39,6 +39,11 @@ makes its buckets and hands the hook each one's flat buffer.
    negotiation, on a communicator of the plan's own. Their flat buffer then has ``Part.tail``
    elements after the gradients (4 a rank), where each rank writes which step and part it sends
    and every rank checks, in the reduced tail, that all sent the same.
+6. With COMMLAYER_WINDOW_BUCKETS the parts of 4. that are in host memory are moved, at the
+   plan, into a shared-memory window every rank of the process set maps (``house_in_window``):
+   the flat buffers are slices of this rank's segment, at the same offsets on every rank, and
+   the engine reduces them there (backends/shm.py's BucketWindow). Lanes (5.) are then not
+   used: the window is the faster of the two where it applies.
 """
 
 from __future__ import annotations
@@ -150,6 +155,44 @@ def owned_memory(
     pieces = flat.split([*numels, tail])[: len(numels)]
     views = tuple(piece.view(p.shape) for piece, p in zip(pieces, params, strict=True))
     return flat, views, tail
+
+
+def house_in_window(buckets: list[Bucket], make: Callable[[int], Any]) -> Any:
+    """Move the parts that own host memory (4.) into a shared-memory window of their own
+    (COMMLAYER_WINDOW_BUCKETS): ``make(nbytes)`` makes it (collective: every rank of the
+    process set passes the same bytes, the plan being the same) and returns it, or None
+    where it does not apply (then nothing changes). Each part's ``flat`` becomes a slice of
+    this rank's segment (cache-line aligned, in plan order: the same offsets on every rank)
+    and its ``views`` views of that; the window (backends/shm.py's BucketWindow), or None."""
+    homed = [
+        (bucket, index, part)
+        for bucket in buckets
+        for index, part in enumerate(bucket.parts)
+        if part.flat is not None and part.flat.device.type == "cpu"
+    ]
+    offsets, end = [], 0
+    for _, _, part in homed:
+        assert part.flat is not None
+        end = -(-end // _WINDOW_ALIGN) * _WINDOW_ALIGN
+        offsets.append(end)
+        end += part.flat.numel() * part.flat.element_size()
+    if not homed:
+        return None
+    window = make(end)
+    if window is None:
+        return None
+    for (bucket, index, part), offset in zip(homed, offsets):
+        assert part.flat is not None
+        nbytes = part.flat.numel() * part.flat.element_size()
+        flat = window.memory[offset : offset + nbytes].view(part.flat.dtype)
+        flat.zero_()
+        numels = [p.numel() for p in part.params]
+        views = tuple(piece.view(p.shape) for piece, p in zip(flat.split(numels), part.params))
+        bucket.parts[index] = part._replace(flat=flat, views=views)
+    return window
+
+
+_WINDOW_ALIGN = 64  # a part starts on a cache line of the window
 
 
 class Bucket:

@@ -69,6 +69,7 @@ class Config:
     nccl: bool | None = None  # None: auto
     sim_table: str = ""
     force_full_path: bool = False
+    window_buckets: bool = False
     line_output: bool = False
     planned_skip_negotiation: bool = False
 
@@ -442,6 +443,16 @@ _VARIABLES: tuple[tuple[str, str, Validator | None, str], ...] = (
         "operation; on (opt-in): each plan's uncompressed CPU buckets are reduced in plan "
         "order on a communicator of their own, without negotiation, each reduction checking "
         "that every rank sent the same step and bucket (docs/planned_lanes.md)",
+    ),
+    (
+        "COMMLAYER_WINDOW_BUCKETS",
+        "window_buckets",
+        _BOOL,
+        "on: DistributedOptimizer allocates its planned uncompressed CPU buckets in a "
+        "shared-memory window of their own where every rank of its process set is on one "
+        "machine (backward writes the gradients into the window; each rank reduces its slice "
+        "there and writes it into the others' buckets: no copy in, one copy out), else as off; "
+        "off (default): buckets in process memory, reduced by the allreduce algorithm",
     ),
     (
         "COMMLAYER_SIM_TABLE",

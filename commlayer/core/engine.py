@@ -64,7 +64,14 @@ from typing import Any, cast
 
 import torch
 
-from commlayer.backends.base import PROGRESS_THREADS, Backend, ProgressThreads, Request
+from commlayer.backends.base import (
+    PROGRESS_THREADS,
+    Backend,
+    ProgressThreads,
+    Request,
+    SharedMemory,
+)
+from commlayer.backends.shm import WINDOW_CHANNEL
 from commlayer.common.config import Config
 from commlayer.common.errors import (
     CollectiveTimeoutError,
@@ -87,6 +94,7 @@ from commlayer.core.negotiation import (
     BROADCAST,
     REDUCESCATTER,
     REGISTER,
+    WINDOW,
     Announce,
     CycleResult,
     Negotiator,
@@ -667,7 +675,7 @@ class Engine:
         self._stage_in(self._executing)
         active = [r for r in range(state.backend.size) if r not in result.joined]
         groups, others = self._sort(state, result, active)
-        self._run_fused(state, groups)
+        self._run_fused(state, groups, len(active) < state.backend.size)
         self._run_others(state, others, active)
 
     def _stage_in(self, executing: list[Operation]) -> None:
@@ -714,11 +722,26 @@ class Engine:
         return groups, others
 
     def _run_fused(
-        self, state: SetState, groups: dict[tuple[str, int, str], list[fusion.Entry]]
+        self,
+        state: SetState,
+        groups: dict[tuple[str, int, str], list[fusion.Entry]],
+        joined: bool = False,
     ) -> None:
-        """Each fusion group's allreduces (runners/allreduce.FusedAllreduce)."""
+        """Each fusion group's allreduces (runners/allreduce.FusedAllreduce); a planned
+        bucket's in its shared-memory window (``in_window``) unless a rank has joined
+        (``joined``, the same on every rank: then the regular way, as a joined rank can)."""
         for (dtype, op_value, channel), entries in groups.items():
             self._waiting_on = entries
+            if channel.startswith(WINDOW_CHANNEL):  # a planned bucket in its window
+                self._fused.in_window(
+                    state.backend,
+                    getattr(torch, dtype),
+                    ReduceOp(op_value),
+                    entries,
+                    channel,
+                    joined,
+                )
+                continue
             self._fused.run(
                 state.backend,
                 getattr(torch, dtype),
@@ -816,6 +839,8 @@ class Engine:
                 set_id = self._waiting_set
                 return self._lanes.open(set_id, backend, change.lane, self.config.join_mode)
             return self._table.apply(state.backend, change)
+        if kind == WINDOW:
+            return self._bucket_window(backend, response, active)
         if len(active) < backend.size and (
             (kind == BROADCAST and response.root not in active)
             or kind in _REFUSED_WHILE_JOINED[self.config.join_mode]
@@ -833,6 +858,21 @@ class Engine:
             self._timeline.span(op.name, "COLLECTIVE", t1, t2, bytes=nbytes, kind=kind)
             self._timeline.span(op.name, "FUSION_PACK", t0, t1)
         return raw() if callable(raw) else raw
+
+    def _bucket_window(self, backend: Backend, response: Response, active: list[int]) -> Any:
+        """A WINDOW operation: the shared-memory window of DistributedOptimizer's planned
+        buckets (backends/shm.py's BucketWindow), made by every rank here, at this same point
+        of their collectives; None on every rank where it does not apply (one rank, ranks on
+        several nodes, a rank joined, a backend without a window, one that cannot be made)."""
+        nbytes = response.shapes[0][0] if response.shapes and response.shapes[0] else 0
+        if (
+            nbytes <= 0
+            or backend.size < 2
+            or len(active) < backend.size
+            or not self._allreduce.window_capable(backend)
+        ):
+            return None
+        return cast(SharedMemory, backend).shm_bucket_window(nbytes)
 
 
 def _describe(waiting_on: list[fusion.Entry] | Response | None) -> str:

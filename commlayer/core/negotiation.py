@@ -46,6 +46,9 @@ ALLTOALL = "alltoall"
 REDUCESCATTER = "reducescatter"
 BARRIER = "barrier"
 REGISTER = "process_set"  # add/remove a process set (its Registration): negotiated like a barrier
+# a shared-memory window for DistributedOptimizer's planned buckets (backends/shm.py's
+# BucketWindow), its bytes a rank as the shape: negotiated like a barrier, made by every rank
+WINDOW = "window"
 
 _F_NEWS, _F_SHUTDOWN, _F_STALL = 1, 2, 4
 _WORD_ONES = (1 << 64) - 1

@@ -247,6 +247,11 @@ class Allreducer:
         name, key = self._next(backend, numel, element_size)
         return name != NATIVE_ALLREDUCE or (key is not None and self._tuner.measures(key))
 
+    def window_capable(self, backend: Backend) -> bool:
+        """Whether ``backend``'s ranks can share a window (SHARED_MEMORY, every rank on one
+        detected node): the same answer on every rank."""
+        return self._backend_facts(backend)[1]
+
     def _inter(self, cross: Backend, part: torch.Tensor, op: ReduceOp) -> Request:
         """The leg across nodes of the two-level hierarchical: ``hierarchical.INTER``, as in
         the schedule form (the ranks of ``cross`` are one per node, so a flat topology)."""

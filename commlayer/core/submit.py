@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from commlayer import algorithms
+from commlayer.backends import shm
 from commlayer.common.reduce_ops import SUPPORTED_OPS, ReduceOp
 from commlayer.common.topology import Topology
 from commlayer.core import device, runtime
@@ -36,6 +37,7 @@ from commlayer.core.negotiation import (
     ALLGATHER,
     ALLREDUCE,
     REGISTER,
+    WINDOW,
     Announce,
     Registration,
     dtype_name,
@@ -254,6 +256,11 @@ def submit(request: Request) -> Future:
         inputs, outputs, staged, channel = device.prepare(inputs, outputs, engine.backend(ident))
     except ValueError as exc:
         raise input_error(f"{kind}: {exc}") from None
+    if shm.live_windows() and kind == ALLREDUCE and len(inputs) == 1 and staged is None:
+        # a planned bucket in its window (backends/shm.py's BucketWindow), reduced in place:
+        # announced on the window's channel, which every rank must then use too
+        if outputs and outputs[0] is inputs[0]:
+            channel = shm.window_channel(inputs[0])
     announce = Announce(
         auto_name(kind, request.name, ident),
         kind,
@@ -332,6 +339,14 @@ def register_process_set(ranks: Sequence[int]) -> int:
     REGISTER operation on the global set); its id."""
     change = Registration(ranks=tuple(ranks))
     return int(submit(Request(REGISTER, None, [], [], registration=change)).wait())
+
+
+def bucket_window(nbytes: int, name: str, process_set: ProcessSet) -> Future:
+    """A shared-memory window of ``nbytes`` a rank for DistributedOptimizer's planned buckets
+    (collective over ``process_set``, negotiated as one WINDOW operation: every rank makes it
+    at the same point of its collectives); its value is the window (backends/shm.py's
+    BucketWindow), or None where it does not apply (the engine's ``_bucket_window``)."""
+    return submit(Request(WINDOW, name, [], [], process_set, shapes=((nbytes,),)))
 
 
 def unregister_process_set(ident: int) -> None:

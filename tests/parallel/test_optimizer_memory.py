@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import commlayer as cl
-from commlayer.core import fusion
+from commlayer.core import fusion, submit
 
 F64 = torch.float64
 WIDTH = 256  # a weight: fusion.ALONE_NUMEL elements, so every part is as large
@@ -44,7 +44,10 @@ _ABOVE = tuple(os.path.join(_ROOT, *p) for p in (("optimizer.py",), ("comm", "")
 _FUSION = tuple(
     os.path.join(_ROOT, "core", *p) for p in (("fusion.py",), ("runners", "allreduce.py"))
 )
-_CORRIDOR = _ABOVE + _FUSION
+# the shared-memory window buckets live in (COMMLAYER_WINDOW_BUCKETS): its own transfers, the
+# one copy of the reduced data a rank makes, counted apart
+_WINDOW = (os.path.join(_ROOT, "backends", "shm.py"),)
+_CORRIDOR = _ABOVE + _FUSION + _WINDOW
 
 
 class _Copies:
@@ -155,9 +158,16 @@ def _views(opt: torch.optim.Optimizer) -> dict[nn.Parameter, torch.Tensor]:
 BUCKET_BYTES = {"one_bucket": 1 << 30, "buckets": 8 * WIDTH * WIDTH}
 
 
+@pytest.mark.parametrize("window", [False, True], ids=["process_memory", "window"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "grads_kept"])
 @pytest.mark.parametrize("bucket_bytes", list(BUCKET_BYTES))
-def test_copies_per_step_on_the_planned_path(set_to_none: bool, bucket_bytes: str) -> None:
+def test_copies_per_step_on_the_planned_path(
+    set_to_none: bool, bucket_bytes: str, window: bool
+) -> None:
+    """``window``: the buckets in a shared-memory window (COMMLAYER_WINDOW_BUCKETS): the same
+    corridor copies, and the window's own: each rank writes its reduced slice into the other
+    ranks' buckets, (size - 1) / size of the gradients a step (the regular window copies all
+    but its own slice in and every slice out, (2 size - 1) / size)."""
     model = _model()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -165,18 +175,21 @@ def test_copies_per_step_on_the_planned_path(set_to_none: bool, bucket_bytes: st
     params = list(model.parameters())
     elements = sum(p.numel() for p in params)
     _backward(model, 0)
-    opt.step()  # the first step plans the buckets
+    with cl.config.override(window_buckets=window):
+        opt.step()  # the first step plans the buckets
+    housed = opt._commlayer.window  # type: ignore[attr-defined]
     opt.zero_grad(set_to_none=set_to_none)
     planned = len(_views(opt))
     buckets = opt._commlayer.bucketer.buckets  # type: ignore[attr-defined]
     parts = [part.flat.numel() for b in buckets for part in b.parts]
-    above, fused, sites = [], [], []
+    above, fused, in_window, sites = [], [], [], []
     for step in range(1, 4):
         with _counting() as copies:
             _backward(model, step)
             opt.step()
         above.append(copies.total(_ABOVE))
         fused.append(copies.total(_FUSION))
+        in_window.append(copies.total(_WINDOW))
         sites.append(copies.by_site)
         opt.zero_grad(set_to_none=set_to_none)
     for step in range(4):
@@ -189,6 +202,18 @@ def test_copies_per_step_on_the_planned_path(set_to_none: bool, bucket_bytes: st
     assert above == [want] * 3, sites
     assert min(parts) >= fusion.ALONE_NUMEL, parts  # never packed with another (docstring)
     assert fused == [0] * 3, sites  # reduced where it lies: no pack, no unpack
+    if housed is not None:  # every rank on one machine: the buckets are the window's
+        assert all(housed.offset_of(v) is not None for v in _views(opt).values())
+        n = cl.size()
+        # each rank's slices, handed to the n - 1 others (slices are whole cache lines)
+        assert all(
+            elements * (n - 1) // n - 64 * len(parts)
+            <= c
+            <= elements * (n - 1) // n + 64 * len(parts)
+            for c in in_window
+        ), in_window
+    else:
+        assert not window or cl.size() == 1 or submit.topology().nodes > 1
     for got, expected in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(got, expected, **EXACT)
 

@@ -12,7 +12,8 @@ from commlayer.common import config
 from commlayer.common.errors import ConfigError
 
 BOOLEANS = ("COMMLAYER_MALLOC_TUNING", "COMMLAYER_LINE_OUTPUT", "COMMLAYER_AUTO_TUNING",
-            "COMMLAYER_FORCE_FULL_PATH", "COMMLAYER_PLANNED_SKIP_NEGOTIATION")  # fmt: skip
+            "COMMLAYER_FORCE_FULL_PATH", "COMMLAYER_PLANNED_SKIP_NEGOTIATION",
+            "COMMLAYER_WINDOW_BUCKETS")  # fmt: skip
 AUTO_BOOLEANS = ("COMMLAYER_CUDA_AWARE_MPI", "COMMLAYER_NCCL")
 FIELDS = {name: field for name, field in (v[:2] for v in config._VARIABLES)}
 

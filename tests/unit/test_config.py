@@ -45,6 +45,7 @@ DEFAULTS = {
     "nccl": None,
     "sim_table": "",
     "force_full_path": False,
+    "window_buckets": False,
     "line_output": False,
     "planned_skip_negotiation": False,
 }
@@ -124,6 +125,8 @@ GOOD = [
     ("COMMLAYER_NCCL", "0", "nccl", False),
     ("COMMLAYER_FORCE_FULL_PATH", "1", "force_full_path", True),
     ("COMMLAYER_FORCE_FULL_PATH", " 0 ", "force_full_path", False),
+    ("COMMLAYER_WINDOW_BUCKETS", "on", "window_buckets", True),
+    ("COMMLAYER_WINDOW_BUCKETS", "0", "window_buckets", False),
     # one vocabulary for every boolean: 1/0, true/false, on/off, yes/no, any case
     ("COMMLAYER_FORCE_FULL_PATH", "True", "force_full_path", True),
     ("COMMLAYER_PLANNED_SKIP_NEGOTIATION", "on", "planned_skip_negotiation", True),

@@ -41,6 +41,7 @@ import torch
 
 from commlayer.algorithms.executor import BufferPool
 from commlayer.backends.base import PROGRESS_THREADS, Backend, ProgressThreads, Request
+from commlayer.backends.shm import window_of
 from commlayer.common.reduce_ops import ReduceOp
 from commlayer.core import fusion
 from commlayer.core.negotiation import Response
@@ -198,6 +199,36 @@ class FusedAllreduce:
                 if not (concurrent and split):
                     self._drain(flight, backend, element)  # waited for alone
         self._drain(flight, backend, element)
+
+    def in_window(
+        self,
+        backend: Backend,
+        dtype: torch.dtype,
+        op: ReduceOp,
+        entries: list[fusion.Entry],
+        channel: str,
+        joined: bool,
+    ) -> None:
+        """Allreduce each entry of a window channel (``window:<token>:<offset>``: a planned
+        bucket of DistributedOptimizer whose memory is its shared-memory window's segment,
+        backends/shm.py's BucketWindow) where it lies: no copy in, no copy out of a result
+        area. Where a rank has joined (``joined``: the same on every rank), or the window is
+        gone here, the regular way (``run``: the bucket's memory is host memory all the same),
+        as the joined rank, whose zeros are not in the window, takes it."""
+        window, offset = window_of(channel)
+        if joined or window is None or any(e.output is None for e in entries):
+            self.run(backend, dtype, op, entries)
+            return
+        element = element_size(dtype)
+        for entry in entries:  # one: the channel names one part's offset
+            t0 = time.perf_counter()
+            if entry.prescale != 1.0 or entry.source is not entry.output:
+                _in_place(entry)  # the prescale applied (or the input copied) in the window
+            assert entry.output is not None
+            request = window.iallreduce(offset, entry.numel, dtype, op, entry.postscale)
+            t1 = time.perf_counter()
+            self._host.wait(request)
+            self._finish(_Part([entry], None, False, request, t0, t1), backend, element)
 
     def _splits(self, backend: Backend) -> bool:
         """Whether buckets over ``backend`` are split (module docstring, 3.): its transfers
