@@ -5,7 +5,8 @@
 #                                  and system tests, the parallel suite under mpiexec at 1, 2, 3
 #                                  and 4 ranks, then under torchrun (commlayer over gloo) at 1, 2,
 #                                  3 and 4 processes, and the optimizer's suites at 3 ranks with
-#                                  COMMLAYER_PLANNED_SKIP_NEGOTIATION=on
+#                                  COMMLAYER_PLANNED_SKIP_NEGOTIATION=on and with
+#                                  COMMLAYER_WINDOW_BUCKETS=on
 #   bash scripts/test.sh --quick   the fast tier: lint, types, the docs site, unit tests and the
 #                                  parallel suite at 2 ranks under mpiexec and under torchrun,
 #                                  without the tests marked slow (a few minutes)
@@ -266,20 +267,27 @@ for n in "${ranks[@]}"; do
     stage_done "ok"
 done
 
-# The optimizer's suites again with its planned buckets on their lanes, without negotiation
-# (COMMLAYER_PLANNED_SKIP_NEGOTIATION, opt-in: docs/planned_lanes.md), at 3 ranks (~30 s).
-LANED=(
+# The optimizer's suites again with each opt-in path of its planned buckets (~30 s each, at
+# 3 ranks): on their lanes, without negotiation (COMMLAYER_PLANNED_SKIP_NEGOTIATION,
+# docs/planned_lanes.md), under mpiexec; in a shared-memory window (COMMLAYER_WINDOW_BUCKETS),
+# under torchrun.
+OPT_IN=(
     tests/parallel/test_optimizer.py tests/parallel/test_join.py
     tests/parallel/test_optimizer_memory.py tests/parallel/test_planned_lanes.py
-    tests/parallel/test_process_sets.py tests/parallel/test_stream_order.py
-    tests/parallel/test_device.py tests/parallel/test_elastic.py
-    tests/parallel/test_horovod_dropin.py
+    tests/parallel/test_window_buckets.py tests/parallel/test_process_sets.py
+    tests/parallel/test_stream_order.py tests/parallel/test_device.py
+    tests/parallel/test_elastic.py tests/parallel/test_horovod_dropin.py
 )
 if [[ $QUICK -eq 0 ]]; then
     stage "pytest parallel, mpiexec -n 3, planned buckets without negotiation"
     COMMLAYER_PLANNED_SKIP_NEGOTIATION=on run_pytest tests/parallel \
-        timeout -k 30 "$PARALLEL_TIMEOUT_S" mpiexec -n 3 "$PY" -m pytest "${LANED[@]}" -q \
+        timeout -k 30 "$PARALLEL_TIMEOUT_S" mpiexec -n 3 "$PY" -m pytest "${OPT_IN[@]}" -q \
         -p no:cacheprovider -x </dev/null
+    stage_done "ok"
+    stage "pytest parallel, torchrun --nproc_per_node 3, planned buckets in a window"
+    COMMLAYER_WINDOW_BUCKETS=on run_pytest tests/parallel \
+        timeout -k 30 "$PARALLEL_TIMEOUT_S" "$PY" -m torch.distributed.run --standalone \
+        --nproc_per_node 3 -m pytest "${OPT_IN[@]}" -q -p no:cacheprovider -x </dev/null
     stage_done "ok"
 fi
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import commlayer as cl
+from commlayer.core import runtime
 
 IN, HIDDEN, OUT = 6, 8, 3
 ROWS = 4  # rows per rank in each step's global batch
@@ -294,7 +295,12 @@ def test_state_dict_round_trip_resumes_training_identically() -> None:
         for field, value in state.items():
             torch.testing.assert_close(loaded["state"][key][field], value, rtol=0, atol=0)
     _assert_same_on_all_ranks(gathered)
-    _assert_close_models(resumed, model, rtol=0.0, atol=0.0)
+    # The resumed optimizer's first step is unplanned (its gradients fused as they come) where
+    # the original's is planned: with COMMLAYER_WINDOW_BUCKETS at 3 or more ranks the window
+    # adds a bucket in another order than the fused path, a few ulps apart (the same bits at 2)
+    window = runtime.config().window_buckets and cl.size() > 2
+    ulps = {"rtol": 1e-12, "atol": 1e-15} if window else {"rtol": 0.0, "atol": 0.0}
+    _assert_close_models(resumed, model, **ulps)
     assert all(int(s["step"]) == 4 for s in resumed_opt.state_dict()["state"].values())
 
 

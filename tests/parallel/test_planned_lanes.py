@@ -32,7 +32,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(skip: bool, steps: int = STEPS) -> tuple[nn.Module, list[int]]:
     """Train ``steps`` steps; the engine cycles each step took."""
-    with config.override(planned_skip_negotiation=skip, min_bucket_bytes=1024):
+    with config.override(
+        planned_skip_negotiation=skip, window_buckets=False, min_bucket_bytes=1024
+    ):
         model = _model()
         opt = cl.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
@@ -63,7 +65,9 @@ def test_lanes_train_as_the_negotiated_path_without_cycles() -> None:
 def test_a_rank_at_another_step_fails_every_rank_naming_it() -> None:
     if cl.size() < 2:
         pytest.skip("a disagreement needs two ranks")
-    with config.override(planned_skip_negotiation=True, min_bucket_bytes=1 << 30):
+    with config.override(
+        planned_skip_negotiation=True, window_buckets=False, min_bucket_bytes=1 << 30
+    ):
         model = _model()
         opt = cl.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
@@ -95,7 +99,9 @@ def test_a_rank_at_another_step_fails_every_rank_naming_it() -> None:
 def test_uneven_steps_then_join() -> None:
     """Rank r trains 3 + r steps, then joins: a joined rank's lane posts zeros until the lane
     is frozen, and what follows is negotiated; every rank ends."""
-    with config.override(planned_skip_negotiation=True, min_bucket_bytes=1024):
+    with config.override(
+        planned_skip_negotiation=True, window_buckets=False, min_bucket_bytes=1024
+    ):
         model = _model()
         opt = cl.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
