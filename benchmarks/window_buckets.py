@@ -9,7 +9,8 @@ drifting machine shifts both); each rank writes its "gradients" into the bucket 
 backward would, not timed). A repetition's time is the slowest rank's; rank 0 prints the median
 and spread of each, and their ratio, and the bytes each copies: the regular window copies
 (size - 1) / size of the bucket in and all of it out, the in-window one (size - 1) / size (each
-rank's reduced slice written into the others' buckets)."""
+rank's reduced slice written into the others' buckets). Its physical limit, memory bandwidth,
+is measured in the same run: every rank copying the bucket at once."""
 
 from __future__ import annotations
 
@@ -64,6 +65,16 @@ def main() -> None:
             times["regular"].append(t_regular)
             times["in_window"].append(t_window)
     assert torch.equal(plain, bucket), "the two ways differ"
+    # The physical limit: memory bandwidth. Every rank copying the bucket at once (as the
+    # window's copies are), the slowest rank's time: the in-window allreduce copies
+    # (size - 1) / size of it a rank and reads size - 1 other slices to reduce its own.
+    spare = torch.empty(numel)
+    copy_s = []
+    for _ in range(3):
+        comm.Barrier()
+        start = time.perf_counter()
+        spare.copy_(grads)
+        copy_s.append(float(comm.allreduce(time.perf_counter() - start, op=MPI.MAX)))
     if rank == 0:
         mib = numel * 4 / (1 << 20)
         print(f"{size} ranks, {mib:.1f} MiB float32, Average, {args.reps} repetitions")
@@ -75,6 +86,12 @@ def main() -> None:
                 f"| {way} | {statistics.median(got) * 1e3:.1f} | "
                 f"{min(got) * 1e3:.1f}-{max(got) * 1e3:.1f} | {copied[way]:.1f} |"
             )
+        copy = min(copy_s)
+        print(
+            f"memory bandwidth, every rank copying {mib:.1f} MiB at once: {copy * 1e3:.1f} ms "
+            f"({mib / 1024 / copy:.1f} GiB/s a rank); the in-window allreduce's copies alone "
+            f"take {copy * (size - 1) / size * 1e3:.1f} ms at that rate"
+        )
         ratios = [w / r for w, r in zip(times["in_window"], times["regular"])]
         print(
             f"in_window / regular, per repetition: median {statistics.median(ratios):.2f}, "
