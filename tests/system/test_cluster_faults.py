@@ -271,9 +271,15 @@ def test_rank_sigkilled_on_another_host_ends_the_torchrun_job(start: Callable[..
     assert code != 0, job.explain()
     assert took < WITHIN_S, f"the job took {took:.1f} s to end\n{job.explain()}"
     assert "Signal 9 (SIGKILL) received by PID" in job.output, job.explain()  # node2's agent
-    # a survivor that reported before its agent stopped it names rank 3: by its pid on node2,
-    # by the address its closed connection came from on node1
+    # a survivor that reported before its agent stopped it names rank 3: by its pid on node2
+    # (or by its closed connection, which the kernel closes a moment before the killed process
+    # is a zombie that the pid check sees), by the address its closed connection came from on
+    # node1
     for rank, record in errors.items():
         assert record["error"] == "RankDiedError", record
-        where = "rank(s) [3] exited" if rank == 2 else "rank(s) [2, 3] on node2 closed"
-        assert where in record["message"], record
+        where = (
+            ("rank(s) [3] exited", "the connection to rank(s) [3] on node2 closed")
+            if rank == 2
+            else ("rank(s) [2, 3] on node2 closed",)
+        )
+        assert any(w in record["message"] for w in where), record
