@@ -61,6 +61,25 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, window: bool)
         opt.step()
 
 
+def _train_pair(
+    plain: nn.Module,
+    plain_opt: torch.optim.Optimizer,
+    housed: nn.Module,
+    housed_opt: torch.optim.Optimizer,
+    steps: range,
+    align_at: int | None,
+) -> None:
+    """Both models through ``steps`` (buckets in process memory, and in the window), zeroing
+    after each; the housed one aligned to the plain one after step ``align_at`` (unplanned)."""
+    for step in steps:
+        _step(plain, plain_opt, step, False)
+        _step(housed, housed_opt, step, True)
+        plain_opt.zero_grad()
+        housed_opt.zero_grad()
+        if step == align_at:
+            _align(plain, plain_opt, housed, housed_opt)
+
+
 def _window_of(opt: torch.optim.Optimizer) -> shm.BucketWindow | None:
     return opt._commlayer.window  # type: ignore[attr-defined,no-any-return]
 
@@ -153,13 +172,7 @@ def test_a_new_plan_releases_the_window_and_makes_another() -> None:
     still = [torch.equal(k, p.grad) for k, p in zip(kept, housed.parameters())]
     for opt in (plain_opt, housed_opt):
         opt.zero_grad()
-    for step in range(3, 7):
-        _step(plain, plain_opt, step, False)
-        _step(housed, housed_opt, step, True)
-        plain_opt.zero_grad()
-        housed_opt.zero_grad()
-        if step == 3:  # unplanned again
-            _align(plain, plain_opt, housed, housed_opt)
+    _train_pair(plain, plain_opt, housed, housed_opt, range(3, 7), 3)  # 3: unplanned again
 
     assert released
     assert all(still)  # the copies hold what the window held
@@ -179,13 +192,7 @@ def test_process_set_of_all_but_rank_0() -> None:
             plain, housed = _model(9), _model(9)
             plain_opt = _optimizer(plain, 4 * WIDTH * WIDTH, process_set=ps)
             housed_opt = _optimizer(housed, 4 * WIDTH * WIDTH, process_set=ps)
-            for step in range(5):
-                _step(plain, plain_opt, step, False)
-                _step(housed, housed_opt, step, True)
-                plain_opt.zero_grad()
-                housed_opt.zero_grad()
-                if step == 0:
-                    _align(plain, plain_opt, housed, housed_opt)
+            _train_pair(plain, plain_opt, housed, housed_opt, range(5), 0)
             _assert_same(plain, housed)
             results = _in_window(housed_opt)
             window = _window_of(housed_opt)
@@ -205,18 +212,9 @@ def test_a_rank_that_joined_takes_the_regular_way() -> None:
     plain_opt = _optimizer(plain, 4 * WIDTH * WIDTH)
     housed_opt = _optimizer(housed, 4 * WIDTH * WIDTH)
     steps = 4 if cl.rank() == 0 and cl.size() > 1 else 5
-    for step in range(steps):
-        _step(plain, plain_opt, step, False)
-        _step(housed, housed_opt, step, True)
-        plain_opt.zero_grad()
-        housed_opt.zero_grad()
-        if step == 0:
-            _align(plain, plain_opt, housed, housed_opt)
+    _train_pair(plain, plain_opt, housed, housed_opt, range(steps), 0)
     cl.join()
     _assert_same(plain, housed)
-    for step in range(5, 7):  # and the window works again once nobody has joined
-        _step(plain, plain_opt, step, False)
-        _step(housed, housed_opt, step, True)
-        plain_opt.zero_grad()
-        housed_opt.zero_grad()
+    # and the window works again once nobody has joined
+    _train_pair(plain, plain_opt, housed, housed_opt, range(5, 7), None)
     _assert_same(plain, housed)
