@@ -247,19 +247,25 @@ def test_error_feedback_residuals_stay_on_cuda(spec: str, dtype: torch.dtype) ->
     _both(spec, (64, 64), dtype, steps=2)
 
 
-def test_qsgd_logs_its_host_draws_once(
+def test_host_draws_are_logged_once_and_qsgd_draws_none(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """QSGD's rounding draws are the one sizeable piece of host work left for a CUDA tensor
-    (compression/qsgd.py): said once in the 'commlayer' log, naming the compressor."""
+    """Random-k's positions are drawn on the CPU for a CUDA tensor (every rank's must be equal,
+    compression/randomk.py): said once in the 'commlayer' log, naming the compressor and the
+    device. QSGD's rounding draws are counter-based hashes made on the device (issue 39): it
+    does no host work and says none."""
     monkeypatch.setattr(compression_base, "_host_work_logged", set())
+    randomk = create("randomk:ratio=0.01", rank=RANK, seed=SEED)
     qsgd = create("qsgd", rank=RANK, seed=SEED)
     with caplog.at_level(logging.INFO, logger="commlayer"):
         for _ in range(3):
+            randomk.compress(_dyadic((4096,), torch.float32, 0).to(CUDA), NAME)
             qsgd.compress(_dyadic((4096,), torch.float32, 0).to(CUDA), NAME)
-    records = [r for r in caplog.records if "qsgd" in r.getMessage()]
-    assert len(records) == 1, [r.getMessage() for r in caplog.records]
-    assert "cuda" in records[0].getMessage() and "CPU" in records[0].getMessage()
+    messages = [r.getMessage() for r in caplog.records]
+    said = [m for m in messages if "randomk" in m]
+    assert len(said) == 1, messages
+    assert "cuda" in said[0] and "CPU" in said[0], said
+    assert not [m for m in messages if "qsgd" in m], messages
 
 
 def test_auto_runs_the_cuda_kernels_not_the_reference() -> None:
