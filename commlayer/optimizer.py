@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 import warnings
 import weakref
@@ -88,6 +89,7 @@ from commlayer.core.negotiation import ALLREDUCE, REGISTER, Registration, dtype_
 from commlayer.core.process_sets import ProcessSet, global_process_set
 from commlayer.core.submit import Request, batch, bucket_window, submit
 
+_log = logging.getLogger("commlayer")
 _COMPRESSION_STATE = "commlayer_compression"  # state_dict() key of the compressors' state
 
 Param = torch.nn.Parameter
@@ -523,6 +525,17 @@ class _Reducer:
                     nbytes, f"{prefix}.bucket_window", self.process_set
                 ).wait(),
             )
+            if self.window is not None and runtime.rank() == root:
+                housed = [p for b in buckets for p in b.parts if p.flat is not None]
+                housed = [p for p in housed if self.window.offset_of(p.flat) is not None]
+                _log.info(
+                    "commlayer: %d bucket parts of %s (%.1f MiB a rank) in a shared-memory "
+                    "window of %d ranks (COMMLAYER_WINDOW_BUCKETS)",
+                    len(housed),
+                    prefix,
+                    self.window.memory.numel() / 2**20,
+                    self.window.size,
+                )
         self.bucketer.install(buckets)
         bucket_plan.assign_leaders(self.levels, buckets)
         # the first rank's setting decided (the tails it shared): every rank opens it, or none

@@ -102,11 +102,18 @@ def _workers(parent: int) -> list[int]:
     return found
 
 
-def test_the_docstring_scenario_two_workers_kill_one_grow_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("window", [False, True], ids=["", "window_buckets"])
+def test_the_docstring_scenario_two_workers_kill_one_grow_back(
+    tmp_path: Path, window: bool
+) -> None:
+    """``window_buckets``: the same with COMMLAYER_WINDOW_BUCKETS=1 (issue 52): the buckets go
+    into a shared-memory window at 2 workers, the world shrinks to 1 (no window: the identity)
+    and grows back, and the new plan makes a new window."""
     command = _docstring_command()
     # the command's "python" is this environment's, first on PATH as in a user's activated venv
     path = os.pathsep.join(filter(None, [sysconfig.get_path("scripts"), os.environ.get("PATH")]))
-    env = worker_env(tmp_path, 150, {"PATH": path})
+    extra = {"PATH": path, **({"COMMLAYER_WINDOW_BUCKETS": "1"} if window else {})}
+    env = worker_env(tmp_path, 150, extra)
 
     def kill_one(driver: int) -> None:
         victims = _workers(driver)
@@ -120,3 +127,8 @@ def test_the_docstring_scenario_two_workers_kill_one_grow_back(tmp_path: Path) -
     shrunk = output.index(" on 1 workers")
     assert " on 2 workers" in output[:shrunk] and " on 2 workers" in output[shrunk:], output
     _same_checksums(output)
+    housed = [m.start() for m in re.finditer("in a shared-memory window of 2 ranks", output)]
+    if window:  # before the kill and after the world grew back
+        assert housed and housed[0] < shrunk < housed[-1], output
+    else:
+        assert not housed, output
