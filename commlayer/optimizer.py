@@ -529,10 +529,9 @@ class _Reducer:
                 housed = [p for b in buckets for p in b.parts if p.flat is not None]
                 housed = [p for p in housed if self.window.offset_of(p.flat) is not None]
                 _log.info(
-                    "commlayer: %d bucket parts of %s (%.1f MiB a rank) in a shared-memory "
-                    "window of %d ranks (COMMLAYER_WINDOW_BUCKETS)",
+                    "commlayer: DistributedOptimizer's %d bucket parts (%.1f MiB a rank) in a "
+                    "shared-memory window of %d ranks (COMMLAYER_WINDOW_BUCKETS)",
                     len(housed),
-                    prefix,
                     self.window.memory.numel() / 2**20,
                     self.window.size,
                 )

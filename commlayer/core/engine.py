@@ -417,15 +417,13 @@ class Engine:
                     limit_s = min(self.config.idle_cycle_time_ms / 1e3, waited_s + check_s)
                 if waited_s >= limit_s:
                     if pending:
-                        self._backoff_s = min(self._backoff_s * 2, self.config.cycle_time_ms / 1e3)
+                        self._back_off()
                     return
                 if not lanes:
                     self._cv.wait(limit_s - waited_s)
                     if not self._lanes.busy or self._incoming or self._tasks:
                         if pending:
-                            self._backoff_s = min(
-                                self._backoff_s * 2, self.config.cycle_time_ms / 1e3
-                            )
+                            self._back_off()
                         return
                     continue  # woken by a planned submission only: drive the lane, no cycle
                 if waited_s >= self._data_spin_s:  # passive: sleep with backoff, woken by any
@@ -435,6 +433,11 @@ class Engine:
             # A planned reduction in flight: tested as the engine waits on a collective
             # (constraint 4: yield, which keeps MPI and the window progressing at full speed).
             os.sched_yield()
+
+    def _back_off(self) -> None:
+        """A cycle with work pending made no progress (peers are behind): the next wait for
+        one is twice as long, up to COMMLAYER_CYCLE_TIME."""
+        self._backoff_s = min(self._backoff_s * 2, self.config.cycle_time_ms / 1e3)
 
     def _check_lanes(self) -> None:
         """A planned lane that waits too long (core/planned.py, Lanes.overdue): a warning, then
