@@ -526,8 +526,10 @@ class _Reducer:
                 ).wait(),
             )
             if self.window is not None and runtime.rank() == root:
-                housed = [p for b in buckets for p in b.parts if p.flat is not None]
-                housed = [p for p in housed if self.window.offset_of(p.flat) is not None]
+                housed = [
+                    p for b in buckets for p in b.parts
+                    if p.flat is not None and self.window.offset_of(p.flat) is not None
+                ]  # fmt: skip
                 _log.info(
                     "commlayer: DistributedOptimizer's %d bucket parts (%.1f MiB a rank) in a "
                     "shared-memory window of %d ranks (COMMLAYER_WINDOW_BUCKETS)",

@@ -34,12 +34,12 @@ hvd.init()
 rank = hvd.rank()
 
 
-def all_reported(event: str) -> None:
-    """Every rank has reported ``event``: the ranks start each phase together, so that a stall
-    setting of seconds measures the stall made on purpose, not a slow start on a loaded
-    machine (seen: 3 s between ranks building the model under torchrun)."""
+def all_reported(event: str, **fields: object) -> None:
+    """Every rank has reported ``event`` (with ``fields``): the ranks start each phase
+    together, so that a stall setting of seconds measures the stall made on purpose, not a slow
+    start on a loaded machine (seen: 3 s between ranks building the model under torchrun)."""
     for r in range(hvd.size()):
-        _worker.wait_for(event, r)
+        _worker.wait_for(event, r, **fields)
 
 
 _worker.report("ready")
@@ -94,8 +94,7 @@ def train_step() -> None:
 
 for done in range(FAIL_AT - 1):
     _worker.report("stepping", step=done + 1)
-    for r in range(hvd.size()):
-        _worker.wait_for("stepping", r, step=done + 1)
+    all_reported("stepping", step=done + 1)
     train_step()
 window = opt._commlayer.window  # type: ignore[attr-defined]
 views = opt._commlayer.bucketer.view_of.values()  # type: ignore[attr-defined]
@@ -105,9 +104,9 @@ all_reported("housed")
 before = checksum()
 _worker.attempt("failed", train_step, before=before)
 _worker.report("after", checksum=checksum())
-# Exit only once every other rank still running has reported its error: under mpiexec a
-# survivor that exits (its MPI_Finalize skipped, a peer being dead) can end the others' processes
-# before their engines noticed rank 1's death at the same pid check.
+# Exit only once every other rank still running has reported: a rank that exits after a failed
+# step skips MPI_Finalize, and mpiexec then ends the others, maybe before they reported (the
+# stall, where every rank fails; after a SIGKILL the launchers end the job anyway).
 for r in range(hvd.size()):
     if r != rank and not (r == 1 and how == "sigkill"):
         _worker.wait_for("after", r)
