@@ -546,26 +546,82 @@ def _finalize_at_exit() -> None:
 atexit.register(_finalize_at_exit)
 
 
+# The tag of init()'s handshake on COMM_WORLD (below MPI's smallest MPI_TAG_UB, 32767)
+_INIT_TAG = 31_919
+
+
 def dup_world(timeout_s: float) -> MPI.Comm:
     """A duplicate of COMM_WORLD, waiting at most ``timeout_s`` for every rank to ask for one:
     a rank that calls init() alone (its peers did not follow a shutdown() with init(), or
-    never call it) gets an error naming it instead of a blocking MPI_Comm_dup for ever. Polls
-    with a growing sleep (0.1 ms to 10 ms), not a busy loop."""
-    comm, request = MPI.COMM_WORLD.Idup()
+    never call it) gets an error naming it instead of a blocking MPI_Comm_dup for ever.
+
+    First a handshake of point-to-point messages (``_handshake``), which leaves nothing
+    pending where it times out, so that MPI_Finalize at exit still meets the other ranks'
+    (MPICH's waits for every rank's: a rank that skipped it left its peers waiting in theirs,
+    until mpiexec, not always, noticed the exit). Then MPI_Comm_idup, every rank being in
+    init(), polled with the same deadline (a stale handshake message of an earlier timed-out
+    init() could still let a rank through alone). Polls with a growing sleep (0.1 ms to
+    10 ms), not a busy loop."""
+    world = MPI.COMM_WORLD
     deadline = time.monotonic() + timeout_s
+    if world.size > 1:
+        _handshake(world, deadline, timeout_s)
+    comm, request = world.Idup()
     pause_s = 1e-4
     while not request.Test():
         if time.monotonic() > deadline:
-            skip_finalize()  # MPI_Finalize would wait for the pending duplicate for ever
-            raise CommlayerError(
-                f"rank {MPI.COMM_WORLD.rank}: init() waited {timeout_s:g} s for the other "
-                f"{MPI.COMM_WORLD.size - 1} rank(s) to call init() too; init() is collective: "
-                "every rank calls it, also after shutdown() "
-                "(COMMLAYER_INIT_TIMEOUT_SECONDS sets the wait)"
-            )
+            skip_finalize()  # MPI_Finalize would wait for the pending duplicate
+            raise _init_alone(timeout_s, "")
         time.sleep(pause_s)
         pause_s = min(2 * pause_s, 0.01)
     return comm
+
+
+def _handshake(world: MPI.Comm, deadline: float, timeout_s: float) -> None:
+    """Every rank tells rank 0 it is in init(); rank 0, once all have, tells every rank to go
+    on. Small messages (sent eagerly: nothing left pending on the sender) and probes."""
+    pause_s = 1e-4
+    if world.rank == 0:
+        missing = set(range(1, world.size))
+        status = MPI.Status()
+        while missing:
+            if world.Iprobe(source=MPI.ANY_SOURCE, tag=_INIT_TAG, status=status):
+                source = status.Get_source()
+                world.recv(source=source, tag=_INIT_TAG)
+                missing.discard(source)
+                continue
+            if time.monotonic() > deadline:
+                raise _init_alone(timeout_s, f" (rank(s) {sorted(missing)} did not)")
+            time.sleep(pause_s)
+            pause_s = min(2 * pause_s, 0.01)
+        for rank in range(1, world.size):
+            _send(world, rank, deadline, timeout_s)
+        return
+    _send(world, 0, deadline, timeout_s)
+    while not world.Iprobe(source=0, tag=_INIT_TAG):
+        if time.monotonic() > deadline:
+            raise _init_alone(timeout_s, " (rank 0 did not say every rank had)")
+        time.sleep(pause_s)
+        pause_s = min(2 * pause_s, 0.01)
+    world.recv(source=0, tag=_INIT_TAG)
+
+
+def _send(world: MPI.Comm, dest: int, deadline: float, timeout_s: float) -> None:
+    request = world.isend(None, dest=dest, tag=_INIT_TAG)
+    while not request.Test():  # at once where sent eagerly
+        if time.monotonic() > deadline:
+            request.Cancel()
+            raise _init_alone(timeout_s, "")
+        time.sleep(1e-3)
+
+
+def _init_alone(timeout_s: float, who: str) -> CommlayerError:
+    return CommlayerError(
+        f"rank {MPI.COMM_WORLD.rank}: init() waited {timeout_s:g} s for the other "
+        f"{MPI.COMM_WORLD.size - 1} rank(s) to call init() too{who}; init() is collective: "
+        "every rank calls it, also after shutdown() "
+        "(COMMLAYER_INIT_TIMEOUT_SECONDS sets the wait)"
+    )
 
 
 def world_subset(ranks: Sequence[int]) -> MPI.Comm | None:

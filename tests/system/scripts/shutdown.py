@@ -2,8 +2,8 @@
 again (as in Horovod) and shuts down again; ``one`` rank (0) shuts down and exits while the
 others go on: once their engine has stopped (it noticed rank 0's goodbye) their next
 collective fails with ShutdownError naming rank 0, in its submission; ``reinit_alone``: every
-rank shuts down, rank 0 alone calls init() again (COMMLAYER_INIT_TIMEOUT_SECONDS short) and must
-get an error naming it, not hang."""
+rank shuts down, one rank (argv[2]) alone calls init() again (COMMLAYER_INIT_TIMEOUT_SECONDS
+short) and must get an error naming it, not hang."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ if mode == "all":
     _worker.attempt("final_shutdown", hvd.shutdown)
 elif mode == "reinit_alone":
     hvd.shutdown()
-    if rank == 0:
+    if rank == int(sys.argv[2]):
         _worker.attempt("init_alone", hvd.init)
         _worker.report("initialized", value=hvd.is_initialized())
 elif rank == 0:
