@@ -10,55 +10,91 @@ backward would, not timed). A repetition's time is the slowest rank's; rank 0 pr
 and spread of each, and their ratio, and the bytes each copies: the regular window copies
 (size - 1) / size of the bucket in and all of it out, the in-window one (size - 1) / size (each
 rank's reduced slice written into the others' buckets). Its physical limit, memory bandwidth,
-is measured in the same run: every rank copying the bucket at once."""
+is measured in the same run: every rank copying the bucket at once.
+
+``--nodes N``: the ranks posed as N nodes of size / N ranks (rank r on node r // (size / N)),
+as COMMLAYER_TOPOLOGY poses them: the regular hierarchical window (SharedMemoryAllreduce with
+its leg across nodes, then the Average's scaling as the engine applies it to a bucket) against
+the in-window form across nodes (a BucketWindow per node, each slice allreduced across with
+MPI's allreduce before it is written); "copied" then counts a node's window."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import secrets
 import statistics
 import time
+from typing import Any
 
 import torch
 
-from commlayer.backends.mpi import MPI, MPIWindow
+from commlayer.backends.mpi import MPI, MPIBackend, MPIWindow
 from commlayer.backends.shm import CHUNK_BYTES, BucketWindow, FileWindow, SharedMemoryAllreduce
-from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.reduce_ops import ReduceOp, scale_into
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=float, default=25.6)  # the benchmark MLP's gradients
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--nodes", type=int, default=1)
     args = parser.parse_args()
-    comm = MPI.COMM_WORLD
-    rank, size = comm.rank, comm.size
+    world = MPI.COMM_WORLD
+    size = world.size
+    if args.nodes < 1 or size % args.nodes:
+        raise SystemExit(f"--nodes {args.nodes} does not divide {size} ranks")
+    local = size // args.nodes
+    comm = world.Split(world.rank // local, world.rank)  # my node's ranks
+    across = None
+    if args.nodes > 1:
+        cross = MPIBackend(world.Split(world.rank % local, world.rank))
+
+        def across(part: torch.Tensor, op: ReduceOp) -> object:
+            return cross.iallreduce(None, part, op)
+
+    rank, node_size = comm.rank, comm.size
     numel = int(args.mib * (1 << 20)) // 4
-    token = comm.bcast(secrets.token_hex(6) if rank == 0 else None)
+    token = world.bcast(secrets.token_hex(6) if world.rank == 0 else None)
+    name = f"{token}-n{world.rank // local}"
 
     def agree(ok: bool) -> bool:
-        return bool(comm.allreduce(ok, op=MPI.LAND))
+        return bool(world.allreduce(ok, op=MPI.LAND))
 
     housed = BucketWindow(
-        rank, size, numel * 4, lambda s: FileWindow(rank, size, token, s, agree), token
+        rank,
+        node_size,
+        numel * 4,
+        lambda s: FileWindow(rank, node_size, name, s, agree),
+        token,
+        across,  # type: ignore[arg-type]
     )
-    regular = SharedMemoryAllreduce(rank, size, CHUNK_BYTES, lambda s: MPIWindow(comm, s))
+    regular = SharedMemoryAllreduce(rank, node_size, CHUNK_BYTES, lambda s: MPIWindow(comm, s))
+
+    def regular_request() -> object:
+        if across is None:
+            return regular.iallreduce_pieces([plain], [plain], [1 / size], ReduceOp.Average)
+        if node_size == 1:  # alone on its node: MPIBackend's shortcut, the buffer across
+            return _Scaled(across(plain, ReduceOp.Average), plain, size)
+        inter = functools.partial(_across_op, across, ReduceOp.Average)
+        return _Scaled(regular.iallreduce(None, plain, ReduceOp.Average, inter), plain, size)
+
     bucket = housed.memory[: numel * 4].view(torch.float32)
     plain = torch.empty(numel)
     grads = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
 
     def drive(request: object) -> float:
-        comm.Barrier()
+        world.Barrier()
         start = time.perf_counter()
         while not request.test():  # type: ignore[attr-defined]
             os.sched_yield()  # as the engine's wait does
-        return float(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        return float(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
 
     times: dict[str, list[float]] = {"regular": [], "in_window": []}
     for rep in range(args.reps + 1):
         plain.copy_(grads)
-        t_regular = drive(regular.iallreduce_pieces([plain], [plain], [1 / size], ReduceOp.Average))
+        t_regular = drive(regular_request())
         bucket.copy_(grads)
         t_window = drive(housed.iallreduce(0, numel, torch.float32, ReduceOp.Average, 1 / size))
         if rep:  # the first is a warm-up (page faults)
@@ -71,16 +107,20 @@ def main() -> None:
     spare = torch.empty(numel)
     copy_s = []
     for _ in range(3):
-        comm.Barrier()
+        world.Barrier()
         start = time.perf_counter()
         spare.copy_(grads)
-        copy_s.append(float(comm.allreduce(time.perf_counter() - start, op=MPI.MAX)))
-    if rank == 0:
+        copy_s.append(float(world.allreduce(time.perf_counter() - start, op=MPI.MAX)))
+    if world.rank == 0:
         mib = numel * 4 / (1 << 20)
-        print(f"{size} ranks, {mib:.1f} MiB float32, Average, {args.reps} repetitions")
+        print(
+            f"{size} ranks ({args.nodes} node(s) of {local}), {mib:.1f} MiB float32, Average, "
+            f"{args.reps} repetitions"
+        )
         print("| way | median ms | min-max ms | copied a rank (MiB) |")
         print("| --- | ---: | --- | ---: |")
-        copied = {"regular": mib * (2 * size - 1) / size, "in_window": mib * (size - 1) / size}
+        g = node_size
+        copied = {"regular": mib * (2 * g - 1) / g, "in_window": mib * (g - 1) / g}
         for way, got in times.items():
             print(
                 f"| {way} | {statistics.median(got) * 1e3:.1f} | "
@@ -90,7 +130,7 @@ def main() -> None:
         print(
             f"memory bandwidth, every rank copying {mib:.1f} MiB at once: {copy * 1e3:.1f} ms "
             f"({mib / 1024 / copy:.1f} GiB/s a rank); the in-window allreduce's copies alone "
-            f"take {copy * (size - 1) / size * 1e3:.1f} ms at that rate"
+            f"take {copy * (g - 1) / g * 1e3:.1f} ms at that rate"
         )
         ratios = [w / r for w, r in zip(times["in_window"], times["regular"])]
         print(
@@ -99,6 +139,24 @@ def main() -> None:
         )
     housed.close()
     regular.close()
+
+
+def _across_op(across: Any, op: ReduceOp, part: torch.Tensor) -> object:
+    return across(part, op)
+
+
+class _Scaled:
+    """The regular two-level request, then the Average's 1 / size over the bucket (the
+    engine's postscale of a bucket reduced by hierarchical's window)."""
+
+    def __init__(self, request: object, buf: torch.Tensor, size: int) -> None:
+        self.request, self.buf, self.size, self.done = request, buf, size, False
+
+    def test(self) -> bool:
+        if not self.done and self.request.test():  # type: ignore[attr-defined]
+            scale_into(self.buf, 1 / self.size, self.buf)
+            self.done = True
+        return self.done
 
 
 if __name__ == "__main__":

@@ -55,8 +55,10 @@
    same point of its collectives), and those parts' memory is this rank's segment of it
    (comm/bucketer.py ``house_in_window``): each rank reduces its slice reading the other ranks'
    gradients where backward left them and writes it into their buckets (backends/shm.py's
-   BucketWindow), no copy in. Where the window does not apply (several machines, GPU, one
-   rank) the engine answers None on every rank and nothing changes. A new plan or a re-formed
+   BucketWindow), no copy in; on several machines (over MPI) a window per machine, each
+   slice allreduced across machines before it is written (Allreducer.bucket_window). Where
+   the window does not apply (GPU, one rank) the engine answers None on every rank and
+   nothing changes. A new plan or a re-formed
    world releases it (``release_window``): the gradients that viewed it become copies.
 """
 

@@ -207,6 +207,16 @@ class TwoLevel(Backend, Protocol):
         inter: Callable[[Any, torch.Tensor], Request] | None = None,
     ) -> Request: ...
 
+    def shm_bucket_window(
+        self,
+        nbytes: int,
+        node_of: Sequence[int] | None = None,
+        inter: Callable[[Any, torch.Tensor, ReduceOp], Request] | None = None,
+    ) -> Any:
+        """SharedMemory's ``shm_bucket_window`` over several nodes (``node_of``): a window
+        per node, a part's slices allreduced between nodes by ``inter(cross, slice, op)``."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Path:

@@ -312,12 +312,22 @@ class MPIBackend:
             return across(recv)
         return node._window().iallreduce(send, recv, op, across)
 
-    def shm_bucket_window(self, nbytes: int) -> BucketWindow | None:
+    def shm_bucket_window(
+        self,
+        nbytes: int,
+        node_of: Sequence[int] | None = None,
+        inter: Callable[[MPIBackend, torch.Tensor, ReduceOp], Request] | None = None,
+    ) -> BucketWindow | None:
         """A window whose segments are the planned buckets' memory (backends/shm.py's
-        BucketWindow; collective: every rank of this group, all on one node, at the same
-        point). A FileWindow, not MPI's: a gradient may view its memory after it is freed
-        (elastic re-formation, shutdown), which a mapping outlives and MPI_Win_free does not.
-        None on every rank where one rank cannot map one."""
+        BucketWindow; collective: every rank of this group at the same point). A FileWindow,
+        not MPI's: a gradient may view its memory after it is freed (elastic re-formation,
+        shutdown), which a mapping outlives and MPI_Win_free does not. None on every rank
+        where one rank cannot map one.
+
+        ``node_of`` (the node of every rank, as ``shm_hierarchical_iallreduce``'s): the ranks
+        on several nodes, a window over each node's ranks, and a part's slices allreduced
+        between nodes by ``inter(cross, slice, op)`` (MPI's allreduce when None) over the ranks
+        with this rank's index in its node. Without it, every rank on one node."""
         from commlayer.backends.shm import BucketWindow, FileWindow
 
         comm = self._comm
@@ -325,16 +335,28 @@ class MPIBackend:
             return None
         token = comm.bcast(f"{os.getpid()}-{secrets.randbits(62):x}" if self._rank == 0 else None)
 
-        def agree(ok: bool) -> bool:
+        def agree(ok: bool) -> bool:  # over the whole group: every node has one, or none
             return bool(comm.allreduce(ok, op=MPI.LAND))
+
+        rank, size, name = self._rank, self._size, token
+        across: Callable[[torch.Tensor, ReduceOp], Request] | None = None
+        if node_of is not None and len(set(node_of)) > 1:
+            node, cross = self._two_levels(tuple(node_of))
+            rank, size, name = node._rank, node._size, f"{token}-n{node_of[self._rank]}"
+
+            def across(part: torch.Tensor, op: ReduceOp) -> Request:
+                if inter is None:
+                    return cross.iallreduce(None, part, op)
+                return inter(cross, part, op)
 
         try:
             return BucketWindow(
-                self._rank,
-                self._size,
+                rank,
+                size,
                 nbytes,
-                lambda segment: FileWindow(self._rank, self._size, token, segment, agree),
+                lambda segment: FileWindow(rank, size, name, segment, agree),
                 token,
+                across,
             )
         except OSError as exc:
             log.warning("commlayer: %s; buckets stay in process memory", exc)

@@ -461,12 +461,29 @@ class BucketWindow:
     segments, the one copy of the reduced data a rank makes, (p-1)/p of a part in all. Each
     slice is reduced and scaled by one rank, so every rank holds the same bits. Flags are
     monotonic counters (2 per part), as ``SharedMemoryAllreduce``'s; every rank runs a window's
-    allreduces in one order (negotiated), so the counters stay in step."""
+    allreduces in one order (negotiated), so the counters stay in step.
+
+    Across machines (``across``: the ranks of a process set on several nodes, each node's
+    ranks sharing a window of their own; algorithms/hierarchical.py's shared-memory form on
+    these buffers): the window is one node's, ``rank`` and ``size`` this rank's index and the
+    node's ranks, and in 2. rank r reduces slice r of each chunk over its node's segments,
+    then ``across(slice, op)`` allreduces it in place with the ranks of the same index on the
+    other nodes (the only bytes that leave the machine: 1/size of the part a rank), and only
+    once that is done scales it and writes it into its node's other segments. The chunks and
+    slices are those of the regular hierarchical window (``SharedMemoryAllreduce`` with
+    ``inter``), so the bits are its bits."""
 
     def __init__(
-        self, rank: int, size: int, nbytes: int, window: Callable[[int], Window], token: str
+        self,
+        rank: int,
+        size: int,
+        nbytes: int,
+        window: Callable[[int], Window],
+        token: str,
+        across: Callable[[torch.Tensor, ReduceOp], Request] | None = None,
     ) -> None:
         self.rank, self.size, self.token = rank, size, token
+        self.across = across
         self.others = [r for r in range(size) if r != rank]
         self.nbytes = -(-nbytes // _ALIGN) * _ALIGN
         self.win: Window | None = window(_FLAG_BYTES + self.nbytes)
@@ -550,7 +567,7 @@ class _InWindow:
     """One in-window allreduce in flight (BucketWindow's docstring): ``test()`` advances it
     without waiting, as ``_Request``."""
 
-    __slots__ = ("_win", "_parts", "_op", "_scale", "_phase", "_target")
+    __slots__ = ("_win", "_parts", "_op", "_scale", "_phase", "_target", "_mine", "_across")
 
     def __init__(
         self, win: BucketWindow, parts: list[torch.Tensor], op: ReduceOp, scale: float
@@ -558,6 +575,8 @@ class _InWindow:
         self._win, self._parts, self._op, self._scale = win, parts, op, scale
         self._phase = 0
         self._target = 0
+        self._mine: list[tuple[int, int]] = []  # my slices [lo, hi) left to take across
+        self._across: Request | None = None  # a slice's allreduce across nodes, in flight
 
     def test(self) -> bool:
         win = self._win
@@ -565,27 +584,44 @@ class _InWindow:
             win.raise_flag()
             self._target = win.seq
             self._phase = 1
-        if self._phase == 1:  # every part is in: reduce my slice, scale it, hand it to all
+        if self._phase == 1:  # every part is in: reduce my slice (and across nodes)
             if not win.all_reached(self._target):
                 return False
             self._reduce()
+            self._phase = 2
+        if self._phase == 2:  # my slices final and handed to all
+            while self._mine:  # across nodes, a slice at a time (as the regular window)
+                lo, hi = self._mine[0]
+                if self._across is None:
+                    assert win.across is not None
+                    self._across = win.across(self._parts[win.rank][lo:hi], self._op)
+                if not self._across.test():
+                    return False
+                self._across = None
+                self._share(lo, hi)
+                del self._mine[0]
             win.raise_flag()
             self._target = win.seq
-            self._phase = 2
-        if self._phase == 2:  # every slice is in every segment: done, nobody reads mine
+            self._phase = 3
+        if self._phase == 3:  # every slice is in every segment: done, nobody reads mine
             if not win.all_reached(self._target):
                 return False
-            self._phase = 3
+            self._phase = 4
         return True
 
     def _reduce(self) -> None:
         """My slice of each chunk (SharedMemoryAllreduce's chunks and slices, so each element
         is reduced by the rank, and in the order, the regular window reduces it: the same
-        bits), reduced in place, scaled, and written into every other segment."""
-        win, parts, op, scale = self._win, self._parts, self._op, self._scale
+        bits), reduced in place, then scaled and written into every other segment; across
+        nodes, kept for ``test`` to take across first, one at a time (two ring allreduces
+        over one communicator in flight at once could match each other's messages)."""
+        win, parts, op = self._win, self._parts, self._op
         me = win.rank
         mine = parts[me]
         numel = mine.numel()
+        if win.size == 1:  # alone on my node: the whole part across (as the regular window)
+            self._mine = [(0, numel)] if win.across is not None and numel else []
+            return
         itemsize = mine.element_size()
         chunk = win.chunk_bytes // itemsize
         for offset in range(0, numel, chunk):
@@ -597,7 +633,16 @@ class _InWindow:
             acc = mine[lo:hi]
             for r in win.others:
                 reduce_into(acc, parts[r][lo:hi], op)
-            if scale != 1.0:
-                scale_into(acc, scale, acc)
-            for r in win.others:
-                parts[r][lo:hi].copy_(acc)
+            if win.across is None:
+                self._share(lo, hi)  # while the slice is in cache
+            else:
+                self._mine.append((lo, hi))
+
+    def _share(self, lo: int, hi: int) -> None:
+        """My reduced slice [lo, hi) scaled and written into every other segment."""
+        win, parts, scale = self._win, self._parts, self._scale
+        acc = parts[win.rank][lo:hi]
+        if scale != 1.0:
+            scale_into(acc, scale, acc)
+        for r in win.others:
+            parts[r][lo:hi].copy_(acc)

@@ -40,7 +40,8 @@ makes its buckets and hands the hook each one's flat buffer.
    elements after the gradients (4 a rank), where each rank writes which step and part it sends
    and every rank checks, in the reduced tail, that all sent the same.
 6. With COMMLAYER_WINDOW_BUCKETS the parts of 4. that are in host memory are moved, at the
-   plan, into a shared-memory window every rank of the process set maps (``house_in_window``):
+   plan, into a shared-memory window every rank of the process set maps (``house_in_window``;
+   on several machines one per machine, the slices of a part allreduced across):
    the flat buffers are slices of this rank's segment, at the same offsets on every rank, and
    the engine reduces them there (backends/shm.py's BucketWindow). Lanes (5.) are then not
    used: the window is the faster of the two where it applies.

@@ -69,7 +69,6 @@ from commlayer.backends.base import (
     Backend,
     ProgressThreads,
     Request,
-    SharedMemory,
 )
 from commlayer.backends.shm import WINDOW_CHANNEL
 from commlayer.common.config import Config
@@ -865,17 +864,13 @@ class Engine:
     def _bucket_window(self, backend: Backend, response: Response, active: list[int]) -> Any:
         """A WINDOW operation: the shared-memory window of DistributedOptimizer's planned
         buckets (backends/shm.py's BucketWindow), made by every rank here, at this same point
-        of their collectives; None on every rank where it does not apply (one rank, ranks on
-        several nodes, a rank joined, a backend without a window, one that cannot be made)."""
+        of their collectives (a window per node where the ranks are on several:
+        Allreducer.bucket_window); None on every rank where it does not apply (one rank, a rank
+        joined, a backend without a window, one that cannot be made)."""
         nbytes = response.shapes[0][0] if response.shapes and response.shapes[0] else 0
-        if (
-            nbytes <= 0
-            or backend.size < 2
-            or len(active) < backend.size
-            or not self._allreduce.window_capable(backend)
-        ):
+        if nbytes <= 0 or backend.size < 2 or len(active) < backend.size:
             return None
-        return cast(SharedMemory, backend).shm_bucket_window(nbytes)
+        return self._allreduce.bucket_window(backend, nbytes)
 
 
 def _describe(waiting_on: list[fusion.Entry] | Response | None) -> str:

@@ -247,10 +247,26 @@ class Allreducer:
         name, key = self._next(backend, numel, element_size)
         return name != NATIVE_ALLREDUCE or (key is not None and self._tuner.measures(key))
 
-    def window_capable(self, backend: Backend) -> bool:
-        """Whether ``backend``'s ranks can share a window (SHARED_MEMORY, every rank on one
-        detected node): the same answer on every rank."""
-        return self._backend_facts(backend)[1]
+    def bucket_window(self, backend: Backend, nbytes: int) -> Any:
+        """The shared-memory window of DistributedOptimizer's planned buckets over
+        ``backend``'s ranks (backends/shm.py's BucketWindow; collective), or None, every rank
+        alike. On several nodes where hierarchical's window per node fits (``TWO_LEVEL``, the
+        same facts as the two-level allreduce's, COMMLAYER_TOPOLOGY's nodes included), a
+        window per node whose parts' slices cross between nodes with ``hierarchical.INTER``;
+        else, every rank on one detected node (``SHARED_MEMORY``), one window; else None.
+        Not with one rank a node: no local leg to save, and MPI's allreduce of a whole part
+        in a window (a tmpfs mapping) took 1.5-1.6 times that of process memory (8 MiB, 2
+        ranks as 2 nodes: benchmarks/window_buckets.py --nodes 2)."""
+        topology, capable, two_level = self._backend_facts(backend)
+        if two_level and topology.size == topology.nodes:
+            return None
+        if two_level:
+            levels: TwoLevel = backend  # type: ignore[assignment]  # two_level: TWO_LEVEL
+            return levels.shm_bucket_window(nbytes, topology.node_of, self._inter)
+        if capable:
+            window: SharedMemory = backend  # type: ignore[assignment]  # capable: SHARED_MEMORY
+            return window.shm_bucket_window(nbytes)
+        return None
 
     def _inter(self, cross: Backend, part: torch.Tensor, op: ReduceOp) -> Request:
         """The leg across nodes of the two-level hierarchical: ``hierarchical.INTER``, as in

@@ -14,12 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from launch import under_torchrun
+from restart import reinit
 from torch import nn
 
 import commlayer as cl
 from commlayer.backends import shm
 from commlayer.common import config
-from commlayer.core import submit
+from commlayer.core import runtime, submit
 
 F32 = torch.float32
 WIDTH = 96
@@ -218,3 +220,61 @@ def test_a_rank_that_joined_takes_the_regular_way() -> None:
     # and the window works again once nobody has joined
     _train_pair(plain, plain_opt, housed, housed_opt, range(5, 7), None)
     _assert_same(plain, housed)
+
+
+def test_across_pretend_nodes_a_window_per_node() -> None:
+    """Ranks posed on several nodes (COMMLAYER_TOPOLOGY, as the cluster's hosts are nodes):
+    under MPI a window per node, each rank's slices of a part allreduced between nodes before
+    they are handed on (algorithms/hierarchical.py's local legs on the buckets' memory), with
+    the results of the regular hierarchical allreduce on buckets in process memory (bit for bit
+    where each element is a sum of two sums of two: 2 x 1 and 2 x 2 ranks; with one rank a
+    node, 2 x 1 and 3 x 1, no window: nothing to share). Under torchrun
+    (no two-level window) one window over the machine, as before (at 4 ranks it adds in
+    another order than hierarchical's schedule: to a few ulps)."""
+    size = cl.size()
+    if size == 1:
+        pytest.skip("one rank: no nodes to pretend")
+    local = 2 if size == 4 else 1
+    nodes = size // local
+    reinit(allreduce_algorithm="hierarchical", topology=f"nodes={nodes},local={local}")
+    exact = size == 2 or (size == 4 and not under_torchrun())  # torchrun: one flat window
+    try:
+        plain, housed = _model(13), _model(13)
+        plain_opt = _optimizer(plain, 4 * WIDTH * WIDTH)
+        housed_opt = _optimizer(housed, 4 * WIDTH * WIDTH)
+        for step in range(STEPS):
+            _step(plain, plain_opt, step, False)
+            _step(housed, housed_opt, step, True)
+            if step >= 1 and exact:
+                for p, q in zip(plain.parameters(), housed.parameters()):
+                    assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+            plain_opt.zero_grad()
+            housed_opt.zero_grad()
+            if step == 0:
+                _align(plain, plain_opt, housed, housed_opt)
+            if exact:
+                for p, q in zip(plain.parameters(), housed.parameters()):
+                    assert torch.equal(p, q)
+            else:
+                _assert_same(plain, housed)
+        rows = cl.allgather(torch.cat([p.detach().reshape(-1) for p in housed.parameters()])[None])
+        window = _window_of(housed_opt)
+        housed_in = _in_window(housed_opt)
+        parts = sum(len(b.parts) for b in housed_opt._commlayer.bucketer.buckets)  # type: ignore[attr-defined]
+        levels = list(getattr(runtime.engine()._global.backend, "_levels", {}))
+        if window is not None:
+            seq, window_size, across = window.seq, window.size, window.across is not None
+            window.close()  # before the restart: its ranks alone share it
+    finally:
+        reinit()
+    assert all(torch.equal(rows[0], row) for row in rows)
+    if local == 1 and not under_torchrun():  # one rank a node: no local leg, no window
+        assert window is None and not any(housed_in), housed_in
+        return
+    assert window is not None and housed_in and all(housed_in), housed_in
+    assert seq == 2 * parts * (STEPS - 1)  # every planned step's parts reduced in the window
+    if under_torchrun():
+        assert (window_size, across) == (size, False)
+    else:
+        assert (window_size, across) == (local, True)
+        assert tuple(r // local for r in range(size)) in levels  # hierarchical's communicators

@@ -355,6 +355,30 @@ def test_distributed_optimizer_matches_one_process(launched: Job) -> None:
         assert record["moved"] > 1e-3, record  # the steps did change the parameters
 
 
+def test_window_buckets_a_window_per_host_and_only_slices_cross(launched: Job) -> None:
+    """COMMLAYER_WINDOW_BUCKETS across hosts: the same training as buckets in process memory
+    on every rank. Under MPI each host's ranks share a window (2 ranks), every planned bucket
+    lives there, and each rank's slices cross to the other host: a step's eth0 sends the
+    gradients' bytes once per host (2 ranks x a ring of 2 over half of them), not the flat
+    ring's 1.5 times."""
+    records = launched.each_rank("window_buckets")
+    assert len(records) == HOSTS * PER_HOST, launched.output
+    for record in records:
+        assert record["close"] and record["same_on_all_ranks"], record
+    if launched.each_rank("topology")[0]["backend"] == "TorchBackend":
+        for record in records:  # no two-level window over gloo
+            assert not record["window"]["across"], record
+        return
+    for record in records:
+        window = record["window"]
+        assert (window["window_size"], window["across"]) == (PER_HOST, True), record
+        assert window["in_window"] and all(window["in_window"]), record
+        assert record["plain"]["window_size"] is None, record
+    for record in records[::PER_HOST]:  # one rank a host: the host's counters
+        sent = record["window"]["sent_per_step"]  # measured 1.002-1.003 x the gradients
+        assert record["grad_bytes"] <= sent < 1.1 * record["grad_bytes"] + NOISE_BYTES, record
+
+
 def test_commlayerrun_dry_run_on_the_cluster(job: Job, capsys: pytest.CaptureFixture[str]) -> None:
     """commlayerrun prints a command that can be pasted: the cluster's variables, then its
     launcher entering node1, where mpiexec runs."""

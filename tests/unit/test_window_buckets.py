@@ -4,6 +4,7 @@ requests are driven round-robin by ``test()``, as each rank's engine drives its 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 
@@ -16,7 +17,7 @@ from commlayer.backends import shm
 from commlayer.backends.loopback import LoopbackBackend
 from commlayer.comm import bucketer
 from commlayer.common.errors import RankDiedError
-from commlayer.common.reduce_ops import ReduceOp
+from commlayer.common.reduce_ops import ReduceOp, reduce_into, scale_into
 from commlayer.compression import create
 from commlayer.core.engine import Engine
 
@@ -112,6 +113,151 @@ def test_the_same_bits_as_the_regular_window_on_every_rank(
         assert torch.equal(parts[r], expected[r]), r
         assert torch.equal(parts[r], parts[0])
     assert all(w.seq == 2 for w in windows)  # two flags a part: arrived, reduced and handed on
+
+
+class _Across:
+    """The leg between nodes of ``nodes`` ranks (one per node, the same index in each): the
+    k-th allreduce posted by every one of them completes once all have posted it, each then
+    holding the reduction in node order (the one order of two operands, for a ring of two)."""
+
+    def __init__(self, nodes: int) -> None:
+        self.posted: list[list[torch.Tensor]] = [[] for _ in range(nodes)]
+        self.done: set[int] = set()
+
+    def post(self, node: int, part: torch.Tensor, op: ReduceOp) -> _AcrossRequest:
+        self.posted[node].append(part)
+        return _AcrossRequest(self, len(self.posted[node]) - 1, op)
+
+
+class _AcrossRequest:
+    def __init__(self, across: _Across, k: int, op: ReduceOp) -> None:
+        self.across, self.k, self.op = across, k, op
+
+    def test(self) -> bool:
+        across, k = self.across, self.k
+        if k not in across.done and all(len(p) > k for p in across.posted):
+            parts = [p[k] for p in across.posted]
+            total = parts[0].clone()
+            for part in parts[1:]:
+                reduce_into(total, part, self.op)
+            for part in parts:
+                part.copy_(total)
+            across.done.add(k)
+        return k in across.done
+
+
+def _two_level(nodes: int, local: int, nbytes: int, op: ReduceOp) -> list[shm.BucketWindow]:
+    """Global rank r = node * local + i: a window per node, i's slices across by _Across(i)."""
+    acrosses = [_Across(nodes) for _ in range(local)]
+    windows = []
+    for node in range(nodes):
+        memory = _Memory(local)
+        for i in range(local):
+            across = functools.partial(_post, acrosses[i], node)
+            windows.append(
+                shm.BucketWindow(i, local, nbytes, memory.window, f"unit2-{id(memory)}-{i}", across)
+            )
+    return windows
+
+
+def _post(across: _Across, node: int, part: torch.Tensor, op: ReduceOp) -> _AcrossRequest:
+    return across.post(node, part, op)
+
+
+def _regular_two_level(
+    inputs: list[torch.Tensor], nodes: int, local: int, op: ReduceOp, scale: float
+) -> list[torch.Tensor]:
+    """What the regular hierarchical window (SharedMemoryAllreduce with ``inter``) gives."""
+    acrosses = [_Across(nodes) for _ in range(local)]
+    ranks = []
+    for node in range(nodes):
+        memory = _Memory(local)
+        ranks += [
+            (shm.SharedMemoryAllreduce(i, local, shm.CHUNK_BYTES, memory.window), node, i)
+            for i in range(local)
+        ]
+    outputs = [torch.empty_like(t) for t in inputs]
+    requests: list[object] = []
+    if local == 1:  # alone on its node: the whole buffer across (MPIBackend's shortcut)
+        for node in range(nodes):
+            outputs[node].copy_(inputs[node])
+            requests.append(acrosses[0].post(node, outputs[node], op))
+        ranks = []
+    for r, (window, node, i) in enumerate(ranks):
+        inter = functools.partial(_post_op, acrosses[i], node, op)
+        requests.append(window.iallreduce(inputs[r], outputs[r], op, inter))
+    _drive(requests)
+    for out in outputs:  # the runner's postscale (the regular window's at its copy-out)
+        if scale != 1.0:
+            scale_into(out, scale, out)
+    return outputs
+
+
+def _post_op(across: _Across, node: int, op: ReduceOp, part: torch.Tensor) -> _AcrossRequest:
+    return across.post(node, part, op)
+
+
+@pytest.mark.parametrize(("nodes", "local"), [(2, 1), (2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize(
+    ("op", "dtype"), [(ReduceOp.Average, torch.float32), (ReduceOp.Sum, torch.float64)]
+)
+def test_across_nodes_the_same_bits_as_the_regular_hierarchical_window(
+    nodes: int, local: int, op: ReduceOp, dtype: torch.dtype
+) -> None:
+    """A window per node, each slice allreduced between nodes before it is handed on: every
+    rank of every node ends with the regular hierarchical window's bits, and only the slices
+    (1/local of the part a rank) went across."""
+    size = nodes * local
+    numel = (3 * shm.CHUNK_BYTES) // dtype.itemsize + 77
+    offset = 128
+    windows = _two_level(nodes, local, offset + numel * dtype.itemsize, op)
+    gen = torch.Generator().manual_seed(10 * nodes + local)
+    inputs = [torch.randn(numel, generator=gen).to(dtype) for _ in range(size)]
+    parts = [w.memory[offset : offset + numel * dtype.itemsize].view(dtype) for w in windows]
+    for part, given in zip(parts, inputs):
+        part.copy_(given)
+    scale = 1.0 / size if op == ReduceOp.Average else 1.0
+    across_bytes: list[int] = []
+
+    def measured(window: shm.BucketWindow) -> None:
+        inner = window.across
+        assert inner is not None
+
+        def counted(part: torch.Tensor, op: ReduceOp) -> object:
+            across_bytes.append(part.numel() * part.element_size())
+            return inner(part, op)
+
+        window.across = counted  # type: ignore[assignment]
+
+    for w in windows:
+        measured(w)
+    _drive([w.iallreduce(offset, numel, dtype, op, scale) for w in windows])
+
+    expected = _regular_two_level(inputs, nodes, local, op, scale)
+    for r in range(size):
+        assert torch.equal(parts[r], expected[r]), r
+        assert torch.equal(parts[r], parts[0]), r
+    # each rank took its own slices across: the part's bytes, once per node
+    assert sum(across_bytes) == nodes * numel * dtype.itemsize
+    assert all(w.seq == 2 for w in windows)
+
+
+def test_across_nodes_a_rank_hands_its_slice_on_only_once_it_crossed() -> None:
+    """Node 1 has not arrived: node 0's ranks reduce their slices in their window, but none
+    is written into the other segment, and no request completes, until the leg across is
+    done (a peer reading a half-reduced slice would be silent corruption)."""
+    windows = _two_level(2, 2, 4096, ReduceOp.Sum)
+    for r, w in enumerate(windows):
+        w.memory[:4096].view(torch.float32).fill_(r + 1)
+    requests = [w.iallreduce(0, 1024, torch.float32, ReduceOp.Sum, 1.0) for w in windows]
+    for _ in range(3):
+        assert not requests[0].test() and not requests[1].test()
+    a, b = (w.memory[:4096].view(torch.float32) for w in windows[:2])
+    assert bool((a[:512] == 3).all()) and bool((a[512:] == 1).all())  # my slice, mine only
+    assert bool((b[512:] == 3).all()) and bool((b[:512] == 2).all())
+    _drive(requests)
+    for w in windows:
+        assert bool((w.memory[:4096].view(torch.float32) == 10).all())
 
 
 def test_no_rank_completes_before_every_rank_is_done_with_its_segment() -> None:

@@ -14,6 +14,9 @@ one ``torchrun`` agent per host (node1's ranks first; commlayer over gloo). It r
    bytes its eth0 and lo carried meanwhile (none: MPI's shared memory, not the network).
 5. ``optimizer``: DistributedOptimizer steps against the same model trained in this process on
    the whole batch (float64).
+6. ``window_buckets``: the same optimizer with its planned buckets in shared-memory windows
+   (under MPI one per host, the slices of each part allreduced across), against buckets in
+   process memory, and the bytes eth0 sent a step.
 
 Collectives first, reports after: a failed check is a record, never a rank that leaves the
 others waiting.
@@ -215,6 +218,60 @@ def check_optimizer(steps: int = 3, rows: int = 4) -> None:
     )
 
 
+def check_window_buckets(steps: int = 5, rows: int = 4) -> None:
+    """DistributedOptimizer's planned buckets in shared-memory windows across the hosts
+    (COMMLAYER_WINDOW_BUCKETS; under MPI a window per host, each rank's slices of a part
+    allreduced with the other host's rank of its index): against the same model with buckets
+    in process memory, and the bytes this host's eth0 sent over the planned steps."""
+    from commlayer.common import config
+
+    cl.init()
+    r, n = cl.rank(), cl.size()
+    results: dict[str, object] = {}
+    flats = []
+    for housed in (False, True):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 3))
+        opt = cl.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+        )
+        sent = 0
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(200 + step)
+            x = torch.randn(rows * n, 1024, generator=gen)
+            y = torch.randn(rows * n, 3, generator=gen)
+            cl.barrier()
+            before = counters()  # backward's hooks start the reduction
+            F.mse_loss(model(x[r * rows : (r + 1) * rows]), y[r * rows : (r + 1) * rows]).backward()
+            with config.override(window_buckets=housed):  # read when the plan is made
+                opt.step()
+            cl.barrier()
+            if step >= 2:  # planned, the window made (step 1)
+                sent += grown(before)["eth0_tx"]
+            opt.zero_grad()
+        window = opt._commlayer.window  # type: ignore[attr-defined]
+        views = opt._commlayer.bucketer.view_of.values()  # type: ignore[attr-defined]
+        key = "window" if housed else "plain"
+        results[key] = {
+            "sent_per_step": sent / (steps - 2),
+            "window_size": None if window is None else window.size,
+            "across": window is not None and window.across is not None,
+            "in_window": [window is not None and window.offset_of(v) is not None for v in views],
+        }
+        flats.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        if window is not None:
+            window.close()
+    everyone = cl.allgather(flats[1][None])
+    cl.shutdown()
+    _worker.report(
+        "window_buckets",
+        grad_bytes=flats[1].numel() * 4,
+        close=torch.allclose(flats[0], flats[1], rtol=1e-5, atol=1e-6),
+        same_on_all_ranks=all(torch.equal(row, everyone[0]) for row in everyone),
+        **results,
+    )
+
+
 def main() -> None:
     _worker.start()
     cl.init()
@@ -244,6 +301,7 @@ def main() -> None:
         check_algorithm(name, inputs, want)
     check_intra_host(inputs)
     check_optimizer()
+    check_window_buckets()
     _worker.report("done")
 
 
