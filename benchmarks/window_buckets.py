@@ -9,7 +9,9 @@ drifting machine shifts both); each rank writes its "gradients" into the bucket 
 backward would, not timed). A repetition's time is the slowest rank's; rank 0 prints the median
 and spread of each, and their ratio, and the bytes each copies: the regular window copies
 (size - 1) / size of the bucket in and all of it out, the in-window one (size - 1) / size (each
-rank's reduced slice written into the others' buckets). Its physical limit, memory bandwidth,
+rank's reduced slice written into the others' buckets); and the least the other design, where
+every rank's gradients would view one shared result, would cost (``shared_result``: each rank
+reduces its slice in place and copies nothing). Its physical limit, memory bandwidth,
 is measured in the same run: every rank copying the bucket at once.
 
 ``--nodes N``: the ranks posed as N nodes of size / N ranks (rank r on node r // (size / N)),
@@ -31,7 +33,13 @@ from typing import Any
 import torch
 
 from commlayer.backends.mpi import MPI, MPIBackend, MPIWindow
-from commlayer.backends.shm import CHUNK_BYTES, BucketWindow, FileWindow, SharedMemoryAllreduce
+from commlayer.backends.shm import (
+    CHUNK_BYTES,
+    BucketWindow,
+    FileWindow,
+    SharedMemoryAllreduce,
+    _InWindow,
+)
 from commlayer.common.reduce_ops import ReduceOp, scale_into
 
 
@@ -82,7 +90,7 @@ def main() -> None:
 
     bucket = housed.memory[: numel * 4].view(torch.float32)
     plain = torch.empty(numel)
-    grads = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    grads = torch.randn(numel, generator=torch.Generator().manual_seed(world.rank))
 
     def drive(request: object) -> float:
         world.Barrier()
@@ -91,15 +99,19 @@ def main() -> None:
             os.sched_yield()  # as the engine's wait does
         return float(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
 
-    times: dict[str, list[float]] = {"regular": [], "in_window": []}
+    times: dict[str, list[float]] = {"regular": [], "in_window": [], "shared_result": []}
+    parts = [segment[: numel * 4].view(torch.float32) for segment in housed.segments]
     for rep in range(args.reps + 1):
         plain.copy_(grads)
         t_regular = drive(regular_request())
+        bucket.copy_(grads)
+        t_shared = drive(_SharedResult(housed, parts, ReduceOp.Average, 1 / size))
         bucket.copy_(grads)
         t_window = drive(housed.iallreduce(0, numel, torch.float32, ReduceOp.Average, 1 / size))
         if rep:  # the first is a warm-up (page faults)
             times["regular"].append(t_regular)
             times["in_window"].append(t_window)
+            times["shared_result"].append(t_shared)
     assert torch.equal(plain, bucket), "the two ways differ"
     # The physical limit: memory bandwidth. Every rank copying the bucket at once (as the
     # window's copies are), the slowest rank's time: the in-window allreduce copies
@@ -120,7 +132,11 @@ def main() -> None:
         print("| way | median ms | min-max ms | copied a rank (MiB) |")
         print("| --- | ---: | --- | ---: |")
         g = node_size
-        copied = {"regular": mib * (2 * g - 1) / g, "in_window": mib * (g - 1) / g}
+        copied = {
+            "regular": mib * (2 * g - 1) / g,
+            "in_window": mib * (g - 1) / g,
+            "shared_result": 0.0,
+        }
         for way, got in times.items():
             print(
                 f"| {way} | {statistics.median(got) * 1e3:.1f} | "
@@ -132,13 +148,27 @@ def main() -> None:
             f"({mib / 1024 / copy:.1f} GiB/s a rank); the in-window allreduce's copies alone "
             f"take {copy * (g - 1) / g * 1e3:.1f} ms at that rate"
         )
-        ratios = [w / r for w, r in zip(times["in_window"], times["regular"])]
-        print(
-            f"in_window / regular, per repetition: median {statistics.median(ratios):.2f}, "
-            f"{min(ratios):.2f}-{max(ratios):.2f}"
-        )
+        for way, base in (("in_window", "regular"), ("shared_result", "in_window")):
+            ratios = [w / r for w, r in zip(times[way], times[base])]
+            print(
+                f"{way} / {base}, per repetition: median {statistics.median(ratios):.2f}, "
+                f"{min(ratios):.2f}-{max(ratios):.2f}"
+            )
     housed.close()
     regular.close()
+
+
+class _SharedResult(_InWindow):
+    """What the design of gradients that view one shared result would cost at the least: each
+    rank reduces and scales its slice in place and copies nothing (the optimizers would read
+    the slices where their owners left them; the third flag round such a design needs before
+    the next backward, and pointing every ``.grad`` at the shared result and back, are not
+    counted). Its buckets are left holding only the owner's slices reduced."""
+
+    def _share(self, lo: int, hi: int) -> None:
+        acc = self._parts[self._win.rank][lo:hi]
+        if self._scale != 1.0:
+            scale_into(acc, self._scale, acc)
 
 
 def _across_op(across: Any, op: ReduceOp, part: torch.Tensor) -> object:

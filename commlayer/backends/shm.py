@@ -208,6 +208,16 @@ def _fence() -> Callable[[], None]:
     return fence
 
 
+# Bytes this process copied into, out of and between shared-memory windows (both kinds of
+# window, on whatever thread drives them): memory traffic on top of the reductions' reads, as
+# communication_stats()'s window_copied_bytes reports it from the engine's start.
+_copied = [0]
+
+
+def copied_bytes() -> int:
+    return _copied[0]
+
+
 class SharedMemoryAllreduce:
     """A shared window over the ranks of a node and its flag counters.
 
@@ -376,6 +386,7 @@ class _Request:
                 for lo, hi in ((0, start), (stop, count)):
                     for _, part, at in self._src.parts(offset + lo, offset + hi):
                         mine[at - offset : at - offset + part.numel()].copy_(part)
+                _copied[0] += (count - (stop - start)) * mine.element_size()
                 shm.raise_flag()
                 self._target = shm.seq
                 self._phase = 1
@@ -414,6 +425,7 @@ class _Request:
                             part.copy_(reduced)
                         else:
                             scale_into(reduced, scale, part)
+                _copied[0] += count * self._segments[me].element_size()
                 shm.chunks += 1
                 self._offset += count
                 self._phase = 0
@@ -646,3 +658,4 @@ class _InWindow:
             scale_into(acc, scale, acc)
         for r in win.others:
             parts[r][lo:hi].copy_(acc)
+        _copied[0] += (hi - lo) * acc.element_size() * len(win.others)

@@ -64,6 +64,7 @@ from typing import Any, cast
 
 import torch
 
+from commlayer.backends import shm
 from commlayer.backends.base import (
     PROGRESS_THREADS,
     Backend,
@@ -178,6 +179,7 @@ class Engine:
         self.rank = backend.rank
         self.size = backend.size
         self.stats = Stats()
+        self.copied_at_start = shm.copied_bytes()  # communication_stats' window_copied_bytes
         # perf_counter() when the collective in progress started (None between collectives):
         # collective_now_s() counts the elapsed part of the running one too.
         self._collective_since: float | None = None

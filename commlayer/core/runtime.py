@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from commlayer import backends, kernels
+from commlayer.backends import shm
 from commlayer.backends.base import Backend
 from commlayer.common import config as config_module
 from commlayer.common.config import Config
@@ -453,12 +454,15 @@ def communication_stats() -> dict[str, float]:
     optimal algorithm sends from this rank), collective_s (time inside collectives that
     ended), collective_now_s (the same, with the elapsed part of the one running now: the
     figure to take before and after a wait), cycles (negotiation cycles), engine_cpu_s (CPU
-    seconds of the engine thread: take it before and after some steps for its CPU a step)."""
+    seconds of the engine thread: take it before and after some steps for its CPU a step),
+    window_copied_bytes (bytes this process copied into, out of and between shared-memory
+    windows: memory traffic beside the wire, which buckets that live in a window cut)."""
     current = engine()
     return {
         **dataclasses.asdict(current.stats),
         "collective_now_s": current.collective_now_s(),
         "engine_cpu_s": current.cpu_s(),
+        "window_copied_bytes": shm.copied_bytes() - current.copied_at_start,
     }
 
 

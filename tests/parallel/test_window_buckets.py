@@ -149,6 +149,12 @@ def test_window_buckets_match_process_memory_bit_for_bit(
         window = _window_of(housed_opt)
         parts = sum(len(b.parts) for b in housed_opt._commlayer.bucketer.buckets)  # type: ignore[attr-defined]
         assert window is not None and window.seq == 2 * parts * (STEPS - 1)  # reduced there
+        # every element of a planned step's buckets written into the size - 1 other buckets
+        # (all ranks together; the plain optimizer's regular window, if used, adds to it)
+        housed_bytes = sum(p.numel() * 4 for p in housed.parameters())
+        mine = float(cl.communication_stats()["window_copied_bytes"])
+        total = float(cl.allreduce(torch.tensor([mine], dtype=torch.float64), op=cl.Sum))
+        assert total >= (cl.size() - 1) * (STEPS - 1) * housed_bytes, (total, housed_bytes)
     else:
         assert _window_of(housed_opt) is None  # one rank (the identity) or several machines
 

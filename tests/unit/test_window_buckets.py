@@ -106,12 +106,19 @@ def test_the_same_bits_as_the_regular_window_on_every_rank(
         part.copy_(given)  # what backward left in each rank's segment
     scale = 1.0 / size if op == ReduceOp.Average else 1.0
 
+    copied = shm.copied_bytes()
     _drive([w.iallreduce(offset, numel, dtype, op, scale) for w in windows])
+    in_window, copied = shm.copied_bytes() - copied, shm.copied_bytes()
 
     expected = _regular(inputs, op, scale)
+    regular = shm.copied_bytes() - copied
     for r in range(size):
         assert torch.equal(parts[r], expected[r]), r
         assert torch.equal(parts[r], parts[0])
+    # communication_stats' window_copied_bytes, all ranks together: each element written into
+    # the size - 1 other buckets, against copied in by size - 1 ranks and out by all
+    assert in_window == (size - 1) * numel * dtype.itemsize
+    assert regular == (2 * size - 1) * numel * dtype.itemsize
     assert all(w.seq == 2 for w in windows)  # two flags a part: arrived, reduced and handed on
 
 
@@ -231,7 +238,9 @@ def test_across_nodes_the_same_bits_as_the_regular_hierarchical_window(
 
     for w in windows:
         measured(w)
+    copied = shm.copied_bytes()
     _drive([w.iallreduce(offset, numel, dtype, op, scale) for w in windows])
+    assert shm.copied_bytes() - copied == nodes * (local - 1) * numel * dtype.itemsize
 
     expected = _regular_two_level(inputs, nodes, local, op, scale)
     for r in range(size):
