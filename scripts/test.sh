@@ -231,13 +231,15 @@ parallel_torchrun() { # $1: processes
 lanes "mypy + docs | pytest tests/unit" mypy_then_docs unit_tests
 
 # The system tests in two lanes: the elastic jobs on this machine (mostly waiting: discovery
-# periods, cooldowns, timeouts; gloo only, no MPICH shared memory) beside the rest (the
-# namespace cluster's tests among them, which must not share the cluster with another job).
-# The lanes took 420 s and 815 s: the local elastic driver's and the elastic example's tests
-# (gloo, no cluster) join the first.
+# periods, cooldowns, timeouts; gloo only, no MPICH shared memory) and the examples beside the
+# rest (the namespace cluster's tests among them, which must not share the cluster with another
+# job). The lanes took 420 s and 815 s: the local elastic driver's and the elastic example's
+# tests (gloo, no cluster) joined the first; then 658 s and about 1100 s, and the examples
+# (about 200 s of the second) joined the first too.
 ELASTIC_LOCAL=(
     tests/system/test_elastic_horovod.py tests/system/test_elastic_membership.py
     tests/system/test_elastic_driver.py tests/system/test_elastic_example.py
+    tests/system/test_examples.py
 )
 system_elastic() {
     run_pytest tests/system "$PY" -m pytest "${ELASTIC_LOCAL[@]}" -q -rs --durations=10 \
@@ -251,7 +253,7 @@ system_rest() {
 }
 
 if [[ $QUICK -eq 0 ]]; then
-    lanes "pytest tests/system: elastic | the rest" system_elastic system_rest
+    lanes "pytest tests/system: elastic and examples | the rest" system_elastic system_rest
 fi
 
 for n in "${ranks[@]}"; do
