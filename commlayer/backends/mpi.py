@@ -589,52 +589,54 @@ def dup_world(timeout_s: float) -> MPI.Comm:
     if world.size > 1:
         _handshake(world, deadline, timeout_s)
     comm, request = world.Idup()
+    if not _poll(request.Test, deadline):
+        skip_finalize()  # MPI_Finalize would wait for the pending duplicate
+        raise _init_alone(timeout_s, "")
+    return comm
+
+
+def _poll(done: Callable[[], bool], deadline: float) -> bool:
+    """Call ``done`` until it says True (True) or ``deadline`` (time.monotonic()) passes
+    (False), with a growing sleep between calls (0.1 ms to 10 ms), not a busy loop."""
     pause_s = 1e-4
-    while not request.Test():
+    while not done():
         if time.monotonic() > deadline:
-            skip_finalize()  # MPI_Finalize would wait for the pending duplicate
-            raise _init_alone(timeout_s, "")
+            return False
         time.sleep(pause_s)
         pause_s = min(2 * pause_s, 0.01)
-    return comm
+    return True
 
 
 def _handshake(world: MPI.Comm, deadline: float, timeout_s: float) -> None:
     """Every rank tells rank 0 it is in init(); rank 0, once all have, tells every rank to go
     on. Small messages (sent eagerly: nothing left pending on the sender) and probes."""
-    pause_s = 1e-4
     if world.rank == 0:
         missing = set(range(1, world.size))
         status = MPI.Status()
-        while missing:
-            if world.Iprobe(source=MPI.ANY_SOURCE, tag=_INIT_TAG, status=status):
+
+        def all_arrived() -> bool:
+            while world.Iprobe(source=MPI.ANY_SOURCE, tag=_INIT_TAG, status=status):
                 source = status.Get_source()
                 world.recv(source=source, tag=_INIT_TAG)
                 missing.discard(source)
-                continue
-            if time.monotonic() > deadline:
-                raise _init_alone(timeout_s, f" (rank(s) {sorted(missing)} did not)")
-            time.sleep(pause_s)
-            pause_s = min(2 * pause_s, 0.01)
+            return not missing
+
+        if not _poll(all_arrived, deadline):
+            raise _init_alone(timeout_s, f" (rank(s) {sorted(missing)} did not)")
         for rank in range(1, world.size):
             _send(world, rank, deadline, timeout_s)
         return
     _send(world, 0, deadline, timeout_s)
-    while not world.Iprobe(source=0, tag=_INIT_TAG):
-        if time.monotonic() > deadline:
-            raise _init_alone(timeout_s, " (rank 0 did not say every rank had)")
-        time.sleep(pause_s)
-        pause_s = min(2 * pause_s, 0.01)
+    if not _poll(lambda: bool(world.Iprobe(source=0, tag=_INIT_TAG)), deadline):
+        raise _init_alone(timeout_s, " (rank 0 did not say every rank had)")
     world.recv(source=0, tag=_INIT_TAG)
 
 
 def _send(world: MPI.Comm, dest: int, deadline: float, timeout_s: float) -> None:
     request = world.isend(None, dest=dest, tag=_INIT_TAG)
-    while not request.Test():  # at once where sent eagerly
-        if time.monotonic() > deadline:
-            request.Cancel()
-            raise _init_alone(timeout_s, "")
-        time.sleep(1e-3)
+    if not _poll(request.Test, deadline):  # done at once where sent eagerly
+        request.Cancel()
+        raise _init_alone(timeout_s, "")
 
 
 def _init_alone(timeout_s: float, who: str) -> CommlayerError:
