@@ -46,14 +46,21 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 # One BLAS/OpenMP thread per rank: 4 ranks on 2 cores must not each spawn a thread per core.
 export OMP_NUM_THREADS=1
 
+# Everything this script prints is also kept in RUN_LOG, so that a failure's summary (the last
+# lines, which is what CI keeps of a run) can name the failing tests and timeouts.
+RUN_LOG="$(mktemp)"
+exec > >(tee -a "$RUN_LOG") 2>&1
+
 START_S=$SECONDS
 STAGE="setup"
+STAGE_HEADER=""
 DONE=()
 
 stage() {
     STAGE="$1"
     STAGE_START_S=$SECONDS
-    printf '\n==================== %s ====================\n' "$STAGE"
+    STAGE_HEADER="==================== $STAGE ===================="
+    printf '\n%s\n' "$STAGE_HEADER"
 }
 
 stage_done() {
@@ -93,8 +100,25 @@ summary() {
         echo "scripts/test.sh: ALL PASSED in ${elapsed_s} s"
     else
         echo "  FAIL $STAGE (exit code $rc)"
+        what_failed
         echo "scripts/test.sh: FAILED at stage '$STAGE' after ${elapsed_s} s"
     fi
+    rm -f "$RUN_LOG"
+}
+
+# The failing stage's failed tests, errors, timeouts and the frames of test files in the stacks
+# a timeout dumps (pytest-timeout's on rank 0, conftest's on the others), at most 40 lines.
+what_failed() {
+    local lines
+    lines="$(awk -v header="$STAGE_HEADER" \
+        '$0 == header { n = 0 } { kept[++n] = $0 } END { for (i = 1; i <= n; i++) print kept[i] }' \
+        "$RUN_LOG" |
+        grep -E '^(FAILED|ERROR) |TIMEOUT:|[+]{5} Timeout|^E   |File "[^"]*/tests/' |
+        grep -vE 'in (_write_stacks|_dump_stacks_and_exit)$' | awk '!seen[$0]++' | head -n 40 ||
+        true)"
+    [[ -n "$lines" ]] || return 0
+    echo "  what failed, from the stage's output:"
+    sed 's/^/    | /' <<<"$lines"
 }
 trap summary EXIT
 
