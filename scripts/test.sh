@@ -106,14 +106,14 @@ summary() {
     rm -f "$RUN_LOG"
 }
 
-# The failing stage's failed tests, errors, timeouts and the frames of test files in the stacks
+# The failing stage's failed tests (on any rank), errors, timeouts, aborts and the frames of test files in the stacks
 # a timeout dumps (pytest-timeout's on rank 0, conftest's on the others), at most 40 lines.
 what_failed() {
     local lines
     lines="$(awk -v header="$STAGE_HEADER" \
         '$0 == header { n = 0 } { kept[++n] = $0 } END { for (i = 1; i <= n; i++) print kept[i] }' \
         "$RUN_LOG" |
-        grep -E '^(FAILED|ERROR) |TIMEOUT:|[+]{5} Timeout|^E   |File "[^"]*/tests/' |
+        grep -E '^(\[rank [0-9]+\] )?(FAILED|ERROR) |TIMEOUT:|ABORT during|[+]{5} Timeout|^E   |File "[^"]*/tests/' |
         grep -vE 'in (_write_stacks|_dump_stacks_and_exit)$' | awk '!seen[$0]++' | head -n 40 ||
         true)"
     [[ -n "$lines" ]] || return 0
@@ -240,7 +240,7 @@ unit_tests() {
 
 parallel_mpiexec() { # $1: ranks
     run_pytest tests/parallel timeout -k 30 "$PARALLEL_TIMEOUT_S" \
-        mpiexec -n "$1" "$PY" -m pytest tests/parallel -q -p no:cacheprovider -x \
+        mpiexec -n "$1" "$PY" -m pytest tests/parallel -q -p no:cacheprovider -x --durations=10 \
         "${select[@]+"${select[@]}"}" </dev/null
 }
 
@@ -248,22 +248,25 @@ parallel_torchrun() { # $1: processes
     # --standalone: a rendezvous on a free local port (two runs never share one)
     run_pytest tests/parallel timeout -k 30 "$PARALLEL_TIMEOUT_S" \
         "$PY" -m torch.distributed.run --standalone --nproc_per_node "$1" \
-        -m pytest tests/parallel -q -p no:cacheprovider -x "${select[@]+"${select[@]}"}" </dev/null
+        -m pytest tests/parallel -q -p no:cacheprovider -x --durations=10 \
+        "${select[@]+"${select[@]}"}" </dev/null
 }
 
 # mypy and the docs site (one process each, in turn) beside the unit tests (one process)
 lanes "mypy + docs | pytest tests/unit" mypy_then_docs unit_tests
 
-# The system tests in two lanes: the elastic jobs on this machine (mostly waiting: discovery
-# periods, cooldowns, timeouts; gloo only, no MPICH shared memory) and the examples beside the
-# rest (the namespace cluster's tests among them, which must not share the cluster with another
-# job). The lanes took 420 s and 815 s: the local elastic driver's and the elastic example's
+# The system tests in two lanes: the elastic jobs on this machine (discovery periods,
+# cooldowns, timeouts), the examples and the algorithm CLI, none on the namespace cluster,
+# beside the rest (the cluster's tests among them, which must not share the cluster with
+# another job). Alone, the first lane (before the algorithm CLI joined it) took 421 s and 615 s
+# of CPU (1.5 cores). The lanes took 420 s and 815 s: the local elastic driver's and the elastic example's
 # tests (gloo, no cluster) joined the first; then 658 s and about 1100 s, and the examples
-# (about 200 s of the second) joined the first too.
+# (about 200 s of the second) joined the first too; then 733 s and 847 s, and the algorithm
+# CLI's tests (MPI jobs on this machine, no cluster: about 70 s) joined the first as well.
 ELASTIC_LOCAL=(
     tests/system/test_elastic_horovod.py tests/system/test_elastic_membership.py
     tests/system/test_elastic_driver.py tests/system/test_elastic_example.py
-    tests/system/test_examples.py
+    tests/system/test_examples.py tests/system/test_algorithms_cli.py
 )
 system_elastic() {
     run_pytest tests/system "$PY" -m pytest "${ELASTIC_LOCAL[@]}" -q -rs --durations=10 \

@@ -8,8 +8,11 @@ the steps, and the per-host top-k sends 2 payloads of 1% a step where the 2-rank
 top-k sends 2 too. Measured when written: uncompressed 98.9%, top-k 98.2%, QSGD 99.0%, PowerSGD
 98.1% (two seeds).
 
-Runs at 4 ranks only (2-3 minutes on 2 cores), under mpiexec and torchrun; at other sizes
-it skips, on every rank.
+Runs at 4 ranks only (2-3 minutes on 2 cores) and under mpiexec only; at other sizes and
+under torchrun it skips, on every rank. Accuracy is the compressors' and their per-host
+schedule's, not the backend's: test_compression_hierarchy.py checks under both launchers that
+the per-host path gives the flat path's result where summation is exact, and the torchrun run
+of these 12 trainings took 117 s of the 4-process suite's 299 s.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import statistics
 from collections.abc import Iterator
 
 import pytest
+from launch import under_torchrun
 from restart import reinit
 from test_compression_convergence import train_digits
 
@@ -37,6 +41,8 @@ def accuracy() -> Iterator[dict[str, float]]:
     """Mean test accuracy over SEEDS per spec, hosts posed as 2 x 2."""
     if cl.size() != 4:
         pytest.skip("the per-host convergence runs are 4-rank runs (2 hosts x 2)")
+    if under_torchrun():
+        pytest.skip("the per-host convergence runs once, under mpiexec (module docstring)")
     reinit(topology="nodes=2,local=2")
     try:
         yield {
