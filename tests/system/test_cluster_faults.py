@@ -10,6 +10,11 @@ failed process, within 10 s of the fault, never a hang.
    (COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS, 5 s here) fails the allreduce on every rank, on both
    sides of the cut, with CollectiveTimeoutError naming it and the hosts it waits on, and the
    job aborts (MPI_Abort): commlayerrun exits non-zero.
+
+   1. and 2. also with DistributedOptimizer's buckets in a shared-memory window per host
+   (COMMLAYER_WINDOW_BUCKETS, issue 52: each rank's slices cross between hosts from the
+   window's memory), checked to be there before the fault; 2. then cuts the link in the middle
+   of training steps instead of the allreduce loop.
 3. 5% packet loss on node2's link: 16 MiB allreduces stay exact, and get slower.
 4. 1 and 2 again under multi-node torchrun (one agent per host, commlayer over gloo): node2's
    agent stops its other rank and exits non-zero; node1's ranks get RankDiedError naming node2
@@ -162,9 +167,28 @@ def _steps(job: Job, rank: int) -> int:
     return sum(1 for r in job.records("step") if r["rank"] == rank)
 
 
-def test_rank_sigkilled_on_another_host_ends_the_job(start: Callable[..., Job]) -> None:
-    job = start("sigkill")
+# DistributedOptimizer's planned buckets in a shared-memory window per host, their slices
+# crossing between hosts (issue 52): the faults of 1. and 2. hit them too.
+WINDOW = {"COMMLAYER_WINDOW_BUCKETS": "1"}
+
+
+def _assert_window_per_host(job: Job) -> None:
+    """Every rank's planned buckets were in its host's window (2 ranks), slices crossing."""
+    housed = sorted(job.records("housed"), key=lambda r: r["rank"])
+    assert [r["rank"] for r in housed] == [0, 1, 2, 3], job.explain()
+    for record in housed:
+        assert (record["window_size"], record["across"]) == (2, True), record
+        assert record["in_window"] and record["buckets"] >= 1, record
+
+
+@pytest.mark.parametrize("buckets", ["process_memory", "window"])
+def test_rank_sigkilled_on_another_host_ends_the_job(
+    start: Callable[..., Job], buckets: str
+) -> None:
+    job = start("sigkill", **(WINDOW if buckets == "window" else {}))
     code = job.end(STARTUP_S + WITHIN_S)
+    if buckets == "window":
+        _assert_window_per_host(job)
     [failing] = [r for r in job.records("failing")]
     took = job.ended_at - failing["time"]
     print(f"SIGKILL of rank 3 on node2: job exited {code} after {took:.2f} s")
@@ -180,12 +204,23 @@ def test_rank_sigkilled_on_another_host_ends_the_job(start: Callable[..., Job]) 
         assert record["error"] in ("RankDiedError", "ShutdownError"), record
 
 
-@pytest.mark.parametrize("launcher", ["commlayerrun", "torchrun"])
+@pytest.mark.parametrize(
+    ("launcher", "mode"),
+    [
+        pytest.param("commlayerrun", "loop", id="commlayerrun"),
+        pytest.param("torchrun", "loop", id="torchrun"),
+        # DistributedOptimizer's steps, buckets in a window per host (WINDOW)
+        pytest.param("commlayerrun", "train", id="commlayerrun-window_buckets"),
+    ],
+)
 def test_link_down_mid_allreduce_fails_every_rank_and_aborts(
-    start: Callable[..., Job], launcher: str
+    start: Callable[..., Job], launcher: str, mode: str
 ) -> None:
-    job = start("loop", launcher, COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS=str(WATCHDOG_S))
-    job.wait_for(lambda: _steps(job, 3) >= 3, STARTUP_S, "the allreduce loop running")
+    env = {"COMMLAYER_COLLECTIVE_TIMEOUT_SECONDS": str(WATCHDOG_S)}
+    job = start(mode, launcher, **env, **(WINDOW if mode == "train" else {}))
+    job.wait_for(lambda: _steps(job, 3) >= 3, STARTUP_S, f"the {mode} loop running")
+    if mode == "train":
+        _assert_window_per_host(job)
     fault = time.time()
     cluster("link", "node2", "down")
     code = job.end(WITHIN_S + 20.0)  # the bound is asserted below; this only ends a hang
@@ -229,7 +264,8 @@ def test_link_down_mid_allreduce_fails_every_rank_and_aborts(
         host, other = ("node1", "node2") if rank < 2 else ("node2", "node1")
         # the cut hits the data allreduce or the negotiation before it, whichever is running
         assert message.startswith(f"rank {rank} (host {host}): "), message
-        assert "allreduce of 'loop' on" in message or "the negotiation" in message, message
+        collective = "allreduce of 'loop' on" if mode == "loop" else "allreduce of "
+        assert collective in message or "the negotiation" in message, message
         assert f"made no progress for {WATCHDOG_S:.1f} s" in message, message
         assert f"on {other}" in message, message
 

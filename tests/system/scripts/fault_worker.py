@@ -4,6 +4,11 @@ tests/system/test_cluster_faults.py through ``commlayerrun -H node1:2,node2:2``.
 ``mode``:
 - ``sigkill``: DistributedOptimizer training steps; rank 3 (on node2) SIGKILLs itself in the
   middle of a step, after its backward started the gradient allreduces.
+- ``train``: the same training steps until an error (the test takes node2's link down).
+
+Both training modes report ``housed`` after 3 steps: where the optimizer's planned buckets live
+(``window_size``, ``across``: a window per host whose slices cross between hosts, under
+COMMLAYER_WINDOW_BUCKETS; ``window_size`` None for buckets in process memory).
 - ``loop``: 4 MiB allreduces in a loop until an error (the test takes node2's link down).
 - ``exact``: 16 MiB allreduces checked exact, timed, before and after the test sets the loss
   on node2's link (it creates ``$SYSTEST_OUT_DIR/go`` once it has).
@@ -35,7 +40,7 @@ rank = cl.rank()
 _worker.report("ready", hostname=socket.gethostname(), pid=os.getpid())
 
 
-def train() -> None:
+def train(die: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
     opt = cl.DistributedOptimizer(
@@ -46,13 +51,28 @@ def train() -> None:
     for step in range(100_000):
         opt.zero_grad()
         loss = model(data).square().mean()
-        if rank == 3 and step == 20:
+        if die and rank == 3 and step == 20:
             # mid-step: the last layer's gradient is in flight when this rank dies
             model[2].weight.register_hook(lambda g: _die())
         loss.backward()
         opt.step()
+        if step == 3:
+            _housed(opt)
         if step % 10 == 0:
             _worker.report("step", step=step)
+
+
+def _housed(opt: cl.DistributedOptimizer) -> None:
+    state = opt._commlayer  # type: ignore[attr-defined]
+    window = state.window
+    views = state.bucketer.view_of.values()
+    _worker.report(
+        "housed",
+        window_size=None if window is None else window.size,
+        across=window is not None and window.across is not None,
+        in_window=window is not None and all(window.offset_of(v) is not None for v in views),
+        buckets=len(state.bucketer.buckets),
+    )
 
 
 def _die() -> None:
@@ -87,7 +107,9 @@ def exact() -> None:
 
 
 try:
-    {"sigkill": train, "loop": loop, "exact": exact}[mode]()
+    modes = {"sigkill": lambda: train(True), "train": lambda: train(False)}
+    modes.update(loop=loop, exact=exact)
+    modes[mode]()
 except Exception as exc:  # noqa: BLE001 - reporting it is the point
     _worker.report("error", **_worker.error_fields(exc))
     raise
