@@ -259,10 +259,11 @@ lanes "mypy + docs | pytest tests/unit" mypy_then_docs unit_tests
 # cooldowns, timeouts), the examples and the algorithm CLI, none on the namespace cluster,
 # beside the rest (the cluster's tests among them, which must not share the cluster with
 # another job). Alone, the first lane (before the algorithm CLI joined it) took 421 s and 615 s
-# of CPU (1.5 cores). The lanes took 420 s and 815 s: the local elastic driver's and the elastic example's
-# tests (gloo, no cluster) joined the first; then 658 s and about 1100 s, and the examples
-# (about 200 s of the second) joined the first too; then 733 s and 847 s, and the algorithm
-# CLI's tests (MPI jobs on this machine, no cluster: about 70 s) joined the first as well.
+# of CPU (1.5 cores). The lanes took 420 s and 815 s: the local elastic driver's and the
+# elastic example's tests (gloo, no cluster) joined the first; then 658 s and about 1100 s, and
+# the examples (about 200 s of the second) joined the first too; then 733 s and 847 s, and the
+# algorithm CLI's tests (MPI jobs on this machine, no cluster: about 70 s) joined the first as
+# well; then 698 s and 726 s.
 ELASTIC_LOCAL=(
     tests/system/test_elastic_horovod.py tests/system/test_elastic_membership.py
     tests/system/test_elastic_driver.py tests/system/test_elastic_example.py
