@@ -106,14 +106,17 @@ summary() {
     rm -f "$RUN_LOG"
 }
 
-# The failing stage's failed tests (on any rank), errors, timeouts, aborts and the frames of test files in the stacks
+# The failing stage's failed tests (on any rank), errors, timeouts, aborts, pytest's
+# failure locations (tests/...:line:) and the frames of test files in the stacks
 # a timeout dumps (pytest-timeout's on rank 0, conftest's on the others), at most 40 lines.
+FAILED_LINES='^(\[rank [0-9]+\] )?(FAILED|ERROR) |TIMEOUT:|ABORT during|[+]{5} Timeout'
+FAILED_LINES+='|^E   |^tests/[^ ]+:[0-9]+: |File "[^"]*/tests/'
 what_failed() {
     local lines
     lines="$(awk -v header="$STAGE_HEADER" \
         '$0 == header { n = 0 } { kept[++n] = $0 } END { for (i = 1; i <= n; i++) print kept[i] }' \
         "$RUN_LOG" |
-        grep -E '^(\[rank [0-9]+\] )?(FAILED|ERROR) |TIMEOUT:|ABORT during|[+]{5} Timeout|^E   |File "[^"]*/tests/' |
+        grep -E "$FAILED_LINES" |
         grep -vE 'in (_write_stacks|_dump_stacks_and_exit)$' | awk '!seen[$0]++' | head -n 40 ||
         true)"
     [[ -n "$lines" ]] || return 0
@@ -232,9 +235,10 @@ mypy_then_docs() {
     TEST_VENV="$VENV" bash scripts/docs.sh
 }
 
-# -rs: why a test skipped; --durations: where the time goes, for keeping the suite short
+# -rfEs: each failed or erroring test on a line of its own (what_failed lists them), why a test
+# skipped; --durations: where the time goes, for keeping the suite short
 unit_tests() {
-    run_pytest tests/unit "$PY" -m pytest tests/unit -q -rs --durations=25 -p no:cacheprovider \
+    run_pytest tests/unit "$PY" -m pytest tests/unit -q -rfEs --durations=25 -p no:cacheprovider \
         "${select[@]+"${select[@]}"}"
 }
 
@@ -270,13 +274,13 @@ ELASTIC_LOCAL=(
     tests/system/test_examples.py tests/system/test_algorithms_cli.py
 )
 system_elastic() {
-    run_pytest tests/system "$PY" -m pytest "${ELASTIC_LOCAL[@]}" -q -rs --durations=10 \
+    run_pytest tests/system "$PY" -m pytest "${ELASTIC_LOCAL[@]}" -q -rfEs --durations=10 \
         -p no:cacheprovider
 }
 system_rest() {
     local skip=() f
     for f in "${ELASTIC_LOCAL[@]}"; do skip+=(--ignore "$f"); done
-    run_pytest tests/system "$PY" -m pytest tests/system "${skip[@]}" -q -rs --durations=25 \
+    run_pytest tests/system "$PY" -m pytest tests/system "${skip[@]}" -q -rfEs --durations=25 \
         -p no:cacheprovider
 }
 
