@@ -115,6 +115,22 @@ def allreduce_reporting(name: str) -> Any:
     return hvd.synchronize(handle)
 
 
+def buckets_housed(opt: Any) -> dict[str, Any]:
+    """Where DistributedOptimizer ``opt``'s planned buckets live: ``window_size`` (its
+    shared-memory window's ranks; None: in process memory), ``across`` (a window per node whose
+    slices cross between nodes), ``in_window`` (each bucket view's, in the window) and
+    ``buckets``."""
+    state = opt._commlayer
+    window = state.window
+    views = state.bucketer.view_of.values()
+    return {
+        "window_size": None if window is None else window.size,
+        "across": window is not None and window.across is not None,
+        "in_window": [window is not None and window.offset_of(v) is not None for v in views],
+        "buckets": len(state.bucketer.buckets),
+    }
+
+
 def error_fields(exc: BaseException) -> dict[str, Any]:
     return {
         "error": type(exc).__name__,

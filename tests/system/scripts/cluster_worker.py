@@ -250,14 +250,8 @@ def check_window_buckets(steps: int = 5, rows: int = 4) -> None:
                 sent += grown(before)["eth0_tx"]
             opt.zero_grad()
         window = opt._commlayer.window  # type: ignore[attr-defined]
-        views = opt._commlayer.bucketer.view_of.values()  # type: ignore[attr-defined]
         key = "window" if housed else "plain"
-        results[key] = {
-            "sent_per_step": sent / (steps - 2),
-            "window_size": None if window is None else window.size,
-            "across": window is not None and window.across is not None,
-            "in_window": [window is not None and window.offset_of(v) is not None for v in views],
-        }
+        results[key] = {"sent_per_step": sent / (steps - 2), **_worker.buckets_housed(opt)}
         flats.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
         if window is not None:
             window.close()

@@ -5,13 +5,13 @@ tests/system/test_cluster_faults.py through ``commlayerrun -H node1:2,node2:2``.
 - ``sigkill``: DistributedOptimizer training steps; rank 3 (on node2) SIGKILLs itself in the
   middle of a step, after its backward started the gradient allreduces.
 - ``train``: the same training steps until an error (the test takes node2's link down).
-
-Both training modes report ``housed`` after 3 steps: where the optimizer's planned buckets live
-(``window_size``, ``across``: a window per host whose slices cross between hosts, under
-COMMLAYER_WINDOW_BUCKETS; ``window_size`` None for buckets in process memory).
 - ``loop``: 4 MiB allreduces in a loop until an error (the test takes node2's link down).
 - ``exact``: 16 MiB allreduces checked exact, timed, before and after the test sets the loss
   on node2's link (it creates ``$SYSTEST_OUT_DIR/go`` once it has).
+
+Both training modes report ``housed`` after 3 steps: where the optimizer's planned buckets live
+(``_worker.buckets_housed``: under COMMLAYER_WINDOW_BUCKETS a window per host whose slices
+cross between hosts; ``window_size`` None for buckets in process memory).
 
 Every rank reports ``ready``, then ``step`` now and then (``time``: the wall clock, which is
 one clock for every host of the cluster), and ``error`` with the exception when one reaches it.
@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import _worker
@@ -57,22 +58,9 @@ def train(die: bool) -> None:
         loss.backward()
         opt.step()
         if step == 3:
-            _housed(opt)
+            _worker.report("housed", **_worker.buckets_housed(opt))
         if step % 10 == 0:
             _worker.report("step", step=step)
-
-
-def _housed(opt: cl.DistributedOptimizer) -> None:
-    state = opt._commlayer  # type: ignore[attr-defined]
-    window = state.window
-    views = state.bucketer.view_of.values()
-    _worker.report(
-        "housed",
-        window_size=None if window is None else window.size,
-        across=window is not None and window.across is not None,
-        in_window=window is not None and all(window.offset_of(v) is not None for v in views),
-        buckets=len(state.bucketer.buckets),
-    )
 
 
 def _die() -> None:
@@ -107,9 +95,9 @@ def exact() -> None:
 
 
 try:
-    modes = {"sigkill": lambda: train(True), "train": lambda: train(False)}
-    modes.update(loop=loop, exact=exact)
-    modes[mode]()
+    {"sigkill": partial(train, True), "train": partial(train, False), "loop": loop, "exact": exact}[
+        mode
+    ]()
 except Exception as exc:  # noqa: BLE001 - reporting it is the point
     _worker.report("error", **_worker.error_fields(exc))
     raise

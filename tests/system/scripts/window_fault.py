@@ -96,10 +96,9 @@ for done in range(FAIL_AT - 1):
     _worker.report("stepping", step=done + 1)
     all_reported("stepping", step=done + 1)
     train_step()
-window = opt._commlayer.window  # type: ignore[attr-defined]
-views = opt._commlayer.bucketer.view_of.values()  # type: ignore[attr-defined]
-housed = window is not None and all(window.offset_of(v) is not None for v in views)
-_worker.report("housed", housed=housed, buckets=len(opt._commlayer.bucketer.buckets))  # type: ignore[attr-defined]
+where = _worker.buckets_housed(opt)
+housed = where["window_size"] is not None and all(where["in_window"])
+_worker.report("housed", housed=housed, buckets=where["buckets"])
 all_reported("housed")
 before = checksum()
 _worker.attempt("failed", train_step, before=before)
